@@ -1,0 +1,40 @@
+# Small helpers shared by every component.
+
+# Warnings as errors on our own targets only.
+function(refit_warnings target)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror -Wno-unused-parameter>)
+endfunction()
+
+# Our binaries run without LD_LIBRARY_PATH: RPATH to the wheel's libraries.
+function(refit_rpath target)
+  set_target_properties(${target} PROPERTIES
+    BUILD_RPATH "${REFIT_TORCH_LIB_DIR}"
+    INSTALL_RPATH "${REFIT_TORCH_LIB_DIR}")
+endfunction()
+
+# One gtest executable per *_test.cc file; ctest discovers its cases.
+# refit_add_tests(DIR <dir> LIBS <libs...> [LABELS <labels...>])
+function(refit_add_tests)
+  cmake_parse_arguments(ARG "" "DIR" "LIBS;LABELS" ${ARGN})
+  file(GLOB _tests CONFIGURE_DEPENDS ${ARG_DIR}/*_test.cc)
+  foreach(src ${_tests})
+    get_filename_component(name ${src} NAME_WE)
+    get_filename_component(dir ${ARG_DIR} NAME)
+    set(target ${dir}_${name})
+    add_executable(${target} ${src})
+    target_link_libraries(${target} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gmock GTest::gtest_main)
+    target_include_directories(${target} PRIVATE ${CMAKE_SOURCE_DIR})
+    set_target_properties(${target} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+    refit_warnings(${target})
+    refit_rpath(${target})
+    set(_labels ${dir} ${ARG_LABELS})
+    if(name MATCHES "_gpu_test$")
+      list(APPEND _labels gpu)
+    endif()
+    gtest_discover_tests(${target}
+      WORKING_DIRECTORY ${CMAKE_SOURCE_DIR}
+      PROPERTIES LABELS "${_labels}" ENVIRONMENT "REFIT_BUILD_DIR=${CMAKE_BINARY_DIR}"
+      DISCOVERY_TIMEOUT 60)
+  endforeach()
+endfunction()

@@ -1,0 +1,108 @@
+#include "core/dtype.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "c10/util/BFloat16.h"
+#include "c10/util/Half.h"
+
+namespace refit::core {
+namespace {
+
+struct DTypeInfo {
+  DType dtype;
+  absl::string_view name;
+  size_t size;
+};
+
+constexpr DTypeInfo kDTypes[] = {
+    {DType::kBool, "BOOL", 1},        {DType::kUInt8, "U8", 1},
+    {DType::kInt8, "I8", 1},          {DType::kInt16, "I16", 2},
+    {DType::kUInt16, "U16", 2},       {DType::kInt32, "I32", 4},
+    {DType::kUInt32, "U32", 4},       {DType::kInt64, "I64", 8},
+    {DType::kUInt64, "U64", 8},       {DType::kFloat8E4M3, "F8_E4M3", 1},
+    {DType::kFloat8E5M2, "F8_E5M2", 1}, {DType::kFloat16, "F16", 2},
+    {DType::kBFloat16, "BF16", 2},    {DType::kFloat32, "F32", 4},
+    {DType::kFloat64, "F64", 8},
+};
+
+const DTypeInfo& Info(DType dtype) { return kDTypes[static_cast<int>(dtype)]; }
+
+template <typename Src, typename Dst>
+void ConvertLoop(const void* src, void* dst, size_t count) {
+  const Src* s = static_cast<const Src*>(src);
+  Dst* d = static_cast<Dst*>(dst);
+  for (size_t i = 0; i < count; ++i) d[i] = static_cast<Dst>(static_cast<float>(s[i]));
+}
+
+template <typename Src>
+void ConvertFrom(const void* src, void* dst, DType dst_dtype, size_t count) {
+  switch (dst_dtype) {
+    case DType::kFloat32:
+      ConvertLoop<Src, float>(src, dst, count);
+      break;
+    case DType::kFloat16:
+      ConvertLoop<Src, c10::Half>(src, dst, count);
+      break;
+    default:
+      ConvertLoop<Src, c10::BFloat16>(src, dst, count);
+      break;
+  }
+}
+
+}  // namespace
+
+size_t DTypeSize(DType dtype) { return Info(dtype).size; }
+
+absl::string_view DTypeName(DType dtype) { return Info(dtype).name; }
+
+absl::StatusOr<DType> ParseDType(absl::string_view name) {
+  for (const DTypeInfo& info : kDTypes) {
+    if (info.name == name) return info.dtype;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype \"", name, "\""));
+}
+
+bool IsHighPrecisionFloat(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
+
+absl::Status ConvertFloats(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                           size_t count) {
+  if (!IsHighPrecisionFloat(src_dtype) || !IsHighPrecisionFloat(dst_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot convert ", DTypeName(src_dtype),
+                                                   " to ", DTypeName(dst_dtype),
+                                                   ": only F32, F16 and BF16 convert"));
+  }
+  if (src_dtype == dst_dtype) {
+    std::memcpy(dst, src, count * DTypeSize(src_dtype));
+    return absl::OkStatus();
+  }
+  switch (src_dtype) {
+    case DType::kFloat32:
+      ConvertFrom<float>(src, dst, dst_dtype, count);
+      break;
+    case DType::kFloat16:
+      ConvertFrom<c10::Half>(src, dst, dst_dtype, count);
+      break;
+    default:
+      ConvertFrom<c10::BFloat16>(src, dst, dst_dtype, count);
+      break;
+  }
+  return absl::OkStatus();
+}
+
+float LoadAsFloat(const void* src, DType dtype, size_t i) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return static_cast<const float*>(src)[i];
+    case DType::kFloat16:
+      return static_cast<float>(static_cast<const c10::Half*>(src)[i]);
+    case DType::kBFloat16:
+      return static_cast<float>(static_cast<const c10::BFloat16*>(src)[i]);
+    default:
+      return 0.0f;
+  }
+}
+
+}  // namespace refit::core

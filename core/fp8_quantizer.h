@@ -1,0 +1,71 @@
+// Online FP8 (e4m3fn) quantization of high-precision weights, on the CPU.
+//
+// Pipeline position: RefitSession calls QuantizeFp8 when a linear layer's
+// checkpoint-format weight is complete (or at finalize), writing into the
+// layer's staged kernel tensors. The CUDA kernels in core/cuda/ implement the
+// same math and must produce identical bytes.
+//
+// Math (REFERENCE.md §2), x converted to float32 first:
+//   per-tensor   s = max|x| / 448 over the whole (fused) tensor
+//   per-channel  s_r = max_j |x_rj| / 448 for each output row r
+//   block        s_b = max(max|x| over the 128x128 block, 1e-4) / 448
+//                (float32; edge blocks cropped; the amax floor keeps every
+//                block scale positive, as older vLLM did)
+//   inv = 1 / s (inv = 0 when s == 0)
+//   q   = fp8_e4m3fn_rne(clamp(x * inv, -448, 448))
+// Dequantize: w ~= float(q) * s, for all three schemes.
+//
+// Non-finite input:
+//   kReject (default): INVALID_ARGUMENT naming the tensor, the first bad
+//     element's index and value; nothing is written that callers may use.
+//   kVllmCompatible: reproduces vLLM's CUDA kernel: NaN is ignored by the max
+//     and becomes +448; Inf makes s = inf, finite values 0 and Inf +-448; an
+//     all-zero tensor gives s = 0 and every byte 0x7E.
+//
+// Thread-safety: pure functions; QuantizeFp8 may use up to
+// options.num_threads threads internally (0 = the machine's cores).
+#ifndef REFIT_CORE_FP8_QUANTIZER_H_
+#define REFIT_CORE_FP8_QUANTIZER_H_
+
+#include <cstdint>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "core/dtype.h"
+#include "core/model_layout.h"
+
+namespace refit::core {
+
+inline constexpr float kFp8E4M3Max = 448.0f;
+inline constexpr int64_t kFp8BlockSize = 128;
+inline constexpr float kFp8BlockAmaxFloor = 1e-4f;
+
+enum class NonFinitePolicy { kReject, kVllmCompatible };
+
+// Round-to-nearest-even float32 -> e4m3fn. Finite inputs beyond +-448
+// saturate to +-448; NaN gives 0x7F (sign kept). Bit-identical to c10's
+// Float8_e4m3fn conversion for every input within [-448, 448] and NaN.
+uint8_t Fp8E4M3FromFloat(float value);
+float Fp8E4M3ToFloat(uint8_t bits);
+
+struct Fp8QuantizeOptions {
+  QuantScheme scheme = QuantScheme::kPerTensor;
+  NonFinitePolicy non_finite = NonFinitePolicy::kReject;
+  int num_threads = 0;
+};
+
+// Number of float32 scales a [rows, cols] weight gets under `scheme`.
+int64_t Fp8NumScales(QuantScheme scheme, int64_t rows, int64_t cols);
+
+// Quantizes a row-major [rows, cols] matrix of fp32/fp16/bf16 into
+// `out_q` (rows * cols bytes, row-major [rows, cols]) and `out_scales`
+// (Fp8NumScales floats; block scales row-major [ceil(rows/128), ceil(cols/128)]).
+// Errors: INVALID_ARGUMENT for a non-float dtype, QuantScheme::kNone, or
+// non-finite input under kReject; `tensor_name` is named in every message.
+absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t cols,
+                         const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
+                         absl::string_view tensor_name);
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_FP8_QUANTIZER_H_

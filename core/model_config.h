@@ -1,0 +1,49 @@
+// The part of a Hugging Face config.json that decides refitd's layout.
+//
+// Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+// Qwen3ForCausalLM (dense decoders). Mixture-of-experts fields are parsed
+// into `num_experts` so that a later layout can use them; today a config with
+// experts is rejected as UNIMPLEMENTED. Plain value, thread-compatible.
+#ifndef REFIT_CORE_MODEL_CONFIG_H_
+#define REFIT_CORE_MODEL_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+#include "core/dtype.h"
+
+namespace refit::core {
+
+enum class Architecture { kLlama, kMistral, kQwen2, kQwen3 };
+
+struct ModelConfig {
+  Architecture arch = Architecture::kLlama;
+  std::string arch_name;  // as in "architectures"[0]
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;  // defaults to num_heads
+  int64_t head_dim = 0;      // defaults to hidden_size / num_heads
+  int64_t vocab_size = 0;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // q/k/v bias (always on for Qwen2); Llama also has o_proj bias
+  DType dtype = DType::kBFloat16;  // "torch_dtype"/"dtype": the checkpoint format
+  int64_t num_experts = 0;         // reserved for MoE layouts
+
+  // Parses config.json text. `source` names the file in errors.
+  // INVALID_ARGUMENT for malformed JSON, missing or inconsistent fields
+  // (e.g. num_heads not a multiple of num_kv_heads); UNIMPLEMENTED for an
+  // unsupported architecture or MoE.
+  static absl::StatusOr<ModelConfig> FromJson(absl::string_view text, absl::string_view source);
+  // Reads and parses a file. NOT_FOUND if absent.
+  static absl::StatusOr<ModelConfig> FromFile(const std::string& path);
+  // A config.json that FromJson reads back to an equal config.
+  std::string ToJson() const;
+};
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_MODEL_CONFIG_H_

@@ -1,0 +1,173 @@
+// What refitd serves: the kernel tensors of one tensor-parallel rank, the
+// checkpoint-format buffers they are computed from, and how every checkpoint
+// tensor name maps onto them.
+//
+// Pipeline position: built once from ModelConfig + ParallelConfig +
+// QuantConfig when a model group is created; ShardStore allocates the kernel
+// tensors from it; RefitSession arms one staging record per layer from it and
+// routes every chunk through NameMapper.
+//
+// Terms (as in vLLM's layerwise reload):
+//   layer       a module whose parameters are processed together, e.g.
+//               "model.layers.0.self_attn.qkv_proj" (fused q, k, v).
+//   param       a checkpoint-format buffer of a layer, e.g. its high-precision
+//               "weight" [rows, cols] for this rank (fused, TP-sliced, padded).
+//   kernel      a runtime tensor that engines read, e.g. the FP8 "weight" and
+//               float32 "weight_scale". Kernel names are "<layer>.<suffix>".
+//   checkpoint tensor  a tensor as the trainer / Hugging Face names it, full
+//               (unsharded) shape, e.g. "model.layers.0.self_attn.k_proj.weight".
+//
+// Kernel layout of a quantized linear layer with output rows N, input K:
+//   weight        F8_E4M3 [N, K] row-major (vLLM's [K, N] weight is its .t() view)
+//   weight_scale  F32 [1] (per-tensor) or [N, 1] (per-channel)
+//   weight_scale_inv  F32 [ceil(N/128), ceil(K/128)] (block), replaces weight_scale
+//   bias          checkpoint dtype [N], when the model has one
+// Embedding / lm_head: "weight" in the checkpoint dtype, [V_pad/t, H], padding
+// rows zero. Norms: "weight" [H] (or [head_dim] for Qwen3 q/k norms).
+// Attention ("model.layers.i.self_attn.attn"): F32 scalars "k_scale",
+// "v_scale", "q_scale" ([] shape), set at finalize (REFERENCE.md §4).
+//
+// Immutable after Build; safe to share between threads.
+#ifndef REFIT_CORE_MODEL_LAYOUT_H_
+#define REFIT_CORE_MODEL_LAYOUT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "core/dtype.h"
+#include "core/model_config.h"
+
+namespace refit::core {
+
+enum class QuantScheme { kNone, kPerTensor, kPerChannel, kBlock128 };
+absl::string_view QuantSchemeName(QuantScheme scheme);  // "none", "per-tensor", "per-channel", "block"
+absl::StatusOr<QuantScheme> ParseQuantScheme(absl::string_view name);
+
+struct ParallelConfig {
+  int64_t tp_rank = 0;
+  int64_t tp_size = 1;
+};
+
+enum class LayerKind {
+  kLinear,     // quantized (unless QuantScheme::kNone): weight (+ bias)
+  kEmbedding,  // embed_tokens / lm_head: vocab-padded, kept high precision
+  kNorm,       // RMSNorm weight, kept high precision
+  kAttention,  // k/v/q scales, processed at finalize only
+};
+
+struct KernelSpec {
+  std::string name;    // "<layer>.weight", "<layer>.weight_scale", ...
+  std::string suffix;  // "weight", "weight_scale", ...
+  DType dtype;
+  std::vector<int64_t> shape;
+  int64_t numel() const;
+  int64_t nbytes() const;
+};
+
+struct ParamSpec {
+  std::string suffix;  // "weight", "bias", "k_scale", ...
+  DType dtype;
+  std::vector<int64_t> shape;  // this rank's checkpoint-format buffer (2-D or 1-D; [] for scalars)
+  int64_t loaded_numel;        // elements the checkpoint fills (padding excluded)
+  bool optional = false;       // attention scales: may be absent
+  int64_t numel() const;
+  int64_t nbytes() const;
+};
+
+struct LayerSpec {
+  std::string name;
+  LayerKind kind;
+  bool quantized = false;
+  std::vector<ParamSpec> params;
+  std::vector<KernelSpec> kernels;
+  int64_t expected_numel = 0;  // sum of params' loaded_numel (0 for attention)
+  int64_t param_bytes() const;   // checkpoint-format staging size
+};
+
+// Where a checkpoint tensor's elements go. The source is viewed as a 2-D
+// row-major matrix [rows, cols] (1-D tensors as [n, 1], scalars as [1, 1]);
+// the block [src_row, src_row + num_rows) x [src_col, src_col + num_cols) is
+// copied to the param's rows starting at dst_row (param viewed as
+// [param_rows, num_cols]).
+struct SliceSpec {
+  int64_t src_row = 0;
+  int64_t num_rows = 0;
+  int64_t src_col = 0;
+  int64_t num_cols = 0;
+  int64_t dst_row = 0;
+  int64_t numel() const { return num_rows * num_cols; }
+};
+
+struct CheckpointTensor {
+  std::string name;
+  DType dtype;                 // checkpoint dtype the param expects
+  std::vector<int64_t> shape;  // full, unsharded
+  // kTarget: loaded into layers[layer].params[param] through `slice`.
+  // kIgnored: accepted and dropped (tied lm_head, rotary inv_freq).
+  enum class Use { kTarget, kIgnored } use = Use::kTarget;
+  int layer = -1;
+  int param = -1;
+  SliceSpec slice;
+  bool optional = false;  // may be absent from a checkpoint (attention scales)
+  int64_t numel() const;
+  int64_t nbytes() const;
+};
+
+class ModelLayout {
+ public:
+  // INVALID_ARGUMENT if the parallel config does not fit the model (rank out
+  // of range, heads or intermediate size not divisible by tp_size, ...).
+  static absl::StatusOr<std::shared_ptr<const ModelLayout>> Build(const ModelConfig& config,
+                                                                 ParallelConfig parallel,
+                                                                 QuantScheme quant);
+
+  const ModelConfig& config() const { return config_; }
+  const ParallelConfig& parallel() const { return parallel_; }
+  QuantScheme quant() const { return quant_; }
+  const std::vector<LayerSpec>& layers() const { return layers_; }
+  // Every checkpoint tensor the layout knows (targets first, then ignored
+  // names), in checkpoint order.
+  const std::vector<CheckpointTensor>& checkpoint_tensors() const { return checkpoint_; }
+  // Index into layers(), or -1.
+  int FindLayer(absl::string_view name) const;
+  // Kernels of all layers, flattened in layer order, and their total bytes.
+  int64_t num_kernels() const { return num_kernels_; }
+  int64_t kernel_bytes() const { return kernel_bytes_; }
+  // Largest param_bytes() of any layer.
+  int64_t max_layer_param_bytes() const;
+
+ private:
+  friend class LayoutBuilder;
+  ModelConfig config_;
+  ParallelConfig parallel_;
+  QuantScheme quant_ = QuantScheme::kPerTensor;
+  std::vector<LayerSpec> layers_;
+  std::vector<CheckpointTensor> checkpoint_;
+  absl::flat_hash_map<std::string, int> layer_index_;
+  int64_t num_kernels_ = 0;
+  int64_t kernel_bytes_ = 0;
+};
+
+// Checkpoint name -> CheckpointTensor. Names a layout does not know are
+// NOT_FOUND with the name in the message (and a hint when it looks like a
+// known name of another layer count or architecture).
+class NameMapper {
+ public:
+  explicit NameMapper(std::shared_ptr<const ModelLayout> layout);
+  absl::StatusOr<const CheckpointTensor*> Lookup(absl::string_view name) const;
+  // Index into layout->checkpoint_tensors().
+  absl::StatusOr<int> LookupIndex(absl::string_view name) const;
+
+ private:
+  std::shared_ptr<const ModelLayout> layout_;
+  absl::flat_hash_map<std::string, int> index_;
+};
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_MODEL_LAYOUT_H_

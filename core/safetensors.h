@@ -1,0 +1,99 @@
+// Safetensors files: a memory-mapped, validated reader and a writer.
+//
+// Format: 8-byte little-endian header length N, N bytes of JSON
+// {"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
+// then the data section. The reader is where untrusted bytes enter refitd
+// (Reload reads operator-named files; refitctl push reads trainer output), so
+// every header field is checked before any tensor is exposed:
+//   - the header length fits in the file and the JSON parses to an object;
+//   - dtypes are known, shapes are non-negative integers;
+//   - end - begin == product(shape) * dtype size;
+//   - ranges lie inside the data section and do not overlap.
+// Errors are INVALID_ARGUMENT (malformed) or NOT_FOUND / PERMISSION_DENIED
+// (cannot open), and the message names the file and the offending field.
+//
+// Lifecycle: a SafetensorsFile owns its mapping; TensorEntry::data points into
+// it and is valid while the file object lives. Immutable after Open, so safe to
+// read from any number of threads.
+#ifndef REFIT_CORE_SAFETENSORS_H_
+#define REFIT_CORE_SAFETENSORS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/dtype.h"
+
+namespace refit::core {
+
+struct TensorEntry {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;  // within the data section
+  uint64_t nbytes = 0;
+  const uint8_t* data = nullptr;  // into the mapping
+};
+
+class SafetensorsFile {
+ public:
+  // Maps and validates `path`. NOT_FOUND if it does not exist,
+  // PERMISSION_DENIED if unreadable, INVALID_ARGUMENT if malformed.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  // Validates an in-memory image (copied); `label` stands for the path in errors.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> FromBytes(absl::string_view bytes,
+                                                                    std::string label);
+
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  // In data-offset order.
+  const std::vector<TensorEntry>& tensors() const { return tensors_; }
+  // nullptr if absent.
+  const TensorEntry* Find(absl::string_view name) const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+ private:
+  SafetensorsFile() = default;
+  absl::Status Parse();
+
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_size_ = 0;
+  std::string owned_;  // FromBytes storage
+  const uint8_t* base_ = nullptr;
+  size_t size_ = 0;
+  std::vector<TensorEntry> tensors_;
+  std::map<std::string, size_t, std::less<>> index_;
+  std::map<std::string, std::string> metadata_;
+};
+
+struct TensorToWrite {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  absl::Span<const uint8_t> data;  // product(shape) * DTypeSize(dtype) bytes
+};
+
+// Writes a safetensors file (header padded to 8 bytes, tensors in the given
+// order). Writes to a temporary file and renames, so readers never see a
+// partial file. INVALID_ARGUMENT if a tensor's data size does not match its
+// shape or names repeat; INTERNAL on I/O errors.
+absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorToWrite> tensors,
+                              const std::map<std::string, std::string>& metadata = {});
+
+// The *.safetensors files of a checkpoint directory, sorted by name.
+// NOT_FOUND if there are none.
+absl::StatusOr<std::vector<std::string>> ListSafetensorsFiles(const std::string& dir);
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_SAFETENSORS_H_

@@ -1,0 +1,137 @@
+// ShardStore: owns the live kernel tensors of one model group on one device.
+//
+// Pipeline position: the end of a refit. RefitSession stages new kernel bytes
+// and hands them to CommitStaged, which copies them into the live tensors in
+// place (data pointers never change, so engines holding raw pointers stay
+// valid) and bumps the version. Readers (ReadKernel, engines attached through
+// the server) see version N or N+1, never a mix: commit holds the writer side
+// of a reader/writer lock for exactly the copy.
+//
+// This header is free of LibTorch so that the gRPC server can include it (the
+// torch wheel ships protobuf headers that must never meet the server's).
+// Tests and core internals reach the at::Tensor objects through
+// core/shard_store_tensors.h.
+//
+// Lifecycle: Create allocates zeroed kernels, version 0 (nothing loaded).
+// Each commit increments the version. One refit session at a time holds the
+// session slot (AcquireSession). Thread-safe.
+#ifndef REFIT_CORE_SHARD_STORE_H_
+#define REFIT_CORE_SHARD_STORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "core/model_layout.h"
+
+namespace refit::core {
+
+struct ShardStoreOptions {
+  std::string group = "target";
+  std::string device = "cpu";  // "cpu" or "cuda:N"
+};
+
+enum class StoreEventType { kStagingStarted, kPrepared, kCommitted, kAborted };
+absl::string_view StoreEventTypeName(StoreEventType type);
+
+struct StoreEvent {
+  StoreEventType type;
+  std::string group;
+  std::string refit_id;
+  uint64_t version = 0;  // live version after the event
+  std::string fingerprint;
+  std::string message;  // abort reason, ...
+  absl::Time time;
+};
+
+// A kernel's place in the store, for engines and tests. `data` is a device
+// pointer when the store is on a GPU; it is stable for the store's lifetime.
+struct KernelView {
+  const KernelSpec* spec = nullptr;
+  int layer = -1;
+  void* data = nullptr;
+  int64_t nbytes = 0;
+};
+
+struct CommitStats {
+  uint64_t version = 0;
+  std::string fingerprint;
+  absl::Duration pause;  // time readers were held off
+  int64_t bytes_copied = 0;
+};
+
+class ShardStoreImpl;  // holds the at::Tensor objects; see shard_store_tensors.h
+
+class ShardStore {
+ public:
+  // INVALID_ARGUMENT for a malformed device string; UNAVAILABLE if the device
+  // is a GPU this process cannot use; RESOURCE_EXHAUSTED if the kernels do
+  // not fit.
+  static absl::StatusOr<std::unique_ptr<ShardStore>> Create(
+      std::shared_ptr<const ModelLayout> layout, ShardStoreOptions options);
+  ~ShardStore();
+  ShardStore(const ShardStore&) = delete;
+  ShardStore& operator=(const ShardStore&) = delete;
+
+  const ModelLayout& layout() const { return *layout_; }
+  const std::shared_ptr<const ModelLayout>& shared_layout() const { return layout_; }
+  const std::string& group() const { return options_.group; }
+  const std::string& device() const { return options_.device; }
+  bool on_gpu() const;
+
+  uint64_t version() const;
+  // XXH3-64 (16 hex digits) over the kernel layout and bytes of the live version.
+  std::string fingerprint() const;
+  absl::Time last_commit_time() const;
+
+  // Kernels in layout order (flattened over layers).
+  std::vector<KernelView> Kernels() const;
+  // Copies kernel `name` to host memory under the reader lock, so the bytes
+  // and *version belong to one version. NOT_FOUND for unknown names.
+  absl::Status ReadKernel(absl::string_view name, std::string* out, uint64_t* version) const;
+  // Runs `fn` with the reader lock held: the live version cannot change.
+  void WithReaderLock(absl::FunctionRef<void(uint64_t version)> fn) const;
+
+  // Session slot. ABORTED, naming the active refit, if one is active.
+  absl::Status AcquireSession(absl::string_view refit_id);
+  void ReleaseSession(absl::string_view refit_id);
+  std::string active_session() const;
+
+  // Events go to every listener, called outside the store's locks, on the
+  // thread that caused them. Listeners must be cheap and must not block.
+  using Listener = std::function<void(const StoreEvent&)>;
+  int AddListener(Listener listener);
+  void RemoveListener(int id);
+  void Publish(StoreEvent event);
+
+  ShardStoreImpl& impl() { return *impl_; }
+  const ShardStoreImpl& impl() const { return *impl_; }
+
+ private:
+  ShardStore(std::shared_ptr<const ModelLayout> layout, ShardStoreOptions options);
+
+  std::shared_ptr<const ModelLayout> layout_;
+  ShardStoreOptions options_;
+  std::unique_ptr<ShardStoreImpl> impl_;
+
+  mutable absl::Mutex session_mu_;
+  std::string active_session_ ABSL_GUARDED_BY(session_mu_);
+
+  mutable absl::Mutex listeners_mu_;
+  std::vector<std::pair<int, Listener>> listeners_ ABSL_GUARDED_BY(listeners_mu_);
+  int next_listener_id_ ABSL_GUARDED_BY(listeners_mu_) = 0;
+};
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_SHARD_STORE_H_

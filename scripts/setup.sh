@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs everything refitd needs to build and test: Debian packages and the
+# pinned torch wheel (LibTorch) in a project-local virtual environment.
+# Idempotent; a second run on a ready machine takes a second or two.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  build-essential cmake ninja-build pkg-config ccache
+  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
+  nlohmann-json3-dev libxxhash-dev libcpp-httplib-dev libssl-dev openssl
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+PY=${PYTHON:-python3}
+VENV=.venv
+want_torch=$(sed -n 's/^torch==//p' scripts/requirements.txt)
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.requirements.sha"
+req_sha=$(sha256sum scripts/requirements.txt | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$req_sha" ] || \
+   ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.split('+')[0]=='$want_torch' else 1)" 2>/dev/null; then
+  echo "setup: installing Python requirements (torch==$want_torch) into $VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r scripts/requirements.txt
+  echo "$req_sha" > "$stamp"
+fi
+echo "setup: ready (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"

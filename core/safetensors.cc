@@ -1,1 +1,470 @@
-// implementation pending
+#include "core/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <set>
+#include <system_error>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace refit::core {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr size_t kLengthPrefixBytes = 8;
+// Real headers are a few MB even for 100k-tensor checkpoints; the cap stops a
+// forged length from making us parse (and allocate for) gigabytes of JSON.
+constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+constexpr absl::string_view kMetadataKey = "__metadata__";
+// Untrusted strings echoed in error messages are escaped and cut to this
+// length so a hostile header cannot flood the logs.
+constexpr size_t kMaxQuotedChars = 120;
+
+std::string Quote(absl::string_view s) {
+  std::string escaped = absl::CHexEscape(s.substr(0, kMaxQuotedChars));
+  if (s.size() > kMaxQuotedChars) absl::StrAppend(&escaped, "...");
+  return absl::StrCat("\"", escaped, "\"");
+}
+
+// A compact rendering of an offending JSON value, for messages.
+std::string Render(const Json& value) {
+  std::string text = value.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (text.size() > kMaxQuotedChars) {
+    text.resize(kMaxQuotedChars);
+    text += "...";
+  }
+  return text;
+}
+
+std::string FormatShape(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+template <typename... Args>
+absl::Status Invalid(absl::string_view label, const Args&... args) {
+  return absl::InvalidArgumentError(absl::StrCat(label, ": ", args...));
+}
+
+// JSON numbers that are whole and non-negative. nlohmann stores
+// non-negative literals as unsigned and "-0" as a signed zero; floats such as
+// 2.0 are rejected because safetensors writers never produce them.
+bool AsUint64(const Json& value, uint64_t* out) {
+  if (value.is_number_unsigned()) {
+    *out = value.get<uint64_t>();
+    return true;
+  }
+  if (value.is_number_integer()) {
+    const int64_t v = value.get<int64_t>();
+    if (v < 0) return false;
+    *out = static_cast<uint64_t>(v);
+    return true;
+  }
+  return false;
+}
+
+absl::Status ParseMetadata(absl::string_view label, const Json& value,
+                           std::map<std::string, std::string>* metadata) {
+  if (!value.is_object()) {
+    return Invalid(label, "\"__metadata__\" must be an object of strings, got ", Render(value));
+  }
+  for (const auto& [key, item] : value.items()) {
+    if (!item.is_string()) {
+      return Invalid(label, "\"__metadata__\" must map strings to strings, but the value of ",
+                     Quote(key), " is ", Render(item));
+    }
+    metadata->emplace(key, item.get<std::string>());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseEntry(absl::string_view label, const std::string& name, const Json& value,
+                        uint64_t data_size, TensorEntry* entry) {
+  const std::string where = absl::StrCat("tensor ", Quote(name), ": ");
+  if (!value.is_object()) {
+    return Invalid(label, where, "entry must be an object, got ", Render(value));
+  }
+  entry->name = name;
+
+  auto dtype_it = value.find("dtype");
+  if (dtype_it == value.end()) return Invalid(label, where, "missing \"dtype\"");
+  if (!dtype_it->is_string()) {
+    return Invalid(label, where, "\"dtype\" must be a string, got ", Render(*dtype_it));
+  }
+  absl::StatusOr<DType> dtype = ParseDType(dtype_it->get_ref<const std::string&>());
+  if (!dtype.ok()) return Invalid(label, where, "\"dtype\": ", dtype.status().message());
+  entry->dtype = *dtype;
+
+  auto shape_it = value.find("shape");
+  if (shape_it == value.end()) return Invalid(label, where, "missing \"shape\"");
+  if (!shape_it->is_array()) {
+    return Invalid(label, where, "\"shape\" must be a list of non-negative integers, got ",
+                   Render(*shape_it));
+  }
+  // The element count is accumulated in the order dims are listed and any
+  // intermediate overflow is an error, even if a later dim is 0: downstream
+  // stride arithmetic would overflow the same way.
+  uint64_t numel = 1;
+  for (size_t i = 0; i < shape_it->size(); ++i) {
+    uint64_t dim = 0;
+    if (!AsUint64((*shape_it)[i], &dim)) {
+      return Invalid(label, where, "\"shape\" ", Render(*shape_it), ": dimension ", i, " is ",
+                     Render((*shape_it)[i]), ", not a non-negative integer");
+    }
+    if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
+        __builtin_mul_overflow(numel, dim, &numel)) {
+      return Invalid(label, where, "\"shape\" ", Render(*shape_it), " overflows 64 bits");
+    }
+    entry->shape.push_back(static_cast<int64_t>(dim));
+  }
+  uint64_t nbytes = 0;
+  if (__builtin_mul_overflow(numel, static_cast<uint64_t>(DTypeSize(entry->dtype)), &nbytes)) {
+    return Invalid(label, where, "\"shape\" ", FormatShape(entry->shape), " of ",
+                   DTypeName(entry->dtype), " overflows 64 bits");
+  }
+
+  auto offsets_it = value.find("data_offsets");
+  if (offsets_it == value.end()) return Invalid(label, where, "missing \"data_offsets\"");
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  if (!offsets_it->is_array() || offsets_it->size() != 2 || !AsUint64((*offsets_it)[0], &begin) ||
+      !AsUint64((*offsets_it)[1], &end)) {
+    return Invalid(label, where,
+                   "\"data_offsets\" must be [begin, end] with non-negative integers, got ",
+                   Render(*offsets_it));
+  }
+  if (end < begin) {
+    return Invalid(label, where, "\"data_offsets\" [", begin, ", ", end, "] end before begin");
+  }
+  if (end - begin != nbytes) {
+    return Invalid(label, where, "\"data_offsets\" [", begin, ", ", end, "] hold ", end - begin,
+                   " bytes but shape ", FormatShape(entry->shape), " of ",
+                   DTypeName(entry->dtype), " needs ", nbytes);
+  }
+  if (end > data_size) {
+    return Invalid(label, where, "\"data_offsets\" [", begin, ", ", end,
+                   "] extend past the end of the data section (", data_size, " bytes)");
+  }
+  entry->offset = begin;
+  entry->nbytes = nbytes;
+  return absl::OkStatus();
+}
+
+absl::Status ErrnoStatus(int err, absl::string_view what, absl::string_view path) {
+  std::string message = absl::StrCat(path, ": ", what, ": ", std::strerror(err));
+  switch (err) {
+    case ENOENT:
+    case ENOTDIR:
+      return absl::NotFoundError(message);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+// Closes the descriptor on every path out of Open / WriteSafetensors.
+class FdCloser {
+ public:
+  explicit FdCloser(int fd) : fd_(fd) {}
+  ~FdCloser() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FdCloser(const FdCloser&) = delete;
+  FdCloser& operator=(const FdCloser&) = delete;
+  // Closes now, reporting the error (close can surface delayed write errors).
+  int Close() {
+    int rc = ::close(fd_);
+    fd_ = -1;
+    return rc;
+  }
+
+ private:
+  int fd_;
+};
+
+absl::Status WriteAll(int fd, const uint8_t* data, size_t size, absl::string_view path) {
+  while (size > 0) {
+    // Large single writes can be split by the kernel; cap each call and loop.
+    const size_t chunk = std::min<size_t>(size, size_t{1} << 30);
+    ssize_t n = ::write(fd, data, chunk);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrCat(path, ": write: ", std::strerror(errno)));
+    }
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
+  FdCloser closer(fd);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "cannot stat", path);
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  const size_t size = static_cast<size_t>(st.st_size);
+  // mmap rejects length 0; Parse reports short files with the proper message.
+  if (size > 0) {
+    void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map == MAP_FAILED) return ErrnoStatus(errno, "cannot mmap", path);
+    file->map_ = map;
+    file->map_size_ = size;
+    file->base_ = static_cast<const uint8_t*>(map);
+  }
+  file->size_ = size;
+  absl::Status status = file->Parse();
+  if (!status.ok()) return status;
+  return file;
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(
+    absl::string_view bytes, std::string label) {
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = std::move(label);
+  file->owned_ = std::string(bytes);
+  file->base_ = reinterpret_cast<const uint8_t*>(file->owned_.data());
+  file->size_ = file->owned_.size();
+  absl::Status status = file->Parse();
+  if (!status.ok()) return status;
+  return file;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_ != nullptr) ::munmap(map_, map_size_);
+}
+
+const TensorEntry* SafetensorsFile::Find(absl::string_view name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+absl::Status SafetensorsFile::Parse() {
+  const std::string& label = path_;
+  if (size_ < kLengthPrefixBytes) {
+    return Invalid(label, "file is ", size_,
+                   " bytes, shorter than the 8-byte header length prefix");
+  }
+  uint64_t header_len = 0;
+  for (size_t i = 0; i < kLengthPrefixBytes; ++i) {
+    header_len |= uint64_t{base_[i]} << (8 * i);
+  }
+  if (header_len > kMaxHeaderBytes) {
+    return Invalid(label, "header length ", header_len, " exceeds the limit of ",
+                   kMaxHeaderBytes, " bytes");
+  }
+  if (header_len > size_ - kLengthPrefixBytes) {
+    return Invalid(label, "header length ", header_len, " runs past the end of the file (",
+                   size_, " bytes)");
+  }
+  const char* header_begin = reinterpret_cast<const char*>(base_ + kLengthPrefixBytes);
+  const char* header_end = header_begin + header_len;
+  const uint8_t* data = base_ + kLengthPrefixBytes + header_len;
+  const uint64_t data_size = size_ - kLengthPrefixBytes - header_len;
+
+  // nlohmann keeps one value per key, so a repeated tensor name would
+  // silently drop a tensor; the parse callback sees every top-level key.
+  std::set<std::string, std::less<>> seen_keys;
+  std::string duplicate_key;
+  Json::parser_callback_t on_event = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::key && depth == 1 && parsed.is_string()) {
+      const std::string& key = parsed.get_ref<const std::string&>();
+      if (!seen_keys.insert(key).second && duplicate_key.empty()) duplicate_key = key;
+    }
+    return true;
+  };
+  Json header;
+  try {
+    header = Json::parse(header_begin, header_end, on_event);
+  } catch (const Json::exception& e) {
+    return Invalid(label, "header is not valid JSON: ", e.what());
+  }
+  if (!header.is_object()) {
+    return Invalid(label, "header is not a JSON object (got ", header.type_name(), ")");
+  }
+  if (!duplicate_key.empty()) {
+    return Invalid(label, "header names ", Quote(duplicate_key), " twice");
+  }
+
+  std::vector<TensorEntry> tensors;
+  tensors.reserve(header.size());
+  for (const auto& [key, value] : header.items()) {
+    if (key == kMetadataKey) {
+      absl::Status status = ParseMetadata(label, value, &metadata_);
+      if (!status.ok()) return status;
+      continue;
+    }
+    TensorEntry entry;
+    absl::Status status = ParseEntry(label, key, value, data_size, &entry);
+    if (!status.ok()) return status;
+    entry.data = data + entry.offset;
+    tensors.push_back(std::move(entry));
+  }
+
+  // Sorting by (begin, end) puts an empty tensor before a non-empty one at
+  // the same offset, so only genuinely shared bytes count as overlap.
+  std::sort(tensors.begin(), tensors.end(), [](const TensorEntry& a, const TensorEntry& b) {
+    if (a.offset != b.offset) return a.offset < b.offset;
+    return a.nbytes < b.nbytes;
+  });
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    const TensorEntry& prev = tensors[i - 1];
+    const TensorEntry& cur = tensors[i];
+    if (cur.offset < prev.offset + prev.nbytes) {
+      return Invalid(label, "tensors ", Quote(prev.name), " [", prev.offset, ", ",
+                     prev.offset + prev.nbytes, "] and ", Quote(cur.name), " [", cur.offset,
+                     ", ", cur.offset + cur.nbytes, "] overlap in \"data_offsets\"");
+    }
+  }
+  tensors_ = std::move(tensors);
+  for (size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+  return absl::OkStatus();
+}
+
+absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorToWrite> tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  // ordered_json keeps __metadata__ first and tensors in the caller's order,
+  // which matches how the Python writer lays files out.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) {
+    nlohmann::ordered_json meta = nlohmann::ordered_json::object();
+    for (const auto& [key, value] : metadata) meta[key] = value;
+    header[std::string(kMetadataKey)] = std::move(meta);
+  }
+  std::set<absl::string_view> names;
+  uint64_t offset = 0;
+  for (const TensorToWrite& t : tensors) {
+    if (t.name == kMetadataKey) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": \"__metadata__\" is reserved and cannot name a tensor"));
+    }
+    if (!names.insert(t.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor ", Quote(t.name), " is given twice"));
+    }
+    uint64_t numel = 1;
+    for (int64_t dim : t.shape) {
+      if (dim < 0 || __builtin_mul_overflow(numel, static_cast<uint64_t>(dim), &numel)) {
+        return absl::InvalidArgumentError(absl::StrCat(path, ": tensor ", Quote(t.name),
+                                                       ": invalid shape ",
+                                                       FormatShape(t.shape)));
+      }
+    }
+    uint64_t nbytes = 0;
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(DTypeSize(t.dtype)), &nbytes) ||
+        nbytes != t.data.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": tensor ", Quote(t.name), ": shape ", FormatShape(t.shape), " of ",
+          DTypeName(t.dtype), " needs ", numel * DTypeSize(t.dtype), " bytes but ",
+          t.data.size(), " were given"));
+    }
+    nlohmann::ordered_json entry = nlohmann::ordered_json::object();
+    entry["dtype"] = std::string(DTypeName(t.dtype));
+    entry["shape"] = t.shape;
+    entry["data_offsets"] = {offset, offset + nbytes};
+    header[t.name] = std::move(entry);
+    offset += nbytes;
+  }
+  std::string header_text;
+  try {
+    header_text = header.dump();
+  } catch (const nlohmann::ordered_json::exception& e) {
+    // Only non-UTF-8 names or metadata can make dump() throw.
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": header cannot be encoded as JSON: ", e.what()));
+  }
+  // Padding to 8 keeps the data section 8-byte aligned in the mapping, so
+  // readers can view F64/I64 tensors in place.
+  header_text.append((8 - header_text.size() % 8) % 8, ' ');
+  uint8_t prefix[kLengthPrefixBytes];
+  for (size_t i = 0; i < kLengthPrefixBytes; ++i) {
+    prefix[i] = static_cast<uint8_t>(static_cast<uint64_t>(header_text.size()) >> (8 * i));
+  }
+
+  // The pid plus a per-process counter keeps concurrent writers of the same
+  // path (other processes or threads) from sharing a temporary file.
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp_path = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
+  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::InternalError(
+        absl::StrCat(tmp_path, ": cannot create: ", std::strerror(errno)));
+  }
+  FdCloser closer(fd);
+  absl::Status status = WriteAll(fd, prefix, sizeof(prefix), tmp_path);
+  if (status.ok()) {
+    status = WriteAll(fd, reinterpret_cast<const uint8_t*>(header_text.data()),
+                      header_text.size(), tmp_path);
+  }
+  for (const TensorToWrite& t : tensors) {
+    if (!status.ok()) break;
+    status = WriteAll(fd, t.data.data(), t.data.size(), tmp_path);
+  }
+  // fsync before rename: otherwise a crash can leave the new name pointing at
+  // a file whose data never reached the disk.
+  if (status.ok() && ::fsync(fd) != 0) {
+    status = absl::InternalError(absl::StrCat(tmp_path, ": fsync: ", std::strerror(errno)));
+  }
+  if (status.ok() && closer.Close() != 0) {
+    status = absl::InternalError(absl::StrCat(tmp_path, ": close: ", std::strerror(errno)));
+  }
+  if (status.ok() && ::rename(tmp_path.c_str(), path.c_str()) != 0) {
+    status = absl::InternalError(
+        absl::StrCat(tmp_path, ": cannot rename to ", path, ": ", std::strerror(errno)));
+  }
+  if (!status.ok()) ::unlink(tmp_path.c_str());
+  return status;
+}
+
+absl::StatusOr<std::vector<std::string>> ListSafetensorsFiles(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) return ErrnoStatus(ec.value(), "cannot list directory", dir);
+  std::vector<std::string> files;
+  constexpr absl::string_view kSuffix = ".safetensors";
+  // increment(ec) is the non-throwing form; stop at the first error rather
+  // than trust the iterator's state after one.
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= kSuffix.size() ||
+        absl::string_view(name).substr(name.size() - kSuffix.size()) != kSuffix) {
+      continue;
+    }
+    // is_regular_file follows symlinks: Hugging Face caches link every shard.
+    std::error_code type_ec;
+    if (!it->is_regular_file(type_ec)) continue;
+    files.push_back(it->path().string());
+  }
+  if (ec) return ErrnoStatus(ec.value(), "cannot list directory", dir);
+  if (files.empty()) {
+    return absl::NotFoundError(absl::StrCat(dir, ": no *.safetensors files"));
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace refit::core

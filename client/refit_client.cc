@@ -1,0 +1,437 @@
+#include "client/refit_client.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include <grpcpp/grpcpp.h>
+#include <xxhash.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/safetensors_view.h"
+
+namespace refit::client {
+namespace {
+
+using ::grpc::health::v1::HealthCheckRequest;
+using ::grpc::health::v1::HealthCheckResponse;
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read ", what, " file ", path));
+  }
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+std::chrono::system_clock::time_point Deadline(absl::Duration timeout) {
+  return absl::ToChronoTime(absl::Now() + timeout);
+}
+
+}  // namespace
+
+uint64_t ChunkChecksum(absl::Span<const uint8_t> data) {
+  return XXH3_64bits(data.data(), data.size());
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<RefitClient>> RefitClient::Create(ClientOptions options) {
+  if (options.address.empty()) return absl::InvalidArgumentError("empty daemon address");
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  const bool tls = options.tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
+                   !options.tls_key_file.empty();
+  if (tls) {
+    grpc::SslCredentialsOptions ssl;
+    if (!options.tls_ca_file.empty()) {
+      absl::StatusOr<std::string> ca = ReadFile(options.tls_ca_file, "TLS CA");
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *std::move(ca);
+    }
+    if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+      return absl::InvalidArgumentError(
+          "a client certificate needs both --tls-cert and --tls-key");
+    }
+    if (!options.tls_cert_file.empty()) {
+      absl::StatusOr<std::string> cert = ReadFile(options.tls_cert_file, "TLS certificate");
+      if (!cert.ok()) return cert.status();
+      absl::StatusOr<std::string> key = ReadFile(options.tls_key_file, "TLS key");
+      if (!key.ok()) return key.status();
+      ssl.pem_cert_chain = *std::move(cert);
+      ssl.pem_private_key = *std::move(key);
+    }
+    creds = grpc::SslCredentials(ssl);
+  } else {
+    creds = grpc::InsecureChannelCredentials();
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  if (!options.tls_server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  // Fail fast on a dead daemon, and find a restarted one quickly.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(options.address, creds, args);
+  return std::unique_ptr<RefitClient>(new RefitClient(std::move(channel), std::move(options)));
+}
+
+std::unique_ptr<RefitClient> RefitClient::FromChannel(std::shared_ptr<grpc::Channel> channel,
+                                                      ClientOptions options) {
+  return std::unique_ptr<RefitClient>(new RefitClient(std::move(channel), std::move(options)));
+}
+
+RefitClient::RefitClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(refit::v1::RefitService::NewStub(channel_)),
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+
+void RefitClient::PrepareContext(grpc::ClientContext* context, bool with_token) const {
+  if (with_token && !options_.token.empty()) {
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
+  }
+  if (options_.timeout != absl::InfiniteDuration()) {
+    context->set_deadline(Deadline(options_.timeout));
+  }
+}
+
+absl::Status RefitClient::RetryReadOnly(const std::function<absl::Status()>& call) const {
+  absl::Duration backoff = options_.retry.initial_backoff;
+  const int attempts = std::max(1, options_.retry.max_attempts);
+  absl::Status status;
+  for (int attempt = 1; attempt <= attempts; ++attempt) {
+    status = call();
+    if (status.code() != absl::StatusCode::kUnavailable || attempt == attempts) break;
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, options_.retry.max_backoff);
+  }
+  return status;
+}
+
+absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const TensorRef> tensors,
+                                                         const PushOptions& options) {
+  if (tensors.empty()) return absl::InvalidArgumentError("push: no tensors");
+  if (options.bucket_bytes == 0 || options.max_chunk_bytes == 0) {
+    return absl::InvalidArgumentError("push: bucket and chunk sizes must be positive");
+  }
+  PushProgress progress;
+  progress.tensors_total = tensors.size();
+  for (const TensorRef& t : tensors) {
+    const size_t elem = DTypeBytes(t.dtype);
+    if (elem == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("push: tensor '", t.name, "' has an unspecified dtype"));
+    }
+    uint64_t numel = 1;
+    for (int64_t d : t.shape) {
+      if (d < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("push: tensor '", t.name, "' has a negative dimension"));
+      }
+      numel *= static_cast<uint64_t>(d);
+    }
+    if (numel * elem != t.data.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("push: tensor '", t.name, "' has ",
+                                                     t.data.size(), " bytes, its shape needs ",
+                                                     numel * elem));
+    }
+    progress.bytes_total += t.data.size();
+  }
+
+  grpc::ClientContext context;
+  PrepareContext(&context, /*with_token=*/true);
+  refit::v1::PushResponse response;
+  std::unique_ptr<grpc::ClientWriter<refit::v1::PushRequest>> writer =
+      stub_->Push(&context, &response);
+
+  const absl::Time start = absl::Now();
+  // A failed Write means the stream is broken (the daemon refused or went
+  // away); Finish then tells why. Nothing is resent: see the file comment.
+  auto finish = [&]() -> absl::StatusOr<refit::v1::RefitResult> {
+    grpc::Status status = writer->Finish();
+    if (!status.ok()) return FromGrpcStatus(status);
+    return response.result();
+  };
+
+  refit::v1::PushRequest begin_request;
+  refit::v1::Begin* begin = begin_request.mutable_begin();
+  begin->set_model_group(options.model_group);
+  refit::v1::RefitOptions* refit_options = begin->mutable_options();
+  refit_options->set_completion(options.completion);
+  if (options.base_version.has_value()) refit_options->set_base_version(*options.base_version);
+  refit_options->set_non_finite(options.non_finite);
+  refit_options->set_allow_partial_layers(options.allow_partial_layers);
+  refit_options->set_label(options.label);
+  if (!writer->Write(begin_request)) return finish();
+
+  refit::v1::PushRequest bucket;
+  size_t bucket_fill = 0;
+  auto flush = [&]() -> bool {
+    if (bucket.chunks().chunks_size() == 0) return true;
+    if (!writer->Write(bucket)) return false;
+    progress.bytes_sent += bucket_fill;
+    ++progress.messages_sent;
+    progress.elapsed = absl::Now() - start;
+    bucket.Clear();
+    bucket_fill = 0;
+    if (options.on_progress) options.on_progress(progress);
+    return true;
+  };
+
+  for (const TensorRef& t : tensors) {
+    const size_t elem = DTypeBytes(t.dtype);
+    // Chunks are element-aligned and hold at least one element.
+    const size_t cap = std::max<size_t>(options.max_chunk_bytes / elem, 1) * elem;
+    size_t offset = 0;
+    // Zero-sized tensors still send one (empty) chunk so the daemon sees them.
+    do {
+      size_t room = options.bucket_bytes > bucket_fill ? options.bucket_bytes - bucket_fill : 0;
+      if (bucket_fill == 0) room = std::max(room, elem);
+      size_t piece = std::min({t.data.size() - offset, cap, room});
+      piece -= piece % elem;
+      if (piece == 0 && offset < t.data.size()) {
+        // Not even one element fits in this bucket: send it and start anew.
+        if (!flush()) return finish();
+        continue;
+      }
+      refit::v1::Chunk* chunk = bucket.mutable_chunks()->add_chunks();
+      chunk->set_tensor_name(t.name);
+      chunk->set_dtype(t.dtype);
+      for (int64_t d : t.shape) chunk->add_shape(d);
+      chunk->set_byte_offset(offset);
+      absl::Span<const uint8_t> data = t.data.subspan(offset, piece);
+      chunk->set_data(data.data(), data.size());
+      if (options.checksums) chunk->set_xxh3(ChunkChecksum(data));
+      offset += piece;
+      bucket_fill += piece;
+      if (bucket_fill >= options.bucket_bytes && !flush()) return finish();
+    } while (offset < t.data.size());
+    ++progress.tensors_done;
+  }
+  if (!flush()) return finish();
+
+  refit::v1::PushRequest end_request;
+  end_request.mutable_end();
+  if (!writer->Write(end_request)) return finish();
+  writer->WritesDone();
+  return finish();
+}
+
+absl::StatusOr<refit::v1::RefitResult> RefitClient::PushFiles(
+    const std::vector<std::string>& files, const PushOptions& options) {
+  std::vector<std::unique_ptr<SafetensorsView>> views;
+  std::vector<TensorRef> tensors;
+  for (const std::string& file : files) {
+    absl::StatusOr<std::unique_ptr<SafetensorsView>> view = SafetensorsView::Open(file);
+    if (!view.ok()) return view.status();
+    for (const SafetensorsTensor& t : (*view)->tensors()) {
+      tensors.push_back(TensorRef{t.name, t.dtype, t.shape, t.data});
+    }
+    views.push_back(*std::move(view));
+  }
+  return Push(tensors, options);
+}
+
+absl::StatusOr<refit::v1::RefitResult> RefitClient::Reload(
+    const refit::v1::ReloadRequest& request,
+    const std::function<void(const refit::v1::Progress&)>& on_progress) {
+  grpc::ClientContext context;
+  PrepareContext(&context, /*with_token=*/true);
+  std::unique_ptr<grpc::ClientReader<refit::v1::ReloadProgress>> reader =
+      stub_->Reload(&context, request);
+  refit::v1::ReloadProgress message;
+  std::optional<refit::v1::RefitResult> result;
+  while (reader->Read(&message)) {
+    if (message.has_progress()) {
+      if (on_progress) on_progress(message.progress());
+    } else if (message.has_result()) {
+      result = message.result();
+    }
+  }
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (!result.has_value()) {
+    return absl::DataLossError("reload: the stream ended without a result");
+  }
+  return *result;
+}
+
+absl::StatusOr<refit::v1::RefitResult> RefitClient::Commit(const std::string& model_group,
+                                                           const std::string& refit_id) {
+  grpc::ClientContext context;
+  PrepareContext(&context, /*with_token=*/true);
+  refit::v1::CommitRequest request;
+  request.set_model_group(model_group);
+  request.set_refit_id(refit_id);
+  refit::v1::CommitResponse response;
+  grpc::Status status = stub_->Commit(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.result();
+}
+
+absl::StatusOr<refit::v1::AbortResponse> RefitClient::Abort(const std::string& model_group,
+                                                            const std::string& refit_id,
+                                                            const std::string& reason) {
+  grpc::ClientContext context;
+  PrepareContext(&context, /*with_token=*/true);
+  refit::v1::AbortRequest request;
+  request.set_model_group(model_group);
+  request.set_refit_id(refit_id);
+  request.set_reason(reason);
+  refit::v1::AbortResponse response;
+  grpc::Status status = stub_->Abort(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<refit::v1::GetStatusResponse> RefitClient::GetStatus(
+    const std::string& model_group) {
+  refit::v1::GetStatusRequest request;
+  request.set_model_group(model_group);
+  refit::v1::GetStatusResponse response;
+  absl::Status status = RetryReadOnly([&] {
+    grpc::ClientContext context;
+    PrepareContext(&context, /*with_token=*/true);
+    response.Clear();
+    return FromGrpcStatus(stub_->GetStatus(&context, request, &response));
+  });
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::StatusOr<refit::v1::ListTensorsResponse> RefitClient::ListTensors(
+    const std::string& model_group, refit::v1::ListTensorsRequest::Layout layout) {
+  refit::v1::ListTensorsRequest request;
+  request.set_model_group(model_group);
+  request.set_layout(layout);
+  refit::v1::ListTensorsResponse response;
+  absl::Status status = RetryReadOnly([&] {
+    grpc::ClientContext context;
+    PrepareContext(&context, /*with_token=*/true);
+    response.Clear();
+    return FromGrpcStatus(stub_->ListTensors(&context, request, &response));
+  });
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& model_group,
+                                                         const std::string& name,
+                                                         uint32_t max_chunk_bytes) {
+  refit::v1::ReadTensorRequest request;
+  request.set_model_group(model_group);
+  request.set_name(name);
+  request.set_max_chunk_bytes(max_chunk_bytes);
+  ReadTensorResult result;
+  absl::Status status = RetryReadOnly([&]() -> absl::Status {
+    grpc::ClientContext context;
+    PrepareContext(&context, /*with_token=*/true);
+    result = ReadTensorResult();
+    std::unique_ptr<grpc::ClientReader<refit::v1::ReadTensorResponse>> reader =
+        stub_->ReadTensor(&context, request);
+    refit::v1::ReadTensorResponse message;
+    bool first = true;
+    absl::Status consistency;
+    while (reader->Read(&message)) {
+      if (!consistency.ok()) continue;  // drain, then report
+      if (first) {
+        result.info = message.info();
+        result.version = message.version();
+        result.data.reserve(result.info.nbytes());
+        first = false;
+      } else if (message.version() != result.version) {
+        consistency = absl::DataLossError(absl::StrCat(
+            "read ", name, ": stream mixes versions ", result.version, " and ", message.version()));
+        continue;
+      }
+      if (message.byte_offset() != result.data.size()) {
+        consistency = absl::DataLossError(absl::StrCat("read ", name, ": piece at offset ",
+                                                       message.byte_offset(), ", expected ",
+                                                       result.data.size()));
+        continue;
+      }
+      result.data.append(message.data());
+    }
+    absl::Status rpc = FromGrpcStatus(reader->Finish());
+    if (!rpc.ok()) return rpc;
+    if (!consistency.ok()) return consistency;
+    if (first) return absl::DataLossError(absl::StrCat("read ", name, ": empty stream"));
+    if (result.data.size() != result.info.nbytes()) {
+      return absl::DataLossError(absl::StrCat("read ", name, ": got ", result.data.size(),
+                                              " bytes, expected ", result.info.nbytes()));
+    }
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  return result;
+}
+
+absl::Status RefitClient::Watch(const std::string& model_group,
+                                const std::function<bool(const refit::v1::WatchEvent&)>& on_event) {
+  grpc::ClientContext context;
+  PrepareContext(&context, /*with_token=*/true);
+  // A watch runs until stopped; the call timeout does not apply.
+  context.set_deadline(std::chrono::system_clock::time_point::max());
+  refit::v1::WatchRequest request;
+  request.set_model_group(model_group);
+  std::unique_ptr<grpc::ClientReader<refit::v1::WatchEvent>> reader =
+      stub_->Watch(&context, request);
+  refit::v1::WatchEvent event;
+  while (reader->Read(&event)) {
+    if (!on_event(event)) {
+      context.TryCancel();
+      reader->Finish();
+      return absl::OkStatus();
+    }
+  }
+  return FromGrpcStatus(reader->Finish());
+}
+
+absl::StatusOr<HealthCheckResponse::ServingStatus> RefitClient::HealthCheck(
+    const std::string& service) {
+  HealthCheckRequest request;
+  request.set_service(service);
+  HealthCheckResponse response;
+  absl::Status status = RetryReadOnly([&] {
+    grpc::ClientContext context;
+    PrepareContext(&context, /*with_token=*/false);
+    response.Clear();
+    return FromGrpcStatus(health_stub_->Check(&context, request, &response));
+  });
+  if (!status.ok()) return status;
+  return response.status();
+}
+
+absl::Status RefitClient::HealthWatch(
+    const std::string& service,
+    const std::function<bool(HealthCheckResponse::ServingStatus)>& on_status) {
+  grpc::ClientContext context;
+  PrepareContext(&context, /*with_token=*/false);
+  context.set_deadline(std::chrono::system_clock::time_point::max());
+  HealthCheckRequest request;
+  request.set_service(service);
+  std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> reader =
+      health_stub_->Watch(&context, request);
+  HealthCheckResponse response;
+  while (reader->Read(&response)) {
+    if (!on_status(response.status())) {
+      context.TryCancel();
+      reader->Finish();
+      return absl::OkStatus();
+    }
+  }
+  return FromGrpcStatus(reader->Finish());
+}
+
+}  // namespace refit::client

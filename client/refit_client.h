@@ -1,0 +1,202 @@
+// refit::client::RefitClient: the C++ client library of refitd.
+//
+// Used by trainers (push a refit from memory or from safetensors files), by
+// refitctl (every subcommand) and by tests. It speaks refit.v1 and
+// grpc.health.v1 over one gRPC channel: TCP ("host:port") or a Unix socket
+// ("unix:/path"), optionally with TLS / mutual TLS and a bearer token.
+//
+// Push buckets tensors into large `Chunks` messages (default 32 MiB per
+// message, one tensor split over several chunks when it is larger than the
+// chunk cap or the room left in a bucket), optionally with an XXH3-64 of each
+// chunk's bytes, and reports progress after every message.
+//
+// Retries: read-only calls (GetStatus, ListTensors, ReadTensor, health Check)
+// are retried on UNAVAILABLE with exponential backoff, because repeating them
+// cannot change anything on the daemon. Push, Reload, Commit and Abort are
+// never retried: a Push that failed with UNAVAILABLE may still have reached
+// the daemon and committed (the response was lost, not the refit), so
+// repeating it blindly could apply the same update twice on top of a newer
+// version; the caller must look at GetStatus (or use base_version) and decide.
+//
+// Lifecycle: Create once, share freely; every method is thread-safe (gRPC
+// channels and stubs are). Callbacks run on the calling thread.
+#ifndef REFIT_CLIENT_REFIT_CLIENT_H_
+#define REFIT_CLIENT_REFIT_CLIENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "refit/v1/refit.grpc.pb.h"
+
+namespace grpc {
+class Channel;
+}  // namespace grpc
+
+namespace refit::client {
+
+inline constexpr size_t kDefaultBucketBytes = size_t{32} << 20;
+inline constexpr size_t kDefaultMaxChunkBytes = size_t{32} << 20;
+inline constexpr char kReadinessService[] = "refit.v1.RefitService";
+
+struct RetryPolicy {
+  int max_attempts = 5;  // 1 means no retry
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(2);
+};
+
+struct ClientOptions {
+  // "host:port", "dns:///host:port" or "unix:/path/to/socket".
+  std::string address = "127.0.0.1:50051";
+  // Sent as "authorization: Bearer <token>" on every call except health.
+  std::string token;
+  // TLS is on when any of these is set. tls_ca_file verifies the server (the
+  // system roots when empty); cert + key present a client certificate
+  // (mutual TLS).
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // Overrides the name checked against the server certificate.
+  std::string tls_server_name;
+  // Deadline of unary calls and of each streaming call as a whole;
+  // infinite means none.
+  absl::Duration timeout = absl::InfiniteDuration();
+  // gRPC message limits of the channel (both directions).
+  int max_message_bytes = 256 << 20;
+  RetryPolicy retry;
+};
+
+// One tensor to push; `data` must stay valid during the Push call.
+struct TensorRef {
+  std::string name;
+  refit::v1::DType dtype = refit::v1::DTYPE_BF16;
+  std::vector<int64_t> shape;
+  absl::Span<const uint8_t> data;
+};
+
+struct PushProgress {
+  uint64_t bytes_sent = 0;  // tensor bytes written to the stream so far
+  uint64_t bytes_total = 0;
+  size_t tensors_done = 0;
+  size_t tensors_total = 0;
+  size_t messages_sent = 0;
+  absl::Duration elapsed;
+};
+
+struct PushOptions {
+  std::string model_group;  // "" = the daemon's default group
+  refit::v1::CompletionMode completion = refit::v1::COMPLETION_MODE_COMMIT;
+  std::optional<uint64_t> base_version;
+  refit::v1::NonFinitePolicy non_finite = refit::v1::NON_FINITE_POLICY_REJECT;
+  bool allow_partial_layers = false;
+  std::string label;
+  // Tensor bytes per Chunks message (a message may hold many small tensors).
+  size_t bucket_bytes = kDefaultBucketBytes;
+  // Upper bound on one Chunk's bytes; larger tensors are split.
+  size_t max_chunk_bytes = kDefaultMaxChunkBytes;
+  // Attach an XXH3-64 of every chunk's bytes.
+  bool checksums = true;
+  std::function<void(const PushProgress&)> on_progress;
+};
+
+struct ReadTensorResult {
+  refit::v1::TensorInfo info;
+  uint64_t version = 0;
+  std::string data;
+};
+
+// XXH3-64 of `data`, as Chunk.xxh3 carries it.
+uint64_t ChunkChecksum(absl::Span<const uint8_t> data);
+
+// grpc::Status -> absl::Status (same code, same message).
+absl::Status FromGrpcStatus(const class grpc::Status& status);
+
+class RefitClient {
+ public:
+  // INVALID_ARGUMENT for an empty address; NOT_FOUND / PERMISSION_DENIED if a
+  // TLS file cannot be read. Does not connect yet (channels connect lazily).
+  static absl::StatusOr<std::unique_ptr<RefitClient>> Create(ClientOptions options);
+  // For tests: a client over an existing channel (e.g. an in-process one).
+  static std::unique_ptr<RefitClient> FromChannel(std::shared_ptr<grpc::Channel> channel,
+                                                  ClientOptions options);
+
+  RefitClient(const RefitClient&) = delete;
+  RefitClient& operator=(const RefitClient&) = delete;
+
+  const ClientOptions& options() const { return options_; }
+
+  // One refit transaction: Begin, the tensors in buckets, End. Returns the
+  // daemon's result (COMMITTED, or PREPARED with COMPLETION_MODE_PREPARE).
+  // INVALID_ARGUMENT locally for an empty tensor list, a zero bucket or
+  // chunk size, or a tensor whose data size does not match dtype x shape;
+  // otherwise the daemon's status (e.g. ABORTED naming the active refit,
+  // FAILED_PRECONDITION for a stale base_version, NOT_FOUND for an unknown
+  // tensor). Never retried (see the file comment).
+  absl::StatusOr<refit::v1::RefitResult> Push(absl::Span<const TensorRef> tensors,
+                                              const PushOptions& options);
+  // Push of every tensor of the given safetensors files (memory-mapped; the
+  // bytes are not loaded twice). Errors of SafetensorsView::Open, then Push's.
+  absl::StatusOr<refit::v1::RefitResult> PushFiles(const std::vector<std::string>& files,
+                                                   const PushOptions& options);
+
+  // Server-streamed reload from a path the daemon reads itself. Progress
+  // messages go to `on_progress`; the final result is returned.
+  absl::StatusOr<refit::v1::RefitResult> Reload(
+      const refit::v1::ReloadRequest& request,
+      const std::function<void(const refit::v1::Progress&)>& on_progress = nullptr);
+  absl::StatusOr<refit::v1::RefitResult> Commit(const std::string& model_group,
+                                                const std::string& refit_id);
+  absl::StatusOr<refit::v1::AbortResponse> Abort(const std::string& model_group,
+                                                 const std::string& refit_id,
+                                                 const std::string& reason);
+
+  // Read-only; retried on UNAVAILABLE.
+  absl::StatusOr<refit::v1::GetStatusResponse> GetStatus(const std::string& model_group = "");
+  absl::StatusOr<refit::v1::ListTensorsResponse> ListTensors(
+      const std::string& model_group, refit::v1::ListTensorsRequest::Layout layout);
+  // The whole tensor; DATA_LOSS if the stream's pieces do not add up to
+  // info.nbytes or mix versions.
+  absl::StatusOr<ReadTensorResult> ReadTensor(const std::string& model_group,
+                                              const std::string& name,
+                                              uint32_t max_chunk_bytes = 0);
+
+  // Calls `on_event` for every event (the first is a snapshot) until it
+  // returns false or the stream ends. Returns OK when the callback stopped
+  // it, otherwise the stream's status.
+  absl::Status Watch(const std::string& model_group,
+                     const std::function<bool(const refit::v1::WatchEvent&)>& on_event);
+
+  // grpc.health.v1 Check ("" = liveness, kReadinessService = readiness).
+  // Retried on UNAVAILABLE. NOT_FOUND if the service is unknown.
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> HealthCheck(
+      const std::string& service);
+  // grpc.health.v1 Watch; same contract as Watch.
+  absl::Status HealthWatch(
+      const std::string& service,
+      const std::function<bool(grpc::health::v1::HealthCheckResponse::ServingStatus)>& on_status);
+
+ private:
+  RefitClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
+  void PrepareContext(class grpc::ClientContext* context, bool with_token) const;
+  // Runs `call` up to retry.max_attempts times while it returns UNAVAILABLE.
+  absl::Status RetryReadOnly(const std::function<absl::Status()>& call) const;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<refit::v1::RefitService::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+};
+
+}  // namespace refit::client
+
+#endif  // REFIT_CLIENT_REFIT_CLIENT_H_

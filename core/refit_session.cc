@@ -1,1 +1,765 @@
-// implementation pending
+#include "core/refit_session.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "core/log.h"
+#include "core/safetensors.h"
+#include "core/shard_store_tensors.h"
+
+namespace refit::core {
+namespace {
+
+// A zero-initialized host buffer; calloc so that large buffers get lazily
+// zeroed pages instead of a memset pass.
+struct Buffer {
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> data;
+  int64_t size = 0;
+
+  static absl::StatusOr<Buffer> Zeroed(int64_t size, absl::string_view what) {
+    Buffer buffer;
+    buffer.size = size;
+    if (size == 0) return buffer;
+    buffer.data.reset(static_cast<uint8_t*>(std::calloc(static_cast<size_t>(size), 1)));
+    if (buffer.data == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", size, " bytes of staging for ", what));
+    }
+    return buffer;
+  }
+};
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// The 2-D view SliceSpec uses: [n] -> [n, 1], [] -> [1, 1], [a, b, ...] -> [a, b*...].
+int64_t ViewCols(absl::Span<const int64_t> shape) {
+  if (shape.size() < 2) return 1;
+  int64_t cols = 1;
+  for (size_t i = 1; i < shape.size(); ++i) cols *= shape[i];
+  return cols;
+}
+
+uint64_t Hash(const void* data, int64_t size) {
+  return XXH3_64bits(data, static_cast<size_t>(size));
+}
+
+std::string NewRefitId() {
+  static std::atomic<uint64_t> counter{0};
+  uint64_t n = counter.fetch_add(1) + 1;
+  uint64_t t = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+  return absl::StrFormat("r-%x-%d", t & 0xffffffffff, n);
+}
+
+// Received byte ranges of one checkpoint tensor: begin -> end, disjoint.
+class RangeSet {
+ public:
+  // OK, or ALREADY_EXISTS for an exact repeat, INVALID_ARGUMENT for a partial overlap.
+  absl::Status Add(uint64_t begin, uint64_t end, absl::string_view name) {
+    if (begin == end) return absl::OkStatus();
+    auto next = ranges_.lower_bound(begin);
+    if (next != ranges_.end() && next->first == begin && next->second == end) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("tensor \"", name, "\": duplicate chunk, bytes [", begin, ", ", end,
+                       ") were already received"));
+    }
+    auto overlaps = [&](uint64_t b, uint64_t e) { return b < end && begin < e; };
+    if (next != ranges_.end() && overlaps(next->first, next->second)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor \"", name, "\": chunk bytes [", begin, ", ", end,
+                       ") overlap bytes [", next->first, ", ", next->second,
+                       ") already received"));
+    }
+    if (next != ranges_.begin()) {
+      auto prev = std::prev(next);
+      if (overlaps(prev->first, prev->second)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor \"", name, "\": chunk bytes [", begin, ", ", end,
+                         ") overlap bytes [", prev->first, ", ", prev->second,
+                         ") already received"));
+      }
+    }
+    ranges_.emplace(begin, end);
+    received_ += end - begin;
+    return absl::OkStatus();
+  }
+  uint64_t received() const { return received_; }
+
+ private:
+  std::map<uint64_t, uint64_t> ranges_;
+  uint64_t received_ = 0;
+};
+
+struct TensorState {
+  RangeSet ranges;
+  bool seen = false;
+  DType dtype = DType::kBFloat16;  // of the first chunk; later chunks must match
+};
+
+struct LayerState {
+  int64_t loaded = 0;
+  bool processed = false;
+  std::vector<Buffer> params;  // allocated on the first chunk, freed when processed
+  int64_t param_bytes = 0;     // allocated
+  // Staged kernel bytes, one per kernel of the layer, once processed.
+  std::vector<Buffer> staged;
+  std::vector<uint64_t> hashes;
+};
+
+}  // namespace
+
+absl::string_view SessionStateName(SessionState state) {
+  switch (state) {
+    case SessionState::kReceiving:
+      return "receiving";
+    case SessionState::kPrepared:
+      return "prepared";
+    case SessionState::kCommitted:
+      return "committed";
+    case SessionState::kAborted:
+      return "aborted";
+  }
+  return "unknown";
+}
+
+class RefitSessionImpl {
+ public:
+  RefitSessionImpl(ShardStore* store, RefitOptions options)
+      : store_(store),
+        impl_(store->impl()),
+        layout_(store->layout()),
+        options_(std::move(options)),
+        layers_(layout_.layers().size()),
+        tensors_(layout_.checkpoint_tensors().size()),
+        begin_time_(absl::Now()),
+        last_ingest_(begin_time_) {
+    for (const LayerSpec& layer : layout_.layers()) {
+      if (layer.kind != LayerKind::kAttention) expected_ += layer.expected_numel;
+    }
+  }
+
+  ~RefitSessionImpl() {
+    absl::MutexLock lock(&mu_);
+    if (state_ == SessionState::kReceiving || state_ == SessionState::kPrepared) {
+      AbortLocked(absl::AbortedError("refit session destroyed before commit"));
+    }
+  }
+
+  const std::string& refit_id() const { return options_.refit_id; }
+
+  SessionState state() const {
+    absl::MutexLock lock(&mu_);
+    return state_;
+  }
+
+  absl::Status abort_status() const {
+    absl::MutexLock lock(&mu_);
+    return abort_status_;
+  }
+
+  SessionProgress progress() const {
+    absl::MutexLock lock(&mu_);
+    SessionProgress p;
+    p.refit_id = options_.refit_id;
+    p.state = state_;
+    p.layers_total = static_cast<int64_t>(layers_.size());
+    for (const LayerState& layer : layers_) p.layers_done += layer.processed ? 1 : 0;
+    p.bytes_received = bytes_received_;
+    p.elements_loaded = loaded_;
+    p.elements_expected = expected_;
+    p.staging_bytes = staging_bytes_;
+    p.peak_staging_bytes = peak_staging_bytes_;
+    p.staged_kernel_bytes = staged_kernel_bytes_;
+    return p;
+  }
+
+  absl::Status Ingest(const Chunk& chunk) {
+    absl::MutexLock lock(&mu_);
+    if (state_ != SessionState::kReceiving) return NotReceiving();
+    absl::Status status = IngestLocked(chunk);
+    last_ingest_ = absl::Now();
+    if (!status.ok()) AbortLocked(status);
+    return status;
+  }
+
+  absl::Status Prepare() {
+    absl::MutexLock lock(&mu_);
+    return PrepareLocked();
+  }
+
+  absl::StatusOr<RefitResult> Commit() {
+    absl::MutexLock lock(&mu_);
+    if (state_ == SessionState::kReceiving) {
+      absl::Status prepared = PrepareLocked();
+      if (!prepared.ok()) return prepared;
+    }
+    if (state_ != SessionState::kPrepared) return NotReceiving();
+
+    std::vector<StagedKernel> staged;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const LayerState& layer = layers_[l];
+      if (!layer.processed) continue;
+      const std::vector<int>& kernels = impl_.layer_kernels[l];
+      for (size_t k = 0; k < kernels.size(); ++k) {
+        StagedKernel s;
+        s.kernel = kernels[k];
+        s.data = layer.staged[k].data.get();
+        s.hash = layer.hashes[k];
+        // A zero-byte kernel has no storage; give memcpy a valid pointer.
+        static const uint8_t kEmpty = 0;
+        if (s.data == nullptr) s.data = &kEmpty;
+        staged.push_back(s);
+      }
+    }
+    absl::StatusOr<CommitStats> stats = impl_.CommitStaged(staged);
+    if (!stats.ok()) {
+      AbortLocked(stats.status());
+      return stats.status();
+    }
+    timings_.commit = stats->pause;
+    state_ = SessionState::kCommitted;
+
+    RefitResult result;
+    result.refit_id = options_.refit_id;
+    result.version = stats->version;
+    result.fingerprint = stats->fingerprint;
+    result.kept_layers = kept_layers_;
+    result.partial_layers = partial_layers_;
+    result.timings = timings_;
+    result.bytes_received = bytes_received_;
+    result.peak_staging_bytes = peak_staging_bytes_;
+    FreeAll();
+    store_->ReleaseSession(options_.refit_id);
+    REFIT_LOG(INFO)
+            .Field("refit_id", options_.refit_id)
+            .Field("group", store_->group())
+            .Field("version", absl::StrCat(stats->version))
+            .Field("fingerprint", stats->fingerprint)
+            .Field("pause_us", absl::StrCat(absl::ToInt64Microseconds(stats->pause)))
+        << "committed";
+    StoreEvent event;
+    event.type = StoreEventType::kCommitted;
+    event.refit_id = options_.refit_id;
+    event.version = stats->version;
+    event.fingerprint = stats->fingerprint;
+    PublishUnlocked(std::move(event));
+    return result;
+  }
+
+  void Abort(absl::string_view reason) {
+    absl::MutexLock lock(&mu_);
+    if (state_ == SessionState::kReceiving || state_ == SessionState::kPrepared) {
+      AbortLocked(absl::AbortedError(absl::StrCat("refit \"", options_.refit_id,
+                                                  "\" aborted: ", reason)));
+    }
+  }
+
+ private:
+  absl::Status NotReceiving() const {
+    return absl::FailedPreconditionError(
+        absl::StrCat("refit \"", options_.refit_id, "\" is ", SessionStateName(state_),
+                     abort_status_.ok() ? "" : absl::StrCat(" (", abort_status_.message(), ")")));
+  }
+
+  // Events are published with mu_ released: listeners may call progress().
+  void PublishUnlocked(StoreEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    mu_.Unlock();
+    store_->Publish(std::move(event));
+    mu_.Lock();
+  }
+
+  void FreeAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    layers_.clear();
+    layers_.shrink_to_fit();
+    tensors_.clear();
+    tensors_.shrink_to_fit();
+    staging_bytes_ = 0;
+    staged_kernel_bytes_ = 0;
+  }
+
+  void AbortLocked(absl::Status reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (state_ == SessionState::kAborted || state_ == SessionState::kCommitted) return;
+    state_ = SessionState::kAborted;
+    abort_status_ = reason;
+    FreeAll();
+    store_->ReleaseSession(options_.refit_id);
+    REFIT_LOG(WARNING)
+            .Field("refit_id", options_.refit_id)
+            .Field("group", store_->group())
+            .Field("version", absl::StrCat(store_->version()))
+        << "aborted: " << std::string(reason.message());
+    StoreEvent event;
+    event.type = StoreEventType::kAborted;
+    event.refit_id = options_.refit_id;
+    event.version = store_->version();
+    event.fingerprint = store_->fingerprint();
+    event.message = std::string(reason.message());
+    PublishUnlocked(std::move(event));
+  }
+
+  absl::Status IngestLocked(const Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::StatusOr<int> index = impl_.mapper.LookupIndex(chunk.name);
+    if (!index.ok()) return index.status();
+    const CheckpointTensor& ct = layout_.checkpoint_tensors()[*index];
+    TensorState& ts = tensors_[*index];
+
+    if (!IsHighPrecisionFloat(chunk.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", ct.name, "\": dtype ", DTypeName(chunk.dtype),
+          " is not accepted; send F32, F16 or BF16 (checkpoint dtype ", DTypeName(ct.dtype), ")"));
+    }
+    if (!std::equal(chunk.shape.begin(), chunk.shape.end(), ct.shape.begin(), ct.shape.end())) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor \"", ct.name, "\": shape ",
+                                                     ShapeString(chunk.shape),
+                                                     " does not match the model's ",
+                                                     ShapeString(ct.shape)));
+    }
+    if (ts.seen && ts.dtype != chunk.dtype) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor \"", ct.name, "\": chunk dtype ", DTypeName(chunk.dtype),
+                       " differs from its earlier chunks' ", DTypeName(ts.dtype)));
+    }
+    const uint64_t elem = DTypeSize(chunk.dtype);
+    const uint64_t total = static_cast<uint64_t>(ct.numel()) * elem;
+    const uint64_t begin = chunk.offset;
+    const uint64_t size = chunk.data.size();
+    if (begin % elem != 0 || size % elem != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor \"", ct.name, "\": chunk at byte ", begin, " of ", size,
+                       " bytes is not aligned to whole ", DTypeName(chunk.dtype), " elements"));
+    }
+    if (begin > total || size > total - begin) {
+      return absl::OutOfRangeError(absl::StrCat("tensor \"", ct.name, "\": chunk bytes [", begin,
+                                                ", ", begin + size, ") run past its end at ",
+                                                total, " bytes"));
+    }
+    if (chunk.xxh3.has_value() && Hash(chunk.data.data(), size) != *chunk.xxh3) {
+      return absl::DataLossError(absl::StrCat("tensor \"", ct.name, "\": checksum mismatch in chunk bytes [",
+                                              begin, ", ", begin + size, ")"));
+    }
+    absl::Status added = ts.ranges.Add(begin, begin + size, ct.name);
+    if (!added.ok()) return added;
+    ts.seen = true;
+    ts.dtype = chunk.dtype;
+    bytes_received_ += static_cast<int64_t>(size);
+    if (ct.use == CheckpointTensor::Use::kIgnored || size == 0) return absl::OkStatus();
+
+    return Scatter(ct, chunk, begin / elem, (begin + size) / elem);
+  }
+
+  // Copies the part of elements [e0, e1) of `ct` that lies in its slice into
+  // the layer's param buffer, converting to the checkpoint dtype.
+  absl::Status Scatter(const CheckpointTensor& ct, const Chunk& chunk, uint64_t e0, uint64_t e1)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const LayerSpec& layer_spec = layout_.layers()[ct.layer];
+    LayerState& layer = layers_[ct.layer];
+    const ParamSpec& param = layer_spec.params[ct.param];
+    const SliceSpec& slice = ct.slice;
+    const int64_t cols = ViewCols(ct.shape);
+    const int64_t elem_in = static_cast<int64_t>(DTypeSize(chunk.dtype));
+    const int64_t elem_out = static_cast<int64_t>(DTypeSize(param.dtype));
+
+    int64_t row_first = static_cast<int64_t>(e0) / cols;
+    int64_t row_last = (static_cast<int64_t>(e1) - 1) / cols + 1;  // exclusive
+    row_first = std::max(row_first, slice.src_row);
+    row_last = std::min(row_last, slice.src_row + slice.num_rows);
+    if (row_first >= row_last) return absl::OkStatus();
+
+    if (layer.params.empty()) {
+      absl::Status allocated = AllocateLayer(ct.layer);
+      if (!allocated.ok()) return allocated;
+    }
+    uint8_t* dst_base = layer.params[ct.param].data.get();
+    int64_t contributed = 0;
+    for (int64_t r = row_first; r < row_last; ++r) {
+      int64_t a = std::max<int64_t>(static_cast<int64_t>(e0), r * cols) - r * cols;
+      int64_t b = std::min<int64_t>(static_cast<int64_t>(e1), (r + 1) * cols) - r * cols;
+      a = std::max(a, slice.src_col);
+      b = std::min(b, slice.src_col + slice.num_cols);
+      if (a >= b) continue;
+      int64_t dst_index = (slice.dst_row + (r - slice.src_row)) * slice.num_cols + (a - slice.src_col);
+      const uint8_t* src = chunk.data.data() + ((r * cols + a) - static_cast<int64_t>(e0)) * elem_in;
+      absl::Status converted = ConvertFloats(src, chunk.dtype, dst_base + dst_index * elem_out,
+                                             param.dtype, static_cast<size_t>(b - a));
+      if (!converted.ok()) return converted;
+      contributed += b - a;
+    }
+    layer.loaded += contributed;
+    loaded_ += contributed;
+    if (layer_spec.kind != LayerKind::kAttention && layer.loaded == layer_spec.expected_numel) {
+      return ProcessLayer(ct.layer);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status AllocateLayer(int l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const LayerSpec& spec = layout_.layers()[l];
+    LayerState& layer = layers_[l];
+    int64_t bytes = spec.param_bytes();
+    if (staging_bytes_ + bytes > options_.staging_budget_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "staging budget exceeded: layer \"", spec.name, "\" needs ", bytes,
+          " bytes of high-precision staging, ", staging_bytes_, " bytes are held by ",
+          LayersInFlight(), " incomplete layer(s), budget ", options_.staging_budget_bytes,
+          " bytes; send tensors layer by layer or raise the budget"));
+    }
+    for (const ParamSpec& param : spec.params) {
+      absl::StatusOr<Buffer> buffer = Buffer::Zeroed(param.nbytes(), spec.name);
+      if (!buffer.ok()) return buffer.status();
+      layer.params.push_back(*std::move(buffer));
+    }
+    layer.param_bytes = bytes;
+    staging_bytes_ += bytes;
+    peak_staging_bytes_ = std::max(peak_staging_bytes_, staging_bytes_);
+    return absl::OkStatus();
+  }
+
+  int64_t LayersInFlight() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    int64_t n = 0;
+    for (const LayerState& layer : layers_) n += (!layer.params.empty() && !layer.processed) ? 1 : 0;
+    return n;
+  }
+
+  // Turns a layer's checkpoint-format params into its kernels (staged), then
+  // frees the params.
+  absl::Status ProcessLayer(int l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::Time start = absl::Now();
+    const LayerSpec& spec = layout_.layers()[l];
+    LayerState& layer = layers_[l];
+    if (layer.params.empty()) {
+      absl::Status allocated = AllocateLayer(l);
+      if (!allocated.ok()) return allocated;
+    }
+    std::vector<Buffer> staged(spec.kernels.size());
+    if (spec.kind == LayerKind::kAttention) {
+      absl::Status done = ProcessAttention(spec, layer, staged);
+      if (!done.ok()) return done;
+    } else {
+      for (size_t k = 0; k < spec.kernels.size(); ++k) {
+        const KernelSpec& kernel = spec.kernels[k];
+        if (kernel.suffix == "weight_scale" || kernel.suffix == "weight_scale_inv") continue;
+        int p = ParamIndex(spec, kernel.suffix);
+        if (p < 0) {
+          return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": kernel \"",
+                                                  kernel.suffix, "\" has no source param"));
+        }
+        const ParamSpec& param = spec.params[p];
+        if (spec.quantized && kernel.suffix == "weight") {
+          int s = KernelIndex(spec, "weight_scale");
+          if (s < 0) s = KernelIndex(spec, "weight_scale_inv");
+          if (s < 0 || param.shape.size() != 2) {
+            return absl::InternalError(
+                absl::StrCat("layer \"", spec.name, "\": quantized weight without scale"));
+          }
+          absl::StatusOr<Buffer> q = Buffer::Zeroed(kernel.nbytes(), kernel.name);
+          if (!q.ok()) return q.status();
+          absl::StatusOr<Buffer> scales = Buffer::Zeroed(spec.kernels[s].nbytes(), kernel.name);
+          if (!scales.ok()) return scales.status();
+          Fp8QuantizeOptions qopts;
+          qopts.scheme = layout_.quant();
+          qopts.non_finite = options_.non_finite;
+          qopts.num_threads = options_.quantize_threads;
+          absl::Status quantized = QuantizeFp8(
+              layer.params[p].data.get(), param.dtype, param.shape[0], param.shape[1], qopts,
+              q->data.get(), reinterpret_cast<float*>(scales->data.get()), kernel.name);
+          if (!quantized.ok()) return quantized;
+          staged[k] = *std::move(q);
+          staged[s] = *std::move(scales);
+        } else {
+          // Kept in the checkpoint dtype: the param buffer becomes the kernel.
+          if (param.nbytes() != kernel.nbytes()) {
+            return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": param \"",
+                                                    param.suffix, "\" and its kernel differ in size"));
+          }
+          staged[k] = std::move(layer.params[p]);
+        }
+      }
+    }
+    // Processing must reproduce the first load's exact sizes, or nothing commits.
+    layer.hashes.resize(spec.kernels.size());
+    for (size_t k = 0; k < spec.kernels.size(); ++k) {
+      if (staged[k].size != spec.kernels[k].nbytes()) {
+        return absl::InternalError(absl::StrCat("kernel \"", spec.kernels[k].name, "\": staged ",
+                                                staged[k].size, " bytes, live tensor has ",
+                                                spec.kernels[k].nbytes()));
+      }
+      layer.hashes[k] = Hash(staged[k].data.get(), staged[k].size);
+      staged_kernel_bytes_ += staged[k].size;
+    }
+    layer.staged = std::move(staged);
+    layer.params.clear();
+    staging_bytes_ -= layer.param_bytes;
+    layer.param_bytes = 0;
+    layer.processed = true;
+    timings_.quantize += absl::Now() - start;
+    return absl::OkStatus();
+  }
+
+  // REFERENCE.md §4: both k and v present (> 0) -> use them; both missing ->
+  // 1.0; one missing -> the other; q missing -> k. The legacy kv_scale stands
+  // in for whichever of k / v is missing.
+  absl::Status ProcessAttention(const LayerSpec& spec, const LayerState& layer,
+                                std::vector<Buffer>& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto received = [&](absl::string_view suffix) -> float {
+      int p = ParamIndex(spec, suffix);
+      if (p < 0 || layer.params.empty()) return 0.0f;
+      float value = LoadAsFloat(layer.params[p].data.get(), spec.params[p].dtype, 0);
+      return value > 0.0f && value < std::numeric_limits<float>::infinity() ? value : 0.0f;
+    };
+    float kv = received("kv_scale");
+    float k = received("k_scale");
+    float v = received("v_scale");
+    float q = received("q_scale");
+    if (k == 0.0f) k = kv;
+    if (v == 0.0f) v = kv;
+    if (k == 0.0f && v == 0.0f) {
+      k = v = 1.0f;
+    } else if (k == 0.0f || v == 0.0f) {
+      k = v = std::max(k, v);
+    }
+    if (q == 0.0f) q = k;
+    for (size_t i = 0; i < spec.kernels.size(); ++i) {
+      const KernelSpec& kernel = spec.kernels[i];
+      float value = kernel.suffix == "k_scale" ? k : kernel.suffix == "v_scale" ? v : q;
+      absl::StatusOr<Buffer> buffer = Buffer::Zeroed(kernel.nbytes(), kernel.name);
+      if (!buffer.ok()) return buffer.status();
+      if (kernel.nbytes() == static_cast<int64_t>(sizeof(float))) {
+        std::memcpy(buffer->data.get(), &value, sizeof(float));
+      }
+      staged[i] = *std::move(buffer);
+    }
+    return absl::OkStatus();
+  }
+
+  static int ParamIndex(const LayerSpec& spec, absl::string_view suffix) {
+    for (size_t i = 0; i < spec.params.size(); ++i) {
+      if (spec.params[i].suffix == suffix) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  static int KernelIndex(const LayerSpec& spec, absl::string_view suffix) {
+    for (size_t i = 0; i < spec.kernels.size(); ++i) {
+      if (spec.kernels[i].suffix == suffix) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  absl::Status PrepareLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (state_ != SessionState::kReceiving) return NotReceiving();
+    absl::Status status = FinalizeLocked();
+    if (!status.ok()) {
+      AbortLocked(status);
+      return status;
+    }
+    state_ = SessionState::kPrepared;
+    REFIT_LOG(INFO)
+            .Field("refit_id", options_.refit_id)
+            .Field("group", store_->group())
+            .Field("bytes", absl::StrCat(bytes_received_))
+            .Field("kept_layers", absl::StrCat(kept_layers_.size()))
+        << "prepared";
+    StoreEvent event;
+    event.type = StoreEventType::kPrepared;
+    event.refit_id = options_.refit_id;
+    event.version = store_->version();
+    event.fingerprint = store_->fingerprint();
+    PublishUnlocked(std::move(event));
+    return absl::OkStatus();
+  }
+
+  absl::Status FinalizeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::Time start = absl::Now();
+    timings_.receive = last_ingest_ - begin_time_;
+    const std::vector<CheckpointTensor>& cts = layout_.checkpoint_tensors();
+    // A tensor received only in part is truncated data, never padding.
+    for (size_t i = 0; i < cts.size(); ++i) {
+      const TensorState& ts = tensors_[i];
+      if (!ts.seen) continue;
+      uint64_t total = static_cast<uint64_t>(cts[i].numel()) * DTypeSize(ts.dtype);
+      if (ts.ranges.received() != total) {
+        return absl::DataLossError(absl::StrCat("tensor \"", cts[i].name, "\" is incomplete: received ",
+                                                ts.ranges.received(), " of ", total, " bytes"));
+      }
+    }
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const LayerSpec& spec = layout_.layers()[l];
+      LayerState& layer = layers_[l];
+      if (layer.processed) continue;
+      if (spec.kind == LayerKind::kAttention) {
+        absl::Status done = ProcessLayer(static_cast<int>(l));
+        if (!done.ok()) return done;
+        continue;
+      }
+      if (spec.expected_numel == 0) continue;  // nothing of it lives on this rank
+      if (layer.loaded == 0) {
+        kept_layers_.push_back(spec.name);
+        REFIT_LOG(WARNING).Field("refit_id", options_.refit_id).Field("layer", spec.name)
+            << "received no weights; keeping the live values";
+        continue;
+      }
+      std::vector<std::string> missing = MissingTensors(static_cast<int>(l));
+      if (!options_.allow_partial_layers) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "layer \"", spec.name, "\" is incomplete: no bytes for ", absl::StrJoin(missing, ", "),
+            " (", layer.loaded, " of ", spec.expected_numel,
+            " elements); send them or set allow_partial_layers to zero-fill"));
+      }
+      absl::Status done = ProcessLayer(static_cast<int>(l));
+      if (!done.ok()) return done;
+      partial_layers_.push_back(spec.name);
+      REFIT_LOG(WARNING).Field("refit_id", options_.refit_id).Field("layer", spec.name)
+          << "zero-filled missing tensors: " << absl::StrJoin(missing, ", ");
+    }
+    timings_.finalize = absl::Now() - start;
+    return absl::OkStatus();
+  }
+
+  std::vector<std::string> MissingTensors(int l) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<std::string> missing;
+    const std::vector<CheckpointTensor>& cts = layout_.checkpoint_tensors();
+    for (size_t i = 0; i < cts.size(); ++i) {
+      if (cts[i].use == CheckpointTensor::Use::kTarget && cts[i].layer == l && !cts[i].optional &&
+          !tensors_[i].seen && cts[i].slice.numel() > 0) {
+        missing.push_back(cts[i].name);
+      }
+    }
+    return missing;
+  }
+
+  ShardStore* const store_;
+  ShardStoreImpl& impl_;
+  const ModelLayout& layout_;
+  const RefitOptions options_;
+
+  mutable absl::Mutex mu_;
+  SessionState state_ ABSL_GUARDED_BY(mu_) = SessionState::kReceiving;
+  absl::Status abort_status_ ABSL_GUARDED_BY(mu_);
+  std::vector<LayerState> layers_ ABSL_GUARDED_BY(mu_);
+  std::vector<TensorState> tensors_ ABSL_GUARDED_BY(mu_);
+  int64_t bytes_received_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t loaded_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t expected_ = 0;
+  int64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t peak_staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t staged_kernel_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> kept_layers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> partial_layers_ ABSL_GUARDED_BY(mu_);
+  PhaseTimings timings_ ABSL_GUARDED_BY(mu_);
+  const absl::Time begin_time_;
+  absl::Time last_ingest_ ABSL_GUARDED_BY(mu_);
+};
+
+RefitSession::RefitSession(std::unique_ptr<RefitSessionImpl> impl) : impl_(std::move(impl)) {}
+RefitSession::~RefitSession() = default;
+
+absl::StatusOr<std::unique_ptr<RefitSession>> RefitSession::Begin(ShardStore* store,
+                                                                  RefitOptions options) {
+  if (store == nullptr) return absl::InvalidArgumentError("RefitSession needs a store");
+  if (options.refit_id.empty()) options.refit_id = NewRefitId();
+  if (options.staging_budget_bytes < 0) {
+    return absl::InvalidArgumentError("staging_budget_bytes must not be negative");
+  }
+  absl::Status acquired = store->AcquireSession(options.refit_id);
+  if (!acquired.ok()) return acquired;
+  if (options.base_version.has_value() && *options.base_version != store->version()) {
+    store->ReleaseSession(options.refit_id);
+    return absl::FailedPreconditionError(
+        absl::StrCat("refit expects base version ", *options.base_version, " but model group \"",
+                     store->group(), "\" serves version ", store->version()));
+  }
+  std::string id = options.refit_id;
+  auto session = std::unique_ptr<RefitSession>(
+      new RefitSession(std::make_unique<RefitSessionImpl>(store, std::move(options))));
+  REFIT_LOG(INFO).Field("refit_id", id).Field("group", store->group())
+          .Field("base_version", absl::StrCat(store->version()))
+      << "staging started";
+  StoreEvent event;
+  event.type = StoreEventType::kStagingStarted;
+  event.refit_id = id;
+  event.version = store->version();
+  event.fingerprint = store->fingerprint();
+  store->Publish(std::move(event));
+  return session;
+}
+
+absl::Status RefitSession::Ingest(const Chunk& chunk) { return impl_->Ingest(chunk); }
+absl::Status RefitSession::Prepare() { return impl_->Prepare(); }
+absl::StatusOr<RefitResult> RefitSession::Commit() { return impl_->Commit(); }
+void RefitSession::Abort(absl::string_view reason) { impl_->Abort(reason); }
+const std::string& RefitSession::refit_id() const { return impl_->refit_id(); }
+SessionState RefitSession::state() const { return impl_->state(); }
+SessionProgress RefitSession::progress() const { return impl_->progress(); }
+absl::Status RefitSession::abort_status() const { return impl_->abort_status(); }
+
+absl::StatusOr<RefitResult> LoadSafetensors(
+    ShardStore* store, const std::vector<std::string>& files, RefitOptions options,
+    const std::function<void(const SessionProgress&)>& on_progress, bool prepare_only,
+    std::unique_ptr<RefitSession>* prepared) {
+  constexpr uint64_t kChunkBytes = uint64_t{64} << 20;
+  if (files.empty()) return absl::InvalidArgumentError("no safetensors files to load");
+  absl::StatusOr<std::unique_ptr<RefitSession>> session = RefitSession::Begin(store, options);
+  if (!session.ok()) return session.status();
+  for (const std::string& path : files) {
+    absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
+    if (!file.ok()) {
+      (*session)->Abort(file.status().message());
+      return file.status();
+    }
+    for (const TensorEntry& tensor : (*file)->tensors()) {
+      uint64_t offset = 0;
+      do {
+        uint64_t n = std::min(kChunkBytes, tensor.nbytes - offset);
+        // Keep chunks whole elements.
+        uint64_t elem = DTypeSize(tensor.dtype);
+        n -= n % elem;
+        if (n == 0 && tensor.nbytes > 0) n = std::min<uint64_t>(elem, tensor.nbytes - offset);
+        Chunk chunk;
+        chunk.name = tensor.name;
+        chunk.dtype = tensor.dtype;
+        chunk.shape = tensor.shape;
+        chunk.offset = offset;
+        chunk.data = absl::MakeConstSpan(tensor.data + offset, n);
+        absl::Status ingested = (*session)->Ingest(chunk);
+        if (!ingested.ok()) {
+          return absl::Status(ingested.code(),
+                              absl::StrCat((*file)->path(), ": ", ingested.message()));
+        }
+        offset += n;
+      } while (offset < tensor.nbytes);
+    }
+    if (on_progress) on_progress((*session)->progress());
+  }
+  if (prepare_only) {
+    absl::Status status = (*session)->Prepare();
+    if (!status.ok()) return status;
+    RefitResult result;
+    result.refit_id = (*session)->refit_id();
+    SessionProgress progress = (*session)->progress();
+    result.version = store->version();
+    result.fingerprint = store->fingerprint();
+    result.bytes_received = progress.bytes_received;
+    result.peak_staging_bytes = progress.peak_staging_bytes;
+    if (prepared != nullptr) *prepared = *std::move(session);
+    return result;
+  }
+  return (*session)->Commit();
+}
+
+}  // namespace refit::core

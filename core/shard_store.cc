@@ -1,1 +1,320 @@
-// implementation pending
+#include "core/shard_store.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/Device.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "core/log.h"
+#include "core/shard_store_tensors.h"
+#include "core/torch_dtype.h"
+
+#ifdef REFIT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace refit::core {
+namespace {
+
+uint64_t HashZeros(int64_t nbytes) {
+  static const std::vector<uint8_t> zeros(1 << 20, 0);
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  for (int64_t done = 0; done < nbytes;) {
+    int64_t n = std::min<int64_t>(nbytes - done, static_cast<int64_t>(zeros.size()));
+    XXH3_64bits_update(state, zeros.data(), static_cast<size_t>(n));
+    done += n;
+  }
+  uint64_t h = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return h;
+}
+
+absl::StatusOr<c10::Device> ParseDevice(absl::string_view text) {
+  try {
+    c10::Device device{std::string(text)};
+    if (!device.is_cpu() && !device.is_cuda()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device \"", text, "\": only cpu and cuda:N are supported"));
+    }
+    if (device.is_cuda() && !device.has_index()) device.set_index(0);
+    return device;
+  } catch (const c10::Error& e) {
+    return absl::InvalidArgumentError(absl::StrCat("device \"", text, "\": not a device name"));
+  }
+}
+
+}  // namespace
+
+absl::string_view StoreEventTypeName(StoreEventType type) {
+  switch (type) {
+    case StoreEventType::kStagingStarted:
+      return "staging_started";
+    case StoreEventType::kPrepared:
+      return "prepared";
+    case StoreEventType::kCommitted:
+      return "committed";
+    case StoreEventType::kAborted:
+      return "aborted";
+  }
+  return "unknown";
+}
+
+ShardStoreImpl::ShardStoreImpl(std::shared_ptr<const ModelLayout> shared_layout,
+                               c10::Device dev)
+    : layout(*shared_layout), device(dev), mapper(shared_layout) {
+  layer_kernels.resize(layout.layers().size());
+  for (size_t l = 0; l < layout.layers().size(); ++l) {
+    for (const KernelSpec& spec : layout.layers()[l].kernels) {
+      int index = static_cast<int>(specs.size());
+      specs.push_back(&spec);
+      kernel_layer.push_back(static_cast<int>(l));
+      layer_kernels[l].push_back(index);
+      kernel_index.emplace(spec.name, index);
+    }
+  }
+}
+
+absl::Status ShardStoreImpl::Allocate() {
+  std::vector<uint64_t> zero_hashes;
+  try {
+    for (const KernelSpec* spec : specs) {
+      absl::StatusOr<c10::ScalarType> type = ToScalarType(spec->dtype);
+      if (!type.ok()) return type.status();
+      kernels.push_back(at::zeros(spec->shape, at::TensorOptions().dtype(*type).device(device)));
+      zero_hashes.push_back(HashZeros(spec->nbytes()));
+    }
+  } catch (const c10::Error& e) {
+    kernels.clear();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", layout.kernel_bytes(), " bytes of kernel tensors on ",
+                     device.str(), ": ", e.what_without_backtrace()));
+  }
+  absl::MutexLock lock(&mu);
+  hashes = std::move(zero_hashes);
+  fingerprint = ComputeFingerprint(hashes);
+  return absl::OkStatus();
+}
+
+std::string ShardStoreImpl::ComputeFingerprint(const std::vector<uint64_t>& kernel_hashes) const {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const KernelSpec& spec = *specs[i];
+    XXH3_64bits_update(state, spec.name.data(), spec.name.size() + 1);
+    absl::string_view dtype = DTypeName(spec.dtype);
+    XXH3_64bits_update(state, dtype.data(), dtype.size());
+    for (int64_t dim : spec.shape) XXH3_64bits_update(state, &dim, sizeof(dim));
+    XXH3_64bits_update(state, &kernel_hashes[i], sizeof(uint64_t));
+  }
+  uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return absl::StrFormat("%016x", digest);
+}
+
+absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<StagedKernel>& staged) {
+  for (const StagedKernel& s : staged) {
+    if (s.kernel < 0 || s.kernel >= static_cast<int>(kernels.size()) || s.data == nullptr) {
+      return absl::InternalError(absl::StrCat("staged kernel index ", s.kernel, " is invalid"));
+    }
+  }
+  CommitStats stats;
+  absl::Time start;
+  {
+    absl::MutexLock lock(&mu);
+    start = absl::Now();
+    try {
+      for (const StagedKernel& s : staged) {
+        at::Tensor& live = kernels[s.kernel];
+        int64_t nbytes = specs[s.kernel]->nbytes();
+        if (live.is_cpu() && !s.on_device) {
+          std::memcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes));
+        } else {
+#ifdef REFIT_WITH_CUDA
+          cudaMemcpyKind kind = s.on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice;
+          if (cudaMemcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes), kind) !=
+              cudaSuccess) {
+            // Some kernels already hold new bytes: a mixed version must never
+            // be served, so this is fatal.
+            REFIT_LOG(ERROR) << "commit copy of " << specs[s.kernel]->name << " failed";
+            std::abort();
+          }
+#else
+          // CPU-only build with a device store: go through LibTorch.
+          at::Tensor src = at::from_blob(const_cast<void*>(s.data), live.sizes(),
+                                         at::TensorOptions().dtype(live.scalar_type()));
+          live.copy_(src);
+#endif
+        }
+        hashes[s.kernel] = s.hash;
+        stats.bytes_copied += nbytes;
+      }
+    } catch (const c10::Error& e) {
+      // Unreachable for host copies; a device copy failing mid-way leaves a
+      // mixed version, which must never be served.
+      REFIT_LOG(ERROR) << "commit copy failed: " << e.what_without_backtrace();
+      std::abort();
+    }
+    ++version;
+    fingerprint = ComputeFingerprint(hashes);
+    last_commit = absl::Now();
+    stats.pause = last_commit - start;
+    stats.version = version;
+    stats.fingerprint = fingerprint;
+  }
+  return stats;
+}
+
+ShardStore::ShardStore(std::shared_ptr<const ModelLayout> layout, ShardStoreOptions options)
+    : layout_(std::move(layout)), options_(std::move(options)) {}
+
+ShardStore::~ShardStore() = default;
+
+absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
+    std::shared_ptr<const ModelLayout> layout, ShardStoreOptions options) {
+  if (layout == nullptr) return absl::InvalidArgumentError("ShardStore needs a layout");
+  absl::StatusOr<c10::Device> device = ParseDevice(options.device);
+  if (!device.ok()) return device.status();
+  if (device->is_cuda()) {
+#ifdef REFIT_WITH_CUDA
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+#else
+    int count = 0;
+#endif
+    if (device->index() >= count) {
+      return absl::UnavailableError(absl::StrCat(
+          "device ", device->str(), " is not available: this process sees ", count,
+          " CUDA device(s)",
+#ifdef REFIT_WITH_CUDA
+          ""
+#else
+          " (built without REFIT_WITH_CUDA)"
+#endif
+          ));
+    }
+  }
+  options.device = device->str();
+  std::unique_ptr<ShardStore> store(new ShardStore(layout, options));
+  store->impl_ = std::make_unique<ShardStoreImpl>(layout, *device);
+  absl::Status allocated = store->impl_->Allocate();
+  if (!allocated.ok()) return allocated;
+  return store;
+}
+
+bool ShardStore::on_gpu() const { return impl_->device.is_cuda(); }
+
+uint64_t ShardStore::version() const {
+  absl::ReaderMutexLock lock(&impl_->mu);
+  return impl_->version;
+}
+
+std::string ShardStore::fingerprint() const {
+  absl::ReaderMutexLock lock(&impl_->mu);
+  return impl_->fingerprint;
+}
+
+absl::Time ShardStore::last_commit_time() const {
+  absl::ReaderMutexLock lock(&impl_->mu);
+  return impl_->last_commit;
+}
+
+std::vector<KernelView> ShardStore::Kernels() const {
+  std::vector<KernelView> views;
+  views.reserve(impl_->specs.size());
+  for (size_t i = 0; i < impl_->specs.size(); ++i) {
+    KernelView view;
+    view.spec = impl_->specs[i];
+    view.layer = impl_->kernel_layer[i];
+    view.data = impl_->kernels[i].data_ptr();
+    view.nbytes = impl_->specs[i]->nbytes();
+    views.push_back(view);
+  }
+  return views;
+}
+
+absl::Status ShardStore::ReadKernel(absl::string_view name, std::string* out,
+                                    uint64_t* version) const {
+  auto it = impl_->kernel_index.find(std::string(name));
+  if (it == impl_->kernel_index.end()) {
+    return absl::NotFoundError(absl::StrCat("no kernel tensor named \"", name, "\""));
+  }
+  absl::ReaderMutexLock lock(&impl_->mu);
+  const at::Tensor& live = impl_->kernels[it->second];
+  size_t nbytes = static_cast<size_t>(impl_->specs[it->second]->nbytes());
+  out->resize(nbytes);
+  try {
+    if (live.is_cpu()) {
+      std::memcpy(out->data(), live.data_ptr(), nbytes);
+    } else {
+      at::Tensor host = live.cpu();
+      std::memcpy(out->data(), host.data_ptr(), nbytes);
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("reading ", name, ": ", e.what_without_backtrace()));
+  }
+  if (version != nullptr) *version = impl_->version;
+  return absl::OkStatus();
+}
+
+void ShardStore::WithReaderLock(absl::FunctionRef<void(uint64_t)> fn) const {
+  absl::ReaderMutexLock lock(&impl_->mu);
+  fn(impl_->version);
+}
+
+absl::Status ShardStore::AcquireSession(absl::string_view refit_id) {
+  absl::MutexLock lock(&session_mu_);
+  if (!active_session_.empty()) {
+    return absl::AbortedError(absl::StrCat("model group \"", options_.group, "\" already has an active refit \"",
+                                           active_session_, "\"; wait for it or abort it"));
+  }
+  active_session_ = std::string(refit_id);
+  return absl::OkStatus();
+}
+
+void ShardStore::ReleaseSession(absl::string_view refit_id) {
+  absl::MutexLock lock(&session_mu_);
+  if (active_session_ == refit_id) active_session_.clear();
+}
+
+std::string ShardStore::active_session() const {
+  absl::MutexLock lock(&session_mu_);
+  return active_session_;
+}
+
+int ShardStore::AddListener(Listener listener) {
+  absl::MutexLock lock(&listeners_mu_);
+  int id = next_listener_id_++;
+  listeners_.emplace_back(id, std::move(listener));
+  return id;
+}
+
+void ShardStore::RemoveListener(int id) {
+  absl::MutexLock lock(&listeners_mu_);
+  for (auto it = listeners_.begin(); it != listeners_.end(); ++it) {
+    if (it->first == id) {
+      listeners_.erase(it);
+      return;
+    }
+  }
+}
+
+void ShardStore::Publish(StoreEvent event) {
+  event.group = options_.group;
+  if (event.time == absl::Time()) event.time = absl::Now();
+  std::vector<Listener> copy;
+  {
+    absl::MutexLock lock(&listeners_mu_);
+    for (const auto& [id, listener] : listeners_) copy.push_back(listener);
+  }
+  for (const Listener& listener : copy) listener(event);
+}
+
+}  // namespace refit::core

@@ -1,0 +1,70 @@
+// core-internal: the LibTorch side of ShardStore. The live at::Tensor objects,
+// the reader/writer lock that gives readers one version at a time, and the
+// in-place commit. Included by core .cc files, tests and benchmarks only.
+//
+// Thread-safety: `mu` is held shared by readers and exclusively by
+// CommitStaged for exactly the copy into the live tensors.
+#ifndef REFIT_CORE_SHARD_STORE_TENSORS_H_
+#define REFIT_CORE_SHARD_STORE_TENSORS_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/model_layout.h"
+#include "core/shard_store.h"
+
+namespace refit::core {
+
+// New bytes for one live kernel, staged in host memory (or, for GPU staging,
+// on the store's device).
+struct StagedKernel {
+  int kernel = -1;             // index into ShardStoreImpl::kernels
+  const void* data = nullptr;  // nbytes of the kernel's dtype/shape
+  bool on_device = false;      // data is a device pointer on the store's device
+  uint64_t hash = 0;           // XXH3-64 of the bytes
+};
+
+class ShardStoreImpl {
+ public:
+  ShardStoreImpl(std::shared_ptr<const ModelLayout> layout, c10::Device device);
+
+  // Allocates zeroed kernels and hashes them. RESOURCE_EXHAUSTED if they do not fit.
+  absl::Status Allocate();
+
+  // Copies `staged` into the live tensors in place under the writer lock.
+  // Every entry must match its kernel's byte size (checked before the lock;
+  // INTERNAL otherwise, nothing copied).
+  absl::StatusOr<CommitStats> CommitStaged(const std::vector<StagedKernel>& staged);
+
+  const ModelLayout& layout;
+  const c10::Device device;
+  std::vector<const KernelSpec*> specs;  // flattened, layout order
+  std::vector<int> kernel_layer;
+  std::vector<std::vector<int>> layer_kernels;  // per layer: kernel indices
+  absl::flat_hash_map<std::string, int> kernel_index;
+  NameMapper mapper;
+
+  mutable absl::Mutex mu;
+  // The tensors themselves never change identity; their bytes change under mu.
+  std::vector<at::Tensor> kernels;
+  uint64_t version ABSL_GUARDED_BY(mu) = 0;
+  std::vector<uint64_t> hashes ABSL_GUARDED_BY(mu);
+  std::string fingerprint ABSL_GUARDED_BY(mu);
+  absl::Time last_commit ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+
+  // XXH3-64 over layout descriptors and per-kernel hashes, 16 hex digits.
+  std::string ComputeFingerprint(const std::vector<uint64_t>& kernel_hashes) const;
+};
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_SHARD_STORE_TENSORS_H_

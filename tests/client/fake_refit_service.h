@@ -1,0 +1,223 @@
+// A hand-written fake of refit.v1.RefitService for the client library's
+// tests: it records what clients send and answers from scripted values, and
+// can inject errors. Runs in-process on 127.0.0.1 port 0, with gRPC's built-in
+// health service switched on.
+//
+// Thread-safety: handlers run on gRPC threads; every recorded field is
+// guarded by mu_ and read by tests through the accessor copies.
+#ifndef REFIT_TESTS_CLIENT_FAKE_REFIT_SERVICE_H_
+#define REFIT_TESTS_CLIENT_FAKE_REFIT_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "refit/v1/refit.grpc.pb.h"
+
+namespace refit::client::testing {
+
+class FakeRefitService final : public refit::v1::RefitService::Service {
+ public:
+  // Everything one Push stream carried.
+  struct PushRecord {
+    std::vector<refit::v1::PushRequest> messages;
+    std::string authorization;
+  };
+
+  grpc::Status Push(grpc::ServerContext* context,
+                    grpc::ServerReader<refit::v1::PushRequest>* reader,
+                    refit::v1::PushResponse* response) override {
+    PushRecord record;
+    record.authorization = Authorization(context);
+    refit::v1::PushRequest message;
+    while (reader->Read(&message)) record.messages.push_back(message);
+    absl::MutexLock lock(&mu_);
+    pushes_.push_back(std::move(record));
+    if (!push_status_.ok()) return push_status_;
+    *response->mutable_result() = push_result_;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Reload(grpc::ServerContext* context, const refit::v1::ReloadRequest* request,
+                      grpc::ServerWriter<refit::v1::ReloadProgress>* writer) override {
+    refit::v1::ReloadProgress progress;
+    for (uint32_t i = 1; i <= 3; ++i) {
+      progress.mutable_progress()->set_layers_done(i);
+      progress.mutable_progress()->set_layers_total(3);
+      writer->Write(progress);
+    }
+    refit::v1::ReloadProgress last;
+    *last.mutable_result() = push_result_;
+    last.mutable_result()->set_refit_id(absl::StrCat("reload-of-", request->path()));
+    writer->Write(last);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Commit(grpc::ServerContext* context, const refit::v1::CommitRequest* request,
+                      refit::v1::CommitResponse* response) override {
+    *response->mutable_result() = push_result_;
+    response->mutable_result()->set_refit_id(request->refit_id());
+    response->mutable_result()->set_state(refit::v1::REFIT_STATE_COMMITTED);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Abort(grpc::ServerContext* context, const refit::v1::AbortRequest* request,
+                     refit::v1::AbortResponse* response) override {
+    if (request->refit_id() == "unknown") {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "no refit 'unknown'");
+    }
+    response->set_refit_id(request->refit_id());
+    response->set_version(7);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetStatus(grpc::ServerContext* context, const refit::v1::GetStatusRequest* request,
+                         refit::v1::GetStatusResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    ++status_calls_;
+    last_authorization_ = Authorization(context);
+    if (!status_failures_.empty()) {
+      grpc::Status failure = status_failures_.front();
+      status_failures_.pop_front();
+      return failure;
+    }
+    response->set_model_group(request->model_group());
+    response->set_version(7);
+    response->set_fingerprint("00112233aabbccdd");
+    response->set_ready(true);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListTensors(grpc::ServerContext* context,
+                           const refit::v1::ListTensorsRequest* request,
+                           refit::v1::ListTensorsResponse* response) override {
+    response->set_version(7);
+    refit::v1::TensorInfo* info = response->add_tensors();
+    info->set_name(request->layout() == refit::v1::ListTensorsRequest::LAYOUT_KERNEL
+                       ? "model.norm.weight"
+                       : "model.norm.weight(ckpt)");
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ReadTensor(grpc::ServerContext* context,
+                          const refit::v1::ReadTensorRequest* request,
+                          grpc::ServerWriter<refit::v1::ReadTensorResponse>* writer) override {
+    absl::MutexLock lock(&mu_);
+    if (request->name() != tensor_name_) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "no tensor " + request->name());
+    }
+    const size_t piece = 5;
+    for (size_t off = 0; off < tensor_bytes_.size(); off += piece) {
+      refit::v1::ReadTensorResponse r;
+      if (off == 0) {
+        r.mutable_info()->set_name(tensor_name_);
+        r.mutable_info()->set_nbytes(tensor_bytes_.size());
+        r.mutable_info()->set_dtype(refit::v1::DTYPE_U8);
+      }
+      r.set_version(off > 0 && mix_versions_ ? 8 : 7);
+      r.set_byte_offset(off);
+      r.set_data(tensor_bytes_.substr(off, piece));
+      writer->Write(r);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Watch(grpc::ServerContext* context, const refit::v1::WatchRequest* request,
+                     grpc::ServerWriter<refit::v1::WatchEvent>* writer) override {
+    refit::v1::WatchEvent event;
+    event.set_type(refit::v1::WatchEvent::TYPE_SNAPSHOT);
+    event.set_version(7);
+    writer->Write(event);
+    // Then one event every few milliseconds until the client goes away.
+    for (uint64_t v = 8; !context->IsCancelled(); ++v) {
+      event.set_type(refit::v1::WatchEvent::TYPE_COMMITTED);
+      event.set_version(v);
+      if (!writer->Write(event)) break;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return grpc::Status::OK;
+  }
+
+  // Scripting.
+  void SetPushStatus(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    push_status_ = std::move(status);
+  }
+  void SetPushResult(refit::v1::RefitResult result) { push_result_ = std::move(result); }
+  void FailGetStatus(std::vector<grpc::Status> failures) {
+    absl::MutexLock lock(&mu_);
+    status_failures_.assign(failures.begin(), failures.end());
+  }
+  void SetTensor(std::string name, std::string bytes, bool mix_versions = false) {
+    absl::MutexLock lock(&mu_);
+    tensor_name_ = std::move(name);
+    tensor_bytes_ = std::move(bytes);
+    mix_versions_ = mix_versions;
+  }
+
+  // Observations.
+  std::vector<PushRecord> pushes() const {
+    absl::MutexLock lock(&mu_);
+    return pushes_;
+  }
+  int status_calls() const {
+    absl::MutexLock lock(&mu_);
+    return status_calls_;
+  }
+  std::string last_authorization() const {
+    absl::MutexLock lock(&mu_);
+    return last_authorization_;
+  }
+
+ private:
+  static std::string Authorization(grpc::ServerContext* context) {
+    auto it = context->client_metadata().find("authorization");
+    if (it == context->client_metadata().end()) return "";
+    return std::string(it->second.data(), it->second.size());
+  }
+
+  mutable absl::Mutex mu_;
+  std::vector<PushRecord> pushes_ ABSL_GUARDED_BY(mu_);
+  grpc::Status push_status_ ABSL_GUARDED_BY(mu_);
+  refit::v1::RefitResult push_result_;  // set before the server starts
+  std::deque<grpc::Status> status_failures_ ABSL_GUARDED_BY(mu_);
+  int status_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string last_authorization_ ABSL_GUARDED_BY(mu_);
+  std::string tensor_name_ ABSL_GUARDED_BY(mu_);
+  std::string tensor_bytes_ ABSL_GUARDED_BY(mu_);
+  bool mix_versions_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The fake on 127.0.0.1:<port 0>, with the standard health service.
+class FakeServer {
+ public:
+  FakeServer() {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.SetMaxReceiveMessageSize(64 << 20);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+  }
+  ~FakeServer() { server_->Shutdown(absl::ToChronoTime(absl::Now())); }
+
+  FakeRefitService& service() { return service_; }
+  grpc::Server& server() { return *server_; }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+ private:
+  FakeRefitService service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+}  // namespace refit::client::testing
+
+#endif  // REFIT_TESTS_CLIENT_FAKE_REFIT_SERVICE_H_

@@ -1,0 +1,409 @@
+#include "client/refit_client.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "client/safetensors_view.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/fake_refit_service.h"
+
+namespace refit::client {
+namespace {
+
+using ::grpc::health::v1::HealthCheckResponse;
+using ::refit::client::testing::FakeServer;
+using ::testing::HasSubstr;
+
+std::unique_ptr<RefitClient> Connect(const FakeServer& server, ClientOptions options = {}) {
+  options.address = server.address();
+  options.retry.initial_backoff = absl::Milliseconds(1);
+  absl::StatusOr<std::unique_ptr<RefitClient>> client = RefitClient::Create(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return *std::move(client);
+}
+
+std::vector<uint8_t> Bytes(size_t n, uint8_t seed) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(seed + i * 7);
+  return v;
+}
+
+// Reassembles every tensor of a recorded push from its chunks, checking
+// checksums and that chunks follow each other without gaps.
+std::map<std::string, std::vector<uint8_t>> Reassemble(
+    const testing::FakeRefitService::PushRecord& record) {
+  std::map<std::string, std::vector<uint8_t>> out;
+  for (const refit::v1::PushRequest& m : record.messages) {
+    if (!m.has_chunks()) continue;
+    for (const refit::v1::Chunk& c : m.chunks().chunks()) {
+      std::vector<uint8_t>& t = out[c.tensor_name()];
+      EXPECT_EQ(c.byte_offset(), t.size()) << c.tensor_name();
+      if (c.has_xxh3()) {
+        EXPECT_EQ(c.xxh3(), ChunkChecksum(absl::MakeConstSpan(
+                                reinterpret_cast<const uint8_t*>(c.data().data()),
+                                c.data().size())));
+      }
+      t.insert(t.end(), c.data().begin(), c.data().end());
+    }
+  }
+  return out;
+}
+
+TEST(RefitClientTest, PushSendsBeginBucketsAndEnd) {
+  FakeServer server;
+  refit::v1::RefitResult result;
+  result.set_refit_id("r-1");
+  result.set_version(8);
+  server.service().SetPushResult(result);
+  auto client = Connect(server);
+
+  std::vector<uint8_t> a = Bytes(1000, 1), b = Bytes(64, 2), c = Bytes(3000, 3);
+  std::vector<TensorRef> tensors = {
+      {"a", refit::v1::DTYPE_BF16, {500}, a},
+      {"b", refit::v1::DTYPE_F32, {4, 4}, b},
+      {"c", refit::v1::DTYPE_F16, {3, 500}, c},
+  };
+  PushOptions options;
+  options.model_group = "target";
+  options.base_version = 7;
+  options.completion = refit::v1::COMPLETION_MODE_PREPARE;
+  options.label = "step-12";
+  options.bucket_bytes = 1024;
+  options.max_chunk_bytes = 600;
+  absl::StatusOr<refit::v1::RefitResult> pushed = client->Push(tensors, options);
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(pushed->refit_id(), "r-1");
+  EXPECT_EQ(pushed->version(), 8u);
+
+  std::vector<testing::FakeRefitService::PushRecord> pushes = server.service().pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  const auto& messages = pushes[0].messages;
+  ASSERT_GE(messages.size(), 3u);
+  ASSERT_TRUE(messages.front().has_begin());
+  EXPECT_EQ(messages.front().begin().model_group(), "target");
+  EXPECT_EQ(messages.front().begin().options().completion(), refit::v1::COMPLETION_MODE_PREPARE);
+  EXPECT_EQ(messages.front().begin().options().base_version(), 7u);
+  EXPECT_EQ(messages.front().begin().options().label(), "step-12");
+  EXPECT_EQ(messages.front().begin().options().non_finite(), refit::v1::NON_FINITE_POLICY_REJECT);
+  EXPECT_TRUE(messages.back().has_end());
+  for (size_t i = 1; i + 1 < messages.size(); ++i) {
+    ASSERT_TRUE(messages[i].has_chunks());
+    size_t bytes = 0;
+    for (const auto& chunk : messages[i].chunks().chunks()) {
+      EXPECT_LE(chunk.data().size(), 600u);
+      EXPECT_EQ(chunk.byte_offset() % 2, 0u) << "element-aligned";
+      EXPECT_TRUE(chunk.has_xxh3());
+      bytes += chunk.data().size();
+    }
+    EXPECT_LE(bytes, 1024u);
+  }
+  // 4064 bytes in buckets of 1 KiB: 3 full messages plus the rest.
+  EXPECT_EQ(messages.size(), 2u + 4u);
+  auto got = Reassemble(pushes[0]);
+  EXPECT_EQ(got["a"], a);
+  EXPECT_EQ(got["b"], b);
+  EXPECT_EQ(got["c"], c);
+}
+
+TEST(RefitClientTest, PushPacksSmallTensorsIntoOneMessage) {
+  FakeServer server;
+  auto client = Connect(server);
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<TensorRef> tensors;
+  for (int i = 0; i < 10; ++i) data.push_back(Bytes(40, i));
+  for (int i = 0; i < 10; ++i) {
+    tensors.push_back({"t" + std::to_string(i), refit::v1::DTYPE_F32, {10}, data[i]});
+  }
+  PushOptions options;
+  options.checksums = false;
+  ASSERT_TRUE(client->Push(tensors, options).ok());
+  auto pushes = server.service().pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  ASSERT_EQ(pushes[0].messages.size(), 3u);  // begin, one bucket, end
+  EXPECT_EQ(pushes[0].messages[1].chunks().chunks_size(), 10);
+  EXPECT_FALSE(pushes[0].messages[1].chunks().chunks(0).has_xxh3());
+}
+
+TEST(RefitClientTest, PushReportsProgressAfterEveryMessage) {
+  FakeServer server;
+  auto client = Connect(server);
+  std::vector<uint8_t> a = Bytes(4096, 1);
+  std::vector<TensorRef> tensors = {{"a", refit::v1::DTYPE_U8, {4096}, a}};
+  std::vector<PushProgress> seen;
+  PushOptions options;
+  options.bucket_bytes = 1024;
+  options.on_progress = [&](const PushProgress& p) { seen.push_back(p); };
+  ASSERT_TRUE(client->Push(tensors, options).ok());
+  ASSERT_EQ(seen.size(), 4u);
+  EXPECT_EQ(seen[0].bytes_sent, 1024u);
+  EXPECT_EQ(seen.back().bytes_sent, 4096u);
+  EXPECT_EQ(seen.back().bytes_total, 4096u);
+  EXPECT_EQ(seen.back().tensors_total, 1u);
+  EXPECT_EQ(seen.back().messages_sent, 4u);
+}
+
+TEST(RefitClientTest, PushRejectsSizeMismatchWithoutCallingTheDaemon) {
+  FakeServer server;
+  auto client = Connect(server);
+  std::vector<uint8_t> a = Bytes(10, 1);
+  std::vector<TensorRef> tensors = {{"w", refit::v1::DTYPE_BF16, {2, 3}, a}};
+  absl::StatusOr<refit::v1::RefitResult> r = client->Push(tensors, PushOptions());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("'w' has 10 bytes, its shape needs 12"));
+  EXPECT_TRUE(server.service().pushes().empty());
+  EXPECT_EQ(client->Push({}, PushOptions()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RefitClientTest, PushIsNeverRetried) {
+  FakeServer server;
+  server.service().SetPushStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+  auto client = Connect(server);
+  std::vector<uint8_t> a = Bytes(8, 1);
+  std::vector<TensorRef> tensors = {{"a", refit::v1::DTYPE_U8, {8}, a}};
+  absl::StatusOr<refit::v1::RefitResult> r = client->Push(tensors, PushOptions());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(r.status().message(), "draining");
+  EXPECT_EQ(server.service().pushes().size(), 1u);
+}
+
+TEST(RefitClientTest, PushReturnsTheDaemonsRefusal) {
+  FakeServer server;
+  server.service().SetPushStatus(
+      grpc::Status(grpc::StatusCode::ABORTED, "refit r-9 is active on group target"));
+  auto client = Connect(server);
+  std::vector<uint8_t> a = Bytes(8, 1);
+  std::vector<TensorRef> tensors = {{"a", refit::v1::DTYPE_U8, {8}, a}};
+  absl::StatusOr<refit::v1::RefitResult> r = client->Push(tensors, PushOptions());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(r.status().message(), HasSubstr("r-9"));
+}
+
+TEST(RefitClientTest, SendsTheBearerToken) {
+  FakeServer server;
+  ClientOptions options;
+  options.token = "s3cret";
+  auto client = Connect(server, options);
+  ASSERT_TRUE(client->GetStatus().ok());
+  EXPECT_EQ(server.service().last_authorization(), "Bearer s3cret");
+}
+
+TEST(RefitClientTest, GetStatusRetriesUnavailable) {
+  FakeServer server;
+  server.service().FailGetStatus({grpc::Status(grpc::StatusCode::UNAVAILABLE, "busy"),
+                                  grpc::Status(grpc::StatusCode::UNAVAILABLE, "busy")});
+  auto client = Connect(server);
+  absl::StatusOr<refit::v1::GetStatusResponse> status = client->GetStatus("target");
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->version(), 7u);
+  EXPECT_EQ(status->model_group(), "target");
+  EXPECT_EQ(server.service().status_calls(), 3);
+}
+
+TEST(RefitClientTest, GetStatusGivesUpAfterMaxAttempts) {
+  FakeServer server;
+  server.service().FailGetStatus(std::vector<grpc::Status>(
+      10, grpc::Status(grpc::StatusCode::UNAVAILABLE, "busy")));
+  ClientOptions options;
+  options.retry.max_attempts = 3;
+  auto client = Connect(server, options);
+  EXPECT_EQ(client->GetStatus().status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(server.service().status_calls(), 3);
+}
+
+TEST(RefitClientTest, GetStatusDoesNotRetryOtherErrors) {
+  FakeServer server;
+  server.service().FailGetStatus(
+      {grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "role reader needed")});
+  auto client = Connect(server);
+  absl::StatusOr<refit::v1::GetStatusResponse> status = client->GetStatus();
+  EXPECT_EQ(status.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(server.service().status_calls(), 1);
+}
+
+TEST(RefitClientTest, UnreachableDaemonIsUnavailable) {
+  ClientOptions options;
+  options.address = "unix:/nonexistent/refitd.sock";
+  options.retry.max_attempts = 2;
+  options.retry.initial_backoff = absl::Milliseconds(1);
+  options.timeout = absl::Seconds(5);
+  auto client = RefitClient::Create(options);
+  ASSERT_TRUE(client.ok());
+  EXPECT_EQ((*client)->GetStatus().status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(RefitClientTest, ReadTensorReassemblesPieces) {
+  FakeServer server;
+  server.service().SetTensor("model.norm.weight", "0123456789abcdefghij-");
+  auto client = Connect(server);
+  absl::StatusOr<ReadTensorResult> r = client->ReadTensor("", "model.norm.weight");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->data, "0123456789abcdefghij-");
+  EXPECT_EQ(r->version, 7u);
+  EXPECT_EQ(r->info.name(), "model.norm.weight");
+  EXPECT_EQ(client->ReadTensor("", "nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(RefitClientTest, ReadTensorRejectsMixedVersions) {
+  FakeServer server;
+  server.service().SetTensor("t", "0123456789abcdefghij", /*mix_versions=*/true);
+  auto client = Connect(server);
+  absl::StatusOr<ReadTensorResult> r = client->ReadTensor("", "t");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(r.status().message(), HasSubstr("mixes versions 7 and 8"));
+}
+
+TEST(RefitClientTest, ReloadStreamsProgressThenResult) {
+  FakeServer server;
+  auto client = Connect(server);
+  refit::v1::ReloadRequest request;
+  request.set_path("/ckpt/step-3");
+  std::vector<uint32_t> layers;
+  absl::StatusOr<refit::v1::RefitResult> r =
+      client->Reload(request, [&](const refit::v1::Progress& p) { layers.push_back(p.layers_done()); });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->refit_id(), "reload-of-/ckpt/step-3");
+  EXPECT_EQ(layers, (std::vector<uint32_t>{1, 2, 3}));
+}
+
+TEST(RefitClientTest, CommitAndAbortPassTheRefitId) {
+  FakeServer server;
+  auto client = Connect(server);
+  absl::StatusOr<refit::v1::RefitResult> c = client->Commit("target", "r-5");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->refit_id(), "r-5");
+  EXPECT_EQ(c->state(), refit::v1::REFIT_STATE_COMMITTED);
+  absl::StatusOr<refit::v1::AbortResponse> a = client->Abort("target", "r-6", "bad step");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->refit_id(), "r-6");
+  EXPECT_EQ(client->Abort("", "unknown", "").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(RefitClientTest, ListTensorsPassesTheLayout) {
+  FakeServer server;
+  auto client = Connect(server);
+  auto kernel = client->ListTensors("", refit::v1::ListTensorsRequest::LAYOUT_KERNEL);
+  ASSERT_TRUE(kernel.ok());
+  EXPECT_EQ(kernel->tensors(0).name(), "model.norm.weight");
+  auto ckpt = client->ListTensors("", refit::v1::ListTensorsRequest::LAYOUT_CHECKPOINT);
+  ASSERT_TRUE(ckpt.ok());
+  EXPECT_EQ(ckpt->tensors(0).name(), "model.norm.weight(ckpt)");
+}
+
+TEST(RefitClientTest, WatchStopsWhenTheCallbackSaysSo) {
+  FakeServer server;
+  auto client = Connect(server);
+  std::vector<refit::v1::WatchEvent> events;
+  absl::Status s = client->Watch("", [&](const refit::v1::WatchEvent& e) {
+    events.push_back(e);
+    return events.size() < 3;
+  });
+  EXPECT_TRUE(s.ok()) << s;
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].type(), refit::v1::WatchEvent::TYPE_SNAPSHOT);
+  EXPECT_EQ(events[1].type(), refit::v1::WatchEvent::TYPE_COMMITTED);
+}
+
+TEST(RefitClientTest, HealthCheckAndWatch) {
+  FakeServer server;
+  server.server().GetHealthCheckService()->SetServingStatus(kReadinessService, false);
+  auto client = Connect(server);
+  EXPECT_EQ(*client->HealthCheck(""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(*client->HealthCheck(kReadinessService), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(client->HealthCheck("no.such.Service").status().code(), absl::StatusCode::kNotFound);
+
+  std::vector<HealthCheckResponse::ServingStatus> seen;
+  absl::Status s = client->HealthWatch(kReadinessService, [&](auto status) {
+    seen.push_back(status);
+    if (seen.size() == 1) {
+      server.server().GetHealthCheckService()->SetServingStatus(kReadinessService, true);
+    }
+    return status != HealthCheckResponse::SERVING;
+  });
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(seen, (std::vector<HealthCheckResponse::ServingStatus>{
+                      HealthCheckResponse::NOT_SERVING, HealthCheckResponse::SERVING}));
+}
+
+// A safetensors file written by hand: 8-byte length, JSON, data.
+std::string WriteSafetensors(const std::string& path, const std::string& header,
+                             const std::string& data) {
+  std::ofstream out(path, std::ios::binary);
+  uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
+  out << header << data;
+  return path;
+}
+
+class PushFilesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("refit_client_test_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
+  std::filesystem::path dir_;
+};
+
+TEST_F(PushFilesTest, PushesEveryTensorOfTheFiles) {
+  WriteSafetensors(Path("model-1.safetensors"),
+                   R"({"__metadata__":{"format":"pt"},)"
+                   R"("b":{"dtype":"BF16","shape":[2],"data_offsets":[4,8]},)"
+                   R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                   "AAAABBBB");
+  WriteSafetensors(Path("model-2.safetensors"),
+                   R"({"c":{"dtype":"U8","shape":[3],"data_offsets":[0,3]}})", "CCC");
+  absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths({dir_.string()});
+  ASSERT_TRUE(files.ok()) << files.status();
+  ASSERT_EQ(files->size(), 2u);
+
+  FakeServer server;
+  auto client = Connect(server);
+  ASSERT_TRUE(client->PushFiles(*files, PushOptions()).ok());
+  auto pushes = server.service().pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  ASSERT_EQ(pushes[0].messages.size(), 3u);
+  const auto& chunks = pushes[0].messages[1].chunks().chunks();
+  ASSERT_EQ(chunks.size(), 3);
+  EXPECT_EQ(chunks[0].tensor_name(), "a");  // data-offset order
+  EXPECT_EQ(chunks[0].dtype(), refit::v1::DTYPE_F32);
+  EXPECT_EQ(chunks[1].tensor_name(), "b");
+  EXPECT_EQ(chunks[1].data(), "BBBB");
+  EXPECT_EQ(chunks[2].tensor_name(), "c");
+  EXPECT_EQ(chunks[2].shape(0), 3);
+}
+
+TEST_F(PushFilesTest, MalformedFilesAreInvalidArgumentNamingTheTensor) {
+  WriteSafetensors(Path("bad.safetensors"),
+                   R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,4]}})", "XXXX");
+  auto view = SafetensorsView::Open(Path("bad.safetensors"));
+  EXPECT_EQ(view.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(view.status().message(), HasSubstr("tensor 'w'"));
+
+  WriteSafetensors(Path("past.safetensors"),
+                   R"({"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})", "XXXX");
+  view = SafetensorsView::Open(Path("past.safetensors"));
+  EXPECT_EQ(view.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(view.status().message(), HasSubstr("outside the data section"));
+
+  WriteSafetensors(Path("json.safetensors"), "{not json", "");
+  view = SafetensorsView::Open(Path("json.safetensors"));
+  EXPECT_EQ(view.status().code(), absl::StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(SafetensorsView::Open(Path("missing.safetensors")).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(ExpandSafetensorsPaths({Path("nothing-here")}).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace refit::client

@@ -1,1 +1,453 @@
-// implementation pending
+#include "core/model_layout.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
+
+namespace refit::core {
+namespace {
+
+// vLLM pads vocab-parallel embeddings to a multiple of 64 rows per rank, so
+// that every rank's shard has the same, aligned shape.
+constexpr int64_t kVocabPadMultiple = 64;
+// Block-quantization tile (DeepSeek-style 128x128).
+constexpr int64_t kQuantBlock = 128;
+
+int64_t Product(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t RoundUp(int64_t a, int64_t m) { return CeilDiv(a, m) * m; }
+
+// Block copy of rows [src_row, src_row + num_rows) of a source viewed as
+// [*, num_cols] (whole rows).
+SliceSpec Rows(int64_t src_row, int64_t num_rows, int64_t num_cols, int64_t dst_row = 0) {
+  SliceSpec s;
+  s.src_row = src_row;
+  s.num_rows = num_rows;
+  s.src_col = 0;
+  s.num_cols = num_cols;
+  s.dst_row = dst_row;
+  return s;
+}
+
+// Columns [src_col, src_col + num_cols) of every one of `num_rows` rows.
+SliceSpec Cols(int64_t num_rows, int64_t src_col, int64_t num_cols) {
+  SliceSpec s;
+  s.src_row = 0;
+  s.num_rows = num_rows;
+  s.src_col = src_col;
+  s.num_cols = num_cols;
+  s.dst_row = 0;
+  return s;
+}
+
+absl::Status Invalid(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("model layout: ", what));
+}
+
+}  // namespace
+
+absl::string_view QuantSchemeName(QuantScheme scheme) {
+  switch (scheme) {
+    case QuantScheme::kNone:
+      return "none";
+    case QuantScheme::kPerTensor:
+      return "per-tensor";
+    case QuantScheme::kPerChannel:
+      return "per-channel";
+    case QuantScheme::kBlock128:
+      return "block";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<QuantScheme> ParseQuantScheme(absl::string_view name) {
+  for (QuantScheme scheme : {QuantScheme::kNone, QuantScheme::kPerTensor,
+                             QuantScheme::kPerChannel, QuantScheme::kBlock128}) {
+    if (name == QuantSchemeName(scheme)) return scheme;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown quantization scheme '", name, "' (expected none, per-tensor, per-channel or block)"));
+}
+
+int64_t KernelSpec::numel() const { return Product(shape); }
+int64_t KernelSpec::nbytes() const { return numel() * static_cast<int64_t>(DTypeSize(dtype)); }
+int64_t ParamSpec::numel() const { return Product(shape); }
+int64_t ParamSpec::nbytes() const { return numel() * static_cast<int64_t>(DTypeSize(dtype)); }
+int64_t CheckpointTensor::numel() const { return Product(shape); }
+int64_t CheckpointTensor::nbytes() const {
+  return numel() * static_cast<int64_t>(DTypeSize(dtype));
+}
+
+int64_t LayerSpec::param_bytes() const {
+  int64_t total = 0;
+  for (const ParamSpec& p : params) total += p.nbytes();
+  return total;
+}
+
+int ModelLayout::FindLayer(absl::string_view name) const {
+  auto it = layer_index_.find(name);
+  return it == layer_index_.end() ? -1 : it->second;
+}
+
+int64_t ModelLayout::max_layer_param_bytes() const {
+  int64_t best = 0;
+  for (const LayerSpec& layer : layers_) best = std::max(best, layer.param_bytes());
+  return best;
+}
+
+// Fills a ModelLayout. Lives in refit::core (not an anonymous namespace) so
+// that ModelLayout's friend declaration names it.
+class LayoutBuilder {
+ public:
+  LayoutBuilder(const ModelConfig& config, ParallelConfig parallel, QuantScheme quant)
+      : layout_(std::make_shared<ModelLayout>()), c_(config), rank_(parallel.tp_rank),
+        tp_(parallel.tp_size) {
+    layout_->config_ = config;
+    layout_->parallel_ = parallel;
+    layout_->quant_ = quant;
+  }
+
+  absl::Status Validate() const {
+    const ModelConfig& c = c_;
+    if (tp_ < 1) return Invalid(absl::StrCat("tp_size must be >= 1, got ", tp_));
+    if (rank_ < 0 || rank_ >= tp_) {
+      return Invalid(absl::StrCat("tp_rank ", rank_, " out of range for tp_size ", tp_));
+    }
+    const std::pair<const char*, int64_t> positive[] = {
+        {"hidden_size", c.hidden_size},         {"intermediate_size", c.intermediate_size},
+        {"num_hidden_layers", c.num_layers},    {"num_attention_heads", c.num_heads},
+        {"num_key_value_heads", c.num_kv_heads}, {"head_dim", c.head_dim},
+        {"vocab_size", c.vocab_size}};
+    for (const auto& [field, value] : positive) {
+      if (value <= 0) return Invalid(absl::StrCat(field, " must be positive, got ", value));
+    }
+    if (c.num_heads % c.num_kv_heads != 0) {
+      return Invalid(absl::StrCat("num_attention_heads ", c.num_heads,
+                                  " is not a multiple of num_key_value_heads ", c.num_kv_heads));
+    }
+    if (!IsHighPrecisionFloat(c.dtype)) {
+      return Invalid(absl::StrCat("checkpoint dtype must be bf16, fp16 or fp32, got ",
+                                  DTypeName(c.dtype)));
+    }
+    if (c.num_experts > 0) {
+      return absl::UnimplementedError(absl::StrCat(
+          "model layout: mixture-of-experts (num_experts ", c.num_experts, ") is not supported"));
+    }
+    if (c.num_heads % tp_ != 0) {
+      return Invalid(absl::StrCat("tp_size ", tp_, " does not divide num_attention_heads ",
+                                  c.num_heads));
+    }
+    if (c.intermediate_size % tp_ != 0) {
+      return Invalid(absl::StrCat("tp_size ", tp_, " does not divide intermediate_size ",
+                                  c.intermediate_size));
+    }
+    if (c.num_kv_heads % tp_ != 0 && tp_ % c.num_kv_heads != 0) {
+      return Invalid(absl::StrCat("num_key_value_heads ", c.num_kv_heads,
+                                  " and tp_size ", tp_,
+                                  ": one must be a multiple of the other"));
+    }
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<const ModelLayout> Build() {
+    const ModelConfig& c = c_;
+    const DType dt = c.dtype;
+    const int64_t h = c.hidden_size;
+    const int64_t d = c.head_dim;
+    const int64_t nh_r = c.num_heads / tp_;
+    // When there are fewer kv heads than ranks, each rank holds one kv head,
+    // replicated across tp_ / num_kv_heads consecutive ranks.
+    const bool kv_replicated = tp_ > c.num_kv_heads;
+    const int64_t nkv_r = kv_replicated ? 1 : c.num_kv_heads / tp_;
+    const int64_t kv_head0 = kv_replicated ? rank_ / (tp_ / c.num_kv_heads) : rank_ * nkv_r;
+    const int64_t i_r = c.intermediate_size / tp_;
+    const int64_t qkv_rows = (nh_r + 2 * nkv_r) * d;
+    const bool qkv_bias = c.attention_bias || c.arch == Architecture::kQwen2;
+    // Qwen2 has q/k/v bias only; Llama-style attention_bias also biases o_proj.
+    const bool o_bias = c.attention_bias && c.arch != Architecture::kQwen2;
+    const bool qk_norm = c.arch == Architecture::kQwen3;
+
+    AddEmbedding("model.embed_tokens", "model.embed_tokens.weight");
+
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const std::string p = absl::StrCat("model.layers.", i);
+      AddNorm(absl::StrCat(p, ".input_layernorm"), h);
+
+      // Fused q/k/v: rows q | k | v of this rank.
+      {
+        const std::string attn = absl::StrCat(p, ".self_attn.");
+        int layer = AddLinear(absl::StrCat(attn, "qkv_proj"), qkv_rows, h, qkv_bias);
+        const int64_t q_rows = c.num_heads * d;
+        const int64_t kv_rows = c.num_kv_heads * d;
+        struct Shard {
+          const char* name;
+          int64_t full_rows;
+          int64_t src_row;
+          int64_t num_rows;
+          int64_t dst_row;
+        };
+        const Shard shards[] = {
+            {"q_proj", q_rows, rank_ * nh_r * d, nh_r * d, 0},
+            {"k_proj", kv_rows, kv_head0 * d, nkv_r * d, nh_r * d},
+            {"v_proj", kv_rows, kv_head0 * d, nkv_r * d, (nh_r + nkv_r) * d},
+        };
+        for (const Shard& s : shards) {
+          AddTarget(absl::StrCat(attn, s.name, ".weight"), dt, {s.full_rows, h}, layer, 0,
+                    Rows(s.src_row, s.num_rows, h, s.dst_row));
+          if (qkv_bias) {
+            AddTarget(absl::StrCat(attn, s.name, ".bias"), dt, {s.full_rows}, layer, 1,
+                      Rows(s.src_row, s.num_rows, 1, s.dst_row));
+          }
+        }
+        if (qk_norm) {
+          AddNorm(absl::StrCat(attn, "q_norm"), d);
+          AddNorm(absl::StrCat(attn, "k_norm"), d);
+        }
+        // Row-parallel o_proj: this rank's input columns; the bias is whole.
+        const int64_t o_cols = nh_r * d;
+        layer = AddLinear(absl::StrCat(attn, "o_proj"), h, o_cols, o_bias);
+        AddTarget(absl::StrCat(attn, "o_proj.weight"), dt, {h, c.num_heads * d}, layer, 0,
+                  Cols(h, rank_ * o_cols, o_cols));
+        if (o_bias) {
+          AddTarget(absl::StrCat(attn, "o_proj.bias"), dt, {h}, layer, 1, Rows(0, h, 1));
+        }
+        AddAttention(absl::StrCat(attn, "attn"), attn);
+      }
+
+      AddNorm(absl::StrCat(p, ".post_attention_layernorm"), h);
+
+      const std::string mlp = absl::StrCat(p, ".mlp.");
+      int layer = AddLinear(absl::StrCat(mlp, "gate_up_proj"), 2 * i_r, h, false);
+      AddTarget(absl::StrCat(mlp, "gate_proj.weight"), dt, {c.intermediate_size, h}, layer, 0,
+                Rows(rank_ * i_r, i_r, h, 0));
+      AddTarget(absl::StrCat(mlp, "up_proj.weight"), dt, {c.intermediate_size, h}, layer, 0,
+                Rows(rank_ * i_r, i_r, h, i_r));
+      layer = AddLinear(absl::StrCat(mlp, "down_proj"), h, i_r, false);
+      AddTarget(absl::StrCat(mlp, "down_proj.weight"), dt, {h, c.intermediate_size}, layer, 0,
+                Cols(h, rank_ * i_r, i_r));
+
+      // Precomputed RoPE frequencies some older checkpoints carry.
+      AddIgnored(absl::StrCat(p, ".self_attn.rotary_emb.inv_freq"), DType::kFloat32, {d / 2},
+                 /*optional=*/true);
+    }
+
+    AddNorm("model.norm", h);
+    if (c.tie_word_embeddings) {
+      // vLLM shares embed_tokens' storage; a pushed lm_head is dropped.
+      AddIgnored("lm_head.weight", dt, {c.vocab_size, h}, /*optional=*/true);
+    } else {
+      AddEmbedding("lm_head", "lm_head.weight");
+    }
+
+    ModelLayout& l = *layout_;
+    for (size_t i = 0; i < l.layers_.size(); ++i) {
+      l.layer_index_[l.layers_[i].name] = static_cast<int>(i);
+      l.num_kernels_ += static_cast<int64_t>(l.layers_[i].kernels.size());
+      for (const KernelSpec& k : l.layers_[i].kernels) l.kernel_bytes_ += k.nbytes();
+    }
+    for (CheckpointTensor& t : ignored_) l.checkpoint_.push_back(std::move(t));
+    return layout_;
+  }
+
+ private:
+  int AddLayer(std::string name, LayerKind kind, bool quantized) {
+    LayerSpec layer;
+    layer.name = std::move(name);
+    layer.kind = kind;
+    layer.quantized = quantized;
+    layout_->layers_.push_back(std::move(layer));
+    return static_cast<int>(layout_->layers_.size()) - 1;
+  }
+
+  int AddParam(int layer, std::string suffix, DType dtype, std::vector<int64_t> shape,
+               int64_t loaded_numel, bool optional = false) {
+    LayerSpec& l = layout_->layers_[layer];
+    ParamSpec p;
+    p.suffix = std::move(suffix);
+    p.dtype = dtype;
+    p.shape = std::move(shape);
+    p.loaded_numel = loaded_numel;
+    p.optional = optional;
+    l.params.push_back(std::move(p));
+    // Attention scales are optional extras: a layer with none still counts
+    // as complete, so they never arm the layer.
+    if (l.kind != LayerKind::kAttention) l.expected_numel += loaded_numel;
+    return static_cast<int>(l.params.size()) - 1;
+  }
+
+  void AddKernel(int layer, std::string suffix, DType dtype, std::vector<int64_t> shape) {
+    LayerSpec& l = layout_->layers_[layer];
+    KernelSpec k;
+    k.name = absl::StrCat(l.name, ".", suffix);
+    k.suffix = std::move(suffix);
+    k.dtype = dtype;
+    k.shape = std::move(shape);
+    l.kernels.push_back(std::move(k));
+  }
+
+  void AddTarget(std::string name, DType dtype, std::vector<int64_t> shape, int layer, int param,
+                 SliceSpec slice, bool optional = false) {
+    CheckpointTensor t;
+    t.name = std::move(name);
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.use = CheckpointTensor::Use::kTarget;
+    t.layer = layer;
+    t.param = param;
+    t.slice = slice;
+    t.optional = optional;
+    layout_->checkpoint_.push_back(std::move(t));
+  }
+
+  void AddIgnored(std::string name, DType dtype, std::vector<int64_t> shape, bool optional) {
+    CheckpointTensor t;
+    t.name = std::move(name);
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.use = CheckpointTensor::Use::kIgnored;
+    t.optional = optional;
+    ignored_.push_back(std::move(t));
+  }
+
+  // A linear layer's params ([n, k] weight, [n] bias) and its kernels.
+  int AddLinear(std::string name, int64_t n, int64_t k, bool bias) {
+    const QuantScheme quant = layout_->quant_;
+    const bool quantized = quant != QuantScheme::kNone;
+    const int layer = AddLayer(std::move(name), LayerKind::kLinear, quantized);
+    AddParam(layer, "weight", c_.dtype, {n, k}, n * k);
+    if (bias) AddParam(layer, "bias", c_.dtype, {n}, n);
+    switch (quant) {
+      case QuantScheme::kNone:
+        AddKernel(layer, "weight", c_.dtype, {n, k});
+        break;
+      case QuantScheme::kPerTensor:
+        AddKernel(layer, "weight", DType::kFloat8E4M3, {n, k});
+        AddKernel(layer, "weight_scale", DType::kFloat32, {1});
+        break;
+      case QuantScheme::kPerChannel:
+        AddKernel(layer, "weight", DType::kFloat8E4M3, {n, k});
+        AddKernel(layer, "weight_scale", DType::kFloat32, {n, 1});
+        break;
+      case QuantScheme::kBlock128:
+        AddKernel(layer, "weight", DType::kFloat8E4M3, {n, k});
+        AddKernel(layer, "weight_scale_inv", DType::kFloat32,
+                  {CeilDiv(n, kQuantBlock), CeilDiv(k, kQuantBlock)});
+        break;
+    }
+    if (bias) AddKernel(layer, "bias", c_.dtype, {n});
+    return layer;
+  }
+
+  void AddNorm(std::string name, int64_t size) {
+    const int layer = AddLayer(name, LayerKind::kNorm, false);
+    AddParam(layer, "weight", c_.dtype, {size}, size);
+    AddKernel(layer, "weight", c_.dtype, {size});
+    AddTarget(absl::StrCat(name, ".weight"), c_.dtype, {size}, layer, 0, Rows(0, size, 1));
+  }
+
+  // Vocab-parallel rows: rank r owns padded rows [r * v_r, (r + 1) * v_r),
+  // of which those below vocab_size come from the checkpoint.
+  void AddEmbedding(std::string name, std::string checkpoint_name) {
+    const int64_t v = c_.vocab_size;
+    const int64_t h = c_.hidden_size;
+    const int64_t v_r = RoundUp(CeilDiv(v, tp_), kVocabPadMultiple);
+    const int64_t begin = std::min(rank_ * v_r, v);
+    const int64_t end = std::min((rank_ + 1) * v_r, v);
+    const int layer = AddLayer(std::move(name), LayerKind::kEmbedding, false);
+    AddParam(layer, "weight", c_.dtype, {v_r, h}, (end - begin) * h);
+    AddKernel(layer, "weight", c_.dtype, {v_r, h});
+    AddTarget(std::move(checkpoint_name), c_.dtype, {v, h}, layer, 0, Rows(begin, end - begin, h));
+  }
+
+  void AddAttention(std::string name, const std::string& attn_prefix) {
+    const int layer = AddLayer(std::move(name), LayerKind::kAttention, false);
+    struct Scale {
+      const char* param;
+      const char* checkpoint_suffix;
+      bool kernel;
+    };
+    // kv_scale is the legacy single scale for both k and v; it has no
+    // kernel of its own.
+    const Scale scales[] = {{"k_scale", "k_proj.output_scale", true},
+                            {"v_scale", "v_proj.output_scale", true},
+                            {"q_scale", "q_proj.output_scale", true},
+                            {"kv_scale", "kv_scale", false}};
+    for (const Scale& s : scales) {
+      const int param = AddParam(layer, s.param, DType::kFloat32, {}, 1, /*optional=*/true);
+      AddTarget(absl::StrCat(attn_prefix, s.checkpoint_suffix), DType::kFloat32, {}, layer, param,
+                Rows(0, 1, 1), /*optional=*/true);
+    }
+    for (const Scale& s : scales) {
+      if (s.kernel) AddKernel(layer, s.param, DType::kFloat32, {});
+    }
+  }
+
+  std::shared_ptr<ModelLayout> layout_;
+  const ModelConfig& c_;
+  const int64_t rank_;
+  const int64_t tp_;
+  std::vector<CheckpointTensor> ignored_;
+};
+
+absl::StatusOr<std::shared_ptr<const ModelLayout>> ModelLayout::Build(const ModelConfig& config,
+                                                                     ParallelConfig parallel,
+                                                                     QuantScheme quant) {
+  LayoutBuilder builder(config, parallel, quant);
+  if (absl::Status s = builder.Validate(); !s.ok()) return s;
+  return builder.Build();
+}
+
+NameMapper::NameMapper(std::shared_ptr<const ModelLayout> layout) : layout_(std::move(layout)) {
+  const std::vector<CheckpointTensor>& tensors = layout_->checkpoint_tensors();
+  index_.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) index_[tensors[i].name] = static_cast<int>(i);
+}
+
+absl::StatusOr<const CheckpointTensor*> NameMapper::Lookup(absl::string_view name) const {
+  absl::StatusOr<int> index = LookupIndex(name);
+  if (!index.ok()) return index.status();
+  return &layout_->checkpoint_tensors()[*index];
+}
+
+absl::StatusOr<int> NameMapper::LookupIndex(absl::string_view name) const {
+  auto it = index_.find(name);
+  if (it != index_.end()) return it->second;
+
+  const ModelConfig& c = layout_->config();
+  std::string hint;
+  absl::string_view rest = name;
+  int64_t layer_index = -1;
+  if (absl::ConsumePrefix(&rest, "model.layers.")) {
+    const size_t dot = rest.find('.');
+    if (dot != absl::string_view::npos && absl::SimpleAtoi(rest.substr(0, dot), &layer_index)) {
+      rest = rest.substr(dot + 1);
+    } else {
+      layer_index = -1;
+    }
+  }
+  if (layer_index >= c.num_layers) {
+    hint = absl::StrCat(" (layer index ", layer_index, " out of range: model has ", c.num_layers,
+                        " layers)");
+  } else if (absl::StrContains(name, ".experts.") || absl::StrContains(name, ".mlp.gate.")) {
+    hint = " (mixture-of-experts tensors are not supported)";
+  } else if (rest == "self_attn.q_norm.weight" || rest == "self_attn.k_norm.weight") {
+    hint = " (q_norm/k_norm exist only in Qwen3 models)";
+  } else if (absl::EndsWith(rest, "_proj.bias")) {
+    hint = " (this model has no bias on that projection; see attention_bias in config.json)";
+  }
+  return absl::NotFoundError(absl::StrCat("unknown tensor '", name, "' for ",
+                                          c.arch_name.empty() ? "this model" : c.arch_name, " (",
+                                          c.num_layers, " layers)", hint));
+}
+
+}  // namespace refit::core

@@ -1,0 +1,81 @@
+#include "core/cuda/device_commit.h"
+
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_format.h"
+#include "core/cuda/cuda_device.h"
+#include "core/cuda/cuda_status.h"
+
+namespace refit::core::cuda {
+
+absl::StatusOr<std::unique_ptr<DeviceEvent>> DeviceEvent::Create(int device) {
+  absl::Status status = CheckCudaDevice(device);
+  if (!status.ok()) return status;
+  ScopedCudaDevice scoped(device);
+  if (!scoped.status().ok()) return scoped.status();
+  cudaEvent_t event = nullptr;
+  // No timing: cheaper to record, and the only question asked is "done?".
+  REFIT_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                             "creating a commit event");
+  return std::unique_ptr<DeviceEvent>(new DeviceEvent(device, event));
+}
+
+DeviceEvent::~DeviceEvent() {
+  ScopedCudaDevice scoped(device_);
+  cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+}
+
+absl::Status DeviceEvent::Record(void* stream) {
+  ScopedCudaDevice scoped(device_);
+  if (!scoped.status().ok()) return scoped.status();
+  return CudaStatus(
+      cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)),
+      "recording a commit event");
+}
+
+absl::Status DeviceEvent::Wait() const {
+  return CudaStatus(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)),
+                    "waiting for a commit event");
+}
+
+absl::Status DeviceEvent::MakeStreamWait(void* stream) const {
+  return CudaStatus(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                        static_cast<cudaEvent_t>(event_), 0),
+                    "ordering a stream after a commit event");
+}
+
+absl::StatusOr<bool> DeviceEvent::IsComplete() const {
+  const cudaError_t error = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+  if (error == cudaErrorNotReady) return false;
+  absl::Status status = CudaStatus(error, "querying a commit event");
+  if (!status.ok()) return status;
+  return true;
+}
+
+absl::Status EnqueueDeviceCopies(absl::Span<const DeviceCopy> copies, void* stream,
+                                 DeviceEvent* done) {
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const DeviceCopy& copy = copies[i];
+    if (copy.bytes < 0 || (copy.bytes > 0 && (copy.dst == nullptr || copy.src == nullptr))) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "device commit: copy %d of %d is invalid (%d bytes, dst %p, src %p)", i,
+          copies.size(), copy.bytes, copy.dst, copy.src));
+    }
+  }
+  const cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const DeviceCopy& copy = copies[i];
+    if (copy.bytes == 0) continue;
+    // cudaMemcpyDefault: unified addressing tells the direction, so a
+    // staged buffer on another device (peer copy) also works.
+    REFIT_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(copy.dst, copy.src, static_cast<size_t>(copy.bytes), cudaMemcpyDefault,
+                        cuda_stream),
+        absl::StrFormat("device commit: copy %d of %d (%d bytes)", i, copies.size(),
+                        copy.bytes));
+  }
+  if (done != nullptr) return done->Record(stream);
+  return absl::OkStatus();
+}
+
+}  // namespace refit::core::cuda

@@ -46,7 +46,7 @@ uint64_t HashName(absl::string_view name) {
 // Sum of four 16-bit uniforms (Irwin-Hall, n = 4): close enough to a normal
 // for test weights, and one mixer call per element keeps multi-GB models fast.
 constexpr double kSumMean = 4 * 32767.5;
-const double kSumStd = std::sqrt(4 * (65536.0 * 65536.0 - 1) / 12);
+constexpr double kSumVariance = 4 * (65536.0 * 65536.0 - 1) / 12;
 
 struct Generator {
   uint64_t key;
@@ -54,7 +54,7 @@ struct Generator {
   float offset;  // 1 for norms, 0 otherwise
 
   void Fill(int64_t begin, int64_t n, float* out) const {
-    const double a = scale / kSumStd;
+    const double a = scale / std::sqrt(kSumVariance);
     for (int64_t i = 0; i < n; ++i) {
       const uint64_t u = Mix(key + static_cast<uint64_t>(begin + i + 1) * kGolden);
       const uint64_t s = (u & 0xFFFF) + ((u >> 16) & 0xFFFF) + ((u >> 32) & 0xFFFF) + (u >> 48);
@@ -130,7 +130,7 @@ struct FixtureTensor {
   bool is_norm;
 };
 
-absl::StatusOr<std::vector<FixtureTensor>> FixtureTensors(const ModelLayout& layout) {
+std::vector<FixtureTensor> FixtureTensors(const ModelLayout& layout) {
   std::vector<FixtureTensor> out;
   for (const CheckpointTensor& t : layout.checkpoint_tensors()) {
     if (t.use != CheckpointTensor::Use::kTarget || t.optional) continue;
@@ -209,11 +209,8 @@ absl::StatusOr<std::vector<OwnedTensor>> MakeFixtureWeights(const ModelConfig& c
                                                             uint64_t seed) {
   absl::StatusOr<std::shared_ptr<const ModelLayout>> layout = UnshardedLayout(config);
   if (!layout.ok()) return layout.status();
-  absl::StatusOr<std::vector<FixtureTensor>> tensors = FixtureTensors(**layout);
-  if (!tensors.ok()) return tensors.status();
   std::vector<OwnedTensor> out;
-  out.reserve(tensors->size());
-  for (const FixtureTensor& t : *tensors) {
+  for (const FixtureTensor& t : FixtureTensors(**layout)) {
     absl::StatusOr<OwnedTensor> owned = MakeTensor(*t.tensor, t.is_norm, seed);
     if (!owned.ok()) return owned.status();
     out.push_back(*std::move(owned));
@@ -225,9 +222,8 @@ absl::Status WriteFixtureModel(const std::string& dir, const ModelConfig& config
                                int num_files) {
   absl::StatusOr<std::shared_ptr<const ModelLayout>> layout = UnshardedLayout(config);
   if (!layout.ok()) return layout.status();
-  absl::StatusOr<std::vector<FixtureTensor>> tensors = FixtureTensors(**layout);
-  if (!tensors.ok()) return tensors.status();
-  const int64_t n = static_cast<int64_t>(tensors->size());
+  const std::vector<FixtureTensor> tensors = FixtureTensors(**layout);
+  const int64_t n = static_cast<int64_t>(tensors.size());
   if (num_files < 1 || num_files > n) {
     return absl::InvalidArgumentError(absl::StrCat("fixture model: num_files must be in [1, ", n,
                                                    "], got ", num_files));
@@ -237,12 +233,12 @@ absl::Status WriteFixtureModel(const std::string& dir, const ModelConfig& config
   // Split in checkpoint order into files of about equal bytes; every file
   // gets at least one tensor so that no shard is empty.
   int64_t total = 0;
-  for (const FixtureTensor& t : *tensors) total += t.tensor->nbytes();
+  for (const FixtureTensor& t : tensors) total += t.tensor->nbytes();
   std::vector<int> file_of(n);
   int64_t before = 0;
   int current = 0;
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t bytes = (*tensors)[j].tensor->nbytes();
+    const int64_t bytes = tensors[j].tensor->nbytes();
     const int64_t mid = before + bytes / 2;
     const int wanted = total > 0 ? static_cast<int>(mid * num_files / total) : 0;
     const int forced = num_files - static_cast<int>(n - j);  // files still to fill
@@ -261,14 +257,14 @@ absl::Status WriteFixtureModel(const std::string& dir, const ModelConfig& config
     // memory. Not zero-initialized: every byte is generated.
     const int64_t first = j;
     int64_t file_bytes = 0;
-    for (; j < n && file_of[j] == f; ++j) file_bytes += (*tensors)[j].tensor->nbytes();
+    for (; j < n && file_of[j] == f; ++j) file_bytes += tensors[j].tensor->nbytes();
     std::unique_ptr<uint8_t[]> buffer(new uint8_t[std::max<int64_t>(file_bytes, 1)]);
     std::vector<TensorToWrite> to_write;
     int64_t offset = 0;
     for (int64_t k = first; k < j; ++k) {
-      const CheckpointTensor& t = *(*tensors)[k].tensor;
+      const CheckpointTensor& t = *tensors[k].tensor;
       uint8_t* dst = buffer.get() + offset;
-      if (absl::Status s = FillTensor(t, (*tensors)[k].is_norm, seed, dst); !s.ok()) return s;
+      if (absl::Status s = FillTensor(t, tensors[k].is_norm, seed, dst); !s.ok()) return s;
       to_write.push_back(
           {t.name, t.dtype, t.shape, absl::Span<const uint8_t>(dst, static_cast<size_t>(t.nbytes()))});
       weight_map[t.name] = file_name;

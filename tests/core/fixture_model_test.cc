@@ -145,6 +145,26 @@ TEST(FixtureModelTest, WeightsLookNormalAndNormsAreAroundOne) {
   EXPECT_LT(n.std, 0.05);
 }
 
+TEST(FixtureModelTest, LargeTensorsAreGeneratedCompletely) {
+  // Big enough that generation is split over threads; every chunk must be
+  // filled (an unwritten chunk would show up as a run of exact zeros; the
+  // generator itself gives 0 with probability ~1e-5).
+  ModelConfig c = FixtureConfig();
+  c.num_layers = 1;
+  c.vocab_size = 40000;
+  auto weights = MakeFixtureWeights(c, 3);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  const OwnedTensor& embed = (*weights)[0];
+  ASSERT_EQ(embed.name, "model.embed_tokens.weight");
+  const size_t n = embed.bytes.size() / 2;
+  size_t zeros = 0;
+  for (size_t i = 0; i < n; ++i) zeros += LoadAsFloat(embed.bytes.data(), embed.dtype, i) == 0.0f;
+  EXPECT_LT(zeros, n / 10000);
+  auto again = MakeFixtureWeights(c, 3);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)[0].bytes, embed.bytes);
+}
+
 TEST(FixtureModelTest, WritesConfigAndShardedSafetensors) {
   const std::string dir = TempDir("write");
   const ModelConfig c = FixtureConfig(Architecture::kQwen2);

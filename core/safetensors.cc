@@ -33,6 +33,9 @@ constexpr absl::string_view kMetadataKey = "__metadata__";
 // Untrusted strings echoed in error messages are escaped and cut to this
 // length so a hostile header cannot flood the logs.
 constexpr size_t kMaxQuotedChars = 120;
+// Nesting allowed in the header JSON; see Parse for why there is a limit.
+constexpr int kMaxHeaderDepth = 16;
+
 
 std::string Quote(absl::string_view s) {
   std::string escaped = absl::CHexEscape(s.substr(0, kMaxQuotedChars));
@@ -49,6 +52,61 @@ std::string Render(const Json& value) {
   }
   return text;
 }
+
+// SAX handler for the streaming pre-pass over the header. It exists because
+// the DOM parse cannot do these checks itself:
+//  - nlohmann builds and frees nested values recursively, so a header of a
+//    few MB of '[' would overflow the stack; valid headers nest three deep
+//    ({ "name": { "shape": [ ), and the SAX parser itself is iterative;
+//  - the DOM keeps one value per key, so a repeated tensor name would
+//    silently drop a tensor;
+//  - the DOM parser's callback hook, which could do both, is quadratic in the
+//    number of keys (75 s for a 100k-tensor header).
+class HeaderChecker {
+ public:
+  const std::string& error() const { return error_; }
+
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(Json::number_integer_t) { return true; }
+  bool number_unsigned(Json::number_unsigned_t) { return true; }
+  bool number_float(Json::number_float_t, const Json::string_t&) { return true; }
+  bool string(Json::string_t&) { return true; }
+  bool binary(Json::binary_t&) { return true; }
+  bool start_object(std::size_t) { return Enter(); }
+  bool start_array(std::size_t) { return Enter(); }
+  bool end_object() { return Leave(); }
+  bool end_array() { return Leave(); }
+  bool key(Json::string_t& key) {
+    if (depth_ == 1 && !top_level_keys_.insert(key).second) {
+      error_ = absl::StrCat("header names ", Quote(key), " twice");
+      return false;
+    }
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    error_ = absl::StrCat("header is not valid JSON: ", e.what());
+    return false;
+  }
+
+ private:
+  bool Enter() {
+    if (++depth_ > kMaxHeaderDepth) {
+      error_ = absl::StrCat("header nests deeper than ", kMaxHeaderDepth,
+                            " levels; a safetensors header needs 3");
+      return false;
+    }
+    return true;
+  }
+  bool Leave() {
+    --depth_;
+    return true;
+  }
+
+  int depth_ = 0;
+  std::set<std::string> top_level_keys_;
+  std::string error_;
+};
 
 std::string FormatShape(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -285,28 +343,20 @@ absl::Status SafetensorsFile::Parse() {
   const uint8_t* data = base_ + kLengthPrefixBytes + header_len;
   const uint64_t data_size = size_ - kLengthPrefixBytes - header_len;
 
-  // nlohmann keeps one value per key, so a repeated tensor name would
-  // silently drop a tensor; the parse callback sees every top-level key.
-  std::set<std::string, std::less<>> seen_keys;
-  std::string duplicate_key;
-  Json::parser_callback_t on_event = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::key && depth == 1 && parsed.is_string()) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!seen_keys.insert(key).second && duplicate_key.empty()) duplicate_key = key;
-    }
-    return true;
-  };
+  // A streaming pre-pass checks syntax, nesting depth and repeated names
+  // before anything is built; see HeaderChecker for why.
+  HeaderChecker checker;
+  if (!Json::sax_parse(header_begin, header_end, &checker)) {
+    return Invalid(label, checker.error());
+  }
   Json header;
   try {
-    header = Json::parse(header_begin, header_end, on_event);
+    header = Json::parse(header_begin, header_end);
   } catch (const Json::exception& e) {
     return Invalid(label, "header is not valid JSON: ", e.what());
   }
   if (!header.is_object()) {
     return Invalid(label, "header is not a JSON object (got ", header.type_name(), ")");
-  }
-  if (!duplicate_key.empty()) {
-    return Invalid(label, "header names ", Quote(duplicate_key), " twice");
   }
 
   std::vector<TensorEntry> tensors;

@@ -114,6 +114,9 @@ inline std::vector<MalformedSafetensors> MalformedSafetensorsCorpus() {
                         R"("e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
                         data16),
        "tensors \"a\" [0, 16] and \"e\" [4, 4] overlap"},
+      {"deep_nesting",
+       SafetensorsImage("{\"a\":" + std::string(40, '[') + std::string(40, ']') + "}", ""),
+       "header nests deeper than 16 levels"},
       {"duplicate_name",
        SafetensorsImage(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                         R"("a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",

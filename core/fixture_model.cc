@@ -247,18 +247,21 @@ absl::Status WriteFixtureModel(const std::string& dir, const ModelConfig& config
     before += bytes;
   }
 
+  // One file's tensors live at a time, in one buffer reused for every file:
+  // big benchmark models stay within memory, and pages are faulted in once.
+  // Not zero-initialized: every byte is generated.
+  std::vector<int64_t> file_bytes(num_files, 0);
+  for (int64_t k = 0; k < n; ++k) file_bytes[file_of[k]] += tensors[k].tensor->nbytes();
+  const int64_t buffer_bytes = *std::max_element(file_bytes.begin(), file_bytes.end());
+  std::unique_ptr<uint8_t[]> buffer(new uint8_t[std::max<int64_t>(buffer_bytes, 1)]);
+
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   int64_t j = 0;
   for (int f = 0; f < num_files; ++f) {
     const std::string file_name =
         absl::StrFormat("model-%05d-of-%05d.safetensors", f + 1, num_files);
-    // One file's tensors live at a time, in one buffer that goes back to
-    // the system when the file is written: big benchmark models stay within
-    // memory. Not zero-initialized: every byte is generated.
     const int64_t first = j;
-    int64_t file_bytes = 0;
-    for (; j < n && file_of[j] == f; ++j) file_bytes += tensors[j].tensor->nbytes();
-    std::unique_ptr<uint8_t[]> buffer(new uint8_t[std::max<int64_t>(file_bytes, 1)]);
+    while (j < n && file_of[j] == f) ++j;
     std::vector<TensorToWrite> to_write;
     int64_t offset = 0;
     for (int64_t k = first; k < j; ++k) {

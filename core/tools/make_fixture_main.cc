@@ -31,7 +31,7 @@ ABSL_FLAG(int64_t, layers, 0, "num_hidden_layers (0: the fixture's 2)");
 ABSL_FLAG(int64_t, hidden, 0, "hidden_size (0: the fixture's 128)");
 ABSL_FLAG(int64_t, intermediate, 0, "intermediate_size (0: the fixture's 352)");
 ABSL_FLAG(int64_t, heads, 0, "num_attention_heads (0: the fixture's 4)");
-ABSL_FLAG(int64_t, kv_heads, 0, "num_key_value_heads (0: the fixture's 2, at most --heads)");
+ABSL_FLAG(int64_t, kv_heads, 0, "num_key_value_heads (0: half of the heads, as in the fixture)");
 ABSL_FLAG(int64_t, vocab, 0, "vocab_size (0: the fixture's 1000)");
 ABSL_FLAG(int64_t, head_dim, 0, "head_dim (0: hidden / heads)");
 ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32");

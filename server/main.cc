@@ -1,0 +1,193 @@
+// refitd: the weight-reload daemon. Flags -> ServerOptions -> RefitServer;
+// SIGTERM/SIGINT -> RefitServer::Shutdown, exit 0.
+//
+// Flag names are spelled with dashes (--tp-rank); the underscore spelling
+// (--tp_rank) is accepted too.
+#include <signal.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/time.h"
+#include "core/log.h"
+#include "core/runtime_info.h"
+#include "server/refit_server.h"
+#include "server/server_options.h"
+
+ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:50051"},
+          "gRPC listen addresses, comma-separated or repeated: host:port (port 0 picks a free "
+          "port) and/or unix:/path/to.sock. Addresses beyond loopback need --auth-tokens or "
+          "--tls-client-ca, or --allow-insecure-remote.");
+ABSL_FLAG(std::string, model, "demo",
+          "\"demo\" (the built-in fixture model: a tiny Llama, generated at start) or a "
+          "checkpoint directory (config.json + *.safetensors), loaded as the first version.");
+ABSL_FLAG(uint64_t, demo_seed, 0, "Seed of the --model demo weights.");
+ABSL_FLAG(int64_t, tp_rank, 0, "Tensor-parallel rank this daemon serves.");
+ABSL_FLAG(int64_t, tp_size, 1, "Tensor-parallel size.");
+ABSL_FLAG(std::string, device, "cpu", "Where the kernel tensors live: cpu or cuda:N.");
+ABSL_FLAG(std::string, quant, "per-tensor",
+          "FP8 scheme of the linear layers: per-tensor, per-channel, block (128x128) or none.");
+ABSL_FLAG(std::string, staging_budget, "4GiB",
+          "Bound on a refit's high-precision staging memory (bytes; K/M/G/T suffixes, binary). "
+          "A refit that needs more fails with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(std::string, max_chunk_bytes, "64MiB",
+          "Largest chunk payload in one Push message (K/M/G suffixes); gRPC's receive limit is "
+          "this plus 1 MiB.");
+ABSL_FLAG(absl::Duration, push_idle_timeout, absl::Seconds(60),
+          "A Push stream that sends nothing for this long is aborted (DEADLINE_EXCEEDED).");
+ABSL_FLAG(absl::Duration, shutdown_timeout, absl::Seconds(10),
+          "On SIGTERM/SIGINT, in-flight RPCs get this long before they are cancelled.");
+ABSL_FLAG(std::string, reload_root, "",
+          "Directory that Reload may read from (paths are resolved with realpath); empty: "
+          "Reload is refused with PERMISSION_DENIED.");
+ABSL_FLAG(std::string, auth_tokens, "",
+          "File of bearer tokens, lines \"TOKEN ROLE [NAME]\" ('#' comments); roles: trainer "
+          "(Push, Commit/Abort of its own refits), operator (everything), reader (GetStatus, "
+          "ListTensors, ReadTensor, Watch). Empty: no authentication. Health needs no token.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (enables TLS with --tls-key).");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; set: mutual TLS, every client must present a certificate it signed.");
+ABSL_FLAG(bool, allow_insecure_remote, false,
+          "Allow listening beyond loopback without authentication (prints a warning).");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port for Prometheus metrics at /metrics over HTTP (e.g. 127.0.0.1:9464); empty: "
+          "off.");
+
+namespace {
+
+constexpr char kUsage[] =
+    "refitd: weight-reload daemon. Serves a model's FP8 kernel tensors and refits them from\n"
+    "trainer pushes (refit.v1.RefitService over gRPC), with grpc.health.v1 and reflection.\n"
+    "\n"
+    "Usage: refitd [flags]\n";
+
+bool IsOurFlag(const absl::CommandLineFlag& flag) {
+  return absl::StrContains(flag.Filename(), "server/main.cc");
+}
+
+void PrintHelp() {
+  std::string out = kUsage;
+  out += "\nFlags:\n";
+  std::vector<absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (IsOurFlag(*flag)) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  for (absl::CommandLineFlag* flag : flags) {
+    absl::StrAppend(&out, "  --", absl::StrReplaceAll(flag->Name(), {{"_", "-"}}), " (default: \"",
+                    flag->DefaultValue(), "\")\n      ", flag->Help(), "\n");
+  }
+  out +=
+      "\nSignals: SIGTERM/SIGINT turn readiness NOT_SERVING, refuse new refits (UNAVAILABLE),\n"
+      "abort the active refit, and exit 0 within --shutdown-timeout.\n"
+      "Logs: one line per record on stderr; REFIT_LOG_LEVEL=debug|info|warning|error.\n";
+  std::fputs(out.c_str(), stdout);
+}
+
+// --tp-rank=1 -> --tp_rank=1 (absl spells flag names with underscores).
+std::vector<std::string> NormalizeArgs(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& arg = args[i];
+    if (arg == "--") break;
+    if (!absl::StartsWith(arg, "--")) continue;
+    const size_t eq = arg.find('=');
+    std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    std::replace(name.begin(), name.end(), '-', '_');
+    arg = absl::StrCat("--", name, eq == std::string::npos ? "" : arg.substr(eq));
+  }
+  return args;
+}
+
+template <typename T>
+bool Fail(const T& status) {
+  std::cerr << "refitd: " << status << "\n";
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h" || arg == "--helpfull" || arg == "-help") {
+      PrintHelp();
+      return 0;
+    }
+  }
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<std::string> normalized = NormalizeArgs(argc, argv);
+  std::vector<char*> args;
+  for (std::string& arg : normalized) args.push_back(arg.data());
+  args.push_back(nullptr);
+  std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(normalized.size()),
+                                                         args.data());
+  if (positional.size() > 1) {
+    std::cerr << "refitd: unexpected argument \"" << positional[1] << "\" (see --help)\n";
+    return 2;
+  }
+
+  refit::server::ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.model = absl::GetFlag(FLAGS_model);
+  options.demo_seed = absl::GetFlag(FLAGS_demo_seed);
+  options.tp_rank = absl::GetFlag(FLAGS_tp_rank);
+  options.tp_size = absl::GetFlag(FLAGS_tp_size);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.quant = absl::GetFlag(FLAGS_quant);
+  absl::StatusOr<int64_t> budget =
+      refit::server::ParseByteSize(absl::GetFlag(FLAGS_staging_budget));
+  if (!budget.ok()) return Fail(budget.status()) ? 0 : 2;
+  options.staging_budget_bytes = *budget;
+  absl::StatusOr<int64_t> max_chunk =
+      refit::server::ParseByteSize(absl::GetFlag(FLAGS_max_chunk_bytes));
+  if (!max_chunk.ok()) return Fail(max_chunk.status()) ? 0 : 2;
+  options.max_chunk_bytes = *max_chunk;
+  options.push_idle_timeout = absl::GetFlag(FLAGS_push_idle_timeout);
+  options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
+  options.reload_root = absl::GetFlag(FLAGS_reload_root);
+  options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+
+  // Signals are taken by sigwait below; block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  REFIT_LOG(INFO).Field("torch", refit::core::TorchVersion())
+          .Field("cuda_devices", absl::StrCat(refit::core::CudaDeviceCount()))
+      << "refitd starting";
+  absl::StatusOr<std::unique_ptr<refit::server::RefitServer>> server =
+      refit::server::RefitServer::Start(options);
+  if (!server.ok()) {
+    REFIT_LOG(ERROR) << "refitd failed to start: " << server.status().ToString();
+    return 1;
+  }
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  REFIT_LOG(INFO).Field("signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT")
+      << "stopping";
+  (*server)->Shutdown();
+  (*server)->Wait();
+  server->reset();
+  return 0;
+}

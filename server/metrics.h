@@ -1,0 +1,100 @@
+// refitd's Prometheus metrics and the HTTP endpoint that serves them.
+//
+// Metrics (text exposition format 0.0.4):
+//   refitd_refits_total{outcome}      counter; outcome = committed | prepared | aborted | failed
+//                                     (a two-phase refit counts once as prepared and once
+//                                     more when it is committed or aborted)
+//   refitd_bytes_received_total       counter; chunk payload bytes of Push and Reload
+//   refitd_phase_seconds{phase}       histogram; phase = receive | quantize | finalize | commit,
+//                                     one observation per committed refit
+//   refitd_version{group}             gauge; live version
+//   refitd_staging_bytes{group}       gauge; high-precision staging of the active refit
+//   refitd_last_commit_pause_seconds  gauge; readers' pause of the last commit
+//
+// Metrics is thread-safe. MetricsHttpServer runs cpp-httplib on its own
+// threads from Start until destruction.
+#ifndef REFIT_SERVER_METRICS_H_
+#define REFIT_SERVER_METRICS_H_
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/refit_session.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace refit::server {
+
+struct GroupGauges {
+  std::string group;
+  uint64_t version = 0;
+  int64_t staging_bytes = 0;
+};
+
+class Metrics {
+ public:
+  static constexpr std::array<double, 14> kBuckets = {
+      0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
+
+  void RecordOutcome(absl::string_view outcome);
+  void AddBytesReceived(int64_t bytes);
+  // Observes the four phases and sets the last commit pause.
+  void RecordCommitted(const core::PhaseTimings& timings);
+  std::string Render(const std::vector<GroupGauges>& groups) const;
+
+  struct Histogram {
+    std::array<uint64_t, kBuckets.size()> counts{};  // cumulative
+    uint64_t count = 0;
+    double sum = 0;
+    void Observe(double value);
+  };
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, uint64_t> outcomes_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_received_ ABSL_GUARDED_BY(mu_) = 0;
+  Histogram receive_ ABSL_GUARDED_BY(mu_);
+  Histogram quantize_ ABSL_GUARDED_BY(mu_);
+  Histogram finalize_ ABSL_GUARDED_BY(mu_);
+  Histogram commit_ ABSL_GUARDED_BY(mu_);
+  double last_commit_pause_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class MetricsHttpServer {
+ public:
+  // Serves GET /metrics with `render()` on `address` ("host:port", port 0
+  // picks one). INVALID_ARGUMENT for a malformed address, UNAVAILABLE if it
+  // cannot bind.
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
+      const std::string& address, std::function<std::string()> render);
+  ~MetricsHttpServer();
+  MetricsHttpServer(const MetricsHttpServer&) = delete;
+  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+
+  int port() const { return port_; }
+  const std::string& host() const { return host_; }
+
+ private:
+  MetricsHttpServer() = default;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread thread_;
+  std::string host_;
+  int port_ = 0;
+};
+
+}  // namespace refit::server
+
+#endif  // REFIT_SERVER_METRICS_H_

@@ -1,0 +1,172 @@
+#include "server/model_group.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace refit::server {
+
+DriverRef& DriverRef::operator=(DriverRef&& other) noexcept {
+  if (this != &other) {
+    if (driver_ != nullptr) driver_->Unref();
+    driver_ = other.driver_;
+    other.driver_ = nullptr;
+  }
+  return *this;
+}
+
+DriverRef::~DriverRef() {
+  if (driver_ != nullptr) driver_->Unref();
+}
+
+ModelGroup::ModelGroup(std::unique_ptr<core::ShardStore> store) : store_(std::move(store)) {
+  listener_id_ = store_->AddListener([this](const core::StoreEvent& event) { Fanout(event); });
+}
+
+ModelGroup::~ModelGroup() { store_->RemoveListener(listener_id_); }
+
+bool ModelGroup::Subscribe(EventSubscriber* subscriber) {
+  absl::MutexLock lock(&subscribers_mu_);
+  if (closed_) return false;
+  subscribers_.push_back(subscriber);
+  return true;
+}
+
+void ModelGroup::Unsubscribe(EventSubscriber* subscriber) {
+  absl::MutexLock lock(&subscribers_mu_);
+  for (auto it = subscribers_.begin(); it != subscribers_.end(); ++it) {
+    if (*it == subscriber) {
+      subscribers_.erase(it);
+      return;
+    }
+  }
+}
+
+namespace {
+
+std::vector<EventSubscriber*> RefAll(const std::vector<EventSubscriber*>& subscribers) {
+  for (EventSubscriber* s : subscribers) s->Ref();
+  return subscribers;
+}
+
+}  // namespace
+
+void ModelGroup::Fanout(const core::StoreEvent& event) {
+  std::vector<EventSubscriber*> targets;
+  {
+    absl::MutexLock lock(&subscribers_mu_);
+    targets = RefAll(subscribers_);
+  }
+  for (EventSubscriber* s : targets) {
+    s->Deliver(event);
+    s->Unref();
+  }
+}
+
+void ModelGroup::CloseSubscribers(const grpc::Status& status) {
+  std::vector<EventSubscriber*> targets;
+  {
+    absl::MutexLock lock(&subscribers_mu_);
+    closed_ = true;
+    targets = RefAll(subscribers_);
+  }
+  for (EventSubscriber* s : targets) {
+    s->Close(status);
+    s->Unref();
+  }
+}
+
+void ModelGroup::Add(RefitEntry entry, RefitDriver* driver) {
+  absl::MutexLock lock(&mu_);
+  std::string id = entry.refit_id;
+  refits_[id] = Slot{std::move(entry), driver};
+}
+
+void ModelGroup::MarkPrepared(absl::string_view refit_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = refits_.find(refit_id);
+  if (it == refits_.end()) return;
+  it->second.entry.prepared = true;
+  it->second.driver = nullptr;
+}
+
+void ModelGroup::RemoveDriver(absl::string_view refit_id, RefitDriver* driver) {
+  absl::MutexLock lock(&mu_);
+  auto it = refits_.find(refit_id);
+  if (it != refits_.end() && it->second.driver == driver && !it->second.entry.prepared) {
+    refits_.erase(it);
+  }
+}
+
+absl::StatusOr<ModelGroup::Found> ModelGroup::Find(absl::string_view refit_id) const {
+  std::string id(refit_id);
+  if (id.empty()) {
+    id = store_->active_session();
+    if (id.empty()) {
+      return absl::NotFoundError(
+          absl::StrCat("model group \"", name(), "\" has no active refit"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = refits_.find(id);
+  if (it == refits_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("model group \"", name(), "\" has no refit \"", id, "\""));
+  }
+  Found found;
+  found.entry = it->second.entry;
+  if (it->second.driver != nullptr) {
+    it->second.driver->Ref();
+    found.driver = DriverRef(it->second.driver);
+  }
+  return found;
+}
+
+absl::StatusOr<RefitEntry> ModelGroup::TakePrepared(absl::string_view refit_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = refits_.find(refit_id);
+  if (it == refits_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("model group \"", name(), "\" has no refit \"", refit_id, "\""));
+  }
+  if (!it->second.entry.prepared) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "refit \"", refit_id, "\" is still receiving; it can be committed once it is PREPARED"));
+  }
+  RefitEntry entry = std::move(it->second.entry);
+  refits_.erase(it);
+  return entry;
+}
+
+std::vector<ModelGroup::Found> ModelGroup::TakeAll() {
+  absl::MutexLock lock(&mu_);
+  std::vector<Found> out;
+  for (auto& [id, slot] : refits_) {
+    Found found;
+    found.entry = slot.entry;
+    if (slot.driver != nullptr) {
+      slot.driver->Ref();
+      found.driver = DriverRef(slot.driver);
+    }
+    out.push_back(std::move(found));
+  }
+  // Drivers remove themselves later; keep their slots so RemoveDriver is a
+  // no-op, drop only the prepared ones (nobody else will).
+  for (auto it = refits_.begin(); it != refits_.end();) {
+    if (it->second.entry.prepared) {
+      refits_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  return out;
+}
+
+std::vector<std::shared_ptr<core::RefitSession>> ModelGroup::Sessions() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<core::RefitSession>> out;
+  for (const auto& [id, slot] : refits_) out.push_back(slot.entry.session);
+  return out;
+}
+
+}  // namespace refit::server

@@ -1,0 +1,147 @@
+// ModelGroup: one served model ("target"; later drafts) with its ShardStore
+// and the registry of the refits that are running or prepared against it.
+//
+// Pipeline position: the RPC handlers find the group by name, start a
+// RefitSession on its store, and register the refit here so that Commit,
+// Abort, GetStatus and shutdown can reach it. The store enforces "one refit
+// at a time"; the registry records who owns a refit (for the trainer role),
+// its session, and the RPC driving it (a Push or Reload stream) so that an
+// Abort or a shutdown can end that stream at once.
+//
+// Lifetime of a driver: a RefitDriver is reference counted. The registry
+// hands out drivers with a reference taken under its lock (DriverRef);
+// a driver unregisters itself (RemoveDriver) before dropping its own
+// reference, so a DriverRef never points at a deleted object.
+//
+// Thread-safe.
+#ifndef REFIT_SERVER_MODEL_GROUP_H_
+#define REFIT_SERVER_MODEL_GROUP_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <grpcpp/support/status.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "core/refit_session.h"
+#include "core/shard_store.h"
+
+namespace refit::server {
+
+// The RPC that drives a refit (a Push or Reload reactor).
+class RefitDriver {
+ public:
+  virtual void Ref() = 0;
+  virtual void Unref() = 0;
+  // Aborts the refit with `reason` and ends the RPC with `status`. Idempotent;
+  // callable from any thread without locks held.
+  virtual void Cancel(const grpc::Status& status, absl::string_view reason) = 0;
+
+ protected:
+  virtual ~RefitDriver() = default;
+};
+
+// A reference to a driver; Unrefs on destruction.
+class DriverRef {
+ public:
+  DriverRef() = default;
+  explicit DriverRef(RefitDriver* driver) : driver_(driver) {}  // adopts a reference
+  DriverRef(DriverRef&& other) noexcept : driver_(other.driver_) { other.driver_ = nullptr; }
+  DriverRef& operator=(DriverRef&& other) noexcept;
+  ~DriverRef();
+  DriverRef(const DriverRef&) = delete;
+  DriverRef& operator=(const DriverRef&) = delete;
+  RefitDriver* get() const { return driver_; }
+  explicit operator bool() const { return driver_ != nullptr; }
+
+ private:
+  RefitDriver* driver_ = nullptr;
+};
+
+// A Watch stream: receives every store event of the group.
+class EventSubscriber {
+ public:
+  virtual void Ref() = 0;
+  virtual void Unref() = 0;
+  // Must be cheap and must not block (called on the thread of the event).
+  virtual void Deliver(const core::StoreEvent& event) = 0;
+  // Ends the stream (shutdown).
+  virtual void Close(const grpc::Status& status) = 0;
+
+ protected:
+  virtual ~EventSubscriber() = default;
+};
+
+struct RefitEntry {
+  std::string refit_id;
+  std::string owner;  // Principal::name of the caller that started it
+  std::string kind;   // "push" | "reload"
+  std::string label;
+  std::shared_ptr<core::RefitSession> session;
+  bool prepared = false;
+};
+
+class ModelGroup {
+ public:
+  explicit ModelGroup(std::unique_ptr<core::ShardStore> store);
+  ~ModelGroup();
+  ModelGroup(const ModelGroup&) = delete;
+  ModelGroup& operator=(const ModelGroup&) = delete;
+
+  const std::string& name() const { return store_->group(); }
+  core::ShardStore* store() const { return store_.get(); }
+
+  void Add(RefitEntry entry, RefitDriver* driver);
+  // The refit stopped at PREPARED: it stays registered without a driver.
+  void MarkPrepared(absl::string_view refit_id);
+  // Drops the entry if `driver` still drives it (not after MarkPrepared).
+  void RemoveDriver(absl::string_view refit_id, RefitDriver* driver);
+
+  struct Found {
+    RefitEntry entry;
+    DriverRef driver;  // empty for prepared refits
+  };
+  // `refit_id` "" finds the active refit. NOT_FOUND naming the id otherwise.
+  absl::StatusOr<Found> Find(absl::string_view refit_id) const;
+  // Removes a prepared refit and returns it. NOT_FOUND if unknown;
+  // FAILED_PRECONDITION if it is still receiving.
+  absl::StatusOr<RefitEntry> TakePrepared(absl::string_view refit_id);
+  // Removes everything (shutdown): prepared entries and drivers.
+  std::vector<Found> TakeAll();
+
+  // Sessions registered now, for status and metrics.
+  std::vector<std::shared_ptr<core::RefitSession>> Sessions() const;
+
+  // Event fan-out to Watch streams. A subscriber removes itself before its
+  // last reference goes; Close ends every stream and refuses new ones.
+  // Subscribe returns false once closed.
+  bool Subscribe(EventSubscriber* subscriber);
+  void Unsubscribe(EventSubscriber* subscriber);
+  void CloseSubscribers(const grpc::Status& status);
+
+ private:
+  void Fanout(const core::StoreEvent& event);
+
+  struct Slot {
+    RefitEntry entry;
+    RefitDriver* driver = nullptr;
+  };
+  std::unique_ptr<core::ShardStore> store_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Slot> refits_ ABSL_GUARDED_BY(mu_);
+
+  int listener_id_ = -1;
+  mutable absl::Mutex subscribers_mu_;
+  std::vector<EventSubscriber*> subscribers_ ABSL_GUARDED_BY(subscribers_mu_);
+  bool closed_ ABSL_GUARDED_BY(subscribers_mu_) = false;
+};
+
+}  // namespace refit::server
+
+#endif  // REFIT_SERVER_MODEL_GROUP_H_

@@ -1,0 +1,316 @@
+#include "server/refit_server.h"
+
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <climits>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/fixture_model.h"
+#include "core/log.h"
+#include "core/model_config.h"
+#include "core/model_layout.h"
+#include "core/refit_session.h"
+#include "core/runtime_info.h"
+#include "core/safetensors.h"
+#include "core/shard_store.h"
+
+namespace refit::server {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, " ", path, " cannot be read"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Not std::filesystem::remove_all: libtorch.so exports its own copies of
+// libstdc++'s filesystem symbols, and the dynamic linker binds ours to them
+// (a null call inside remove_all).
+void RemoveTree(const std::string& dir) {
+  nftw(
+      dir.c_str(),
+      [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
+      FTW_DEPTH | FTW_PHYS);
+}
+
+}  // namespace
+
+RefitServer::RefitServer(ServerOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<RefitServer>> RefitServer::Create(ServerOptions options) {
+  std::unique_ptr<RefitServer> server(new RefitServer(std::move(options)));
+  absl::Status status = server->Init();
+  if (!status.ok()) return status;
+  return server;
+}
+
+absl::StatusOr<std::unique_ptr<RefitServer>> RefitServer::Start(ServerOptions options) {
+  absl::StatusOr<std::unique_ptr<RefitServer>> server = Create(std::move(options));
+  if (!server.ok()) return server.status();
+  absl::Status loaded = (*server)->LoadInitialModel();
+  if (!loaded.ok()) return loaded;
+  return server;
+}
+
+absl::Status RefitServer::Init() {
+  options_.listen = SplitListenAddresses(options_.listen);
+  if (options_.listen.empty()) return absl::InvalidArgumentError("no listen address");
+  if (options_.max_chunk_bytes <= 0) {
+    return absl::InvalidArgumentError("--max-chunk-bytes must be positive");
+  }
+  if (options_.read_chunk_bytes <= 0) {
+    return absl::InvalidArgumentError("read chunk size must be positive");
+  }
+  if (options_.push_idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--push-idle-timeout must be positive");
+  }
+  if (options_.auth_tokens_file.empty()) {
+    auth_ = Authenticator::AllowAll();
+  } else {
+    absl::StatusOr<std::unique_ptr<Authenticator>> auth =
+        Authenticator::FromFile(options_.auth_tokens_file);
+    if (!auth.ok()) return auth.status();
+    auth_ = std::move(*auth);
+  }
+  if (absl::Status s = BuildModel(); !s.ok()) return s;
+  return StartGrpc();
+}
+
+absl::Status RefitServer::BuildModel() {
+  if (absl::Status s = core::ValidateDevice(options_.device); !s.ok()) return s;
+  absl::StatusOr<core::QuantScheme> quant = core::ParseQuantScheme(options_.quant);
+  if (!quant.ok()) return quant.status();
+  core::ModelConfig config;
+  if (options_.model == "demo") {
+    const char* tmp = getenv("TMPDIR");
+    std::string pattern = absl::StrCat(tmp != nullptr && *tmp ? tmp : "/tmp", "/refitd-demo-XXXXXX");
+    if (mkdtemp(pattern.data()) == nullptr) {
+      return absl::InternalError(absl::StrCat("cannot create a temp dir from ", pattern));
+    }
+    demo_dir_ = pattern;
+    config = core::FixtureConfig();
+    if (absl::Status s = core::WriteFixtureModel(demo_dir_, config, options_.demo_seed); !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<std::vector<std::string>> files = core::ListSafetensorsFiles(demo_dir_);
+    if (!files.ok()) return files.status();
+    model_files_ = std::move(*files);
+  } else {
+    absl::StatusOr<core::ModelConfig> parsed =
+        core::ModelConfig::FromFile(options_.model + "/config.json");
+    if (!parsed.ok()) return parsed.status();
+    config = std::move(*parsed);
+    absl::StatusOr<std::vector<std::string>> files = core::ListSafetensorsFiles(options_.model);
+    if (!files.ok()) return files.status();
+    model_files_ = std::move(*files);
+  }
+  absl::StatusOr<std::shared_ptr<const core::ModelLayout>> layout =
+      core::ModelLayout::Build(config, {options_.tp_rank, options_.tp_size}, *quant);
+  if (!layout.ok()) return layout.status();
+  core::ShardStoreOptions store_options;
+  store_options.group = kDefaultGroup;
+  store_options.device = options_.device;
+  absl::StatusOr<std::unique_ptr<core::ShardStore>> store =
+      core::ShardStore::Create(*layout, store_options);
+  if (!store.ok()) return store.status();
+  groups_[kDefaultGroup] = std::make_unique<ModelGroup>(std::move(*store));
+  return absl::OkStatus();
+}
+
+absl::Status RefitServer::StartGrpc() {
+  const bool mutual_tls = !options_.tls_client_ca.empty();
+  for (const std::string& address : options_.listen) {
+    if (IsLoopbackAddress(address)) continue;
+    if (!auth_->enabled() && !mutual_tls) {
+      if (!options_.allow_insecure_remote) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "listening on ", address,
+            " (beyond loopback) without authentication; set --auth-tokens or --tls-client-ca, "
+            "or pass --allow-insecure-remote"));
+      }
+      REFIT_LOG(WARNING).Field("address", address)
+          << "INSECURE: listening beyond loopback without authentication "
+             "(--allow-insecure-remote); anyone who can reach this address can change the model";
+    }
+  }
+
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  if (!options_.tls_cert.empty() || !options_.tls_key.empty()) {
+    if (options_.tls_cert.empty() || options_.tls_key.empty()) {
+      return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+    }
+    absl::StatusOr<std::string> cert = ReadFile(options_.tls_cert, "--tls-cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadFile(options_.tls_key, "--tls-key");
+    if (!key.ok()) return key.status();
+    grpc::SslServerCredentialsOptions ssl(
+        mutual_tls ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                   : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    if (mutual_tls) {
+      absl::StatusOr<std::string> ca = ReadFile(options_.tls_client_ca, "--tls-client-ca");
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *ca;
+    }
+    ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    credentials = grpc::SslServerCredentials(ssl);
+  } else if (mutual_tls) {
+    return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+  } else {
+    credentials = grpc::InsecureServerCredentials();
+  }
+
+  service_ = std::make_unique<RefitServiceImpl>(options_, &groups_, auth_.get(), &metrics_);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  std::vector<int> ports(options_.listen.size(), 0);
+  for (size_t i = 0; i < options_.listen.size(); ++i) {
+    builder.AddListeningPort(options_.listen[i], credentials, &ports[i]);
+  }
+  const int64_t receive_limit =
+      std::min<int64_t>(options_.max_chunk_bytes + kMessageHeadroomBytes, INT_MAX);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(receive_limit));
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ",
+                                               absl::StrJoin(options_.listen, ", ")));
+  }
+  for (size_t i = 0; i < options_.listen.size(); ++i) {
+    const std::string& address = options_.listen[i];
+    if (ports[i] == 0) {
+      server_->Shutdown();
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+    }
+    std::string bound = address;
+    if (!absl::StartsWith(address, "unix") && absl::EndsWith(address, ":0")) {
+      bound = absl::StrCat(address.substr(0, address.size() - 1), ports[i]);
+    }
+    bound_addresses_.push_back(bound);
+    REFIT_LOG(INFO).Field("address", bound) << "refitd listening";
+  }
+  server_->GetHealthCheckService()->SetServingStatus(kRefitServiceName, false);
+
+  if (!options_.metrics_listen.empty()) {
+    RefitServer* self = this;
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
+        MetricsHttpServer::Start(options_.metrics_listen, [self] {
+          std::vector<GroupGauges> gauges;
+          for (const auto& [name, group] : self->groups_) {
+            GroupGauges g;
+            g.group = name;
+            g.version = group->store()->version();
+            for (const auto& session : group->Sessions()) {
+              g.staging_bytes += session->progress().staging_bytes;
+            }
+            gauges.push_back(std::move(g));
+          }
+          return self->metrics_.Render(gauges);
+        });
+    if (!http.ok()) {
+      server_->Shutdown();
+      return http.status();
+    }
+    metrics_http_ = std::move(*http);
+    REFIT_LOG(INFO).Field("address", absl::StrCat(metrics_http_->host(), ":",
+                                                  metrics_http_->port()))
+        << "metrics at /metrics";
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RefitServer::LoadInitialModel() {
+  ModelGroup* group = default_group();
+  core::RefitOptions options;
+  options.staging_budget_bytes = options_.staging_budget_bytes;
+  REFIT_LOG(INFO)
+          .Field("group", group->name())
+          .Field("model", options_.model)
+          .Field("device", options_.device)
+          .Field("quant", options_.quant)
+          .Field("files", absl::StrCat(model_files_.size()))
+      << "loading the first version";
+  absl::StatusOr<core::RefitResult> result =
+      core::LoadSafetensors(group->store(), model_files_, options);
+  if (!demo_dir_.empty()) {
+    RemoveTree(demo_dir_);
+    demo_dir_.clear();
+  }
+  if (!result.ok()) {
+    metrics_.RecordOutcome("failed");
+    return result.status();
+  }
+  metrics_.RecordOutcome("committed");
+  metrics_.RecordCommitted(result->timings);
+  REFIT_LOG(INFO)
+          .Field("refit_id", result->refit_id)
+          .Field("group", group->name())
+          .Field("version", absl::StrCat(result->version))
+          .Field("fingerprint", result->fingerprint)
+      << "first version loaded; ready";
+  absl::MutexLock lock(&shutdown_mu_);
+  if (!shut_down_) server_->GetHealthCheckService()->SetServingStatus(kRefitServiceName, true);
+  return absl::OkStatus();
+}
+
+void RefitServer::Shutdown() {
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    if (server_ != nullptr) {
+      server_->GetHealthCheckService()->SetServingStatus(kRefitServiceName, false);
+    }
+  }
+  REFIT_LOG(INFO) << "shutting down: readiness NOT_SERVING, refusing new refits";
+  if (service_ != nullptr) service_->BeginShutdown();
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->Shutdown();
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      absl::ToChronoMilliseconds(options_.shutdown_timeout));
+  }
+  if (service_ != nullptr) service_->Join();
+  metrics_http_.reset();
+  ModelGroup* group = default_group();
+  REFIT_LOG(INFO)
+          .Field("group", group != nullptr ? group->name() : std::string("-"))
+          .Field("version", group != nullptr ? absl::StrCat(group->store()->version()) : "-")
+          .Field("fingerprint", group != nullptr ? group->store()->fingerprint() : "-")
+      << "refitd stopped";
+}
+
+void RefitServer::Wait() {
+  if (server_ != nullptr) server_->Wait();
+}
+
+RefitServer::~RefitServer() {
+  Shutdown();
+  if (server_ != nullptr) server_->Wait();
+  server_.reset();
+  service_.reset();
+  if (!demo_dir_.empty()) RemoveTree(demo_dir_);
+}
+
+int RefitServer::metrics_port() const {
+  return metrics_http_ != nullptr ? metrics_http_->port() : 0;
+}
+
+ModelGroup* RefitServer::default_group() const {
+  auto it = groups_.find(kDefaultGroup);
+  return it == groups_.end() ? nullptr : it->second.get();
+}
+
+}  // namespace refit::server

@@ -1,0 +1,466 @@
+#include "server/refit_service.h"
+
+#include <limits.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "core/runtime_info.h"
+#include "core/safetensors.h"
+#include "server/grpc_convert.h"
+
+namespace refit::server {
+namespace {
+
+constexpr char kServerVersion[] = "refitd 0.1.0";
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+uint64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  uint64_t pages_total = 0, pages_resident = 0;
+  if (!(statm >> pages_total >> pages_resident)) return 0;
+  return pages_resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+}
+
+// Streams one kernel tensor's bytes (all of one version) in chunks.
+class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorResponse> {
+ public:
+  ReadTensorReactor(v1::TensorInfo info, uint64_t version, std::string bytes, size_t chunk_bytes)
+      : bytes_(std::move(bytes)), chunk_bytes_(chunk_bytes) {
+    *message_.mutable_info() = std::move(info);
+    message_.set_version(version);
+    WriteNext();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "ReadTensor: the client went away"));
+      return;
+    }
+    if (offset_ >= bytes_.size()) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    message_.clear_info();
+    WriteNext();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void WriteNext() {
+    const size_t n = std::min(chunk_bytes_, bytes_.size() - offset_);
+    message_.set_byte_offset(offset_);
+    message_.set_data(bytes_.data() + offset_, n);
+    offset_ += n;
+    if (offset_ >= bytes_.size()) {
+      StartWriteLast(&message_, grpc::WriteOptions());
+    } else {
+      StartWrite(&message_);
+    }
+  }
+
+  std::string bytes_;
+  size_t chunk_bytes_;
+  size_t offset_ = 0;
+  v1::ReadTensorResponse message_;
+};
+
+// Watch: a snapshot, then every store event of the group.
+class WatchReactor final : public QueuedWriteReactor<v1::WatchEvent>, public EventSubscriber {
+ public:
+  WatchReactor(ModelGroup* group, const v1::WatchEvent& snapshot) : group_(group) {
+    Enqueue(snapshot);
+    if (!group_->Subscribe(this)) {
+      subscribed_ = false;
+      FinishWhenDrained(grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is shutting down"));
+    }
+  }
+
+  void Ref() override { QueuedWriteReactor::Ref(); }
+  void Unref() override { QueuedWriteReactor::Unref(); }
+  void Deliver(const core::StoreEvent& event) override {
+    v1::WatchEvent message;
+    ToProtoEvent(event, &message);
+    Enqueue(std::move(message));
+  }
+  void Close(const grpc::Status& status) override { FinishWhenDrained(status); }
+
+  void OnCancel() override {
+    FinishNow(grpc::Status(grpc::StatusCode::CANCELLED, "Watch cancelled"));
+  }
+
+ private:
+  void OnFinished() override {
+    if (subscribed_) group_->Unsubscribe(this);
+  }
+
+  ModelGroup* group_;
+  bool subscribed_ = true;
+};
+
+template <typename Msg>
+grpc::ServerWriteReactor<Msg>* FailStream(const absl::Status& status) {
+  class Failed final : public grpc::ServerWriteReactor<Msg> {
+   public:
+    explicit Failed(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+    void OnDone() override { delete this; }
+  };
+  return new Failed(status);
+}
+
+}  // namespace
+
+RefitServiceImpl::RefitServiceImpl(const ServerOptions& options,
+                                   const std::map<std::string, std::unique_ptr<ModelGroup>>* groups,
+                                   const Authenticator* auth, Metrics* metrics)
+    : options_(options), groups_(groups), auth_(auth), metrics_(metrics) {}
+
+RefitServiceImpl::~RefitServiceImpl() {
+  watchdog_.Stop();
+  Join();
+}
+
+absl::StatusOr<ModelGroup*> RefitServiceImpl::FindGroup(absl::string_view name) const {
+  const std::string key = name.empty() ? std::string(kDefaultGroup) : std::string(name);
+  auto it = groups_->find(key);
+  if (it == groups_->end()) {
+    return absl::NotFoundError(absl::StrCat("unknown model group \"", key, "\""));
+  }
+  return it->second.get();
+}
+
+absl::StatusOr<Principal> RefitServiceImpl::Authorize(const grpc::CallbackServerContext* context,
+                                                      Action action,
+                                                      absl::string_view method) const {
+  std::optional<std::string> authorization;
+  const auto& metadata = context->client_metadata();
+  if (auto it = metadata.find("authorization"); it != metadata.end()) {
+    authorization = std::string(it->second.data(), it->second.size());
+  }
+  return auth_->Authorize(authorization, action, method);
+}
+
+absl::Status RefitServiceImpl::CheckAcceptingRefits() const {
+  if (shutting_down_.load()) {
+    return absl::UnavailableError("refitd is shutting down; no new refits are accepted");
+  }
+  return absl::OkStatus();
+}
+
+bool RefitServiceImpl::Ready() const {
+  if (shutting_down_.load()) return false;
+  absl::StatusOr<ModelGroup*> group = FindGroup("");
+  return group.ok() && (*group)->store()->version() > 0;
+}
+
+void RefitServiceImpl::RunWorker(std::function<void()> work) {
+  absl::MutexLock lock(&workers_mu_);
+  workers_.emplace_back(std::move(work));
+}
+
+void RefitServiceImpl::BeginShutdown() {
+  if (shutting_down_.exchange(true)) return;
+  for (const auto& [name, group] : *groups_) {
+    for (ModelGroup::Found& found : group->TakeAll()) {
+      const std::string reason = "refitd is shutting down";
+      if (found.driver) {
+        found.driver.get()->Cancel(
+            grpc::Status(grpc::StatusCode::ABORTED,
+                         absl::StrCat("refit \"", found.entry.refit_id, "\" aborted: ", reason)),
+            reason);
+      } else {
+        found.entry.session->Abort(reason);
+        metrics_->RecordOutcome("aborted");
+      }
+    }
+    group->CloseSubscribers(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is shutting down"));
+  }
+}
+
+void RefitServiceImpl::Join() {
+  std::vector<std::thread> workers;
+  {
+    absl::MutexLock lock(&workers_mu_);
+    workers.swap(workers_);
+  }
+  for (std::thread& t : workers) {
+    if (t.joinable()) t.join();
+  }
+}
+
+grpc::ServerReadReactor<v1::PushRequest>* RefitServiceImpl::Push(
+    grpc::CallbackServerContext* context, v1::PushResponse* response) {
+  return NewPushReactor(this, context, response);
+}
+
+grpc::ServerWriteReactor<v1::ReloadProgress>* RefitServiceImpl::Reload(
+    grpc::CallbackServerContext* context, const v1::ReloadRequest* request) {
+  return NewReloadReactor(this, context, request);
+}
+
+grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* context,
+                                                   const v1::CommitRequest* request,
+                                                   v1::CommitResponse* response) {
+  absl::StatusOr<Principal> caller = Authorize(context, Action::kFinish, "Commit");
+  if (!caller.ok()) return Reply(context, caller.status());
+  absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
+  if (!group.ok()) return Reply(context, group.status());
+  if (request->refit_id().empty()) {
+    return Reply(context, absl::InvalidArgumentError("Commit: refit_id is empty"));
+  }
+  {
+    absl::StatusOr<ModelGroup::Found> found = (*group)->Find(request->refit_id());
+    if (!found.ok()) return Reply(context, found.status());
+    absl::Status owner =
+        Authenticator::CheckOwner(*caller, found->entry.owner, request->refit_id(), "Commit");
+    if (!owner.ok()) return Reply(context, owner);
+  }
+  absl::StatusOr<RefitEntry> entry = (*group)->TakePrepared(request->refit_id());
+  if (!entry.ok()) return Reply(context, entry.status());
+  absl::StatusOr<core::RefitResult> result = entry->session->Commit();
+  if (!result.ok()) {
+    metrics_->RecordOutcome("failed");
+    REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
+        << "commit failed: " << std::string(result.status().message());
+    return Reply(context, result.status());
+  }
+  metrics_->RecordOutcome("committed");
+  metrics_->RecordCommitted(result->timings);
+  REFIT_LOG(INFO)
+          .Field("refit_id", entry->refit_id)
+          .Field("caller", caller->name)
+          .Field("version", absl::StrCat(result->version))
+      << "prepared refit committed";
+  ToProtoResult(*result, v1::REFIT_STATE_COMMITTED, response->mutable_result());
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* context,
+                                                  const v1::AbortRequest* request,
+                                                  v1::AbortResponse* response) {
+  absl::StatusOr<Principal> caller = Authorize(
+      context, request->refit_id().empty() ? Action::kAbortAny : Action::kFinish, "Abort");
+  if (!caller.ok()) return Reply(context, caller.status());
+  absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
+  if (!group.ok()) return Reply(context, group.status());
+  absl::StatusOr<ModelGroup::Found> found = (*group)->Find(request->refit_id());
+  if (!found.ok()) return Reply(context, found.status());
+  const std::string& id = found->entry.refit_id;
+  absl::Status owner = Authenticator::CheckOwner(*caller, found->entry.owner, id, "Abort");
+  if (!owner.ok()) return Reply(context, owner);
+  const std::string reason =
+      absl::StrCat("Abort by ", caller->name,
+                   request->reason().empty() ? "" : absl::StrCat(": ", request->reason()));
+  if (found->driver) {
+    found->driver.get()->Cancel(
+        grpc::Status(grpc::StatusCode::ABORTED,
+                     absl::StrCat("refit \"", id, "\" aborted: ", reason)),
+        reason);
+  } else {
+    absl::StatusOr<RefitEntry> entry = (*group)->TakePrepared(id);
+    if (!entry.ok()) return Reply(context, entry.status());
+    entry->session->Abort(reason);
+    metrics_->RecordOutcome("aborted");
+  }
+  REFIT_LOG(INFO).Field("refit_id", id).Field("caller", caller->name) << "aborted: " << reason;
+  response->set_refit_id(id);
+  response->set_version((*group)->store()->version());
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContext* context,
+                                                      const v1::GetStatusRequest* request,
+                                                      v1::GetStatusResponse* response) {
+  absl::StatusOr<Principal> caller = Authorize(context, Action::kRead, "GetStatus");
+  if (!caller.ok()) return Reply(context, caller.status());
+  absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
+  if (!group.ok()) return Reply(context, group.status());
+  core::ShardStore* store = (*group)->store();
+  const core::ModelLayout& layout = store->layout();
+  response->set_model_group((*group)->name());
+  store->WithReaderLock([&](uint64_t version) { response->set_version(version); });
+  response->set_fingerprint(store->fingerprint());
+  response->set_device(store->device());
+  response->set_ready(!shutting_down_.load() && response->version() > 0);
+  int64_t staging = 0, peak = 0;
+  for (const auto& session : (*group)->Sessions()) {
+    core::SessionProgress progress = session->progress();
+    if (progress.state == core::SessionState::kReceiving ||
+        progress.state == core::SessionState::kPrepared) {
+      ToProtoProgress(progress, response->mutable_active_refit());
+      staging += progress.staging_bytes;
+      peak = std::max(peak, progress.peak_staging_bytes);
+    }
+  }
+  v1::MemoryUsage* memory = response->mutable_memory();
+  memory->set_kernel_bytes(static_cast<uint64_t>(layout.kernel_bytes()));
+  memory->set_staging_bytes(static_cast<uint64_t>(staging));
+  memory->set_peak_staging_bytes(static_cast<uint64_t>(peak));
+  memory->set_staging_budget_bytes(static_cast<uint64_t>(options_.staging_budget_bytes));
+  memory->set_resident_bytes(ResidentBytes());
+  v1::ModelSummary* model = response->mutable_model();
+  model->set_architecture(layout.config().arch_name);
+  model->set_num_layers(static_cast<uint32_t>(layout.config().num_layers));
+  model->set_tp_rank(static_cast<uint32_t>(layout.parallel().tp_rank));
+  model->set_tp_size(static_cast<uint32_t>(layout.parallel().tp_size));
+  model->set_quantization(std::string(core::QuantSchemeName(layout.quant())));
+  model->set_checkpoint_dtype(std::string(core::DTypeName(layout.config().dtype)));
+  model->set_num_kernel_tensors(static_cast<uint32_t>(layout.num_kernels()));
+  model->set_kernel_bytes(static_cast<uint64_t>(layout.kernel_bytes()));
+  response->set_last_commit_unix_seconds(UnixSecondsOf(store->last_commit_time()));
+  response->set_server_version(absl::StrCat(kServerVersion, " (LibTorch ", core::TorchVersion(), ")"));
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* RefitServiceImpl::ListTensors(grpc::CallbackServerContext* context,
+                                                        const v1::ListTensorsRequest* request,
+                                                        v1::ListTensorsResponse* response) {
+  absl::StatusOr<Principal> caller = Authorize(context, Action::kRead, "ListTensors");
+  if (!caller.ok()) return Reply(context, caller.status());
+  absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
+  if (!group.ok()) return Reply(context, group.status());
+  core::ShardStore* store = (*group)->store();
+  const core::ModelLayout& layout = store->layout();
+  response->set_version(store->version());
+  switch (request->layout()) {
+    case v1::ListTensorsRequest::LAYOUT_KERNEL:
+      for (const core::KernelView& kernel : store->Kernels()) {
+        v1::TensorInfo* info = response->add_tensors();
+        info->set_name(kernel.spec->name);
+        info->set_dtype(ToProtoDType(kernel.spec->dtype));
+        for (int64_t d : kernel.spec->shape) info->add_shape(d);
+        info->set_nbytes(static_cast<uint64_t>(kernel.nbytes));
+        if (kernel.layer >= 0 && kernel.layer < static_cast<int>(layout.layers().size())) {
+          info->set_layer(layout.layers()[kernel.layer].name);
+        }
+      }
+      break;
+    case v1::ListTensorsRequest::LAYOUT_CHECKPOINT:
+      for (const core::CheckpointTensor& tensor : layout.checkpoint_tensors()) {
+        v1::TensorInfo* info = response->add_tensors();
+        info->set_name(tensor.name);
+        info->set_dtype(ToProtoDType(tensor.dtype));
+        for (int64_t d : tensor.shape) info->add_shape(d);
+        info->set_nbytes(static_cast<uint64_t>(tensor.nbytes()));
+        const bool ignored = tensor.use == core::CheckpointTensor::Use::kIgnored;
+        if (!ignored && tensor.layer >= 0 &&
+            tensor.layer < static_cast<int>(layout.layers().size())) {
+          info->set_layer(layout.layers()[tensor.layer].name);
+        }
+        info->set_optional(tensor.optional || ignored);
+      }
+      break;
+    default:
+      return Reply(context, absl::InvalidArgumentError(
+                                "ListTensors: layout must be LAYOUT_KERNEL or LAYOUT_CHECKPOINT"));
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
+    grpc::CallbackServerContext* context, const v1::ReadTensorRequest* request) {
+  absl::StatusOr<Principal> caller = Authorize(context, Action::kRead, "ReadTensor");
+  if (!caller.ok()) return FailStream<v1::ReadTensorResponse>(caller.status());
+  absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
+  if (!group.ok()) return FailStream<v1::ReadTensorResponse>(group.status());
+  core::ShardStore* store = (*group)->store();
+  v1::TensorInfo info;
+  bool known = false;
+  for (const core::KernelView& kernel : store->Kernels()) {
+    if (kernel.spec->name != request->name()) continue;
+    known = true;
+    info.set_name(kernel.spec->name);
+    info.set_dtype(ToProtoDType(kernel.spec->dtype));
+    for (int64_t d : kernel.spec->shape) info.add_shape(d);
+    info.set_nbytes(static_cast<uint64_t>(kernel.nbytes));
+    const auto& layers = store->layout().layers();
+    if (kernel.layer >= 0 && kernel.layer < static_cast<int>(layers.size())) {
+      info.set_layer(layers[kernel.layer].name);
+    }
+    break;
+  }
+  if (!known) {
+    return FailStream<v1::ReadTensorResponse>(absl::NotFoundError(absl::StrCat(
+        "model group \"", (*group)->name(), "\" has no kernel tensor \"", request->name(),
+        "\" (ListTensors with LAYOUT_KERNEL lists them)")));
+  }
+  std::string bytes;
+  uint64_t version = 0;
+  absl::Status read = store->ReadKernel(request->name(), &bytes, &version);
+  if (!read.ok()) return FailStream<v1::ReadTensorResponse>(read);
+  size_t chunk = static_cast<size_t>(options_.read_chunk_bytes);
+  if (request->max_chunk_bytes() > 0) chunk = std::min<size_t>(chunk, request->max_chunk_bytes());
+  return new ReadTensorReactor(std::move(info), version, std::move(bytes), chunk);
+}
+
+grpc::ServerWriteReactor<v1::WatchEvent>* RefitServiceImpl::Watch(
+    grpc::CallbackServerContext* context, const v1::WatchRequest* request) {
+  absl::StatusOr<Principal> caller = Authorize(context, Action::kRead, "Watch");
+  if (!caller.ok()) return FailStream<v1::WatchEvent>(caller.status());
+  absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
+  if (!group.ok()) return FailStream<v1::WatchEvent>(group.status());
+  core::ShardStore* store = (*group)->store();
+  v1::WatchEvent snapshot;
+  snapshot.set_type(v1::WatchEvent::TYPE_SNAPSHOT);
+  snapshot.set_model_group((*group)->name());
+  snapshot.set_refit_id(store->active_session());
+  store->WithReaderLock([&](uint64_t version) { snapshot.set_version(version); });
+  snapshot.set_fingerprint(store->fingerprint());
+  snapshot.set_message(snapshot.refit_id().empty()
+                           ? "idle"
+                           : absl::StrCat("refit ", snapshot.refit_id(), " is active"));
+  snapshot.set_unix_seconds(UnixSecondsOf(absl::Now()));
+  return new WatchReactor(*group, snapshot);
+}
+
+absl::StatusOr<std::vector<std::string>> ResolveReloadPath(const std::string& root,
+                                                           const std::string& path) {
+  if (root.empty()) {
+    return absl::PermissionDeniedError(
+        "Reload is disabled: refitd was started without --reload-root");
+  }
+  char resolved_root[PATH_MAX];
+  if (realpath(root.c_str(), resolved_root) == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--reload-root ", root, " does not resolve to a directory"));
+  }
+  if (path.empty()) return absl::InvalidArgumentError("Reload: path is empty");
+  char resolved[PATH_MAX];
+  if (realpath(path.c_str(), resolved) == nullptr) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "Reload: path ", path, " does not resolve to a file under the reload root ", root));
+  }
+  const std::string root_str(resolved_root);
+  const std::string path_str(resolved);
+  const bool under = path_str == root_str ||
+                     absl::StartsWith(path_str, root_str == "/" ? root_str : root_str + "/");
+  if (!under) {
+    return absl::PermissionDeniedError(absl::StrCat("Reload: path ", path, " resolves to ",
+                                                    path_str, ", outside the reload root ",
+                                                    root_str));
+  }
+  struct stat st;
+  if (stat(resolved, &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("Reload: path ", path, " does not exist"));
+  }
+  if (S_ISDIR(st.st_mode)) return core::ListSafetensorsFiles(path_str);
+  if (S_ISREG(st.st_mode)) return std::vector<std::string>{path_str};
+  return absl::InvalidArgumentError(
+      absl::StrCat("Reload: path ", path, " is neither a directory nor a file"));
+}
+
+}  // namespace refit::server

@@ -1,0 +1,118 @@
+// RefitServiceImpl: the refit.v1.RefitService gRPC service (callback API).
+//
+// Pipeline position: the front door. Push and Reload drive a
+// core::RefitSession per refit; Commit/Abort finish prepared refits (Abort also
+// ends running ones); GetStatus, ListTensors, ReadTensor and Watch read the
+// ShardStore. Every RPC is authorized first (server/auth.h), and every
+// answer's status comes from core through server/grpc_convert.h.
+//
+// Lifecycle: created by RefitServer with its model groups; BeginShutdown()
+// refuses new refits (UNAVAILABLE), aborts the running and prepared ones,
+// and ends Watch streams; Join() waits for Reload workers. The service must
+// outlive the grpc::Server that serves it (the server is shut down and waited
+// for first).
+//
+// Thread-safety: all handlers may run concurrently on gRPC's threads.
+#ifndef REFIT_SERVER_REFIT_SERVICE_H_
+#define REFIT_SERVER_REFIT_SERVICE_H_
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "refit/v1/refit.grpc.pb.h"
+#include "server/auth.h"
+#include "server/metrics.h"
+#include "server/model_group.h"
+#include "server/reactor_util.h"
+#include "server/server_options.h"
+
+namespace refit::server {
+
+class RefitServiceImpl final : public v1::RefitService::CallbackService {
+ public:
+  // `groups`, `auth` and `metrics` must outlive the service.
+  RefitServiceImpl(const ServerOptions& options,
+                   const std::map<std::string, std::unique_ptr<ModelGroup>>* groups,
+                   const Authenticator* auth, Metrics* metrics);
+  ~RefitServiceImpl() override;
+
+  grpc::ServerReadReactor<v1::PushRequest>* Push(grpc::CallbackServerContext* context,
+                                                 v1::PushResponse* response) override;
+  grpc::ServerWriteReactor<v1::ReloadProgress>* Reload(grpc::CallbackServerContext* context,
+                                                       const v1::ReloadRequest* request) override;
+  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* context,
+                                   const v1::CommitRequest* request,
+                                   v1::CommitResponse* response) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
+                                  const v1::AbortRequest* request,
+                                  v1::AbortResponse* response) override;
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
+                                      const v1::GetStatusRequest* request,
+                                      v1::GetStatusResponse* response) override;
+  grpc::ServerUnaryReactor* ListTensors(grpc::CallbackServerContext* context,
+                                        const v1::ListTensorsRequest* request,
+                                        v1::ListTensorsResponse* response) override;
+  grpc::ServerWriteReactor<v1::ReadTensorResponse>* ReadTensor(
+      grpc::CallbackServerContext* context, const v1::ReadTensorRequest* request) override;
+  grpc::ServerWriteReactor<v1::WatchEvent>* Watch(grpc::CallbackServerContext* context,
+                                                  const v1::WatchRequest* request) override;
+
+  void BeginShutdown();
+  void Join();
+  bool shutting_down() const { return shutting_down_.load(); }
+
+  // For the reactors (server/*_reactor.cc).
+  const ServerOptions& options() const { return options_; }
+  Metrics* metrics() const { return metrics_; }
+  IdleWatchdog* watchdog() { return &watchdog_; }
+  // NOT_FOUND naming the group; "" is the default group.
+  absl::StatusOr<ModelGroup*> FindGroup(absl::string_view name) const;
+  absl::StatusOr<Principal> Authorize(const grpc::CallbackServerContext* context, Action action,
+                                      absl::string_view method) const;
+  // UNAVAILABLE while shutting down.
+  absl::Status CheckAcceptingRefits() const;
+  void RunWorker(std::function<void()> work);
+  // "refit.v1.RefitService" is SERVING when some version is live and the
+  // daemon is not shutting down.
+  bool Ready() const;
+
+ private:
+  ServerOptions options_;
+  const std::map<std::string, std::unique_ptr<ModelGroup>>* groups_;
+  const Authenticator* auth_;
+  Metrics* metrics_;
+  std::atomic<bool> shutting_down_{false};
+  IdleWatchdog watchdog_;
+  absl::Mutex workers_mu_;
+  std::vector<std::thread> workers_ ABSL_GUARDED_BY(workers_mu_);
+};
+
+// Implemented in push_reactor.cc and reload_reactor.cc.
+grpc::ServerReadReactor<v1::PushRequest>* NewPushReactor(RefitServiceImpl* service,
+                                                         grpc::CallbackServerContext* context,
+                                                         v1::PushResponse* response);
+grpc::ServerWriteReactor<v1::ReloadProgress>* NewReloadReactor(
+    RefitServiceImpl* service, grpc::CallbackServerContext* context,
+    const v1::ReloadRequest* request);
+
+// Resolves `path` (a directory or a .safetensors file) under `root` with
+// realpath. PERMISSION_DENIED outside the root (or without one), NOT_FOUND if
+// it does not exist, INVALID_ARGUMENT for other file types; the list of
+// safetensors files otherwise.
+absl::StatusOr<std::vector<std::string>> ResolveReloadPath(const std::string& root,
+                                                           const std::string& path);
+
+}  // namespace refit::server
+
+#endif  // REFIT_SERVER_REFIT_SERVICE_H_

@@ -1,0 +1,66 @@
+// Settings of refitd, one struct with defaults, filled from flags by main.cc
+// and directly by tests. Plain values; thread-compatible.
+#ifndef REFIT_SERVER_SERVER_OPTIONS_H_
+#define REFIT_SERVER_SERVER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace refit::server {
+
+inline constexpr char kRefitServiceName[] = "refit.v1.RefitService";
+inline constexpr char kDefaultGroup[] = "target";
+
+struct ServerOptions {
+  // gRPC listen addresses: "host:port" (port 0 picks one) or "unix:/path".
+  std::vector<std::string> listen = {"127.0.0.1:50051"};
+  // "demo" (the fixture model, written to a temp dir and loaded) or a
+  // checkpoint directory (config.json + *.safetensors).
+  std::string model = "demo";
+  uint64_t demo_seed = 0;
+  int64_t tp_rank = 0;
+  int64_t tp_size = 1;
+  std::string device = "cpu";
+  std::string quant = "per-tensor";  // per-tensor | per-channel | block | none
+  int64_t staging_budget_bytes = int64_t{4} << 30;
+  // Largest chunk payload of one Push message; gRPC's receive limit is this
+  // plus kMessageHeadroomBytes.
+  int64_t max_chunk_bytes = int64_t{64} << 20;
+  // Default and maximum payload of one ReadTensor message.
+  int64_t read_chunk_bytes = int64_t{4} << 20;
+  // A Push stream that sends nothing for this long is aborted.
+  absl::Duration push_idle_timeout = absl::Seconds(60);
+  // SIGTERM: in-flight RPCs get this long, then they are cancelled.
+  absl::Duration shutdown_timeout = absl::Seconds(10);
+  // Reload reads only below this directory; "" disables Reload.
+  std::string reload_root;
+  // "token role [name]" lines; "" disables authentication.
+  std::string auth_tokens_file;
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;  // set: mutual TLS, client certificates required
+  bool allow_insecure_remote = false;
+  // "host:port" for the Prometheus /metrics endpoint; "" disables it.
+  std::string metrics_listen;
+};
+
+inline constexpr int64_t kMessageHeadroomBytes = int64_t{1} << 20;
+
+// Splits comma-separated entries and drops empty ones.
+std::vector<std::string> SplitListenAddresses(const std::vector<std::string>& values);
+
+// True for unix: sockets and 127.0.0.0/8, ::1, localhost.
+bool IsLoopbackAddress(absl::string_view address);
+
+// "4294967296", "64MiB", "64M", "4GiB", "4G", "512KiB", "512k" (binary
+// units). INVALID_ARGUMENT otherwise.
+absl::StatusOr<int64_t> ParseByteSize(absl::string_view text);
+
+}  // namespace refit::server
+
+#endif  // REFIT_SERVER_SERVER_OPTIONS_H_

@@ -18,6 +18,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/fixture_model.h"
 #include "core/model_layout.h"
@@ -148,6 +150,12 @@ int main(int argc, char** argv) {
       "Writes a deterministic synthetic checkpoint: refit_make_fixture --out DIR [--seed N] "
       "[--arch llama|mistral|qwen2|qwen3] [--files N] [--layers N --hidden N --intermediate N "
       "--heads N --kv-heads N --vocab N]");
+  // --help lists this file's flags (absl matches the program name otherwise).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view path) {
+    return absl::StrContains(path, "make_fixture_main");
+  };
+  absl::SetFlagsUsageConfig(usage);
   // Accept --kv-heads as well as absl's --kv_heads spelling.
   std::vector<std::string> args(argv, argv + argc);
   std::vector<char*> normalized;

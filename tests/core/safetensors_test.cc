@@ -302,6 +302,17 @@ TEST(WriteSafetensorsTest, RejectsDuplicateAndReservedNames) {
   EXPECT_FALSE(std::filesystem::exists(path));
 }
 
+TEST(WriteSafetensorsTest, RejectsNamesThatAreNotUtf8) {
+  // JSON headers hold UTF-8 only; a stray Latin-1 byte must not produce a
+  // file that no reader accepts.
+  const std::string path = MakeTempDir() + "/bad.safetensors";
+  std::vector<TensorToWrite> tensors = {{"caf\xe9", DType::kUInt8, {0}, {}}};
+  absl::Status status = WriteSafetensors(path, tensors);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("header cannot be encoded as JSON"));
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
 TEST(WriteSafetensorsTest, MissingDirectoryIsInternal) {
   const std::string path = MakeTempDir() + "/no/such/dir/x.safetensors";
   absl::Status status = WriteSafetensors(path, {});

@@ -1,1 +1,720 @@
-// implementation pending
+#include "core/fp8_quantizer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/fp8_quantizer_internal.h"
+
+// The kernels are written once with GCC vector extensions (64-byte vectors)
+// and compiled three times: baseline x86-64, AVX2 and AVX-512, chosen at run
+// time. Vectors never cross a non-inlined call, so GCC's note that passing
+// them by value depends on the ISA does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace refit::core {
+namespace {
+
+#define REFIT_FP8_INLINE inline __attribute__((always_inline))
+
+// ---------------------------------------------------------------------------
+// Encoding. Every path (scalar and each vector ISA) computes the code from the
+// float32 bits of |y|, with |y| already clamped to [0, 448], the same way:
+//   |y| >= 2^-6 (e4m3 normal): round the 23-bit mantissa to 3 bits, nearest
+//     even, in integer arithmetic; the carry may bump the exponent, which is
+//     exactly what rounding up to the next binade means. Then rebias 127 -> 7.
+//   |y| <  2^-6 (e4m3 subnormal, step 2^-9): add 2^14, whose ulp is 2^-9, so
+//     the FPU's round-to-nearest-even does the rounding; the low mantissa bits
+//     are then the code 0..8 (8 = 2^-6 is the smallest normal, code 0x08).
+// Integer math on IEEE bits and one float add are exact and deterministic on
+// every ISA, which is what makes the variants byte-identical.
+
+constexpr int32_t kF32AbsMask = 0x7FFFFFFF;
+constexpr int32_t kF32InfBits = 0x7F800000;
+constexpr int32_t kF32Bits448 = 0x43E00000;
+constexpr int32_t kF32BitsFp8MinNormal = 0x3C800000;  // 2^-6
+constexpr float kSubnormalRounder = 16384.0f;         // 2^14
+constexpr int32_t kSubnormalRounderBits = 0x46800000;
+constexpr int32_t kMantissaRound = 0x7FFFF;  // half of the 20 dropped bits, minus one
+constexpr int32_t kRebias = (127 - 7) << 3;
+constexpr int32_t kFp8Max = 0x7E;  // 448
+constexpr int32_t kFp8Nan = 0x7F;
+
+REFIT_FP8_INLINE int32_t BitsOf(float f) {
+  int32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+REFIT_FP8_INLINE float FloatOf(int32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+REFIT_FP8_INLINE int32_t EncodeAbsScalar(int32_t a) {
+  const int32_t normal = ((a + kMantissaRound + ((a >> 20) & 1)) >> 20) - kRebias;
+  const int32_t sub = BitsOf(FloatOf(a) + kSubnormalRounder) - kSubnormalRounderBits;
+  return a < kF32BitsFp8MinNormal ? sub : normal;
+}
+
+// ---------------------------------------------------------------------------
+// Vector kernels. 16 lanes of int32/float per step; the 16-bit inputs are
+// widened on load.
+
+typedef int32_t VecI32 __attribute__((vector_size(64)));
+typedef float VecF32 __attribute__((vector_size(64)));
+typedef uint8_t VecU8 __attribute__((vector_size(16)));
+typedef uint16_t VecU16Half __attribute__((vector_size(32)));
+typedef uint16_t VecU16 __attribute__((vector_size(64)));
+typedef uint32_t VecU32 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+REFIT_FP8_INLINE VecI32 SplatI32(int32_t v) { return VecI32{} + v; }
+
+REFIT_FP8_INLINE VecI32 EncodeAbs(VecI32 a) {
+  const VecI32 normal = ((a + kMantissaRound + ((a >> 20) & 1)) >> 20) - kRebias;
+  const VecI32 sub =
+      reinterpret_cast<VecI32>(reinterpret_cast<VecF32>(a) + kSubnormalRounder) -
+      kSubnormalRounderBits;
+  return a < SplatI32(kF32BitsFp8MinNormal) ? sub : normal;
+}
+
+// Per source type: raw bits, how |x| becomes float32 exactly, where the sign
+// is, and the bit pattern of +Inf (|bits| above it are NaN). Comparing the
+// absolute bit patterns as unsigned integers orders them like |x|, Inf and NaN
+// on top, which is what lets the amax pass find non-finite input for free.
+struct Bf16Traits {
+  using Bits = uint16_t;
+  using Wide = VecU16;  // 64 bytes of Bits, for the amax pass
+  static constexpr uint32_t kAbsMask = 0x7FFF;
+  static constexpr uint32_t kInf = 0x7F80;
+  REFIT_FP8_INLINE static VecI32 Load(const Bits* p) {
+    VecU16Half raw;
+    std::memcpy(&raw, p, sizeof raw);
+    return __builtin_convertvector(raw, VecI32);
+  }
+  REFIT_FP8_INLINE static VecF32 AbsToFloat(VecI32 abs) {
+    return reinterpret_cast<VecF32>(abs << 16);
+  }
+  REFIT_FP8_INLINE static VecI32 SignByte(VecI32 x) { return (x >> 8) & 0x80; }
+  static float AbsBitsToFloat(uint32_t abs) { return FloatOf(static_cast<int32_t>(abs << 16)); }
+};
+
+struct Fp16Traits {
+  using Bits = uint16_t;
+  using Wide = VecU16;
+  static constexpr uint32_t kAbsMask = 0x7FFF;
+  static constexpr uint32_t kInf = 0x7C00;
+  REFIT_FP8_INLINE static VecI32 Load(const Bits* p) {
+    VecU16Half raw;
+    std::memcpy(&raw, p, sizeof raw);
+    return __builtin_convertvector(raw, VecI32);
+  }
+  // Normals: move exponent and mantissa into place and rebias 15 -> 127.
+  // Subnormals: mantissa * 2^-24 via an exact int -> float conversion, so no
+  // float32 denormal is ever formed (denormals-are-zero could not bite).
+  // Inf/NaN come out finite; only the kVllmCompatible path sees them, and it
+  // overrides their codes.
+  REFIT_FP8_INLINE static VecF32 AbsToFloat(VecI32 abs) {
+    const VecF32 normal = reinterpret_cast<VecF32>((abs << 13) + ((127 - 15) << 23));
+    const VecF32 sub = __builtin_convertvector(abs, VecF32) * 0x1p-24f;
+    return abs < SplatI32(0x400) ? sub : normal;
+  }
+  REFIT_FP8_INLINE static VecI32 SignByte(VecI32 x) { return (x >> 8) & 0x80; }
+  static float AbsBitsToFloat(uint32_t abs) {
+    if (abs >= kInf) return std::numeric_limits<float>::infinity();
+    if (abs < 0x400) return static_cast<float>(abs) * 0x1p-24f;
+    return FloatOf(static_cast<int32_t>((abs << 13) + ((127 - 15) << 23)));
+  }
+};
+
+struct F32Traits {
+  using Bits = uint32_t;
+  using Wide = VecU32;
+  static constexpr uint32_t kAbsMask = 0x7FFFFFFF;
+  static constexpr uint32_t kInf = 0x7F800000;
+  REFIT_FP8_INLINE static VecI32 Load(const Bits* p) {
+    VecI32 raw;
+    std::memcpy(&raw, p, sizeof raw);
+    return raw;
+  }
+  REFIT_FP8_INLINE static VecF32 AbsToFloat(VecI32 abs) { return reinterpret_cast<VecF32>(abs); }
+  REFIT_FP8_INLINE static VecI32 SignByte(VecI32 x) { return (x >> 24) & 0x80; }
+  static float AbsBitsToFloat(uint32_t abs) { return FloatOf(static_cast<int32_t>(abs)); }
+};
+
+// Max of |bits| over a [nrows, ncols] tile with row stride `stride`. With
+// kIgnoreNan (vLLM semantics) NaNs count as 0; Inf still counts.
+template <typename T, bool kIgnoreNan>
+REFIT_FP8_INLINE uint32_t AbsMaxTile(const typename T::Bits* src, int64_t stride, int64_t nrows,
+                                     int64_t ncols) {
+  using Bits = typename T::Bits;
+  using Wide = typename T::Wide;
+  constexpr int64_t kWide = sizeof(Wide) / sizeof(Bits);
+  const Bits mask = static_cast<Bits>(T::kAbsMask);
+  [[maybe_unused]] const Bits inf = static_cast<Bits>(T::kInf);
+  Wide m0 = {};
+  Wide m1 = {};
+  auto step = [&](Wide a, Wide& m) __attribute__((always_inline)) {
+    a &= mask;
+    if constexpr (kIgnoreNan) a = a > inf ? Wide{} : a;
+    m = a > m ? a : m;
+  };
+  for (int64_t r = 0; r < nrows; ++r) {
+    const Bits* row = src + r * stride;
+    int64_t i = 0;
+    for (; i + 2 * kWide <= ncols; i += 2 * kWide) {
+      Wide a, b;
+      std::memcpy(&a, row + i, sizeof a);
+      std::memcpy(&b, row + i + kWide, sizeof b);
+      step(a, m0);
+      step(b, m1);
+    }
+    for (; i + kWide <= ncols; i += kWide) {
+      Wide a;
+      std::memcpy(&a, row + i, sizeof a);
+      step(a, m0);
+    }
+    if (i < ncols) {
+      Wide a = {};  // zero padding cannot raise the max
+      std::memcpy(&a, row + i, (ncols - i) * sizeof(Bits));
+      step(a, m1);
+    }
+  }
+  m0 = m1 > m0 ? m1 : m0;
+  uint32_t result = 0;
+  for (int64_t lane = 0; lane < kWide; ++lane) result = std::max<uint32_t>(result, m0[lane]);
+  return result;
+}
+
+template <typename T, bool kVllm>
+REFIT_FP8_INLINE VecU8 QuantizeLanes(VecI32 x, VecF32 inv) {
+  const VecI32 abs = x & static_cast<int32_t>(T::kAbsMask);
+  // |x| * inv == |x * inv| in IEEE arithmetic, so the sign can ride apart.
+  VecI32 a = reinterpret_cast<VecI32>(T::AbsToFloat(abs) * inv);
+  const VecI32 max_bits = SplatI32(kF32Bits448);
+  a = a < max_bits ? a : max_bits;
+  VecI32 code = EncodeAbs(a);
+  VecI32 sign = T::SignByte(x);
+  if constexpr (kVllm) {
+    // Non-finite sources saturate (Inf keeps its sign, NaN becomes +448)
+    // whatever x * inv gave.
+    const VecI32 inf = SplatI32(static_cast<int32_t>(T::kInf));
+    code = abs >= inf ? SplatI32(kFp8Max) : code;
+    sign = abs > inf ? VecI32{} : sign;
+  }
+  return __builtin_convertvector(code | sign, VecU8);
+}
+
+template <typename T, bool kVllm>
+REFIT_FP8_INLINE void QuantizeTile(const typename T::Bits* src, int64_t stride, int64_t nrows,
+                                   int64_t ncols, float inv, uint8_t* dst, int64_t dst_stride) {
+  using Bits = typename T::Bits;
+  const VecF32 vinv = VecF32{} + inv;
+  for (int64_t r = 0; r < nrows; ++r) {
+    const Bits* in = src + r * stride;
+    uint8_t* out = dst + r * dst_stride;
+    int64_t i = 0;
+    for (; i + kLanes <= ncols; i += kLanes) {
+      const VecU8 q = QuantizeLanes<T, kVllm>(T::Load(in + i), vinv);
+      std::memcpy(out + i, &q, sizeof q);
+    }
+    if (i < ncols) {
+      Bits tail[kLanes] = {};
+      std::memcpy(tail, in + i, (ncols - i) * sizeof(Bits));
+      const VecU8 q = QuantizeLanes<T, kVllm>(T::Load(tail), vinv);
+      std::memcpy(out + i, &q, ncols - i);
+    }
+  }
+}
+
+using AbsMaxFn = uint32_t (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
+                              bool ignore_nan);
+using QuantizeFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
+                            float inv, bool vllm, uint8_t* dst, int64_t dst_stride);
+
+// One non-inlined entry point per (ISA, source type, pass); the kernels above
+// are inlined into it and compiled for its target.
+#define REFIT_FP8_DEFINE_KERNELS(NAME, ATTR)                                                   \
+  template <typename T>                                                                        \
+  ATTR uint32_t AbsMax##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,    \
+                             bool ignore_nan) {                                                \
+    const auto* p = static_cast<const typename T::Bits*>(src);                                 \
+    return ignore_nan ? AbsMaxTile<T, true>(p, stride, nrows, ncols)                           \
+                      : AbsMaxTile<T, false>(p, stride, nrows, ncols);                         \
+  }                                                                                            \
+  template <typename T>                                                                        \
+  ATTR void Quantize##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,      \
+                           float inv, bool vllm, uint8_t* dst, int64_t dst_stride) {           \
+    const auto* p = static_cast<const typename T::Bits*>(src);                                 \
+    if (vllm) {                                                                                \
+      QuantizeTile<T, true>(p, stride, nrows, ncols, inv, dst, dst_stride);                    \
+    } else {                                                                                   \
+      QuantizeTile<T, false>(p, stride, nrows, ncols, inv, dst, dst_stride);                   \
+    }                                                                                          \
+  }
+
+REFIT_FP8_DEFINE_KERNELS(Portable, )
+REFIT_FP8_DEFINE_KERNELS(Avx2, __attribute__((target("avx2"))))
+REFIT_FP8_DEFINE_KERNELS(Avx512,
+                         __attribute__((target("avx512f,avx512bw,avx512vl,"
+                                               "prefer-vector-width=512"))))
+
+struct Kernels {
+  AbsMaxFn abs_max;
+  QuantizeFn quantize;
+};
+
+// [isa][source type: bf16, fp16, fp32]
+constexpr Kernels kKernels[3][3] = {
+    {{&AbsMaxPortable<Bf16Traits>, &QuantizePortable<Bf16Traits>},
+     {&AbsMaxPortable<Fp16Traits>, &QuantizePortable<Fp16Traits>},
+     {&AbsMaxPortable<F32Traits>, &QuantizePortable<F32Traits>}},
+    {{&AbsMaxAvx2<Bf16Traits>, &QuantizeAvx2<Bf16Traits>},
+     {&AbsMaxAvx2<Fp16Traits>, &QuantizeAvx2<Fp16Traits>},
+     {&AbsMaxAvx2<F32Traits>, &QuantizeAvx2<F32Traits>}},
+    {{&AbsMaxAvx512<Bf16Traits>, &QuantizeAvx512<Bf16Traits>},
+     {&AbsMaxAvx512<Fp16Traits>, &QuantizeAvx512<Fp16Traits>},
+     {&AbsMaxAvx512<F32Traits>, &QuantizeAvx512<F32Traits>}},
+};
+
+using internal::Fp8Isa;
+
+std::atomic<int> g_isa{-1};
+
+bool CpuSupports(Fp8Isa isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case Fp8Isa::kPortable:
+      return true;
+    case Fp8Isa::kAvx2:
+      return __builtin_cpu_supports("avx2");
+    case Fp8Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
+  }
+  return false;
+}
+
+Fp8Isa CurrentIsa() {
+  int isa = g_isa.load(std::memory_order_relaxed);
+  if (isa < 0) {
+    Fp8Isa best = Fp8Isa::kPortable;
+    if (CpuSupports(Fp8Isa::kAvx2)) best = Fp8Isa::kAvx2;
+    if (CpuSupports(Fp8Isa::kAvx512)) best = Fp8Isa::kAvx512;
+    isa = static_cast<int>(best);
+    g_isa.store(isa, std::memory_order_relaxed);
+  }
+  return static_cast<Fp8Isa>(isa);
+}
+
+// ---------------------------------------------------------------------------
+// Threading: contiguous ranges, one per worker; the calling thread takes the
+// first. Spawning costs tens of microseconds, so small inputs use fewer.
+
+constexpr int64_t kMinElementsPerWorker = int64_t{1} << 18;
+
+int ResolveThreads(int requested) {
+  if (requested > 0) return requested;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+int WorkersFor(int threads, int64_t elements, int64_t tasks) {
+  const int64_t by_size = (elements + kMinElementsPerWorker - 1) / kMinElementsPerWorker;
+  return static_cast<int>(std::max<int64_t>(1, std::min({int64_t{threads}, by_size, tasks})));
+}
+
+// Runs fn(worker, begin, end) for `workers` contiguous ranges covering
+// [0, count), every boundary but the last a multiple of `align`.
+template <typename Fn>
+void ParallelRanges(int workers, int64_t count, int64_t align, const Fn& fn) {
+  auto bound = [&](int w) -> int64_t {
+    if (w >= workers) return count;
+    const int64_t even = static_cast<int64_t>(static_cast<__int128>(count) * w / workers);
+    return even / align * align;
+  };
+  if (workers <= 1) {
+    fn(0, 0, count);
+    return;
+  }
+  std::vector<std::thread> threads;
+  threads.reserve(workers - 1);
+  int started = 1;
+  for (; started < workers; ++started) {
+    try {
+      threads.emplace_back([&fn, &bound, started] { fn(started, bound(started), bound(started + 1)); });
+    } catch (const std::system_error&) {
+      break;  // out of threads: the remaining ranges run here
+    }
+  }
+  fn(0, bound(0), bound(1));
+  for (int w = started; w < workers; ++w) fn(w, bound(w), bound(w + 1));
+  for (std::thread& t : threads) t.join();
+}
+
+// ---------------------------------------------------------------------------
+
+int SourceIndex(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return 0;
+    case DType::kFloat16:
+      return 1;
+    default:
+      return 2;
+  }
+}
+
+uint32_t InfBits(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return Bf16Traits::kInf;
+    case DType::kFloat16:
+      return Fp16Traits::kInf;
+    default:
+      return F32Traits::kInf;
+  }
+}
+
+float AbsBitsToFloat(DType dtype, uint32_t abs) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return Bf16Traits::AbsBitsToFloat(abs);
+    case DType::kFloat16:
+      return Fp16Traits::AbsBitsToFloat(abs);
+    default:
+      return F32Traits::AbsBitsToFloat(abs);
+  }
+}
+
+// inv = 1/s, 0 for s == 0.
+float InverseScale(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }
+
+// When amax < ~1.3e-36, s is so small that inv = 1/s overflows to inf. The
+// formula then gives x * inf: +-448 for non-zero x and NaN for zeros, which
+// becomes +448 as every NaN product does in vLLM's kernel. The vector kernels
+// do not implement NaN products (under kReject they cannot occur otherwise),
+// so such tensors take this scalar path; core/cuda/fp8_math.h does the same,
+// so CPU and GPU bytes agree. (The LibTorch op chain would store NaN bytes; no
+// real weight gets here.)
+bool InverseOverflows(float s) { return s != 0.0f && std::isinf(1.0f / s); }
+
+void QuantizeWithInfiniteInverse(const uint8_t* src, DType dtype, int64_t count, uint8_t* dst) {
+  const float inv = std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < count; ++i) {
+    const float product = LoadAsFloat(src, dtype, static_cast<size_t>(i)) * inv;
+    dst[i] = std::isnan(product) ? kFp8Max : Fp8E4M3FromFloat(product);
+  }
+}
+
+std::string FloatTypeList() { return "F32, F16 or BF16"; }
+
+absl::string_view SchemeName(QuantScheme scheme) {
+  switch (scheme) {
+    case QuantScheme::kNone:
+      return "none";
+    case QuantScheme::kPerTensor:
+      return "per-tensor";
+    case QuantScheme::kPerChannel:
+      return "per-channel";
+    case QuantScheme::kBlock128:
+      return "block";
+  }
+  return "unknown";
+}
+
+// Only runs once a pass has seen a non-finite value: finds the first one in
+// memory order so that the error names the same element however the work was
+// split.
+absl::Status NonFiniteError(const void* src, DType dtype, int64_t rows, int64_t cols,
+                            absl::string_view tensor_name) {
+  const int64_t n = rows * cols;
+  const uint32_t inf = InfBits(dtype);
+  int64_t index = -1;
+  for (int64_t i = 0; i < n && index < 0; ++i) {
+    uint32_t abs;
+    switch (dtype) {
+      case DType::kBFloat16:
+      case DType::kFloat16:
+        abs = static_cast<const uint16_t*>(src)[i] & 0x7FFFu;
+        break;
+      default:
+        abs = static_cast<const uint32_t*>(src)[i] & 0x7FFFFFFFu;
+        break;
+    }
+    if (abs >= inf) index = i;
+  }
+  if (index < 0) {
+    // Unreachable unless the source changed under us.
+    return absl::InternalError(absl::StrCat("tensor '", tensor_name,
+                                            "': non-finite value seen but not found again; was "
+                                            "the source modified during quantization?"));
+  }
+  const float value = LoadAsFloat(src, dtype, static_cast<size_t>(index));
+  const char* text = std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tensor '", tensor_name, "': element ", index, " (row ", index / cols, ", col ",
+      index % cols, ") is ", text, "; FP8 quantization rejects non-finite weights"));
+}
+
+struct Job {
+  const uint8_t* src;
+  DType dtype;
+  int64_t esize;
+  int64_t rows;
+  int64_t cols;
+  bool vllm;
+  int threads;
+  Kernels k;
+  uint8_t* out_q;
+  float* out_scales;
+  absl::string_view name;
+};
+
+absl::Status QuantizePerTensor(const Job& job) {
+  const int64_t n = job.rows * job.cols;
+  const int workers = WorkersFor(job.threads, n, n);
+  std::vector<uint32_t> partial(workers, 0);
+  // Pass 1: amax (and, for free, whether anything is Inf/NaN).
+  ParallelRanges(workers, n, 64, [&](int w, int64_t begin, int64_t end) {
+    partial[w] = job.k.abs_max(job.src + begin * job.esize, 0, 1, end - begin, job.vllm);
+  });
+  const uint32_t amax_bits = *std::max_element(partial.begin(), partial.end());
+  if (!job.vllm && amax_bits >= InfBits(job.dtype)) {
+    return NonFiniteError(job.src, job.dtype, job.rows, job.cols, job.name);
+  }
+  const float s = AbsBitsToFloat(job.dtype, amax_bits) / kFp8E4M3Max;
+  job.out_scales[0] = s;
+  const float inv = InverseScale(s);
+  const bool all_max = job.vllm && s == 0.0f;  // vLLM: 0 / 0 = NaN -> +448
+  if (InverseOverflows(s)) {
+    QuantizeWithInfiniteInverse(job.src, job.dtype, n, job.out_q);
+    return absl::OkStatus();
+  }
+  // Pass 2: scale, clamp, convert.
+  ParallelRanges(workers, n, 64, [&](int, int64_t begin, int64_t end) {
+    if (all_max) {
+      std::memset(job.out_q + begin, kFp8Max, end - begin);
+    } else {
+      job.k.quantize(job.src + begin * job.esize, 0, 1, end - begin, inv, job.vllm,
+                     job.out_q + begin, 0);
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status QuantizePerChannel(const Job& job) {
+  const int workers = WorkersFor(job.threads, job.rows * job.cols, job.rows);
+  std::vector<char> bad(workers, 0);
+  // Both passes per row while the row is in cache.
+  ParallelRanges(workers, job.rows, 1, [&](int w, int64_t begin, int64_t end) {
+    const uint32_t inf = InfBits(job.dtype);
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = job.src + r * job.cols * job.esize;
+      uint8_t* out = job.out_q + r * job.cols;
+      const uint32_t amax_bits = job.k.abs_max(row, 0, 1, job.cols, job.vllm);
+      if (!job.vllm && amax_bits >= inf) {
+        bad[w] = 1;
+        return;
+      }
+      const float s = AbsBitsToFloat(job.dtype, amax_bits) / kFp8E4M3Max;
+      job.out_scales[r] = s;
+      if (job.vllm && s == 0.0f) {
+        std::memset(out, kFp8Max, job.cols);
+      } else if (InverseOverflows(s)) {
+        QuantizeWithInfiniteInverse(row, job.dtype, job.cols, out);
+      } else {
+        job.k.quantize(row, 0, 1, job.cols, InverseScale(s), job.vllm, out, 0);
+      }
+    }
+  });
+  if (std::find(bad.begin(), bad.end(), 1) != bad.end()) {
+    return NonFiniteError(job.src, job.dtype, job.rows, job.cols, job.name);
+  }
+  return absl::OkStatus();
+}
+
+// Tiles are handled in groups along a 128-row band, sized so that a group's
+// source (~256 KiB) stays in L2 between the amax and the convert pass.
+constexpr int64_t kBlockGroupBytes = 256 * 1024;
+constexpr int64_t kMaxBlocksPerGroup = 16;
+
+absl::Status QuantizeBlock128(const Job& job) {
+  const int64_t block_rows = (job.rows + kFp8BlockSize - 1) / kFp8BlockSize;
+  const int64_t block_cols = (job.cols + kFp8BlockSize - 1) / kFp8BlockSize;
+  const int64_t per_group = std::clamp<int64_t>(
+      kBlockGroupBytes / (kFp8BlockSize * kFp8BlockSize * job.esize), 1, kMaxBlocksPerGroup);
+  const int64_t groups_per_band = (block_cols + per_group - 1) / per_group;
+  const int64_t tasks = block_rows * groups_per_band;
+  const int workers = WorkersFor(job.threads, job.rows * job.cols, tasks);
+  std::vector<char> bad(workers, 0);
+  ParallelRanges(workers, tasks, 1, [&](int w, int64_t begin, int64_t end) {
+    const uint32_t inf = InfBits(job.dtype);
+    float inv[kMaxBlocksPerGroup];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t br = t / groups_per_band;
+      const int64_t bc0 = t % groups_per_band * per_group;
+      const int64_t bc1 = std::min(bc0 + per_group, block_cols);
+      const int64_t r0 = br * kFp8BlockSize;
+      const int64_t nrows = std::min(kFp8BlockSize, job.rows - r0);
+      for (int64_t bc = bc0; bc < bc1; ++bc) {
+        const int64_t c0 = bc * kFp8BlockSize;
+        const int64_t ncols = std::min(kFp8BlockSize, job.cols - c0);
+        const uint32_t amax_bits = job.k.abs_max(job.src + (r0 * job.cols + c0) * job.esize,
+                                                 job.cols, nrows, ncols, job.vllm);
+        if (!job.vllm && amax_bits >= inf) {
+          bad[w] = 1;
+          return;
+        }
+        const float amax = std::max(AbsBitsToFloat(job.dtype, amax_bits), kFp8BlockAmaxFloor);
+        const float s = amax / kFp8E4M3Max;
+        job.out_scales[br * block_cols + bc] = s;
+        inv[bc - bc0] = InverseScale(s);
+      }
+      for (int64_t bc = bc0; bc < bc1; ++bc) {
+        const int64_t c0 = bc * kFp8BlockSize;
+        const int64_t ncols = std::min(kFp8BlockSize, job.cols - c0);
+        job.k.quantize(job.src + (r0 * job.cols + c0) * job.esize, job.cols, nrows, ncols,
+                       inv[bc - bc0], job.vllm, job.out_q + r0 * job.cols + c0, job.cols);
+      }
+    }
+  });
+  if (std::find(bad.begin(), bad.end(), 1) != bad.end()) {
+    return NonFiniteError(job.src, job.dtype, job.rows, job.cols, job.name);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+uint8_t Fp8E4M3FromFloat(float value) {
+  const int32_t bits = BitsOf(value);
+  const int32_t abs = bits & kF32AbsMask;
+  const int32_t sign = (bits >> 24) & 0x80;
+  if (abs > kF32InfBits) return static_cast<uint8_t>(kFp8Nan | sign);
+  return static_cast<uint8_t>(EncodeAbsScalar(std::min(abs, kF32Bits448)) | sign);
+}
+
+float Fp8E4M3ToFloat(uint8_t bits) {
+  const int exponent = (bits >> 3) & 0xF;
+  const int mantissa = bits & 0x7;
+  float magnitude;
+  if (exponent == 0xF && mantissa == 0x7) {
+    magnitude = std::numeric_limits<float>::quiet_NaN();
+  } else if (exponent == 0) {
+    magnitude = static_cast<float>(mantissa) * 0x1p-9f;
+  } else {
+    magnitude = FloatOf(((exponent + 120) << 23) | (mantissa << 20));
+  }
+  return (bits & 0x80) ? -magnitude : magnitude;
+}
+
+int64_t Fp8NumScales(QuantScheme scheme, int64_t rows, int64_t cols) {
+  if (rows < 0 || cols < 0) return 0;
+  switch (scheme) {
+    case QuantScheme::kNone:
+      return 0;
+    case QuantScheme::kPerTensor:
+      return 1;
+    case QuantScheme::kPerChannel:
+      return rows;
+    case QuantScheme::kBlock128:
+      return ((rows + kFp8BlockSize - 1) / kFp8BlockSize) *
+             ((cols + kFp8BlockSize - 1) / kFp8BlockSize);
+  }
+  return 0;
+}
+
+absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t cols,
+                         const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
+                         absl::string_view tensor_name) {
+  if (!IsHighPrecisionFloat(src_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor_name,
+                                                   "': cannot quantize ", DTypeName(src_dtype),
+                                                   " to FP8; expected ", FloatTypeList()));
+  }
+  if (options.scheme != QuantScheme::kPerTensor && options.scheme != QuantScheme::kPerChannel &&
+      options.scheme != QuantScheme::kBlock128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", tensor_name, "': quantization scheme \"", SchemeName(options.scheme),
+        "\" is not an FP8 scheme (expected per-tensor, per-channel or block)"));
+  }
+  if (rows < 0 || cols < 0 || (cols > 0 && rows > std::numeric_limits<int64_t>::max() / cols)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor_name, "': invalid shape [", rows, ", ", cols, "]"));
+  }
+  if (options.num_threads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor_name, "': num_threads ",
+                                                   options.num_threads, " is negative"));
+  }
+  const int64_t n = rows * cols;
+  const int64_t num_scales = Fp8NumScales(options.scheme, rows, cols);
+  if ((n > 0 && (src == nullptr || out_q == nullptr)) ||
+      (num_scales > 0 && out_scales == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", tensor_name, "': null buffer for [", rows, ", ", cols, "] (src ",
+        src != nullptr, ", out_q ", out_q != nullptr, ", out_scales ", out_scales != nullptr,
+        ")"));
+  }
+  const bool vllm = options.non_finite == NonFinitePolicy::kVllmCompatible;
+  if (n == 0) {
+    // Nothing to read; rows of zero columns have amax 0.
+    if (options.scheme != QuantScheme::kBlock128) std::fill_n(out_scales, num_scales, 0.0f);
+    return absl::OkStatus();
+  }
+  Job job;
+  job.src = static_cast<const uint8_t*>(src);
+  job.dtype = src_dtype;
+  job.esize = static_cast<int64_t>(DTypeSize(src_dtype));
+  job.rows = rows;
+  job.cols = cols;
+  job.vllm = vllm;
+  job.threads = ResolveThreads(options.num_threads);
+  job.k = kKernels[static_cast<int>(CurrentIsa())][SourceIndex(src_dtype)];
+  job.out_q = out_q;
+  job.out_scales = out_scales;
+  job.name = tensor_name;
+  switch (options.scheme) {
+    case QuantScheme::kPerTensor:
+      return QuantizePerTensor(job);
+    case QuantScheme::kPerChannel:
+      return QuantizePerChannel(job);
+    default:
+      return QuantizeBlock128(job);
+  }
+}
+
+namespace internal {
+
+absl::string_view Fp8IsaName(Fp8Isa isa) {
+  switch (isa) {
+    case Fp8Isa::kPortable:
+      return "portable";
+    case Fp8Isa::kAvx2:
+      return "avx2";
+    case Fp8Isa::kAvx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+bool Fp8IsaSupported(Fp8Isa isa) { return CpuSupports(isa); }
+
+Fp8Isa ActiveFp8Isa() { return CurrentIsa(); }
+
+Fp8Isa SetFp8IsaForTesting(Fp8Isa isa) {
+  const Fp8Isa previous = CurrentIsa();
+  if (CpuSupports(isa)) g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
+  return previous;
+}
+
+}  // namespace internal
+}  // namespace refit::core

@@ -1,0 +1,183 @@
+// FP8 quantizer throughput on 256 MiB of bf16 ([8192, 16384]), per scheme:
+//   Ours      core::QuantizeFp8 with `threads` threads
+//   TorchOps  the LibTorch op chain of the same math (as the unit tests'
+//             reference, with in-place ops where the math allows, which only
+//             helps torch), at::set_num_threads(threads)
+//   Memcpy    copying the 256 MiB input, split over `threads` threads
+// bytes_per_second counts input + output bytes (bf16 in, fp8 out) for the
+// quantizers and bytes read + written for memcpy, so Ours / Memcpy is the
+// fraction of copy bandwidth the quantizer reaches.
+//
+// Default run: about a minute on a 2-core machine. Arguments: scheme (0 per
+// tensor, 1 per channel, 2 block), threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/fp8_quantizer.h"
+#include "core/fp8_quantizer_internal.h"
+
+namespace refit::core {
+namespace {
+
+constexpr int64_t kRows = 8192;
+constexpr int64_t kCols = 16384;
+constexpr int64_t kInputBytes = kRows * kCols * 2;
+constexpr int64_t kOutputBytes = kRows * kCols;
+
+constexpr QuantScheme kSchemes[] = {QuantScheme::kPerTensor, QuantScheme::kPerChannel,
+                                    QuantScheme::kBlock128};
+
+struct Data {
+  at::Tensor x;                  // bf16 [kRows, kCols]
+  std::vector<uint8_t> q;        // our output (pages touched up front)
+  std::vector<float> scales;
+  std::vector<uint8_t> copy;     // memcpy destination
+};
+
+Data& GetData() {
+  static Data* data = [] {
+    auto* d = new Data;
+    at::manual_seed(0);
+    d->x = at::empty({kRows, kCols}, at::kBFloat16);
+    // In slices, so that setup never holds a float32 copy of the whole input.
+    for (int64_t r = 0; r < kRows; r += 1024) {
+      d->x.slice(0, r, r + 1024).copy_(at::randn({1024, kCols}, at::kFloat) * 0.02);
+    }
+    d->q.assign(kOutputBytes, 0);
+    d->scales.assign(Fp8NumScales(QuantScheme::kBlock128, kRows, kCols) + kRows, 0.0f);
+    d->copy.assign(kInputBytes, 0);
+    return d;
+  }();
+  return *data;
+}
+
+int DefaultThreads() {
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+void RunOurs(benchmark::State& state, QuantScheme scheme, int threads) {
+  Data& data = GetData();
+  Fp8QuantizeOptions options;
+  options.scheme = scheme;
+  options.num_threads = threads;
+  for (auto _ : state) {
+    absl::Status status = QuantizeFp8(data.x.data_ptr(), DType::kBFloat16, kRows, kCols, options,
+                                      data.q.data(), data.scales.data(), "bench");
+    if (!status.ok()) {
+      state.SkipWithError(std::string(status.message()).c_str());
+      break;
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * (kInputBytes + kOutputBytes));
+  state.SetLabel(absl::StrCat(QuantSchemeName(scheme), " threads=", threads, " isa=",
+                              internal::Fp8IsaName(internal::ActiveFp8Isa())));
+}
+
+void BM_Ours(benchmark::State& state) {
+  RunOurs(state, kSchemes[state.range(0)], static_cast<int>(state.range(1)));
+}
+
+at::Tensor TorchOpChain(const at::Tensor& x, QuantScheme scheme) {
+  at::Tensor xf = x.to(at::kFloat);
+  switch (scheme) {
+    case QuantScheme::kPerTensor: {
+      at::Tensor s = xf.abs().amax() / 448.0;
+      at::Tensor inv = at::where(s == 0, at::zeros_like(s), s.reciprocal());
+      return xf.mul_(inv).clamp_(-448, 448).to(at::kFloat8_e4m3fn);
+    }
+    case QuantScheme::kPerChannel: {
+      at::Tensor s = xf.abs().amax({1}, true) / 448.0;
+      at::Tensor inv = at::where(s == 0, at::zeros_like(s), s.reciprocal());
+      return xf.mul_(inv).clamp_(-448, 448).to(at::kFloat8_e4m3fn);
+    }
+    default: {
+      // The shape is a multiple of 128: no padding or cropping needed.
+      at::Tensor blocks = xf.view({kRows / 128, 128, kCols / 128, 128});
+      at::Tensor s = blocks.abs().amax({1, 3}, true).clamp_min(kFp8BlockAmaxFloor) / 448.0;
+      return blocks.mul_(s.reciprocal()).clamp_(-448, 448).to(at::kFloat8_e4m3fn);
+    }
+  }
+}
+
+void BM_TorchOps(benchmark::State& state) {
+  Data& data = GetData();
+  const QuantScheme scheme = kSchemes[state.range(0)];
+  const int threads = static_cast<int>(state.range(1));
+  const int previous = at::get_num_threads();
+  at::set_num_threads(threads);
+  for (auto _ : state) {
+    at::Tensor q = TorchOpChain(data.x, scheme);
+    benchmark::DoNotOptimize(q.data_ptr());
+  }
+  at::set_num_threads(previous);
+  state.SetBytesProcessed(state.iterations() * (kInputBytes + kOutputBytes));
+  state.SetLabel(absl::StrCat(QuantSchemeName(scheme), " threads=", threads));
+}
+
+void BM_Memcpy(benchmark::State& state) {
+  Data& data = GetData();
+  const int threads = static_cast<int>(state.range(0));
+  const auto* src = static_cast<const uint8_t*>(data.x.data_ptr());
+  uint8_t* dst = data.copy.data();
+  auto copy_range = [&](int t) {
+    const int64_t begin = kInputBytes / threads * t;
+    const int64_t end = t + 1 == threads ? kInputBytes : kInputBytes / threads * (t + 1);
+    std::memcpy(dst + begin, src + begin, end - begin);
+  };
+  for (auto _ : state) {
+    std::vector<std::thread> workers;
+    for (int t = 1; t < threads; ++t) workers.emplace_back(copy_range, t);
+    copy_range(0);
+    for (std::thread& w : workers) w.join();
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * 2 * kInputBytes);
+  state.SetLabel(absl::StrCat("threads=", threads));
+}
+
+// Each kernel variant, per-tensor, to show what the dispatch buys.
+void BM_OursIsa(benchmark::State& state) {
+  const auto isa = static_cast<internal::Fp8Isa>(state.range(0));
+  if (!internal::Fp8IsaSupported(isa)) {
+    state.SkipWithError("ISA not supported on this CPU");
+    return;
+  }
+  const internal::Fp8Isa previous = internal::SetFp8IsaForTesting(isa);
+  RunOurs(state, kSchemes[state.range(1)], static_cast<int>(state.range(2)));
+  internal::SetFp8IsaForTesting(previous);
+}
+
+void SchemeArgs(benchmark::internal::Benchmark* b) {
+  for (int64_t scheme = 0; scheme < 3; ++scheme) b->Args({scheme, DefaultThreads()});
+  b->Args({0, 1});  // single-threaded, per-tensor
+}
+
+BENCHMARK(BM_Ours)->Apply(SchemeArgs)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TorchOps)->Apply(SchemeArgs)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Memcpy)
+    ->Arg(DefaultThreads())
+    ->Arg(1)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_OursIsa)
+    ->Args({0, 0, DefaultThreads()})
+    ->Args({1, 0, DefaultThreads()})
+    ->Args({2, 0, DefaultThreads()})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+}  // namespace
+}  // namespace refit::core
+
+BENCHMARK_MAIN();

@@ -1,0 +1,671 @@
+#include "core/fp8_quantizer.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/fp8_quantizer_internal.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace refit::core {
+namespace {
+
+using internal::Fp8Isa;
+using ::testing::HasSubstr;
+
+constexpr uint32_t kF32Bits448 = 0x43E00000;
+
+float FloatOf(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+uint32_t BitsOf(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+std::string Hex(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", v);
+  return buf;
+}
+
+// Every ISA variant of the kernels this CPU can run; each test that goes
+// through QuantizeFp8 repeats itself for all of them.
+std::vector<Fp8Isa> SupportedIsas() {
+  std::vector<Fp8Isa> isas;
+  for (Fp8Isa isa : {Fp8Isa::kPortable, Fp8Isa::kAvx2, Fp8Isa::kAvx512}) {
+    if (internal::Fp8IsaSupported(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
+class ScopedIsa {
+ public:
+  explicit ScopedIsa(Fp8Isa isa) : previous_(internal::SetFp8IsaForTesting(isa)) {}
+  ~ScopedIsa() { internal::SetFp8IsaForTesting(previous_); }
+
+ private:
+  Fp8Isa previous_;
+};
+
+DType OurType(at::ScalarType type) {
+  switch (type) {
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kHalf:
+      return DType::kFloat16;
+    default:
+      return DType::kFloat32;
+  }
+}
+
+// torch's own conversion of float32 values, as bytes.
+std::vector<uint8_t> TorchToFp8(const std::vector<float>& values) {
+  at::Tensor x = at::from_blob(const_cast<float*>(values.data()),
+                               {static_cast<int64_t>(values.size())}, at::kFloat);
+  at::Tensor q = x.to(at::kFloat8_e4m3fn).view(at::kByte).contiguous();
+  const uint8_t* p = q.data_ptr<uint8_t>();
+  return std::vector<uint8_t>(p, p + values.size());
+}
+
+// Compares Fp8E4M3FromFloat with torch on `values`; reports the first few
+// mismatches with their bit patterns.
+void ExpectScalarMatchesTorch(const std::vector<float>& values) {
+  const std::vector<uint8_t> expected = TorchToFp8(values);
+  int reported = 0;
+  int64_t mismatches = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint8_t ours = Fp8E4M3FromFloat(values[i]);
+    if (ours != expected[i]) {
+      ++mismatches;
+      if (reported++ < 5) {
+        ADD_FAILURE() << "value " << values[i] << " (" << Hex(BitsOf(values[i])) << "): ours 0x"
+                      << std::hex << int{ours} << ", torch 0x" << int{expected[i]};
+      }
+    }
+  }
+  EXPECT_EQ(mismatches, 0) << "of " << values.size();
+}
+
+struct Quantized {
+  absl::Status status;
+  std::vector<uint8_t> q;
+  std::vector<float> scales;
+};
+
+Quantized RunOurs(const at::Tensor& x, QuantScheme scheme,
+                  NonFinitePolicy policy = NonFinitePolicy::kReject, int threads = 0,
+                  absl::string_view name = "w") {
+  at::Tensor c = x.contiguous();
+  const int64_t rows = c.size(0);
+  const int64_t cols = c.size(1);
+  Quantized out;
+  out.q.assign(rows * cols, 0xAB);  // poison: every byte must be written
+  out.scales.assign(Fp8NumScales(scheme, rows, cols), -1.0f);
+  Fp8QuantizeOptions options;
+  options.scheme = scheme;
+  options.non_finite = policy;
+  options.num_threads = threads;
+  out.status = QuantizeFp8(c.data_ptr(), OurType(c.scalar_type()), rows, cols, options,
+                           out.q.data(), out.scales.data(), name);
+  return out;
+}
+
+// The LibTorch op chain for the same math (fp8_quantizer.h).
+Quantized TorchReference(const at::Tensor& x, QuantScheme scheme) {
+  const int64_t rows = x.size(0);
+  const int64_t cols = x.size(1);
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor s;
+  at::Tensor inv_full;
+  if (scheme == QuantScheme::kBlock128) {
+    const int64_t br = (rows + 127) / 128;
+    const int64_t bc = (cols + 127) / 128;
+    at::Tensor padded = at::constant_pad_nd(xf, {0, bc * 128 - cols, 0, br * 128 - rows}, 0);
+    at::Tensor amax = padded.abs().reshape({br, 128, bc, 128}).amax({1, 3});
+    s = amax.clamp_min(kFp8BlockAmaxFloor) / 448.0;
+    at::Tensor inv = s.reciprocal();
+    inv_full = inv.repeat_interleave(128, 0)
+                   .repeat_interleave(128, 1)
+                   .slice(0, 0, rows)
+                   .slice(1, 0, cols);
+  } else {
+    at::Tensor amax = scheme == QuantScheme::kPerTensor ? xf.abs().amax().reshape({1, 1})
+                                                        : xf.abs().amax({1}, true);
+    s = amax / 448.0;
+    inv_full = at::where(s == 0, at::zeros_like(s), s.reciprocal());
+  }
+  at::Tensor q = (xf * inv_full).clamp(-448, 448).to(at::kFloat8_e4m3fn).view(at::kByte);
+  q = q.contiguous();
+  s = s.contiguous();
+  Quantized out;
+  out.q.assign(q.data_ptr<uint8_t>(), q.data_ptr<uint8_t>() + rows * cols);
+  out.scales.assign(s.data_ptr<float>(), s.data_ptr<float>() + s.numel());
+  return out;
+}
+
+void ExpectSameBytes(const std::vector<uint8_t>& ours, const std::vector<uint8_t>& expected,
+                     int64_t cols) {
+  ASSERT_EQ(ours.size(), expected.size());
+  int64_t mismatches = 0;
+  for (size_t i = 0; i < ours.size(); ++i) {
+    if (ours[i] != expected[i] && mismatches++ < 5) {
+      ADD_FAILURE() << "byte " << i << " (row " << i / cols << ", col " << i % cols
+                    << "): ours 0x" << std::hex << int{ours[i]} << ", expected 0x"
+                    << int{expected[i]};
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
+void ExpectSameScales(const std::vector<float>& ours, const std::vector<float>& expected) {
+  ASSERT_EQ(ours.size(), expected.size());
+  for (size_t i = 0; i < ours.size(); ++i) {
+    ASSERT_EQ(BitsOf(ours[i]), BitsOf(expected[i]))
+        << "scale " << i << ": ours " << ours[i] << ", expected " << expected[i];
+  }
+}
+
+// Random weights with structure: rows of very different magnitude (so that
+// per-channel and block scales differ), exact zeros, and elements far below
+// the row max (so that some land in the e4m3 subnormal range).
+at::Tensor RandomWeights(int64_t rows, int64_t cols, at::ScalarType type, uint64_t seed) {
+  at::manual_seed(seed);
+  at::Tensor x = at::randn({rows, cols}, at::kFloat);
+  at::Tensor row_scale = at::exp(at::randn({rows, 1}, at::kFloat) * 3);
+  at::Tensor tiny = at::rand({rows, cols}) < 0.1;
+  x = at::where(tiny, x * 1e-4, x) * row_scale;
+  x = at::where(at::rand({rows, cols}) < 0.02, at::zeros_like(x), x);
+  return x.to(type);
+}
+
+constexpr QuantScheme kSchemes[] = {QuantScheme::kPerTensor, QuantScheme::kPerChannel,
+                                    QuantScheme::kBlock128};
+constexpr at::ScalarType kTypes[] = {at::kBFloat16, at::kHalf, at::kFloat};
+
+// --- Scalar conversion -------------------------------------------------------
+
+TEST(Fp8QuantizerTest, FromFloatMatchesLibTorchOnAllBf16Values) {
+  std::vector<float> values;
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float v = FloatOf(h << 16);
+    if (std::isnan(v) || std::fabs(v) <= 448.0f) values.push_back(v);
+  }
+  ExpectScalarMatchesTorch(values);
+}
+
+TEST(Fp8QuantizerTest, FromFloatMatchesLibTorchOnAllFp16Values) {
+  std::vector<float> values;
+  at::Tensor all = at::arange(0, 0x10000, at::kInt).to(at::kShort).view(at::kHalf).to(at::kFloat);
+  for (int64_t i = 0; i < all.numel(); ++i) {
+    const float v = all.data_ptr<float>()[i];
+    if (std::isnan(v) || std::fabs(v) <= 448.0f) values.push_back(v);
+  }
+  ASSERT_EQ(values.size(), 50688u);  // 2 * (23 * 1024 + 0x301) finite + 2 * 1023 NaN
+  ExpectScalarMatchesTorch(values);
+}
+
+// Uniform over bit patterns, so every binade (subnormal f32 included) is hit
+// about equally often.
+std::vector<float> RandomFloat32InRange(int64_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<uint32_t> abs_bits(0, kF32Bits448);
+  std::vector<float> values(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t sign = static_cast<uint32_t>(rng() & 1) << 31;
+    values[i] = FloatOf(abs_bits(rng) | sign);
+  }
+  return values;
+}
+
+TEST(Fp8QuantizerTest, FromFloatMatchesLibTorchOnRandomFloat32InRange) {
+  ExpectScalarMatchesTorch(RandomFloat32InRange(20'000'000, 42));
+}
+
+// Every e4m3 value and every midpoint between neighbours, +-4 ulp, both signs:
+// where round-to-nearest-even can go wrong.
+std::vector<float> RoundingBoundaryValues() {
+  std::vector<float> anchors;
+  for (int code = 0; code <= 0x7E; ++code) {
+    const float v = Fp8E4M3ToFloat(static_cast<uint8_t>(code));
+    anchors.push_back(v);
+    if (code < 0x7E) anchors.push_back((v + Fp8E4M3ToFloat(static_cast<uint8_t>(code + 1))) / 2);
+  }
+  anchors.push_back(0x1p-10f);  // half the smallest subnormal: ties to 0
+  std::vector<float> values;
+  for (float anchor : anchors) {
+    const int64_t bits = BitsOf(anchor);
+    for (int64_t d = -4; d <= 4; ++d) {
+      const int64_t b = bits + d;
+      if (b < 0 || b > kF32Bits448) continue;
+      values.push_back(FloatOf(static_cast<uint32_t>(b)));
+      values.push_back(-FloatOf(static_cast<uint32_t>(b)));
+    }
+  }
+  return values;
+}
+
+TEST(Fp8QuantizerTest, FromFloatMatchesLibTorchAroundEveryRoundingBoundary) {
+  const std::vector<float> values = RoundingBoundaryValues();
+  ASSERT_GT(values.size(), 4000u);
+  ExpectScalarMatchesTorch(values);
+  // Spot checks that do not depend on torch.
+  EXPECT_EQ(Fp8E4M3FromFloat(0x1p-10f), 0x00);        // tie -> even (0)
+  EXPECT_EQ(Fp8E4M3FromFloat(3 * 0x1p-10f), 0x02);    // tie -> even (2 * 2^-9)
+  EXPECT_EQ(Fp8E4M3FromFloat(0x1p-9f), 0x01);         // smallest subnormal
+  EXPECT_EQ(Fp8E4M3FromFloat(0x1p-6f), 0x08);         // smallest normal
+  EXPECT_EQ(Fp8E4M3FromFloat(15 * 0x1p-10f), 0x08);   // 7.5 * 2^-9: tie -> 8 (normal)
+  EXPECT_EQ(Fp8E4M3FromFloat(1.0625f), 0x38);         // 1 + 1/16: tie -> 1.0
+  EXPECT_EQ(Fp8E4M3FromFloat(1.1875f), 0x3A);         // 1 + 3/16: tie -> 1.25
+  EXPECT_EQ(Fp8E4M3FromFloat(-432.0f), 0xFE);         // tie between 416 and 448 -> 448
+}
+
+// All ~2^31 float32 patterns within [-448, 448]. Takes minutes; run by hand
+// with --gtest_also_run_disabled_tests after touching the encoder.
+TEST(Fp8QuantizerTest, DISABLED_FromFloatMatchesLibTorchOnEveryFloat32InRange) {
+  constexpr uint32_t kChunk = 1u << 24;
+  std::vector<float> values(kChunk);
+  for (uint32_t sign : {0u, 0x80000000u}) {
+    for (uint64_t begin = 0; begin <= kF32Bits448; begin += kChunk) {
+      const uint64_t end = std::min<uint64_t>(begin + kChunk, uint64_t{kF32Bits448} + 1);
+      values.resize(end - begin);
+      for (uint64_t b = begin; b < end; ++b) {
+        values[b - begin] = FloatOf(static_cast<uint32_t>(b) | sign);
+      }
+      ExpectScalarMatchesTorch(values);
+      if (HasFailure()) return;
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, FromFloatSaturatesAndKeepsNanSign) {
+  EXPECT_EQ(Fp8E4M3FromFloat(448.0f), 0x7E);
+  EXPECT_EQ(Fp8E4M3FromFloat(-448.0f), 0xFE);
+  EXPECT_EQ(Fp8E4M3FromFloat(464.0f), 0x7E);  // would round up to the NaN code
+  EXPECT_EQ(Fp8E4M3FromFloat(1e30f), 0x7E);
+  EXPECT_EQ(Fp8E4M3FromFloat(-1e30f), 0xFE);
+  EXPECT_EQ(Fp8E4M3FromFloat(std::numeric_limits<float>::infinity()), 0x7E);
+  EXPECT_EQ(Fp8E4M3FromFloat(-std::numeric_limits<float>::infinity()), 0xFE);
+  EXPECT_EQ(Fp8E4M3FromFloat(std::numeric_limits<float>::quiet_NaN()), 0x7F);
+  EXPECT_EQ(Fp8E4M3FromFloat(-std::numeric_limits<float>::quiet_NaN()), 0xFF);
+  EXPECT_EQ(Fp8E4M3FromFloat(FloatOf(0x7F800001)), 0x7F);  // signalling NaN
+  EXPECT_EQ(Fp8E4M3FromFloat(-0.0f), 0x80);
+  // NaN with its sign, as torch does it.
+  const std::vector<float> nans = {std::numeric_limits<float>::quiet_NaN(),
+                                   -std::numeric_limits<float>::quiet_NaN()};
+  EXPECT_EQ(TorchToFp8(nans), (std::vector<uint8_t>{0x7F, 0xFF}));
+}
+
+TEST(Fp8QuantizerTest, ToFloatMatchesLibTorchOnAll256Codes) {
+  at::Tensor codes = at::arange(0, 256, at::kInt).to(at::kByte);
+  at::Tensor expected = codes.view(at::kFloat8_e4m3fn).to(at::kFloat).contiguous();
+  for (int code = 0; code < 256; ++code) {
+    const float ours = Fp8E4M3ToFloat(static_cast<uint8_t>(code));
+    const float theirs = expected.data_ptr<float>()[code];
+    if (std::isnan(theirs)) {
+      EXPECT_TRUE(std::isnan(ours)) << "code " << code;
+      EXPECT_EQ(std::signbit(ours), code >= 0x80) << "code " << code;
+    } else {
+      EXPECT_EQ(BitsOf(ours), BitsOf(theirs)) << "code " << code << ": ours " << ours
+                                              << ", torch " << theirs;
+    }
+  }
+  EXPECT_EQ(Fp8E4M3ToFloat(0x7E), 448.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x01), 0x1p-9f);
+  // Round trip for every non-NaN code.
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7F) == 0x7F) continue;
+    EXPECT_EQ(Fp8E4M3FromFloat(Fp8E4M3ToFloat(static_cast<uint8_t>(code))), code);
+  }
+}
+
+// --- Vector kernels as plain converters --------------------------------------
+// A tensor whose amax is 448 has s = 1 and inv = 1, so QuantizeFp8 is then a
+// pure conversion: that exposes each ISA's encoder to the same exhaustive
+// checks as the scalar one.
+
+void ExpectKernelsConvertLikeTorch(const at::Tensor& values /* 1-D, incl. 448 */) {
+  const at::Tensor row = values.reshape({1, values.numel()});
+  const std::vector<uint8_t> expected = [&] {
+    at::Tensor q = row.to(at::kFloat).to(at::kFloat8_e4m3fn).view(at::kByte).contiguous();
+    return std::vector<uint8_t>(q.data_ptr<uint8_t>(), q.data_ptr<uint8_t>() + q.numel());
+  }();
+  for (Fp8Isa isa : SupportedIsas()) {
+    SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
+    ScopedIsa scoped(isa);
+    const Quantized ours = RunOurs(row, QuantScheme::kPerTensor);
+    ASSERT_TRUE(ours.status.ok()) << ours.status;
+    ASSERT_EQ(ours.scales[0], 1.0f);
+    ExpectSameBytes(ours.q, expected, row.size(1));
+  }
+}
+
+TEST(Fp8QuantizerTest, KernelsConvertLikeLibTorchOnAllBf16AndFp16Values) {
+  for (at::ScalarType type : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(std::string(c10::toString(type)));
+    at::Tensor all = at::arange(0, 0x10000, at::kInt).to(at::kShort).view(type);
+    at::Tensor f = all.to(at::kFloat);
+    at::Tensor in_range = all.masked_select(f.abs() <= 448);
+    ExpectKernelsConvertLikeTorch(in_range);
+  }
+}
+
+TEST(Fp8QuantizerTest, KernelsConvertLikeLibTorchOnFloat32Boundaries) {
+  std::vector<float> values = RoundingBoundaryValues();
+  const std::vector<float> random = RandomFloat32InRange(1'000'000, 7);
+  values.insert(values.end(), random.begin(), random.end());
+  values.push_back(448.0f);
+  ExpectKernelsConvertLikeTorch(
+      at::from_blob(values.data(), {static_cast<int64_t>(values.size())}, at::kFloat).clone());
+}
+
+// --- QuantizeFp8 against the LibTorch op chain -------------------------------
+
+TEST(Fp8QuantizerTest, MatchesLibTorchOpChainOnOddShapesForAllSchemesAndTypes) {
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {1, 1}, {3, 5}, {129, 257}, {300, 1000}, {1000, 7}, {128, 128}, {17, 4099}};
+  uint64_t seed = 1;
+  for (const auto& [rows, cols] : shapes) {
+    for (at::ScalarType type : kTypes) {
+      const at::Tensor x = RandomWeights(rows, cols, type, seed++);
+      for (QuantScheme scheme : kSchemes) {
+        SCOPED_TRACE(testing::Message() << rows << "x" << cols << " " << c10::toString(type)
+                                        << " scheme " << static_cast<int>(scheme));
+        const Quantized expected = TorchReference(x, scheme);
+        for (Fp8Isa isa : SupportedIsas()) {
+          SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
+          ScopedIsa scoped(isa);
+          for (NonFinitePolicy policy :
+               {NonFinitePolicy::kReject, NonFinitePolicy::kVllmCompatible}) {
+            const Quantized ours = RunOurs(x, scheme, policy, /*threads=*/3);
+            ASSERT_TRUE(ours.status.ok()) << ours.status;
+            ExpectSameScales(ours.scales, expected.scales);
+            ExpectSameBytes(ours.q, expected.q, cols);
+            if (HasFailure()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, ResultDoesNotDependOnThreadCount) {
+  // Big enough that several workers get a share in every scheme.
+  const at::Tensor x = RandomWeights(1200, 1500, at::kBFloat16, 99);
+  for (QuantScheme scheme : kSchemes) {
+    SCOPED_TRACE(static_cast<int>(scheme));
+    const Quantized expected = TorchReference(x, scheme);
+    for (int threads : {1, 2, 4, 7, 0}) {
+      const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kReject, threads);
+      ASSERT_TRUE(ours.status.ok()) << ours.status;
+      ExpectSameScales(ours.scales, expected.scales);
+      ExpectSameBytes(ours.q, expected.q, x.size(1));
+    }
+  }
+}
+
+// --- Edge cases ---------------------------------------------------------------
+
+TEST(Fp8QuantizerTest, AllZeroTensorUnderRejectGivesZeroScaleAndZeroBytes) {
+  for (at::ScalarType type : kTypes) {
+    const at::Tensor x = at::zeros({5, 300}, type);
+    for (QuantScheme scheme : {QuantScheme::kPerTensor, QuantScheme::kPerChannel}) {
+      const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kReject);
+      ASSERT_TRUE(ours.status.ok()) << ours.status;
+      EXPECT_THAT(ours.scales, testing::Each(0.0f));
+      EXPECT_THAT(ours.q, testing::Each(0x00));
+    }
+    // Block scales never reach 0: the amax floor keeps them at 1e-4 / 448.
+    const Quantized block = RunOurs(x, QuantScheme::kBlock128, NonFinitePolicy::kReject);
+    ASSERT_TRUE(block.status.ok()) << block.status;
+    EXPECT_THAT(block.scales, testing::Each(kFp8BlockAmaxFloor / 448.0f));
+    EXPECT_THAT(block.q, testing::Each(0x00));
+  }
+  // Negative zero keeps its sign, as in the op chain.
+  const Quantized neg = RunOurs(-at::zeros({1, 3}), QuantScheme::kPerTensor);
+  ASSERT_TRUE(neg.status.ok());
+  EXPECT_THAT(neg.q, testing::Each(0x80));
+}
+
+TEST(Fp8QuantizerTest, AllZeroTensorUnderVllmGivesZeroScaleAndEvery0x7E) {
+  for (at::ScalarType type : kTypes) {
+    const at::Tensor x = at::zeros({5, 300}, type);
+    for (QuantScheme scheme : {QuantScheme::kPerTensor, QuantScheme::kPerChannel}) {
+      const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kVllmCompatible);
+      ASSERT_TRUE(ours.status.ok()) << ours.status;
+      EXPECT_THAT(ours.scales, testing::Each(0.0f));
+      EXPECT_THAT(ours.q, testing::Each(0x7E));
+    }
+    const Quantized block = RunOurs(x, QuantScheme::kBlock128, NonFinitePolicy::kVllmCompatible);
+    ASSERT_TRUE(block.status.ok());
+    EXPECT_THAT(block.scales, testing::Each(kFp8BlockAmaxFloor / 448.0f));
+    EXPECT_THAT(block.q, testing::Each(0x00));
+  }
+  // Per-channel: only the all-zero row gets 0x7E.
+  at::Tensor x = at::ones({2, 4}, at::kFloat);
+  x[1].zero_();
+  const Quantized ours = RunOurs(x, QuantScheme::kPerChannel, NonFinitePolicy::kVllmCompatible);
+  ASSERT_TRUE(ours.status.ok());
+  EXPECT_EQ(ours.scales, (std::vector<float>{1.0f / 448.0f, 0.0f}));
+  EXPECT_EQ(ours.q, (std::vector<uint8_t>{0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E}));
+}
+
+TEST(Fp8QuantizerTest, RejectsNanNamingTensorElementAndValue) {
+  for (at::ScalarType type : kTypes) {
+    for (QuantScheme scheme : kSchemes) {
+      at::Tensor x = RandomWeights(4, 6, type, 5);
+      x[1][1] = std::numeric_limits<float>::quiet_NaN();
+      x[3][0] = std::numeric_limits<float>::quiet_NaN();
+      const Quantized ours =
+          RunOurs(x, scheme, NonFinitePolicy::kReject, 0, "layers.0.mlp.gate_up_proj.weight");
+      EXPECT_EQ(ours.status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(std::string(ours.status.message()),
+                  HasSubstr("tensor 'layers.0.mlp.gate_up_proj.weight': element 7 (row 1, col 1) "
+                            "is nan"));
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, RejectsInfNamingTheFirstBadElementWhateverTheSplit) {
+  // Bad elements in several workers' ranges; the message names the lowest.
+  at::Tensor x = RandomWeights(1024, 1024, at::kBFloat16, 6);
+  x[1000][3] = std::numeric_limits<float>::infinity();
+  x[700][1000] = -std::numeric_limits<float>::infinity();
+  x[900][5] = std::numeric_limits<float>::quiet_NaN();
+  for (Fp8Isa isa : SupportedIsas()) {
+    ScopedIsa scoped(isa);
+    for (QuantScheme scheme : kSchemes) {
+      for (int threads : {1, 4}) {
+        const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kReject, threads, "wq");
+        EXPECT_EQ(ours.status.code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_THAT(std::string(ours.status.message()),
+                    HasSubstr("tensor 'wq': element 717800 (row 700, col 1000) is -inf"));
+      }
+    }
+  }
+}
+
+// vLLM: NaN is ignored by the max and becomes +448; the rest is quantized with
+// the scale of the finite values.
+TEST(Fp8QuantizerTest, VllmPolicyIgnoresNanInMaxAndSaturatesIt) {
+  for (at::ScalarType type : kTypes) {
+    at::Tensor x = RandomWeights(130, 200, type, 8);
+    std::vector<std::pair<int, int>> nans = {{0, 0}, {5, 7}, {129, 199}, {64, 150}};
+    at::Tensor clean = x.clone();
+    for (auto [r, c] : nans) {
+      clean[r][c] = 0;
+      x[r][c] = std::copysign(std::numeric_limits<float>::quiet_NaN(), r % 2 ? -1.0f : 1.0f);
+    }
+    for (QuantScheme scheme : kSchemes) {
+      Quantized expected = TorchReference(clean, scheme);
+      for (auto [r, c] : nans) expected.q[r * 200 + c] = 0x7E;
+      for (Fp8Isa isa : SupportedIsas()) {
+        SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
+        ScopedIsa scoped(isa);
+        const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kVllmCompatible);
+        ASSERT_TRUE(ours.status.ok()) << ours.status;
+        ExpectSameScales(ours.scales, expected.scales);
+        ExpectSameBytes(ours.q, expected.q, 200);
+      }
+    }
+  }
+}
+
+// vLLM: Inf makes s = inf; finite values become (signed) zero, Inf +-448, NaN
+// still +448.
+TEST(Fp8QuantizerTest, VllmPolicyInfGivesInfiniteScale) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (at::ScalarType type : kTypes) {
+    at::Tensor x = at::tensor({1.5f, -2.0f, inf, -inf, nan, 0.0f, 300.0f, -0.0f}, at::kFloat)
+                       .reshape({1, 8})
+                       .to(type);
+    for (QuantScheme scheme : kSchemes) {
+      for (Fp8Isa isa : SupportedIsas()) {
+        SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
+        ScopedIsa scoped(isa);
+        const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kVllmCompatible);
+        ASSERT_TRUE(ours.status.ok()) << ours.status;
+        EXPECT_THAT(ours.scales, testing::Each(inf));
+        EXPECT_EQ(ours.q, (std::vector<uint8_t>{0x00, 0x80, 0x7E, 0xFE, 0x7E, 0x00, 0x00, 0x80}));
+      }
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, ExactMaxMapsTo448) {
+  at::Tensor x = at::tensor({448.0f, -448.0f, 1.0f, -0.5f}, at::kFloat).reshape({2, 2});
+  const Quantized tensor = RunOurs(x, QuantScheme::kPerTensor);
+  ASSERT_TRUE(tensor.status.ok());
+  EXPECT_EQ(tensor.scales, std::vector<float>{1.0f});
+  EXPECT_EQ(tensor.q, (std::vector<uint8_t>{0x7E, 0xFE, 0x38, 0xB0}));
+  // Per channel the row max maps to 448 whatever its magnitude.
+  const Quantized channel = RunOurs(x, QuantScheme::kPerChannel);
+  ASSERT_TRUE(channel.status.ok());
+  EXPECT_EQ(channel.scales, (std::vector<float>{1.0f, 1.0f / 448.0f}));
+  EXPECT_EQ(channel.q, (std::vector<uint8_t>{0x7E, 0xFE, 0x7E, 0xF6}));  // -0.5 -> -224
+}
+
+TEST(Fp8QuantizerTest, SmallValuesAfterScalingBecomeSubnormals) {
+  // amax 448 -> s = 1: the other values are already in e4m3's subnormal range.
+  at::Tensor x = at::tensor({448.0f, 0x1p-9f, 0x1p-10f, 3 * 0x1p-10f, -0x1p-7f, 0x1p-11f,
+                             7 * 0x1p-9f, -0x1p-6f},
+                            at::kFloat)
+                     .reshape({1, 8});
+  for (Fp8Isa isa : SupportedIsas()) {
+    SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
+    ScopedIsa scoped(isa);
+    const Quantized ours = RunOurs(x, QuantScheme::kPerTensor);
+    ASSERT_TRUE(ours.status.ok());
+    EXPECT_EQ(ours.q, (std::vector<uint8_t>{0x7E, 0x01, 0x00, 0x02, 0x84, 0x00, 0x07, 0x88}));
+  }
+}
+
+TEST(Fp8QuantizerTest, SingleElementTensorsSaturate) {
+  for (at::ScalarType type : kTypes) {
+    for (QuantScheme scheme : kSchemes) {
+      for (float v : {5.0f, -5.0f, 1e-3f}) {
+        const Quantized ours = RunOurs(at::full({1, 1}, v, type), scheme);
+        ASSERT_TRUE(ours.status.ok());
+        const Quantized expected = TorchReference(at::full({1, 1}, v, type), scheme);
+        ExpectSameScales(ours.scales, expected.scales);
+        ExpectSameBytes(ours.q, expected.q, 1);
+        if (scheme != QuantScheme::kBlock128) {
+          EXPECT_EQ(ours.q[0], v > 0 ? 0x7E : 0xFE);
+        }
+      }
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, EmptyTensorIsOkAndWritesNothing) {
+  Fp8QuantizeOptions options;
+  for (QuantScheme scheme : kSchemes) {
+    options.scheme = scheme;
+    float scales[4] = {-1, -1, -1, -1};
+    EXPECT_TRUE(QuantizeFp8(nullptr, DType::kBFloat16, 0, 0, options, nullptr, scales, "e").ok());
+    EXPECT_TRUE(QuantizeFp8(nullptr, DType::kFloat32, 0, 77, options, nullptr, scales, "e").ok());
+    EXPECT_EQ(Fp8NumScales(scheme, 0, 77), scheme == QuantScheme::kPerTensor ? 1 : 0);
+  }
+  // Per-channel rows of zero columns have amax 0.
+  options.scheme = QuantScheme::kPerChannel;
+  float scales[3] = {-1, -1, -1};
+  ASSERT_TRUE(QuantizeFp8(nullptr, DType::kFloat16, 3, 0, options, nullptr, scales, "e").ok());
+  EXPECT_THAT(scales, testing::Each(0.0f));
+}
+
+TEST(Fp8QuantizerTest, TinyAmaxFollowsTheInfiniteInverseWithoutNanBytes) {
+  // s = amax / 448 is so small that inv = 1 / s overflows: x * inf saturates
+  // every non-zero element, and 0 * inf = NaN becomes +448 (as in vLLM's
+  // kernel and core/cuda/fp8_math.h), never a NaN byte.
+  at::Tensor x = at::tensor({1e-37f, 0.0f, -1e-37f, 5e-38f}, at::kFloat).reshape({1, 4});
+  for (QuantScheme scheme : {QuantScheme::kPerTensor, QuantScheme::kPerChannel}) {
+    for (NonFinitePolicy policy : {NonFinitePolicy::kReject, NonFinitePolicy::kVllmCompatible}) {
+      const Quantized ours = RunOurs(x, scheme, policy);
+      ASSERT_TRUE(ours.status.ok());
+      EXPECT_EQ(ours.scales[0], 1e-37f / 448.0f);
+      EXPECT_EQ(ours.q, (std::vector<uint8_t>{0x7E, 0x7E, 0xFE, 0x7E}));
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, RejectsNonFloatSourceType) {
+  int32_t data[4] = {1, 2, 3, 4};
+  uint8_t q[4];
+  float scale;
+  const absl::Status status =
+      QuantizeFp8(data, DType::kInt32, 2, 2, Fp8QuantizeOptions{}, q, &scale, "model.w");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("tensor 'model.w': cannot quantize I32 to FP8"));
+}
+
+TEST(Fp8QuantizerTest, RejectsSchemeNone) {
+  float data[4] = {1, 2, 3, 4};
+  uint8_t q[4];
+  float scale;
+  Fp8QuantizeOptions options;
+  options.scheme = QuantScheme::kNone;
+  const absl::Status status = QuantizeFp8(data, DType::kFloat32, 2, 2, options, q, &scale, "w1");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("tensor 'w1': quantization scheme \"none\" is not an FP8 scheme"));
+}
+
+TEST(Fp8QuantizerTest, RejectsBadShapesBuffersAndThreadCounts) {
+  float data[4] = {1, 2, 3, 4};
+  uint8_t q[4];
+  float scale;
+  Fp8QuantizeOptions options;
+  absl::Status status = QuantizeFp8(data, DType::kFloat32, -1, 2, options, q, &scale, "w2");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("tensor 'w2': invalid shape [-1, 2]"));
+  status = QuantizeFp8(data, DType::kFloat32, 2, 2, options, nullptr, &scale, "w3");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("tensor 'w3': null buffer"));
+  options.num_threads = -2;
+  status = QuantizeFp8(data, DType::kFloat32, 2, 2, options, q, &scale, "w4");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("tensor 'w4': num_threads -2"));
+}
+
+TEST(Fp8QuantizerTest, NumScalesFollowsTheLayout) {
+  EXPECT_EQ(Fp8NumScales(QuantScheme::kPerTensor, 300, 1000), 1);
+  EXPECT_EQ(Fp8NumScales(QuantScheme::kPerChannel, 300, 1000), 300);
+  EXPECT_EQ(Fp8NumScales(QuantScheme::kBlock128, 300, 1000), 3 * 8);
+  EXPECT_EQ(Fp8NumScales(QuantScheme::kBlock128, 128, 128), 1);
+  EXPECT_EQ(Fp8NumScales(QuantScheme::kNone, 300, 1000), 0);
+}
+
+}  // namespace
+}  // namespace refit::core

@@ -123,30 +123,34 @@ REFIT_HD float ScaleFromAmax(float amax, bool block) {
   return amax / 448.0f;
 }
 
-// kReject: inv = 0 for s == 0 (an all-zero tensor quantizes to zeros).
-// kVllmCompatible: inv = 1/s as vLLM computes it, so s == 0 gives +Inf and
-// every (zero) element becomes 0 * Inf = NaN -> 0x7E, vLLM's bytes.
-REFIT_HD float InverseScale(float s, bool vllm_compatible) {
-  if (s == 0.0f && !vllm_compatible) return 0.0f;
-  return 1.0f / s;
-}
+// The multiplier of a scale, as core/fp8_quantizer.cc uses it: inv = 1/s,
+// 0 for s == 0. When amax < ~1.3e-36, 1/s overflows to +Inf and the formula
+// is applied literally (x * Inf), as the CPU quantizer does.
+struct Fp8Scale {
+  float s;
+  float inv;
+};
 
-// q = fp8_rne(clamp(x * inv, -448, 448)). Under kVllmCompatible a NaN
-// product becomes +448 (NaN input, or 0 * Inf when s == 0) except that an
-// infinite input keeps its sign (Inf * 0 when s == Inf). Under kReject
-// non-finite input never gets here (the caller reports it).
-REFIT_HD uint8_t QuantizeValue(float x, float inv, bool vllm_compatible) {
-  const float v = x * inv;
-  const uint32_t vb = FloatBits(v);
-  if (IsNanBits(vb)) {
+REFIT_HD Fp8Scale MakeFp8Scale(float s) { return Fp8Scale{s, s == 0.0f ? 0.0f : 1.0f / s}; }
+
+// q = fp8_rne(clamp(x * inv, -448, 448)), the sign taken from the product.
+// A NaN product (0 * Inf when 1/s overflowed) becomes +448, as every NaN
+// product does in vLLM's kernel. kVllmCompatible (vLLM's CUDA kernel): NaN
+// -> +448, +-Inf -> +-448, and an all-zero tensor or row (s == 0; vLLM
+// computes 0 * (1/0) = NaN) -> +448. Under kReject non-finite input never
+// gets here (the caller reports it).
+REFIT_HD uint8_t QuantizeValue(float x, const Fp8Scale& scale, bool vllm_compatible) {
+  if (vllm_compatible) {
     const uint32_t xb = FloatBits(x);
-    if (vllm_compatible && (xb & kAbsMask) == kInfBits) {
-      return static_cast<uint8_t>(((xb >> 24) & 0x80u) | kFp8MaxBits);
-    }
-    return kFp8MaxBits;
+    const uint32_t a = xb & kAbsMask;
+    if (a > kInfBits) return kFp8MaxBits;
+    if (a == kInfBits) return static_cast<uint8_t>(((xb >> 24) & 0x80u) | kFp8MaxBits);
+    if (scale.s == 0.0f) return kFp8MaxBits;
   }
-  // Saturation of |v| >= 448 to +-448 is the clamp.
-  return Fp8E4M3FromFloatBits(vb);
+  const uint32_t v = FloatBits(x * scale.inv);
+  if (IsNanBits(v)) return kFp8MaxBits;
+  // |v| >= 448 (and +-Inf) saturates inside the conversion: that is the clamp.
+  return Fp8E4M3FromFloatBits(v);
 }
 
 }  // namespace refit::core::fp8_math

@@ -121,12 +121,12 @@ __device__ uint32_t BlockMax(uint32_t v) {
 }
 
 template <typename T>
-__device__ __forceinline__ void QuantizeVec(const Vec16<T>& v, float inv, bool vllm,
+__device__ __forceinline__ void QuantizeVec(const Vec16<T>& v, const Fp8Scale& scale, bool vllm,
                                             uint8_t* out) {
   constexpr int kN = Vec16<T>::kN;
   uint8_t b[kN];
 #pragma unroll
-  for (int k = 0; k < kN; ++k) b[k] = QuantizeValue(ToFloat(v.v[k]), inv, vllm);
+  for (int k = 0; k < kN; ++k) b[k] = QuantizeValue(ToFloat(v.v[k]), scale, vllm);
   *reinterpret_cast<typename PackedBytes<kN>::Type*>(out) = PackedBytes<kN>::Pack(b);
 }
 
@@ -178,7 +178,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     ConvertFlatKernel(const T* __restrict__ src, int64_t n, bool vec, const float* scale,
                       uint8_t* __restrict__ out, bool vllm) {
-  const float inv = InverseScale(*scale, vllm);
+  const Fp8Scale q_scale = MakeFp8Scale(*scale);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t tail_start = 0;
@@ -195,13 +195,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + u * stride;
-        if (i < nvec) QuantizeVec(v[u], inv, vllm, out + i * kN);
+        if (i < nvec) QuantizeVec(v[u], q_scale, vllm, out + i * kN);
       }
     }
     tail_start = nvec * kN;
   }
   for (int64_t i = tail_start + tid; i < n; i += stride) {
-    out[i] = QuantizeValue(ToFloat(src[i]), inv, vllm);
+    out[i] = QuantizeValue(ToFloat(src[i]), q_scale, vllm);
   }
 }
 
@@ -232,13 +232,13 @@ __global__ void __launch_bounds__(kThreads)
   amax = BlockMax(amax);
   const float s = ScaleFromAmax(BitsToFloat(amax), /*block=*/false);
   if (threadIdx.x == 0) scales[row] = s;
-  const float inv = InverseScale(s, vllm);
+  const Fp8Scale q_scale = MakeFp8Scale(s);
   // Second read of the row: it was just read by this block, so it is in L2.
   for (int64_t i = threadIdx.x; i < nvec; i += kThreads) {
-    QuantizeVec(vsrc[i], inv, vllm, rout + i * kN);
+    QuantizeVec(vsrc[i], q_scale, vllm, rout + i * kN);
   }
   for (int64_t c = tail_start + threadIdx.x; c < cols; c += kThreads) {
-    rout[c] = QuantizeValue(ToFloat(rsrc[c]), inv, vllm);
+    rout[c] = QuantizeValue(ToFloat(rsrc[c]), q_scale, vllm);
   }
 }
 
@@ -275,16 +275,16 @@ __global__ void __launch_bounds__(kThreads)
   amax = BlockMax(amax);
   const float s = ScaleFromAmax(BitsToFloat(amax), /*block=*/true);
   if (threadIdx.x == 0) scales[static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x] = s;
-  const float inv = InverseScale(s, vllm);
+  const Fp8Scale q_scale = MakeFp8Scale(s);
   for (int t = threadIdx.x; t < total; t += kThreads) {
     const int r = t / per_row;
     const int c = t - r * per_row;
     if (vec) {
       const int64_t index = (r0 + r) * cols + c0 + static_cast<int64_t>(c) * kN;
-      QuantizeVec(*reinterpret_cast<const Vec16<T>*>(src + index), inv, vllm, out + index);
+      QuantizeVec(*reinterpret_cast<const Vec16<T>*>(src + index), q_scale, vllm, out + index);
     } else {
       const int64_t index = (r0 + r) * cols + c0 + c;
-      out[index] = QuantizeValue(ToFloat(src[index]), inv, vllm);
+      out[index] = QuantizeValue(ToFloat(src[index]), q_scale, vllm);
     }
   }
 }
@@ -446,35 +446,35 @@ absl::Status Fp8CudaQuantizer::Enqueue(const Fp8CudaJob& job, const Fp8QuantizeO
   if (job.src_dtype != DType::kFloat32 && job.src_dtype != DType::kFloat16 &&
       job.src_dtype != DType::kBFloat16) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tensor ", job.tensor_name, ": cannot quantize dtype #",
+        absl::StrCat("tensor '", job.tensor_name, "': cannot quantize dtype #",
                      static_cast<int>(job.src_dtype), " to FP8; expected F32, F16 or BF16"));
   }
   if (options.scheme == QuantScheme::kNone) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tensor ", job.tensor_name, ": quantization scheme 'none' is not FP8"));
+        absl::StrCat("tensor '", job.tensor_name, "': quantization scheme 'none' is not FP8"));
   }
   if (job.rows < 0 || job.cols < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat("tensor %s: negative shape [%d, %d]",
+    return absl::InvalidArgumentError(absl::StrFormat("tensor '%s': negative shape [%d, %d]",
                                                       job.tensor_name, job.rows, job.cols));
   }
   const int64_t n = job.rows * job.cols;
   if (job.cols != 0 && job.rows > static_cast<int64_t>(kIndexMask) / job.cols) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "tensor %s: [%d, %d] has more than 2^40 elements", job.tensor_name, job.rows, job.cols));
+        "tensor '%s': [%d, %d] has more than 2^40 elements", job.tensor_name, job.rows, job.cols));
   }
   if (options.scheme == QuantScheme::kPerChannel && job.rows > 0x7FFFFFFF) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("tensor %s: %d rows exceed the grid limit", job.tensor_name, job.rows));
+        absl::StrFormat("tensor '%s': %d rows exceed the grid limit", job.tensor_name, job.rows));
   }
   if (options.scheme == QuantScheme::kBlock128 && (job.rows + 127) / 128 > 65535) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "tensor %s: %d rows exceed the block-scheme grid limit", job.tensor_name, job.rows));
+        "tensor '%s': %d rows exceed the block-scheme grid limit", job.tensor_name, job.rows));
   }
   const int64_t num_scales = NumScales(options.scheme, job.rows, job.cols);
   if ((n > 0 && (job.src == nullptr || job.out_q == nullptr)) ||
       (num_scales > 0 && job.out_scales == nullptr)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tensor ", job.tensor_name, ": null device pointer"));
+        absl::StrCat("tensor '", job.tensor_name, "': null device pointer"));
   }
 
   ScopedCudaDevice scoped(device_);
@@ -559,10 +559,13 @@ absl::Status Fp8CudaQuantizer::Sync(void* stream) {
   const PendingJob& job = jobs[seq];
   const int64_t row = job.cols > 0 ? index / job.cols : 0;
   const int64_t col = job.cols > 0 ? index % job.cols : 0;
+  // Worded as core::QuantizeFp8 words it, so callers see one message.
+  const float value = BitsToFloat(host.value_bits);
+  const char* text = IsNanBits(host.value_bits) ? "nan" : (value > 0 ? "inf" : "-inf");
   return absl::InvalidArgumentError(absl::StrFormat(
-      "tensor %s: non-finite value %g at element %d (row %d, col %d); refusing to quantize "
-      "(non-finite policy: reject)",
-      job.tensor_name, BitsToFloat(host.value_bits), index, row, col));
+      "tensor '%s': element %d (row %d, col %d) is %s; FP8 quantization rejects non-finite "
+      "weights",
+      job.tensor_name, index, row, col, text));
 }
 
 absl::Status Fp8CudaQuantizer::Quantize(const Fp8CudaJob& job, const Fp8QuantizeOptions& options,

@@ -33,9 +33,9 @@ constexpr absl::string_view kMetadataKey = "__metadata__";
 // Untrusted strings echoed in error messages are escaped and cut to this
 // length so a hostile header cannot flood the logs.
 constexpr size_t kMaxQuotedChars = 120;
-// Nesting allowed in the header JSON; see Parse for why there is a limit.
+// Nesting allowed in the header JSON; see HeaderChecker for why there is a
+// limit.
 constexpr int kMaxHeaderDepth = 16;
-
 
 std::string Quote(absl::string_view s) {
   std::string escaped = absl::CHexEscape(s.substr(0, kMaxQuotedChars));

@@ -93,8 +93,8 @@ absl::Status FillTensor(const CheckpointTensor& t, bool is_norm, uint64_t seed, 
   const int64_t numel = t.numel();
   // Benchmarks make multi-GB models: split big tensors over the cores.
   constexpr int64_t kPerThread = 1 << 20;
-  const int64_t threads = std::clamp<int64_t>(numel / kPerThread, 1,
-                                              std::max(1u, std::thread::hardware_concurrency()));
+  const int64_t threads =
+      std::clamp<int64_t>(numel / kPerThread, 1, std::max(1u, std::thread::hardware_concurrency()));
   if (threads == 1) return FillRange(gen, t.dtype, 0, numel, dst);
   std::vector<absl::Status> statuses(threads);
   std::vector<std::thread> workers;
@@ -225,8 +225,8 @@ absl::Status WriteFixtureModel(const std::string& dir, const ModelConfig& config
   const std::vector<FixtureTensor> tensors = FixtureTensors(**layout);
   const int64_t n = static_cast<int64_t>(tensors.size());
   if (num_files < 1 || num_files > n) {
-    return absl::InvalidArgumentError(absl::StrCat("fixture model: num_files must be in [1, ", n,
-                                                   "], got ", num_files));
+    return absl::InvalidArgumentError(
+        absl::StrCat("fixture model: num_files must be in [1, ", n, "], got ", num_files));
   }
   if (absl::Status s = MakeDirs(dir); !s.ok()) return s;
 
@@ -268,13 +268,13 @@ absl::Status WriteFixtureModel(const std::string& dir, const ModelConfig& config
       const CheckpointTensor& t = *tensors[k].tensor;
       uint8_t* dst = buffer.get() + offset;
       if (absl::Status s = FillTensor(t, tensors[k].is_norm, seed, dst); !s.ok()) return s;
-      to_write.push_back(
-          {t.name, t.dtype, t.shape, absl::Span<const uint8_t>(dst, static_cast<size_t>(t.nbytes()))});
+      to_write.push_back({t.name, t.dtype, t.shape,
+                          absl::Span<const uint8_t>(dst, static_cast<size_t>(t.nbytes()))});
       weight_map[t.name] = file_name;
       offset += t.nbytes();
     }
-    if (absl::Status s = WriteSafetensors(absl::StrCat(dir, "/", file_name), to_write,
-                                          {{"format", "pt"}});
+    if (absl::Status s =
+            WriteSafetensors(absl::StrCat(dir, "/", file_name), to_write, {{"format", "pt"}});
         !s.ok()) {
       return s;
     }

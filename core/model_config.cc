@@ -41,8 +41,7 @@ class FieldReader {
   FieldReader(const Json& root, absl::string_view source) : root_(root), source_(source) {}
 
   absl::Status Error(absl::string_view field, absl::string_view problem) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat(source_, ": field '", field, "' ", problem));
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": field '", field, "' ", problem));
   }
 
   // A required positive integer.
@@ -73,7 +72,8 @@ class FieldReader {
   absl::Status OptionalBool(const char* field, bool* out) const {
     auto it = root_.find(field);
     if (it == root_.end() || it->is_null()) return absl::OkStatus();
-    if (!it->is_boolean()) return Error(field, absl::StrCat("must be true or false, got ", it->dump()));
+    if (!it->is_boolean())
+      return Error(field, absl::StrCat("must be true or false, got ", it->dump()));
     *out = it->get<bool>();
     return absl::OkStatus();
   }
@@ -96,7 +96,8 @@ absl::Status ParseDtypeField(const Json& root, const FieldReader& reader, DType*
   for (const char* field : {"dtype", "torch_dtype"}) {
     auto it = root.find(field);
     if (it == root.end() || it->is_null()) continue;
-    if (!it->is_string()) return reader.Error(field, absl::StrCat("must be a string, got ", it->dump()));
+    if (!it->is_string())
+      return reader.Error(field, absl::StrCat("must be a string, got ", it->dump()));
     const std::string name = it->get<std::string>();
     if (name == "bfloat16") {
       *out = DType::kBFloat16;
@@ -105,8 +106,8 @@ absl::Status ParseDtypeField(const Json& root, const FieldReader& reader, DType*
     } else if (name == "float32") {
       *out = DType::kFloat32;
     } else {
-      return reader.Error(field, absl::StrCat("must be bfloat16, float16 or float32, got \"",
-                                              name, "\""));
+      return reader.Error(field,
+                          absl::StrCat("must be bfloat16, float16 or float32, got \"", name, "\""));
     }
     return absl::OkStatus();
   }
@@ -172,10 +173,8 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text,
   }
 
   const std::pair<const char*, int64_t*> required[] = {
-      {"hidden_size", &config.hidden_size},
-      {"intermediate_size", &config.intermediate_size},
-      {"num_hidden_layers", &config.num_layers},
-      {"num_attention_heads", &config.num_heads},
+      {"hidden_size", &config.hidden_size},      {"intermediate_size", &config.intermediate_size},
+      {"num_hidden_layers", &config.num_layers}, {"num_attention_heads", &config.num_heads},
       {"vocab_size", &config.vocab_size},
   };
   for (const auto& [field, out] : required) {
@@ -191,10 +190,9 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text,
   }
   if (config.head_dim == 0) {
     if (config.hidden_size % config.num_heads != 0) {
-      return reader.Error("head_dim",
-                          absl::StrCat("is missing and hidden_size ", config.hidden_size,
-                                       " is not a multiple of num_attention_heads ",
-                                       config.num_heads));
+      return reader.Error(
+          "head_dim", absl::StrCat("is missing and hidden_size ", config.hidden_size,
+                                   " is not a multiple of num_attention_heads ", config.num_heads));
     }
     config.head_dim = config.hidden_size / config.num_heads;
   }

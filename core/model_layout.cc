@@ -4,9 +4,9 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/strings/strip.h"
 
 namespace refit::core {
@@ -71,12 +71,13 @@ absl::string_view QuantSchemeName(QuantScheme scheme) {
 }
 
 absl::StatusOr<QuantScheme> ParseQuantScheme(absl::string_view name) {
-  for (QuantScheme scheme : {QuantScheme::kNone, QuantScheme::kPerTensor,
-                             QuantScheme::kPerChannel, QuantScheme::kBlock128}) {
+  for (QuantScheme scheme : {QuantScheme::kNone, QuantScheme::kPerTensor, QuantScheme::kPerChannel,
+                             QuantScheme::kBlock128}) {
     if (name == QuantSchemeName(scheme)) return scheme;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown quantization scheme '", name, "' (expected none, per-tensor, per-channel or block)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown quantization scheme '", name,
+                   "' (expected none, per-tensor, per-channel or block)"));
 }
 
 int64_t KernelSpec::numel() const { return Product(shape); }
@@ -110,7 +111,9 @@ int64_t ModelLayout::max_layer_param_bytes() const {
 class LayoutBuilder {
  public:
   LayoutBuilder(const ModelConfig& config, ParallelConfig parallel, QuantScheme quant)
-      : layout_(std::make_shared<ModelLayout>()), c_(config), rank_(parallel.tp_rank),
+      : layout_(std::make_shared<ModelLayout>()),
+        c_(config),
+        rank_(parallel.tp_rank),
         tp_(parallel.tp_size) {
     layout_->config_ = config;
     layout_->parallel_ = parallel;
@@ -123,11 +126,13 @@ class LayoutBuilder {
     if (rank_ < 0 || rank_ >= tp_) {
       return Invalid(absl::StrCat("tp_rank ", rank_, " out of range for tp_size ", tp_));
     }
-    const std::pair<const char*, int64_t> positive[] = {
-        {"hidden_size", c.hidden_size},         {"intermediate_size", c.intermediate_size},
-        {"num_hidden_layers", c.num_layers},    {"num_attention_heads", c.num_heads},
-        {"num_key_value_heads", c.num_kv_heads}, {"head_dim", c.head_dim},
-        {"vocab_size", c.vocab_size}};
+    const std::pair<const char*, int64_t> positive[] = {{"hidden_size", c.hidden_size},
+                                                        {"intermediate_size", c.intermediate_size},
+                                                        {"num_hidden_layers", c.num_layers},
+                                                        {"num_attention_heads", c.num_heads},
+                                                        {"num_key_value_heads", c.num_kv_heads},
+                                                        {"head_dim", c.head_dim},
+                                                        {"vocab_size", c.vocab_size}};
     for (const auto& [field, value] : positive) {
       if (value <= 0) return Invalid(absl::StrCat(field, " must be positive, got ", value));
     }
@@ -136,24 +141,23 @@ class LayoutBuilder {
                                   " is not a multiple of num_key_value_heads ", c.num_kv_heads));
     }
     if (!IsHighPrecisionFloat(c.dtype)) {
-      return Invalid(absl::StrCat("checkpoint dtype must be bf16, fp16 or fp32, got ",
-                                  DTypeName(c.dtype)));
+      return Invalid(
+          absl::StrCat("checkpoint dtype must be bf16, fp16 or fp32, got ", DTypeName(c.dtype)));
     }
     if (c.num_experts > 0) {
-      return absl::UnimplementedError(absl::StrCat(
-          "model layout: mixture-of-experts (num_experts ", c.num_experts, ") is not supported"));
+      return absl::UnimplementedError(absl::StrCat("model layout: mixture-of-experts (num_experts ",
+                                                   c.num_experts, ") is not supported"));
     }
     if (c.num_heads % tp_ != 0) {
-      return Invalid(absl::StrCat("tp_size ", tp_, " does not divide num_attention_heads ",
-                                  c.num_heads));
+      return Invalid(
+          absl::StrCat("tp_size ", tp_, " does not divide num_attention_heads ", c.num_heads));
     }
     if (c.intermediate_size % tp_ != 0) {
       return Invalid(absl::StrCat("tp_size ", tp_, " does not divide intermediate_size ",
                                   c.intermediate_size));
     }
     if (c.num_kv_heads % tp_ != 0 && tp_ % c.num_kv_heads != 0) {
-      return Invalid(absl::StrCat("num_key_value_heads ", c.num_kv_heads,
-                                  " and tp_size ", tp_,
+      return Invalid(absl::StrCat("num_key_value_heads ", c.num_kv_heads, " and tp_size ", tp_,
                                   ": one must be a multiple of the other"));
     }
     return absl::OkStatus();
@@ -400,8 +404,8 @@ class LayoutBuilder {
 };
 
 absl::StatusOr<std::shared_ptr<const ModelLayout>> ModelLayout::Build(const ModelConfig& config,
-                                                                     ParallelConfig parallel,
-                                                                     QuantScheme quant) {
+                                                                      ParallelConfig parallel,
+                                                                      QuantScheme quant) {
   LayoutBuilder builder(config, parallel, quant);
   if (absl::Status s = builder.Validate(); !s.ok()) return s;
   return builder.Build();

@@ -78,10 +78,13 @@ int Run() {
   }
 
   const std::pair<const char*, int64_t> sizes[] = {
-      {"layers", absl::GetFlag(FLAGS_layers)},     {"hidden", absl::GetFlag(FLAGS_hidden)},
+      {"layers", absl::GetFlag(FLAGS_layers)},
+      {"hidden", absl::GetFlag(FLAGS_hidden)},
       {"intermediate", absl::GetFlag(FLAGS_intermediate)},
-      {"heads", absl::GetFlag(FLAGS_heads)},       {"kv_heads", absl::GetFlag(FLAGS_kv_heads)},
-      {"vocab", absl::GetFlag(FLAGS_vocab)},       {"head_dim", absl::GetFlag(FLAGS_head_dim)}};
+      {"heads", absl::GetFlag(FLAGS_heads)},
+      {"kv_heads", absl::GetFlag(FLAGS_kv_heads)},
+      {"vocab", absl::GetFlag(FLAGS_vocab)},
+      {"head_dim", absl::GetFlag(FLAGS_head_dim)}};
   for (const auto& [name, value] : sizes) {
     if (value < 0) return Fail(absl::StrCat("--", name, " must be positive, got ", value));
   }
@@ -124,9 +127,9 @@ int Run() {
   int files = absl::GetFlag(FLAGS_files);
   if (files == 0) {
     constexpr int64_t kTargetFileBytes = int64_t{512} << 20;
-    files = static_cast<int>(
-        std::min<int64_t>(num_tensors, std::max<int64_t>(2, (total_bytes + kTargetFileBytes - 1) /
-                                                                 kTargetFileBytes)));
+    files = static_cast<int>(std::min<int64_t>(
+        num_tensors,
+        std::max<int64_t>(2, (total_bytes + kTargetFileBytes - 1) / kTargetFileBytes)));
   }
 
   const auto start = std::chrono::steady_clock::now();

@@ -38,7 +38,8 @@ bool Exists(const std::string& path) {
 }
 
 std::string TempDir(absl::string_view name) {
-  std::string dir = absl::StrCat(::testing::TempDir(), "fixture_model_test_", ::getpid(), "_", name);
+  std::string dir =
+      absl::StrCat(::testing::TempDir(), "fixture_model_test_", ::getpid(), "_", name);
   RemoveTree(dir);
   return dir;
 }

@@ -96,14 +96,13 @@ TEST(ModelConfigTest, LlamaAttentionBiasComesFromTheField) {
 }
 
 TEST(ModelConfigTest, ToJsonRoundTrips) {
-  for (const char* arch : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM"}) {
-    auto parsed = ModelConfig::FromJson(
-        std::string(R"({"architectures": [")") + arch + R"("],
+  for (const char* arch :
+       {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}) {
+    auto parsed = ModelConfig::FromJson(std::string(R"({"architectures": [")") + arch + R"("],
         "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 3,
         "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 24,
         "vocab_size": 1000, "tie_word_embeddings": true, "torch_dtype": "float16"})",
-        "in.json");
+                                        "in.json");
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     auto again = ModelConfig::FromJson(parsed->ToJson(), "out.json");
     ASSERT_TRUE(again.ok()) << again.status() << "\n" << parsed->ToJson();
@@ -201,8 +200,8 @@ TEST(ModelConfigTest, ErrorsNameTheFileAndField) {
 }
 
 TEST(ModelConfigTest, FromFileReadsAndReportsMissingFiles) {
-  const std::string path = ::testing::TempDir() + "model_config_test_" +
-                           std::to_string(::getpid()) + ".json";
+  const std::string path =
+      ::testing::TempDir() + "model_config_test_" + std::to_string(::getpid()) + ".json";
   {
     std::ofstream out(path);
     out << kLlama;

@@ -268,15 +268,13 @@ TEST(ModelLayoutTest, LayersComeInModuleOrder) {
     names.push_back(l.name);
     kinds.push_back(l.kind);
   }
-  EXPECT_THAT(names, ElementsAre("model.embed_tokens", "model.layers.0.input_layernorm",
-                                 "model.layers.0.self_attn.qkv_proj",
-                                 "model.layers.0.self_attn.q_norm",
-                                 "model.layers.0.self_attn.k_norm",
-                                 "model.layers.0.self_attn.o_proj",
-                                 "model.layers.0.self_attn.attn",
-                                 "model.layers.0.post_attention_layernorm",
-                                 "model.layers.0.mlp.gate_up_proj",
-                                 "model.layers.0.mlp.down_proj", "model.norm", "lm_head"));
+  EXPECT_THAT(
+      names, ElementsAre("model.embed_tokens", "model.layers.0.input_layernorm",
+                         "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.q_norm",
+                         "model.layers.0.self_attn.k_norm", "model.layers.0.self_attn.o_proj",
+                         "model.layers.0.self_attn.attn", "model.layers.0.post_attention_layernorm",
+                         "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj",
+                         "model.norm", "lm_head"));
   EXPECT_THAT(kinds, ElementsAre(LayerKind::kEmbedding, LayerKind::kNorm, LayerKind::kLinear,
                                  LayerKind::kNorm, LayerKind::kNorm, LayerKind::kLinear,
                                  LayerKind::kAttention, LayerKind::kNorm, LayerKind::kLinear,
@@ -359,11 +357,20 @@ TEST(ModelLayoutTest, KernelShapesFollowTheQuantScheme) {
   // down_proj at tp 2: N = 300, K = 48.
   const Expect cases[] = {
       {QuantScheme::kNone, false, {"weight"}, {{300, 48}}, {DType::kBFloat16}},
-      {QuantScheme::kPerTensor, true, {"weight", "weight_scale"}, {{300, 48}, {1}},
+      {QuantScheme::kPerTensor,
+       true,
+       {"weight", "weight_scale"},
+       {{300, 48}, {1}},
        {DType::kFloat8E4M3, DType::kFloat32}},
-      {QuantScheme::kPerChannel, true, {"weight", "weight_scale"}, {{300, 48}, {300, 1}},
+      {QuantScheme::kPerChannel,
+       true,
+       {"weight", "weight_scale"},
+       {{300, 48}, {300, 1}},
        {DType::kFloat8E4M3, DType::kFloat32}},
-      {QuantScheme::kBlock128, true, {"weight", "weight_scale_inv"}, {{300, 48}, {3, 1}},
+      {QuantScheme::kBlock128,
+       true,
+       {"weight", "weight_scale_inv"},
+       {{300, 48}, {3, 1}},
        {DType::kFloat8E4M3, DType::kFloat32}},
   };
   for (const Expect& e : cases) {
@@ -465,7 +472,9 @@ TEST(ModelLayoutTest, RejectsParallelConfigsThatDoNotFit) {
       {MakeConfig(Architecture::kLlama, 6, 2, 1000), {0, 4}, "num_attention_heads 6"},
       {odd_ffn, {0, 4}, "intermediate_size 90"},
       {odd_kv, {0, 2}, "num_key_value_heads 3"},
-      {MakeConfig(Architecture::kLlama, 6, 4, 1000), {0, 1}, "not a multiple of num_key_value_heads"},
+      {MakeConfig(Architecture::kLlama, 6, 4, 1000),
+       {0, 1},
+       "not a multiple of num_key_value_heads"},
   };
   for (const Bad& bad : cases) {
     auto layout = ModelLayout::Build(bad.config, bad.parallel, QuantScheme::kPerTensor);
@@ -495,7 +504,8 @@ TEST(NameMapperTest, ReportsUnknownNamesWithHints) {
 
   auto junk = mapper.Lookup("transformer.h.0.attn.c_attn.weight");
   EXPECT_EQ(junk.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(std::string(junk.status().message()), HasSubstr("transformer.h.0.attn.c_attn.weight"));
+  EXPECT_THAT(std::string(junk.status().message()),
+              HasSubstr("transformer.h.0.attn.c_attn.weight"));
 
   auto expert = mapper.Lookup("model.layers.0.mlp.experts.3.down_proj.weight");
   EXPECT_EQ(expert.status().code(), absl::StatusCode::kNotFound);

@@ -1,5 +1,6 @@
 #include "client/safetensors_view.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -8,7 +9,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -153,29 +153,39 @@ SafetensorsView::~SafetensorsView() {
   if (map_ != nullptr) ::munmap(map_, map_size_);
 }
 
+// POSIX rather than std::filesystem: refitctl also links LibTorch, whose
+// libtorch.so exports its own (broken) copies of std::filesystem symbols
+// that would be bound in their place.
 absl::StatusOr<std::vector<std::string>> ExpandSafetensorsPaths(
     const std::vector<std::string>& paths) {
-  namespace fs = std::filesystem;
   std::vector<std::string> files;
   for (const std::string& path : paths) {
-    std::error_code ec;
-    if (fs::is_directory(path, ec)) {
-      std::vector<std::string> in_dir;
-      for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
-        const std::string name = e.path().string();
-        if (absl::EndsWith(name, ".safetensors")) in_dir.push_back(name);
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) {
+      if (errno == ENOENT) {
+        return absl::NotFoundError(absl::StrCat("no such file or directory: ", path));
       }
-      if (ec) return OpenError(path, ec.value());
-      if (in_dir.empty()) {
-        return absl::NotFoundError(absl::StrCat("no *.safetensors files in ", path));
-      }
-      std::sort(in_dir.begin(), in_dir.end());
-      files.insert(files.end(), in_dir.begin(), in_dir.end());
-    } else if (fs::exists(path, ec)) {
-      files.push_back(path);
-    } else {
-      return absl::NotFoundError(absl::StrCat("no such file or directory: ", path));
+      return OpenError(path, errno);
     }
+    if (!S_ISDIR(st.st_mode)) {
+      files.push_back(path);
+      continue;
+    }
+    DIR* dir = ::opendir(path.c_str());
+    if (dir == nullptr) return OpenError(path, errno);
+    std::vector<std::string> in_dir;
+    while (struct dirent* entry = ::readdir(dir)) {
+      std::string name = entry->d_name;
+      if (absl::EndsWith(name, ".safetensors")) {
+        in_dir.push_back(absl::StrCat(path, absl::EndsWith(path, "/") ? "" : "/", name));
+      }
+    }
+    ::closedir(dir);
+    if (in_dir.empty()) {
+      return absl::NotFoundError(absl::StrCat("no *.safetensors files in ", path));
+    }
+    std::sort(in_dir.begin(), in_dir.end());
+    files.insert(files.end(), in_dir.begin(), in_dir.end());
   }
   if (files.empty()) return absl::NotFoundError("no safetensors files given");
   return files;

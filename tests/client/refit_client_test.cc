@@ -4,7 +4,8 @@
 
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
+#include <ftw.h>
+#include <stdlib.h>
 #include <fstream>
 #include <map>
 #include <string>
@@ -342,16 +343,23 @@ std::string WriteSafetensors(const std::string& path, const std::string& header,
   return path;
 }
 
+// POSIX, not std::filesystem: this directory's tests link LibTorch (through
+// refitctl_lib), and libtorch.so exports broken std::filesystem symbols.
 class PushFilesTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("refit_client_test_" + std::to_string(::getpid()));
-    std::filesystem::create_directories(dir_);
+    char pattern[] = "/tmp/refit_client_test_XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    dir_ = pattern;
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
-  std::filesystem::path dir_;
+  void TearDown() override {
+    ::nftw(
+        dir_.c_str(),
+        [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 8,
+        FTW_DEPTH | FTW_PHYS);
+  }
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string dir_;
 };
 
 TEST_F(PushFilesTest, PushesEveryTensorOfTheFiles) {
@@ -362,7 +370,7 @@ TEST_F(PushFilesTest, PushesEveryTensorOfTheFiles) {
                    "AAAABBBB");
   WriteSafetensors(Path("model-2.safetensors"),
                    R"({"c":{"dtype":"U8","shape":[3],"data_offsets":[0,3]}})", "CCC");
-  absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths({dir_.string()});
+  absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths({dir_});
   ASSERT_TRUE(files.ok()) << files.status();
   ASSERT_EQ(files->size(), 2u);
 

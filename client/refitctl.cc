@@ -1,0 +1,751 @@
+#include "client/refitctl.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "client/progress_bar.h"
+#include "client/refit_client.h"
+#include "client/safetensors_view.h"
+#include "client/verify.h"
+#include "nlohmann/json.hpp"
+
+namespace refit::client {
+namespace {
+
+using ::grpc::health::v1::HealthCheckResponse;
+using Json = nlohmann::ordered_json;
+
+constexpr char kUsage[] = R"(refitctl: drive a refitd weight-reload daemon.
+
+Usage: refitctl [global flags] COMMAND [args] [flags]
+
+Commands:
+  status                     served version, fingerprint, active refit, memory, model
+  health                     grpc.health.v1 Check of "" (live) and "refit.v1.RefitService"
+                             (ready); exits 0 only when both are SERVING
+  push FILES|DIR...          push *.safetensors as one refit (progress bar on a TTY)
+      --prepare              stop at PREPARED; flip later with `commit`
+      --base-version N       refuse unless the live version is N
+      --label TEXT           label shown in the daemon's logs and events
+      --bucket-mib N         tensor bytes per message (default 32)
+      --chunk-mib N          largest single chunk (default 32)
+      --no-checksum          do not send XXH3 checksums
+      --allow-partial        zero-fill layers the files cover only in part
+      --vllm-non-finite      accept NaN/Inf the way vLLM does (default: reject)
+  reload --from PATH         the daemon reloads safetensors from PATH (under its root)
+      --prepare, --base-version N, --label TEXT as for push
+  commit [REFIT_ID]          commit a prepared refit (default: the active one)
+  abort [REFIT_ID]           abort a prepared or running refit ("" = any; operator)
+      --reason TEXT
+  tensors                    list the kernel tensors (--checkpoint: the checkpoint
+                             tensors a trainer pushes)
+  read NAME [--out FILE]     read a kernel tensor (--out - writes raw bytes to stdout)
+  verify FILES|DIR...        quantize the files locally as the daemon does and compare
+                             every kernel tensor and the fingerprint with the daemon's
+      --config FILE          config.json (default: beside the files)
+      --quant S, --tp-rank N, --tp-size N   override the daemon's model summary
+  watch [--count N]          print refit events (staging, prepared, committed, aborted)
+
+Global flags:
+  --addr ADDR                daemon address: host:port or unix:/path (default 127.0.0.1:50051)
+  --group NAME               model group (default: the daemon's default)
+  --token-file FILE          bearer token (first line of FILE)
+  --tls-ca FILE              enable TLS, verify the daemon with this CA
+  --tls-cert FILE, --tls-key FILE   client certificate for mutual TLS
+  --tls-server-name NAME     name to check in the daemon's certificate
+  --timeout DURATION         deadline per call, e.g. 10s, 500ms (default: none)
+  --json                     machine-readable output on stdout
+  --help                     this text
+
+Exit codes:
+  0  ok
+  1  usage error
+  2  other error (invalid argument, internal, ...)
+  3  not found (tensor, refit, file)
+  4  permission denied or unauthenticated
+  5  conflict: aborted, failed precondition (e.g. stale --base-version), already exists
+  6  verify found mismatches
+  7  unavailable: daemon unreachable, deadline exceeded, or not serving
+)";
+
+struct FlagSpec {
+  bool takes_value;
+};
+
+const std::map<std::string, FlagSpec>& KnownFlags() {
+  static const auto* flags = new std::map<std::string, FlagSpec>{
+      {"addr", {true}},        {"group", {true}},         {"token-file", {true}},
+      {"tls-ca", {true}},      {"tls-cert", {true}},      {"tls-key", {true}},
+      {"tls-server-name", {true}}, {"timeout", {true}},   {"json", {false}},
+      {"help", {false}},       {"prepare", {false}},      {"base-version", {true}},
+      {"label", {true}},       {"bucket-mib", {true}},    {"chunk-mib", {true}},
+      {"no-checksum", {false}}, {"allow-partial", {false}}, {"vllm-non-finite", {false}},
+      {"from", {true}},        {"reason", {true}},        {"checkpoint", {false}},
+      {"out", {true}},         {"config", {true}},        {"quant", {true}},
+      {"tp-rank", {true}},     {"tp-size", {true}},       {"count", {true}},
+  };
+  return *flags;
+}
+
+struct CommandLine {
+  std::string command;
+  std::vector<std::string> args;
+  std::map<std::string, std::string> flags;
+  bool Has(const std::string& name) const { return flags.count(name) > 0; }
+  std::string Get(const std::string& name, const std::string& fallback = "") const {
+    auto it = flags.find(name);
+    return it == flags.end() ? fallback : it->second;
+  }
+};
+
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+CommandLine Parse(int argc, char** argv) {
+  CommandLine cl;
+  bool only_positional = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (only_positional || arg.size() < 2 || arg[0] != '-') {
+      if (cl.command.empty()) {
+        cl.command = arg;
+      } else {
+        cl.args.push_back(arg);
+      }
+      continue;
+    }
+    if (arg == "--") {
+      only_positional = true;
+      continue;
+    }
+    if (arg == "-h") arg = "--help";
+    absl::string_view body = arg;
+    if (!absl::ConsumePrefix(&body, "--")) throw UsageError("unknown flag " + arg);
+    std::string name(body), value;
+    bool has_value = false;
+    if (size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    auto spec = KnownFlags().find(name);
+    if (spec == KnownFlags().end()) throw UsageError("unknown flag --" + name);
+    if (spec->second.takes_value && !has_value) {
+      if (i + 1 >= argc) throw UsageError("flag --" + name + " needs a value");
+      value = argv[++i];
+    } else if (!spec->second.takes_value && has_value) {
+      throw UsageError("flag --" + name + " takes no value");
+    }
+    cl.flags[name] = value;
+  }
+  return cl;
+}
+
+uint64_t ParseUint(const CommandLine& cl, const std::string& name, uint64_t fallback) {
+  if (!cl.Has(name)) return fallback;
+  uint64_t value = 0;
+  if (!absl::SimpleAtoi(cl.Get(name), &value)) {
+    throw UsageError("--" + name + " needs a non-negative integer, got '" + cl.Get(name) + "'");
+  }
+  return value;
+}
+
+std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+std::string DTypeLabel(refit::v1::DType dtype) {
+  absl::string_view name = SafetensorsNameOf(dtype);
+  return name.empty() ? "?" : std::string(name);
+}
+
+std::string ShapeLabel(const google::protobuf::RepeatedField<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+std::string StateLabel(refit::v1::RefitState state) {
+  switch (state) {
+    case refit::v1::REFIT_STATE_RECEIVING:
+      return "receiving";
+    case refit::v1::REFIT_STATE_PREPARED:
+      return "prepared";
+    case refit::v1::REFIT_STATE_COMMITTED:
+      return "committed";
+    case refit::v1::REFIT_STATE_ABORTED:
+      return "aborted";
+    default:
+      return "unspecified";
+  }
+}
+
+std::string EventLabel(refit::v1::WatchEvent::Type type) {
+  switch (type) {
+    case refit::v1::WatchEvent::TYPE_STAGING_STARTED:
+      return "staging_started";
+    case refit::v1::WatchEvent::TYPE_PREPARED:
+      return "prepared";
+    case refit::v1::WatchEvent::TYPE_COMMITTED:
+      return "committed";
+    case refit::v1::WatchEvent::TYPE_ABORTED:
+      return "aborted";
+    case refit::v1::WatchEvent::TYPE_SNAPSHOT:
+      return "snapshot";
+    default:
+      return "unspecified";
+  }
+}
+
+std::string ServingLabel(HealthCheckResponse::ServingStatus status) {
+  return HealthCheckResponse::ServingStatus_Name(status);
+}
+
+Json ProgressJson(const refit::v1::Progress& p) {
+  return Json{{"refit_id", p.refit_id()},
+              {"state", StateLabel(p.state())},
+              {"bytes_received", p.bytes_received()},
+              {"elements_loaded", p.elements_loaded()},
+              {"elements_expected", p.elements_expected()},
+              {"layers_done", p.layers_done()},
+              {"layers_total", p.layers_total()},
+              {"staging_bytes", p.staging_bytes()}};
+}
+
+Json ResultJson(const refit::v1::RefitResult& r) {
+  return Json{{"refit_id", r.refit_id()},
+              {"state", StateLabel(r.state())},
+              {"version", r.version()},
+              {"fingerprint", r.fingerprint()},
+              {"kept_layers", std::vector<std::string>(r.kept_layers().begin(),
+                                                       r.kept_layers().end())},
+              {"partial_layers", std::vector<std::string>(r.partial_layers().begin(),
+                                                          r.partial_layers().end())},
+              {"bytes_received", r.bytes_received()},
+              {"peak_staging_bytes", r.peak_staging_bytes()},
+              {"timings",
+               {{"receive_seconds", r.timings().receive_seconds()},
+                {"quantize_seconds", r.timings().quantize_seconds()},
+                {"finalize_seconds", r.timings().finalize_seconds()},
+                {"commit_seconds", r.timings().commit_seconds()}}}};
+}
+
+class Refitctl {
+ public:
+  explicit Refitctl(CommandLine cl) : cl_(std::move(cl)), json_(cl_.Has("json")) {}
+
+  int Run() {
+    const std::string& c = cl_.command;
+    static const std::set<std::string> kCommands = {"status", "health", "push",    "reload",
+                                                    "commit", "abort",  "tensors", "read",
+                                                    "verify", "watch"};
+    if (!kCommands.count(c)) throw UsageError("unknown command '" + c + "'");
+    absl::Status connected = Connect();
+    if (!connected.ok()) return Fail(connected);
+    if (c == "status") return Status();
+    if (c == "health") return Health();
+    if (c == "push") return Push();
+    if (c == "reload") return Reload();
+    if (c == "commit") return Commit();
+    if (c == "abort") return Abort();
+    if (c == "tensors") return Tensors();
+    if (c == "read") return Read();
+    if (c == "verify") return VerifyCommand();
+    return Watch();
+  }
+
+ private:
+  absl::Status Connect() {
+    ClientOptions options;
+    options.address = cl_.Get("addr", "127.0.0.1:50051");
+    if (cl_.Has("token-file")) {
+      std::ifstream in(cl_.Get("token-file"));
+      if (!in) return absl::NotFoundError("cannot read token file " + cl_.Get("token-file"));
+      std::string line;
+      std::getline(in, line);
+      options.token = std::string(absl::StripAsciiWhitespace(line));
+    }
+    options.tls_ca_file = cl_.Get("tls-ca");
+    options.tls_cert_file = cl_.Get("tls-cert");
+    options.tls_key_file = cl_.Get("tls-key");
+    options.tls_server_name = cl_.Get("tls-server-name");
+    if (cl_.Has("timeout")) {
+      absl::Duration timeout;
+      double seconds = 0;
+      if (absl::SimpleAtod(cl_.Get("timeout"), &seconds)) {
+        timeout = absl::Seconds(seconds);
+      } else if (!absl::ParseDuration(cl_.Get("timeout"), &timeout)) {
+        throw UsageError("--timeout needs a duration such as 10s or 500ms");
+      }
+      options.timeout = timeout;
+    }
+    absl::StatusOr<std::unique_ptr<RefitClient>> client = RefitClient::Create(options);
+    if (!client.ok()) return client.status();
+    client_ = *std::move(client);
+    return absl::OkStatus();
+  }
+
+  int Fail(const absl::Status& status) {
+    if (json_) {
+      std::cout << Json{{"error", {{"code", absl::StatusCodeToString(status.code())},
+                                   {"message", std::string(status.message())}}}}
+                       .dump()
+                << std::endl;
+    }
+    std::cerr << "refitctl " << cl_.command << ": " << absl::StatusCodeToString(status.code())
+              << ": " << status.message() << std::endl;
+    return ExitCodeFor(status);
+  }
+
+  void ExpectArgs(size_t min, size_t max) {
+    if (cl_.args.size() < min || cl_.args.size() > max) {
+      throw UsageError(absl::StrCat("'", cl_.command, "' takes ",
+                                    min == max ? absl::StrCat(min)
+                                               : absl::StrCat(min, " to ", max),
+                                    " argument(s), got ", cl_.args.size()));
+    }
+  }
+
+  int Status() {
+    ExpectArgs(0, 0);
+    auto status = client_->GetStatus(cl_.Get("group"));
+    if (!status.ok()) return Fail(status.status());
+    const refit::v1::GetStatusResponse& s = *status;
+    if (json_) {
+      Json j{{"model_group", s.model_group()},
+             {"version", s.version()},
+             {"fingerprint", s.fingerprint()},
+             {"ready", s.ready()},
+             {"device", s.device()},
+             {"server_version", s.server_version()},
+             {"last_commit_unix_seconds", s.last_commit_unix_seconds()},
+             {"memory",
+              {{"kernel_bytes", s.memory().kernel_bytes()},
+               {"staging_bytes", s.memory().staging_bytes()},
+               {"peak_staging_bytes", s.memory().peak_staging_bytes()},
+               {"staging_budget_bytes", s.memory().staging_budget_bytes()},
+               {"resident_bytes", s.memory().resident_bytes()}}},
+             {"model",
+              {{"architecture", s.model().architecture()},
+               {"num_layers", s.model().num_layers()},
+               {"tp_rank", s.model().tp_rank()},
+               {"tp_size", s.model().tp_size()},
+               {"quantization", s.model().quantization()},
+               {"checkpoint_dtype", s.model().checkpoint_dtype()},
+               {"num_kernel_tensors", s.model().num_kernel_tensors()},
+               {"kernel_bytes", s.model().kernel_bytes()}}},
+             {"active_refit", nullptr}};
+      if (s.has_active_refit()) j["active_refit"] = ProgressJson(s.active_refit());
+      std::cout << j.dump(2) << std::endl;
+      return kExitOk;
+    }
+    std::cout << absl::StrFormat("group        %s\nversion      %d\nfingerprint  %s\n",
+                                 s.model_group(), s.version(), s.fingerprint())
+              << absl::StrFormat("ready        %s\ndevice       %s\n", s.ready() ? "yes" : "no",
+                                 s.device());
+    if (s.has_model()) {
+      const auto& m = s.model();
+      std::cout << absl::StrFormat(
+          "model        %s, %d layers, tp %d/%d, %s, checkpoint %s, %d kernel tensors (%s)\n",
+          m.architecture(), m.num_layers(), m.tp_rank(), m.tp_size(), m.quantization(),
+          m.checkpoint_dtype(), m.num_kernel_tensors(), FormatBytes(m.kernel_bytes()));
+    }
+    if (s.has_memory()) {
+      const auto& m = s.memory();
+      std::cout << absl::StrFormat(
+          "memory       kernels %s, staging %s (peak %s, budget %s), rss %s\n",
+          FormatBytes(m.kernel_bytes()), FormatBytes(m.staging_bytes()),
+          FormatBytes(m.peak_staging_bytes()), FormatBytes(m.staging_budget_bytes()),
+          FormatBytes(m.resident_bytes()));
+    }
+    if (s.has_active_refit()) {
+      const auto& p = s.active_refit();
+      std::cout << absl::StrFormat("active refit %s %s, %d/%d layers, %s received\n",
+                                   p.refit_id(), StateLabel(p.state()), p.layers_done(),
+                                   p.layers_total(), FormatBytes(p.bytes_received()));
+    } else {
+      std::cout << "active refit none\n";
+    }
+    if (!s.server_version().empty()) std::cout << "server       " << s.server_version() << "\n";
+    return kExitOk;
+  }
+
+  int Health() {
+    ExpectArgs(0, 0);
+    auto live = client_->HealthCheck("");
+    if (!live.ok()) return Fail(live.status());
+    auto ready = client_->HealthCheck(kReadinessService);
+    if (!ready.ok()) return Fail(ready.status());
+    const bool ok = *live == HealthCheckResponse::SERVING && *ready == HealthCheckResponse::SERVING;
+    if (json_) {
+      std::cout << Json{{"live", ServingLabel(*live)}, {"ready", ServingLabel(*ready)},
+                        {"ok", ok}}
+                       .dump()
+                << std::endl;
+    } else {
+      std::cout << "live   " << ServingLabel(*live) << "\nready  " << ServingLabel(*ready)
+                << std::endl;
+    }
+    return ok ? kExitOk : kExitUnavailable;
+  }
+
+  PushOptions MakePushOptions() {
+    PushOptions options;
+    options.model_group = cl_.Get("group");
+    options.completion = cl_.Has("prepare") ? refit::v1::COMPLETION_MODE_PREPARE
+                                            : refit::v1::COMPLETION_MODE_COMMIT;
+    if (cl_.Has("base-version")) options.base_version = ParseUint(cl_, "base-version", 0);
+    options.label = cl_.Get("label");
+    options.bucket_bytes = ParseUint(cl_, "bucket-mib", 32) << 20;
+    options.max_chunk_bytes = ParseUint(cl_, "chunk-mib", 32) << 20;
+    if (options.bucket_bytes == 0 || options.max_chunk_bytes == 0) {
+      throw UsageError("--bucket-mib and --chunk-mib must be positive");
+    }
+    options.checksums = !cl_.Has("no-checksum");
+    options.allow_partial_layers = cl_.Has("allow-partial");
+    options.non_finite = cl_.Has("vllm-non-finite") ? refit::v1::NON_FINITE_POLICY_VLLM_COMPATIBLE
+                                                    : refit::v1::NON_FINITE_POLICY_REJECT;
+    return options;
+  }
+
+  void PrintResult(const refit::v1::RefitResult& r, absl::Duration elapsed) {
+    if (json_) {
+      Json j = ResultJson(r);
+      j["elapsed_seconds"] = absl::ToDoubleSeconds(elapsed);
+      std::cout << j.dump(2) << std::endl;
+      return;
+    }
+    const double seconds = absl::ToDoubleSeconds(elapsed);
+    std::cout << absl::StrFormat("%s refit %s: version %d, fingerprint %s\n", StateLabel(r.state()),
+                                 r.refit_id(), r.version(), r.fingerprint())
+              << absl::StrFormat(
+                     "  %s in %.2f s (%s/s); receive %.3f s, quantize %.3f s, finalize %.3f s, "
+                     "commit %.3f s; peak staging %s\n",
+                     FormatBytes(r.bytes_received()), seconds,
+                     FormatBytes(seconds > 0 ? static_cast<uint64_t>(r.bytes_received() / seconds)
+                                             : 0),
+                     r.timings().receive_seconds(), r.timings().quantize_seconds(),
+                     r.timings().finalize_seconds(), r.timings().commit_seconds(),
+                     FormatBytes(r.peak_staging_bytes()));
+    if (r.kept_layers_size() > 0) {
+      std::cout << "  kept old values: " << absl::StrJoin(r.kept_layers(), ", ") << "\n";
+    }
+    if (r.partial_layers_size() > 0) {
+      std::cout << "  zero-filled: " << absl::StrJoin(r.partial_layers(), ", ") << "\n";
+    }
+    if (r.state() == refit::v1::REFIT_STATE_PREPARED) {
+      std::cout << "  run `refitctl commit " << r.refit_id() << "` to make it live\n";
+    }
+  }
+
+  int Push() {
+    if (cl_.args.empty()) throw UsageError("'push' needs safetensors files or a directory");
+    PushOptions options = MakePushOptions();
+    absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths(cl_.args);
+    if (!files.ok()) return Fail(files.status());
+    ProgressBar bar(stderr, !json_ && ::isatty(STDERR_FILENO));
+    options.on_progress = [&](const PushProgress& p) {
+      bar.Update(p.bytes_sent, p.bytes_total, p.elapsed);
+    };
+    absl::Time start = absl::Now();
+    absl::StatusOr<refit::v1::RefitResult> result = client_->PushFiles(*files, options);
+    bar.Finish();
+    if (!result.ok()) return Fail(result.status());
+    PrintResult(*result, absl::Now() - start);
+    return kExitOk;
+  }
+
+  int Reload() {
+    ExpectArgs(0, 1);
+    std::string path = cl_.Get("from", cl_.args.empty() ? "" : cl_.args[0]);
+    if (path.empty()) throw UsageError("'reload' needs --from PATH");
+    PushOptions push = MakePushOptions();
+    refit::v1::ReloadRequest request;
+    request.set_model_group(push.model_group);
+    request.set_path(path);
+    refit::v1::RefitOptions* options = request.mutable_options();
+    options->set_completion(push.completion);
+    if (push.base_version.has_value()) options->set_base_version(*push.base_version);
+    options->set_non_finite(push.non_finite);
+    options->set_allow_partial_layers(push.allow_partial_layers);
+    options->set_label(push.label);
+    const bool tty = !json_ && ::isatty(STDERR_FILENO);
+    absl::Time start = absl::Now();
+    absl::StatusOr<refit::v1::RefitResult> result =
+        client_->Reload(request, [&](const refit::v1::Progress& p) {
+          if (tty) {
+            std::fprintf(stderr, "\r%s  %u/%u layers\x1b[K",
+                         FormatProgressLine(p.elements_loaded(), p.elements_expected(),
+                                            absl::Now() - start)
+                             .c_str(),
+                         p.layers_done(), p.layers_total());
+          }
+        });
+    if (tty) std::fputc('\n', stderr);
+    if (!result.ok()) return Fail(result.status());
+    PrintResult(*result, absl::Now() - start);
+    return kExitOk;
+  }
+
+  int Commit() {
+    ExpectArgs(0, 1);
+    std::string id = cl_.args.empty() ? "" : cl_.args[0];
+    if (id.empty()) {
+      auto status = client_->GetStatus(cl_.Get("group"));
+      if (!status.ok()) return Fail(status.status());
+      if (!status->has_active_refit()) {
+        return Fail(absl::NotFoundError("no active refit to commit"));
+      }
+      id = status->active_refit().refit_id();
+    }
+    absl::Time start = absl::Now();
+    auto result = client_->Commit(cl_.Get("group"), id);
+    if (!result.ok()) return Fail(result.status());
+    PrintResult(*result, absl::Now() - start);
+    return kExitOk;
+  }
+
+  int Abort() {
+    ExpectArgs(0, 1);
+    std::string id = cl_.args.empty() ? "" : cl_.args[0];
+    auto result = client_->Abort(cl_.Get("group"), id, cl_.Get("reason", "refitctl abort"));
+    if (!result.ok()) return Fail(result.status());
+    if (json_) {
+      std::cout << Json{{"refit_id", result->refit_id()}, {"version", result->version()}}.dump()
+                << std::endl;
+    } else {
+      std::cout << "aborted refit " << result->refit_id() << "; live version "
+                << result->version() << " unchanged" << std::endl;
+    }
+    return kExitOk;
+  }
+
+  int Tensors() {
+    ExpectArgs(0, 0);
+    auto layout = cl_.Has("checkpoint") ? refit::v1::ListTensorsRequest::LAYOUT_CHECKPOINT
+                                        : refit::v1::ListTensorsRequest::LAYOUT_KERNEL;
+    auto list = client_->ListTensors(cl_.Get("group"), layout);
+    if (!list.ok()) return Fail(list.status());
+    if (json_) {
+      Json tensors = Json::array();
+      for (const auto& t : list->tensors()) {
+        tensors.push_back(Json{{"name", t.name()},
+                               {"dtype", DTypeLabel(t.dtype())},
+                               {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())},
+                               {"nbytes", t.nbytes()},
+                               {"layer", t.layer()},
+                               {"optional", t.optional()}});
+      }
+      std::cout << Json{{"version", list->version()}, {"tensors", tensors}}.dump(2) << std::endl;
+      return kExitOk;
+    }
+    size_t width = 4;
+    for (const auto& t : list->tensors()) width = std::max(width, t.name().size());
+    std::cout << absl::StrFormat("%-*s  %-7s  %-16s  %s\n", width, "NAME", "DTYPE", "SHAPE",
+                                 "BYTES");
+    uint64_t total = 0;
+    for (const auto& t : list->tensors()) {
+      std::cout << absl::StrFormat("%-*s  %-7s  %-16s  %d%s\n", width, t.name(),
+                                   DTypeLabel(t.dtype()), ShapeLabel(t.shape()), t.nbytes(),
+                                   t.optional() ? "  (optional)" : "");
+      total += t.nbytes();
+    }
+    std::cout << absl::StrFormat("%d tensors, %s, version %d\n", list->tensors_size(),
+                                 FormatBytes(total), list->version());
+    return kExitOk;
+  }
+
+  int Read() {
+    ExpectArgs(1, 1);
+    auto result = client_->ReadTensor(cl_.Get("group"), cl_.args[0]);
+    if (!result.ok()) return Fail(result.status());
+    const std::string out = cl_.Get("out");
+    std::string summary = absl::StrFormat("%s %s %s, %d bytes, version %d, xxh3 %s",
+                                          result->info.name(), DTypeLabel(result->info.dtype()),
+                                          ShapeLabel(result->info.shape()), result->data.size(),
+                                          result->version,
+                                          Hex(ChunkChecksum(absl::MakeConstSpan(
+                                              reinterpret_cast<const uint8_t*>(result->data.data()),
+                                              result->data.size()))));
+    if (out == "-") {
+      std::cout.write(result->data.data(), static_cast<std::streamsize>(result->data.size()));
+      std::cout.flush();
+      std::cerr << summary << std::endl;
+      return kExitOk;
+    }
+    if (!out.empty()) {
+      std::ofstream file(out, std::ios::binary | std::ios::trunc);
+      file.write(result->data.data(), static_cast<std::streamsize>(result->data.size()));
+      if (!file) return Fail(absl::InternalError("cannot write " + out));
+    }
+    if (json_) {
+      std::cout << Json{{"name", result->info.name()},
+                        {"dtype", DTypeLabel(result->info.dtype())},
+                        {"shape", std::vector<int64_t>(result->info.shape().begin(),
+                                                       result->info.shape().end())},
+                        {"nbytes", result->data.size()},
+                        {"version", result->version},
+                        {"xxh3", Hex(ChunkChecksum(absl::MakeConstSpan(
+                                     reinterpret_cast<const uint8_t*>(result->data.data()),
+                                     result->data.size())))},
+                        {"out", out}}
+                       .dump()
+                << std::endl;
+      return kExitOk;
+    }
+    std::cout << summary << std::endl;
+    if (out.empty()) {
+      const size_t n = std::min<size_t>(result->data.size(), 64);
+      for (size_t i = 0; i < n; ++i) {
+        std::cout << absl::StrFormat("%02x%s", static_cast<unsigned char>(result->data[i]),
+                                     (i % 16 == 15 || i + 1 == n) ? "\n" : " ");
+      }
+      if (n < result->data.size()) std::cout << "... (--out FILE for all bytes)\n";
+    }
+    return kExitOk;
+  }
+
+  int VerifyCommand() {
+    if (cl_.args.empty()) throw UsageError("'verify' needs safetensors files or a directory");
+    absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths(cl_.args);
+    if (!files.ok()) return Fail(files.status());
+    VerifyOptions options;
+    options.model_group = cl_.Get("group");
+    options.files = *files;
+    options.config_path = cl_.Get("config");
+    options.quant = cl_.Get("quant");
+    options.tp_rank = cl_.Has("tp-rank") ? static_cast<int64_t>(ParseUint(cl_, "tp-rank", 0)) : -1;
+    options.tp_size = cl_.Has("tp-size") ? static_cast<int64_t>(ParseUint(cl_, "tp-size", 1)) : -1;
+    absl::StatusOr<VerifyReport> report = Verify(*client_, options);
+    if (!report.ok()) return Fail(report.status());
+    auto state = [](VerifyEntry::State s) {
+      return s == VerifyEntry::State::kMatch      ? "match"
+             : s == VerifyEntry::State::kMismatch ? "MISMATCH"
+                                                  : "skipped";
+    };
+    if (json_) {
+      Json entries = Json::array();
+      for (const VerifyEntry& e : report->entries) {
+        entries.push_back(Json{{"name", e.name}, {"result", state(e.state)}, {"detail", e.detail}});
+      }
+      std::cout << Json{{"ok", report->ok()},
+                        {"version", report->version},
+                        {"matched", report->matched},
+                        {"mismatched", report->mismatched},
+                        {"skipped", report->skipped},
+                        {"fingerprint",
+                         {{"daemon", report->daemon_fingerprint},
+                          {"expected", report->expected_fingerprint},
+                          {"match", report->fingerprint_match()}}},
+                        {"problems", report->problems},
+                        {"tensors", entries}}
+                       .dump(2)
+                << std::endl;
+    } else {
+      size_t width = 4;
+      for (const VerifyEntry& e : report->entries) width = std::max(width, e.name.size());
+      for (const VerifyEntry& e : report->entries) {
+        std::cout << absl::StrFormat("%-*s  %-8s  %s\n", width, e.name, state(e.state), e.detail);
+      }
+      for (const std::string& p : report->problems) std::cout << "problem: " << p << "\n";
+      std::cout << absl::StrFormat(
+          "%d match, %d mismatch, %d skipped at version %d; fingerprint %s (daemon %s, "
+          "expected %s)\n",
+          report->matched, report->mismatched, report->skipped, report->version,
+          report->fingerprint_match() ? "matches" : "DIFFERS", report->daemon_fingerprint,
+          report->expected_fingerprint);
+      std::cout << (report->ok() ? "verify: OK" : "verify: MISMATCH") << std::endl;
+    }
+    return report->ok() ? kExitOk : kExitMismatch;
+  }
+
+  int Watch() {
+    ExpectArgs(0, 0);
+    const uint64_t count = ParseUint(cl_, "count", 0);
+    uint64_t seen = 0;
+    absl::Status status = client_->Watch(cl_.Get("group"), [&](const refit::v1::WatchEvent& e) {
+      if (json_) {
+        std::cout << Json{{"type", EventLabel(e.type())},
+                          {"model_group", e.model_group()},
+                          {"refit_id", e.refit_id()},
+                          {"version", e.version()},
+                          {"fingerprint", e.fingerprint()},
+                          {"message", e.message()},
+                          {"unix_seconds", e.unix_seconds()}}
+                         .dump()
+                  << std::endl;
+      } else {
+        std::cout << absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ",
+                                      absl::FromUnixNanos(static_cast<int64_t>(
+                                          e.unix_seconds() * 1e9)),
+                                      absl::UTCTimeZone())
+                  << "  " << absl::StrFormat("%-15s", EventLabel(e.type())) << "  version "
+                  << e.version() << "  " << e.fingerprint()
+                  << (e.refit_id().empty() ? "" : "  refit " + e.refit_id())
+                  << (e.message().empty() ? "" : "  " + e.message()) << std::endl;
+      }
+      ++seen;
+      return count == 0 || seen < count;
+    });
+    if (!status.ok()) return Fail(status);
+    return kExitOk;
+  }
+
+  CommandLine cl_;
+  bool json_;
+  std::unique_ptr<RefitClient> client_;
+};
+
+}  // namespace
+
+int ExitCodeFor(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kOk:
+      return kExitOk;
+    case absl::StatusCode::kNotFound:
+      return kExitNotFound;
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnauthenticated:
+      return kExitPermission;
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kAlreadyExists:
+      return kExitConflict;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+      return kExitUnavailable;
+    default:
+      return kExitError;
+  }
+}
+
+int RunRefitctl(int argc, char** argv) {
+  try {
+    CommandLine cl = Parse(argc, argv);
+    if (cl.Has("help") || cl.command == "help") {
+      std::cout << kUsage;
+      return kExitOk;
+    }
+    if (cl.command.empty()) throw UsageError("no command given");
+    return Refitctl(std::move(cl)).Run();
+  } catch (const UsageError& e) {
+    std::cerr << "refitctl: " << e.what() << "\n\n" << kUsage;
+    return kExitUsage;
+  }
+}
+
+}  // namespace refit::client

@@ -1,0 +1,313 @@
+#include "client/verify.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/dtype.h"
+#include "core/fp8_quantizer.h"
+#include "core/model_config.h"
+#include "core/model_layout.h"
+#include "core/safetensors.h"
+
+namespace refit::client {
+namespace {
+
+using core::CheckpointTensor;
+using core::KernelSpec;
+using core::LayerKind;
+using core::LayerSpec;
+using core::ModelLayout;
+using core::ParamSpec;
+
+int64_t ViewCols(const std::vector<int64_t>& shape) {
+  int64_t cols = 1;
+  for (size_t i = 1; i < shape.size(); ++i) cols *= shape[i];
+  return cols;
+}
+
+// Checkpoint-format buffers of one layer while the files are read.
+struct LayerBuffers {
+  std::vector<std::vector<uint8_t>> params;
+  std::vector<bool> param_seen;
+  int64_t loaded = 0;
+};
+
+// Copies the part of `src` (a full checkpoint tensor) that belongs to this
+// rank into its param buffer, converting to the param's dtype.
+absl::Status Scatter(const CheckpointTensor& ct, const core::TensorEntry& src,
+                     const ParamSpec& param, std::vector<uint8_t>& dst, int64_t* loaded) {
+  const core::SliceSpec& s = ct.slice;
+  const int64_t cols = ViewCols(src.shape);
+  const size_t in = core::DTypeSize(src.dtype);
+  const size_t out = core::DTypeSize(param.dtype);
+  for (int64_t r = 0; r < s.num_rows; ++r) {
+    const uint8_t* from = src.data + ((s.src_row + r) * cols + s.src_col) * in;
+    uint8_t* to = dst.data() + ((s.dst_row + r) * s.num_cols) * out;
+    if (src.dtype == param.dtype) {
+      std::memcpy(to, from, static_cast<size_t>(s.num_cols) * out);
+    } else {
+      absl::Status converted = core::ConvertFloats(from, src.dtype, to, param.dtype,
+                                                   static_cast<size_t>(s.num_cols));
+      if (!converted.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor \"", ct.name, "\": ",
+                                                       converted.message()));
+      }
+    }
+  }
+  *loaded += s.numel();
+  return absl::OkStatus();
+}
+
+int ParamIndex(const LayerSpec& spec, absl::string_view suffix) {
+  for (size_t i = 0; i < spec.params.size(); ++i) {
+    if (spec.params[i].suffix == suffix) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int KernelIndex(const LayerSpec& spec, absl::string_view suffix) {
+  for (size_t i = 0; i < spec.kernels.size(); ++i) {
+    if (spec.kernels[i].suffix == suffix) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+// REFERENCE.md §4: k and v as given (> 0, finite); both missing -> 1; one
+// missing -> the other; q missing -> k; legacy kv_scale stands in for k / v.
+void AttentionKernels(const LayerSpec& spec, const LayerBuffers& buffers,
+                      std::vector<std::string>& kernels) {
+  auto received = [&](absl::string_view suffix) -> float {
+    int p = ParamIndex(spec, suffix);
+    if (p < 0 || buffers.params.empty() || !buffers.param_seen[p]) return 0.0f;
+    float value = core::LoadAsFloat(buffers.params[p].data(), spec.params[p].dtype, 0);
+    return value > 0.0f && value < std::numeric_limits<float>::infinity() ? value : 0.0f;
+  };
+  float kv = received("kv_scale"), k = received("k_scale"), v = received("v_scale"),
+        q = received("q_scale");
+  if (k == 0.0f) k = kv;
+  if (v == 0.0f) v = kv;
+  if (k == 0.0f && v == 0.0f) {
+    k = v = 1.0f;
+  } else if (k == 0.0f || v == 0.0f) {
+    k = v = std::max(k, v);
+  }
+  if (q == 0.0f) q = k;
+  for (size_t i = 0; i < spec.kernels.size(); ++i) {
+    const KernelSpec& kernel = spec.kernels[i];
+    float value = kernel.suffix == "k_scale" ? k : kernel.suffix == "v_scale" ? v : q;
+    kernels[i].assign(static_cast<size_t>(kernel.nbytes()), '\0');
+    if (kernel.nbytes() == static_cast<int64_t>(sizeof(float))) {
+      std::memcpy(kernels[i].data(), &value, sizeof(float));
+    }
+  }
+}
+
+// The kernels of a complete layer, as the daemon would stage them.
+absl::Status LayerKernels(const ModelLayout& layout, const LayerSpec& spec, LayerBuffers& buffers,
+                          std::vector<std::string>& kernels) {
+  kernels.assign(spec.kernels.size(), std::string());
+  if (spec.kind == LayerKind::kAttention) {
+    AttentionKernels(spec, buffers, kernels);
+    return absl::OkStatus();
+  }
+  for (size_t k = 0; k < spec.kernels.size(); ++k) {
+    const KernelSpec& kernel = spec.kernels[k];
+    if (kernel.suffix == "weight_scale" || kernel.suffix == "weight_scale_inv") continue;
+    int p = ParamIndex(spec, kernel.suffix);
+    if (p < 0) {
+      return absl::InternalError(
+          absl::StrCat("kernel \"", kernel.name, "\" has no checkpoint-format source"));
+    }
+    const ParamSpec& param = spec.params[p];
+    if (spec.quantized && kernel.suffix == "weight") {
+      int s = KernelIndex(spec, "weight_scale");
+      if (s < 0) s = KernelIndex(spec, "weight_scale_inv");
+      if (s < 0 || param.shape.size() != 2) {
+        return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": no scale kernel"));
+      }
+      kernels[k].assign(static_cast<size_t>(kernel.nbytes()), '\0');
+      std::vector<float> scales(static_cast<size_t>(spec.kernels[s].nbytes()) / sizeof(float));
+      core::Fp8QuantizeOptions options;
+      options.scheme = layout.quant();
+      absl::Status quantized = core::QuantizeFp8(
+          buffers.params[p].data(), param.dtype, param.shape[0], param.shape[1], options,
+          reinterpret_cast<uint8_t*>(kernels[k].data()), scales.data(), kernel.name);
+      if (!quantized.ok()) return quantized;
+      kernels[s].assign(reinterpret_cast<const char*>(scales.data()),
+                        scales.size() * sizeof(float));
+    } else {
+      kernels[k].assign(buffers.params[p].begin(), buffers.params[p].end());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The daemon's fingerprint (core/shard_store.cc): XXH3-64 over, for every
+// kernel in layout order, its name with the terminating NUL, its dtype name,
+// its shape as int64s and the XXH3-64 of its bytes.
+std::string Fingerprint(const std::vector<const KernelSpec*>& specs,
+                        const std::vector<uint64_t>& hashes) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const KernelSpec& spec = *specs[i];
+    XXH3_64bits_update(state, spec.name.data(), spec.name.size() + 1);
+    absl::string_view dtype = core::DTypeName(spec.dtype);
+    XXH3_64bits_update(state, dtype.data(), dtype.size());
+    for (int64_t dim : spec.shape) XXH3_64bits_update(state, &dim, sizeof(dim));
+    XXH3_64bits_update(state, &hashes[i], sizeof(uint64_t));
+  }
+  uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return absl::StrFormat("%016x", digest);
+}
+
+std::string FirstDifference(const std::string& expected, const std::string& got) {
+  if (expected.size() != got.size()) {
+    return absl::StrCat("size differs: expected ", expected.size(), " bytes, daemon has ",
+                        got.size());
+  }
+  size_t first = 0, count = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    if (expected[i] != got[i]) {
+      if (count == 0) first = i;
+      ++count;
+    }
+  }
+  return absl::StrFormat("%d of %d bytes differ, first at byte %d (expected 0x%02x, got 0x%02x)",
+                         count, expected.size(), first,
+                         static_cast<unsigned char>(expected[first]),
+                         static_cast<unsigned char>(got[first]));
+}
+
+}  // namespace
+
+absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& options) {
+  if (options.files.empty()) return absl::InvalidArgumentError("verify: no files");
+  absl::StatusOr<refit::v1::GetStatusResponse> status = client.GetStatus(options.model_group);
+  if (!status.ok()) return status.status();
+
+  std::string config_path = options.config_path;
+  if (config_path.empty()) {
+    // Not std::filesystem: see ExpandSafetensorsPaths.
+    const std::string& first = options.files.front();
+    const size_t slash = first.rfind('/');
+    config_path = slash == std::string::npos ? "config.json"
+                                             : first.substr(0, slash + 1) + "config.json";
+  }
+  absl::StatusOr<core::ModelConfig> config = core::ModelConfig::FromFile(config_path);
+  if (!config.ok()) return config.status();
+  core::ParallelConfig parallel;
+  parallel.tp_rank = options.tp_rank >= 0 ? options.tp_rank : status->model().tp_rank();
+  parallel.tp_size = options.tp_size > 0 ? options.tp_size
+                                         : std::max<int64_t>(1, status->model().tp_size());
+  std::string quant_name = !options.quant.empty() ? options.quant : status->model().quantization();
+  if (quant_name.empty()) quant_name = "per-tensor";
+  absl::StatusOr<core::QuantScheme> quant = core::ParseQuantScheme(quant_name);
+  if (!quant.ok()) return quant.status();
+  absl::StatusOr<std::shared_ptr<const ModelLayout>> built =
+      ModelLayout::Build(*config, parallel, *quant);
+  if (!built.ok()) return built.status();
+  const ModelLayout& layout = **built;
+  core::NameMapper mapper(*built);
+
+  VerifyReport report;
+  report.version = status->version();
+  report.daemon_fingerprint = status->fingerprint();
+
+  // Read every file into the layers' checkpoint-format buffers.
+  std::vector<LayerBuffers> layers(layout.layers().size());
+  std::vector<std::unique_ptr<core::SafetensorsFile>> files;
+  for (const std::string& path : options.files) {
+    absl::StatusOr<std::unique_ptr<core::SafetensorsFile>> file = core::SafetensorsFile::Open(path);
+    if (!file.ok()) return file.status();
+    for (const core::TensorEntry& t : (*file)->tensors()) {
+      absl::StatusOr<const CheckpointTensor*> ct = mapper.Lookup(t.name);
+      if (!ct.ok()) {
+        report.problems.push_back(absl::StrCat(path, ": ", ct.status().message()));
+        continue;
+      }
+      if ((*ct)->use != CheckpointTensor::Use::kTarget) continue;
+      if (t.shape != (*ct)->shape) {
+        report.problems.push_back(absl::StrCat(path, ": tensor \"", t.name,
+                                               "\" has a shape the model does not have"));
+        continue;
+      }
+      const LayerSpec& spec = layout.layers()[(*ct)->layer];
+      LayerBuffers& buffers = layers[(*ct)->layer];
+      if (buffers.params.empty()) {
+        for (const ParamSpec& p : spec.params) {
+          buffers.params.emplace_back(static_cast<size_t>(p.nbytes()), 0);
+        }
+        buffers.param_seen.assign(spec.params.size(), false);
+      }
+      buffers.param_seen[(*ct)->param] = true;
+      absl::Status copied = Scatter(**ct, t, spec.params[(*ct)->param],
+                                    buffers.params[(*ct)->param], &buffers.loaded);
+      if (!copied.ok()) return copied;
+    }
+    files.push_back(*std::move(file));
+  }
+
+  // Expected kernels of every covered layer, compared with the daemon's.
+  std::vector<const KernelSpec*> specs;
+  std::vector<uint64_t> hashes;
+  for (size_t l = 0; l < layout.layers().size(); ++l) {
+    const LayerSpec& spec = layout.layers()[l];
+    LayerBuffers& buffers = layers[l];
+    const bool complete = spec.kind == LayerKind::kAttention ||
+                          (buffers.loaded > 0 && buffers.loaded == spec.expected_numel);
+    std::vector<std::string> expected;
+    std::string why_skipped;
+    if (complete) {
+      absl::Status made = LayerKernels(layout, spec, buffers, expected);
+      if (!made.ok()) return made;
+    } else if (buffers.loaded == 0) {
+      why_skipped = "layer not in the files (the daemon keeps its values)";
+    } else {
+      why_skipped = absl::StrCat("layer incomplete in the files (", buffers.loaded, " of ",
+                                 spec.expected_numel, " elements)");
+    }
+    for (size_t k = 0; k < spec.kernels.size(); ++k) {
+      const KernelSpec& kernel = spec.kernels[k];
+      absl::StatusOr<ReadTensorResult> got = client.ReadTensor(options.model_group, kernel.name);
+      if (!got.ok()) return got.status();
+      if (got->version != report.version) {
+        report.problems.push_back(absl::StrCat("the daemon's version changed from ",
+                                               report.version, " to ", got->version,
+                                               " during verify"));
+        report.version = got->version;
+      }
+      VerifyEntry entry;
+      entry.name = kernel.name;
+      const std::string* bytes = &got->data;
+      if (!complete) {
+        entry.state = VerifyEntry::State::kSkipped;
+        entry.detail = why_skipped;
+        ++report.skipped;
+      } else if (expected[k] == got->data) {
+        entry.state = VerifyEntry::State::kMatch;
+        ++report.matched;
+        bytes = &expected[k];
+      } else {
+        entry.state = VerifyEntry::State::kMismatch;
+        entry.detail = FirstDifference(expected[k], got->data);
+        ++report.mismatched;
+        bytes = &expected[k];
+      }
+      specs.push_back(&kernel);
+      hashes.push_back(XXH3_64bits(bytes->data(), bytes->size()));
+      report.entries.push_back(std::move(entry));
+    }
+  }
+  report.expected_fingerprint = Fingerprint(specs, hashes);
+  return report;
+}
+
+}  // namespace refit::client

@@ -1,0 +1,68 @@
+// `refitctl verify`: checks, byte for byte, that a daemon serves what a set of
+// safetensors files should give.
+//
+// The files are processed locally the way the daemon does it: the layout is
+// core's ModelLayout, built from the checkpoint's config.json and the
+// daemon's tensor-parallel rank/size and quantization scheme (GetStatus model
+// summary); each checkpoint tensor is copied through its SliceSpec into its
+// layer's checkpoint-format buffer (converted to the checkpoint dtype), and
+// complete layers are turned into kernels with core's QuantizeFp8 (quantized
+// linear weights), a plain copy (norms, embeddings, biases) or the attention
+// scale rules of REFERENCE.md §4. Every expected kernel is compared with the
+// daemon's bytes (ReadTensor). The fingerprint the daemon should report is
+// computed over the expected bytes (the daemon's own bytes for kernels of
+// layers the files do not cover) and compared with GetStatus's.
+//
+// Only refitctl links this (it needs refit_core); the client library does not.
+#ifndef REFIT_CLIENT_VERIFY_H_
+#define REFIT_CLIENT_VERIFY_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/refit_client.h"
+
+namespace refit::client {
+
+struct VerifyOptions {
+  std::string model_group;
+  std::vector<std::string> files;  // *.safetensors
+  // config.json; "" = the config.json beside the first file.
+  std::string config_path;
+  // Overrides of the daemon's summary ("" / -1 = use the daemon's).
+  std::string quant;
+  int64_t tp_rank = -1;
+  int64_t tp_size = -1;
+};
+
+struct VerifyEntry {
+  enum class State { kMatch, kMismatch, kSkipped };
+  std::string name;  // kernel name
+  State state = State::kSkipped;
+  std::string detail;  // why skipped / where the bytes differ
+};
+
+struct VerifyReport {
+  uint64_t version = 0;
+  std::string daemon_fingerprint;
+  std::string expected_fingerprint;
+  std::vector<VerifyEntry> entries;
+  std::vector<std::string> problems;  // unknown tensors, version changes, ...
+  int matched = 0;
+  int mismatched = 0;
+  int skipped = 0;
+  bool fingerprint_match() const { return daemon_fingerprint == expected_fingerprint; }
+  bool ok() const { return mismatched == 0 && problems.empty() && fingerprint_match(); }
+};
+
+// Errors: those of reading the files and config (NOT_FOUND,
+// INVALID_ARGUMENT), of building the layout (INVALID_ARGUMENT), of
+// quantizing (INVALID_ARGUMENT for non-finite weights), and the daemon's RPC
+// errors. A mismatch is not an error: it is in the report.
+absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& options);
+
+}  // namespace refit::client
+
+#endif  // REFIT_CLIENT_VERIFY_H_

@@ -379,7 +379,19 @@ class RefitSessionImpl {
     int64_t row_last = (static_cast<int64_t>(e1) - 1) / cols + 1;  // exclusive
     row_first = std::max(row_first, slice.src_row);
     row_last = std::min(row_last, slice.src_row + slice.num_rows);
-    if (row_first >= row_last) return absl::OkStatus();
+    // A processed layer has every element of its slice; the range check
+    // already refused anything overlapping it, so the rest is other ranks'.
+    if (row_first >= row_last || layer.processed) return absl::OkStatus();
+    if (slice.src_col > 0 || slice.num_cols < cols) {
+      // Column slice: skip chunks that lie wholly in other ranks' columns.
+      bool touches = false;
+      for (int64_t r = row_first; r < row_last && !touches; ++r) {
+        int64_t a = std::max<int64_t>(static_cast<int64_t>(e0), r * cols) - r * cols;
+        int64_t b = std::min<int64_t>(static_cast<int64_t>(e1), (r + 1) * cols) - r * cols;
+        touches = std::max(a, slice.src_col) < std::min(b, slice.src_col + slice.num_cols);
+      }
+      if (!touches) return absl::OkStatus();
+    }
 
     if (layer.params.empty()) {
       absl::Status allocated = AllocateLayer(ct.layer);
@@ -402,7 +414,8 @@ class RefitSessionImpl {
     }
     layer.loaded += contributed;
     loaded_ += contributed;
-    if (layer_spec.kind != LayerKind::kAttention && layer.loaded == layer_spec.expected_numel) {
+    if (contributed > 0 && layer_spec.kind != LayerKind::kAttention &&
+        layer.loaded == layer_spec.expected_numel) {
       return ProcessLayer(ct.layer);
     }
     return absl::OkStatus();

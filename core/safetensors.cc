@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,7 +10,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <set>
 #include <system_error>
@@ -490,26 +490,27 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorTo
 }
 
 absl::StatusOr<std::vector<std::string>> ListSafetensorsFiles(const std::string& dir) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  fs::directory_iterator it(dir, ec);
-  if (ec) return ErrnoStatus(ec.value(), "cannot list directory", dir);
+  // POSIX rather than std::filesystem: libtorch.so exports its own copies of
+  // std::filesystem symbols, and binaries that load it can bind to those.
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return ErrnoStatus(errno, "cannot list directory", dir);
   std::vector<std::string> files;
   constexpr absl::string_view kSuffix = ".safetensors";
-  // increment(ec) is the non-throwing form; stop at the first error rather
-  // than trust the iterator's state after one.
-  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.size() <= kSuffix.size() ||
-        absl::string_view(name).substr(name.size() - kSuffix.size()) != kSuffix) {
+  errno = 0;
+  while (const struct dirent* entry = ::readdir(d)) {
+    const absl::string_view name(entry->d_name);
+    if (name.size() <= kSuffix.size() || name.substr(name.size() - kSuffix.size()) != kSuffix) {
       continue;
     }
-    // is_regular_file follows symlinks: Hugging Face caches link every shard.
-    std::error_code type_ec;
-    if (!it->is_regular_file(type_ec)) continue;
-    files.push_back(it->path().string());
+    std::string path = absl::StrCat(dir, "/", name);
+    // stat follows symlinks: Hugging Face caches link every shard.
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    files.push_back(std::move(path));
   }
-  if (ec) return ErrnoStatus(ec.value(), "cannot list directory", dir);
+  int read_errno = errno;
+  ::closedir(d);
+  if (read_errno != 0) return ErrnoStatus(read_errno, "cannot list directory", dir);
   if (files.empty()) {
     return absl::NotFoundError(absl::StrCat(dir, ": no *.safetensors files"));
   }

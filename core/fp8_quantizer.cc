@@ -4,11 +4,14 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <system_error>
 #include <thread>
 #include <vector>
+
+#include <immintrin.h>
 
 #include "absl/strings/str_cat.h"
 #include "core/fp8_quantizer_internal.h"
@@ -65,25 +68,35 @@ REFIT_FP8_INLINE int32_t EncodeAbsScalar(int32_t a) {
 }
 
 // ---------------------------------------------------------------------------
-// Vector kernels. 16 lanes of int32/float per step; the 16-bit inputs are
-// widened on load.
+// Vector kernels, written once with GCC vector extensions and instantiated
+// per ISA at that ISA's native width (kBytes = 16 / 32 / 64): wider generic
+// vectors than the target has would make GCC scalarize the selects. Lanes are
+// int32/float; 16-bit inputs are widened on load.
 
-typedef int32_t VecI32 __attribute__((vector_size(64)));
-typedef float VecF32 __attribute__((vector_size(64)));
-typedef uint8_t VecU8 __attribute__((vector_size(16)));
-typedef uint16_t VecU16Half __attribute__((vector_size(32)));
-typedef uint16_t VecU16 __attribute__((vector_size(64)));
-typedef uint32_t VecU32 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+template <int kBytes>
+struct Simd {
+  typedef int32_t I32 __attribute__((vector_size(kBytes)));
+  typedef float F32 __attribute__((vector_size(kBytes)));
+  typedef uint16_t U16 __attribute__((vector_size(kBytes / 2)));  // one u16 per lane
+  typedef uint8_t U8 __attribute__((vector_size(kBytes / 4)));    // one byte per lane
+  static constexpr int64_t kLanes = kBytes / 4;
+  REFIT_FP8_INLINE static I32 Splat(int32_t v) { return I32{} + v; }
+};
 
-REFIT_FP8_INLINE VecI32 SplatI32(int32_t v) { return VecI32{} + v; }
+// A full vector register of raw source bits, for the amax pass.
+template <typename Bits, int kBytes>
+struct Wide {
+  typedef Bits type __attribute__((vector_size(kBytes)));
+};
 
-REFIT_FP8_INLINE VecI32 EncodeAbs(VecI32 a) {
-  const VecI32 normal = ((a + kMantissaRound + ((a >> 20) & 1)) >> 20) - kRebias;
-  const VecI32 sub =
-      reinterpret_cast<VecI32>(reinterpret_cast<VecF32>(a) + kSubnormalRounder) -
-      kSubnormalRounderBits;
-  return a < SplatI32(kF32BitsFp8MinNormal) ? sub : normal;
+template <typename S>
+REFIT_FP8_INLINE typename S::I32 EncodeAbs(typename S::I32 a) {
+  using I32 = typename S::I32;
+  using F32 = typename S::F32;
+  const I32 normal = ((a + kMantissaRound + ((a >> 20) & 1)) >> 20) - kRebias;
+  const I32 sub = reinterpret_cast<I32>(reinterpret_cast<F32>(a) + kSubnormalRounder) -
+                  kSubnormalRounderBits;
+  return a < S::Splat(kF32BitsFp8MinNormal) ? sub : normal;
 }
 
 // Per source type: raw bits, how |x| becomes float32 exactly, where the sign
@@ -92,42 +105,51 @@ REFIT_FP8_INLINE VecI32 EncodeAbs(VecI32 a) {
 // on top, which is what lets the amax pass find non-finite input for free.
 struct Bf16Traits {
   using Bits = uint16_t;
-  using Wide = VecU16;  // 64 bytes of Bits, for the amax pass
   static constexpr uint32_t kAbsMask = 0x7FFF;
   static constexpr uint32_t kInf = 0x7F80;
-  REFIT_FP8_INLINE static VecI32 Load(const Bits* p) {
-    VecU16Half raw;
+  template <typename S>
+  REFIT_FP8_INLINE static typename S::I32 Load(const Bits* p) {
+    typename S::U16 raw;
     std::memcpy(&raw, p, sizeof raw);
-    return __builtin_convertvector(raw, VecI32);
+    return __builtin_convertvector(raw, typename S::I32);
   }
-  REFIT_FP8_INLINE static VecF32 AbsToFloat(VecI32 abs) {
-    return reinterpret_cast<VecF32>(abs << 16);
+  template <typename S>
+  REFIT_FP8_INLINE static typename S::F32 AbsToFloat(typename S::I32 abs) {
+    return reinterpret_cast<typename S::F32>(abs << 16);
   }
-  REFIT_FP8_INLINE static VecI32 SignByte(VecI32 x) { return (x >> 8) & 0x80; }
+  template <typename S>
+  REFIT_FP8_INLINE static typename S::I32 SignByte(typename S::I32 x) {
+    return (x >> 8) & 0x80;
+  }
   static float AbsBitsToFloat(uint32_t abs) { return FloatOf(static_cast<int32_t>(abs << 16)); }
 };
 
 struct Fp16Traits {
   using Bits = uint16_t;
-  using Wide = VecU16;
   static constexpr uint32_t kAbsMask = 0x7FFF;
   static constexpr uint32_t kInf = 0x7C00;
-  REFIT_FP8_INLINE static VecI32 Load(const Bits* p) {
-    VecU16Half raw;
+  template <typename S>
+  REFIT_FP8_INLINE static typename S::I32 Load(const Bits* p) {
+    typename S::U16 raw;
     std::memcpy(&raw, p, sizeof raw);
-    return __builtin_convertvector(raw, VecI32);
+    return __builtin_convertvector(raw, typename S::I32);
   }
   // Normals: move exponent and mantissa into place and rebias 15 -> 127.
   // Subnormals: mantissa * 2^-24 via an exact int -> float conversion, so no
   // float32 denormal is ever formed (denormals-are-zero could not bite).
   // Inf/NaN come out finite; only the kVllmCompatible path sees them, and it
   // overrides their codes.
-  REFIT_FP8_INLINE static VecF32 AbsToFloat(VecI32 abs) {
-    const VecF32 normal = reinterpret_cast<VecF32>((abs << 13) + ((127 - 15) << 23));
-    const VecF32 sub = __builtin_convertvector(abs, VecF32) * 0x1p-24f;
-    return abs < SplatI32(0x400) ? sub : normal;
+  template <typename S>
+  REFIT_FP8_INLINE static typename S::F32 AbsToFloat(typename S::I32 abs) {
+    using F32 = typename S::F32;
+    const F32 normal = reinterpret_cast<F32>((abs << 13) + ((127 - 15) << 23));
+    const F32 sub = __builtin_convertvector(abs, F32) * 0x1p-24f;
+    return abs < S::Splat(0x400) ? sub : normal;
   }
-  REFIT_FP8_INLINE static VecI32 SignByte(VecI32 x) { return (x >> 8) & 0x80; }
+  template <typename S>
+  REFIT_FP8_INLINE static typename S::I32 SignByte(typename S::I32 x) {
+    return (x >> 8) & 0x80;
+  }
   static float AbsBitsToFloat(uint32_t abs) {
     if (abs >= kInf) return std::numeric_limits<float>::infinity();
     if (abs < 0x400) return static_cast<float>(abs) * 0x1p-24f;
@@ -137,133 +159,235 @@ struct Fp16Traits {
 
 struct F32Traits {
   using Bits = uint32_t;
-  using Wide = VecU32;
   static constexpr uint32_t kAbsMask = 0x7FFFFFFF;
   static constexpr uint32_t kInf = 0x7F800000;
-  REFIT_FP8_INLINE static VecI32 Load(const Bits* p) {
-    VecI32 raw;
+  template <typename S>
+  REFIT_FP8_INLINE static typename S::I32 Load(const Bits* p) {
+    typename S::I32 raw;
     std::memcpy(&raw, p, sizeof raw);
     return raw;
   }
-  REFIT_FP8_INLINE static VecF32 AbsToFloat(VecI32 abs) { return reinterpret_cast<VecF32>(abs); }
-  REFIT_FP8_INLINE static VecI32 SignByte(VecI32 x) { return (x >> 24) & 0x80; }
+  template <typename S>
+  REFIT_FP8_INLINE static typename S::F32 AbsToFloat(typename S::I32 abs) {
+    return reinterpret_cast<typename S::F32>(abs);
+  }
+  template <typename S>
+  REFIT_FP8_INLINE static typename S::I32 SignByte(typename S::I32 x) {
+    return (x >> 24) & 0x80;
+  }
   static float AbsBitsToFloat(uint32_t abs) { return FloatOf(static_cast<int32_t>(abs)); }
 };
 
-// Max of |bits| over a [nrows, ncols] tile with row stride `stride`. With
+// Column blocks one kernel call handles at most (block scheme: a group of
+// 128-column blocks; the other schemes: one block spanning the row).
+constexpr int64_t kMaxBlocksPerCall = 512;
+
+// out_max[b] = max |bits| over rows [0, nrows) and the b-th `block_cols`-wide
+// column block of [0, ncols). Rows are walked in memory order, one vector
+// accumulator per block, so the hardware prefetcher sees plain streams. With
 // kIgnoreNan (vLLM semantics) NaNs count as 0; Inf still counts.
-template <typename T, bool kIgnoreNan>
-REFIT_FP8_INLINE uint32_t AbsMaxTile(const typename T::Bits* src, int64_t stride, int64_t nrows,
-                                     int64_t ncols) {
+template <typename T, int kBytes, bool kIgnoreNan>
+REFIT_FP8_INLINE void AbsMaxBlocks(const typename T::Bits* src, int64_t stride, int64_t nrows,
+                                   int64_t ncols, int64_t block_cols, uint32_t* out_max) {
   using Bits = typename T::Bits;
-  using Wide = typename T::Wide;
-  constexpr int64_t kWide = sizeof(Wide) / sizeof(Bits);
+  using W = typename Wide<Bits, kBytes>::type;
+  constexpr int64_t kW = kBytes / sizeof(Bits);
   const Bits mask = static_cast<Bits>(T::kAbsMask);
   [[maybe_unused]] const Bits inf = static_cast<Bits>(T::kInf);
-  Wide m0 = {};
-  Wide m1 = {};
-  auto step = [&](Wide a, Wide& m) __attribute__((always_inline)) {
+  auto step = [&](W a, W& m) __attribute__((always_inline)) {
     a &= mask;
-    if constexpr (kIgnoreNan) a = a > inf ? Wide{} : a;
+    if constexpr (kIgnoreNan) a = a > inf ? W{} : a;
     m = a > m ? a : m;
   };
+  if (block_cols <= 0) block_cols = 1;  // empty range: no blocks
+  const int64_t nblocks = (ncols + block_cols - 1) / block_cols;
+  W acc[kMaxBlocksPerCall];
+  for (int64_t b = 0; b < nblocks; ++b) acc[b] = W{};
   for (int64_t r = 0; r < nrows; ++r) {
     const Bits* row = src + r * stride;
-    int64_t i = 0;
-    for (; i + 2 * kWide <= ncols; i += 2 * kWide) {
-      Wide a, b;
-      std::memcpy(&a, row + i, sizeof a);
-      std::memcpy(&b, row + i + kWide, sizeof b);
-      step(a, m0);
-      step(b, m1);
-    }
-    for (; i + kWide <= ncols; i += kWide) {
-      Wide a;
-      std::memcpy(&a, row + i, sizeof a);
-      step(a, m0);
-    }
-    if (i < ncols) {
-      Wide a = {};  // zero padding cannot raise the max
-      std::memcpy(&a, row + i, (ncols - i) * sizeof(Bits));
-      step(a, m1);
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t end = std::min(ncols, (b + 1) * block_cols);
+      int64_t i = b * block_cols;
+      W m0 = acc[b];
+      W m1 = {};
+      for (; i + 2 * kW <= end; i += 2 * kW) {
+        W a, c;
+        std::memcpy(&a, row + i, sizeof a);
+        std::memcpy(&c, row + i + kW, sizeof c);
+        step(a, m0);
+        step(c, m1);
+      }
+      for (; i + kW <= end; i += kW) {
+        W a;
+        std::memcpy(&a, row + i, sizeof a);
+        step(a, m0);
+      }
+      if (i < end) {
+        W a = {};  // zero padding cannot raise the max
+        std::memcpy(&a, row + i, (end - i) * sizeof(Bits));
+        step(a, m1);
+      }
+      acc[b] = m1 > m0 ? m1 : m0;
     }
   }
-  m0 = m1 > m0 ? m1 : m0;
-  uint32_t result = 0;
-  for (int64_t lane = 0; lane < kWide; ++lane) result = std::max<uint32_t>(result, m0[lane]);
-  return result;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    uint32_t result = 0;
+    for (int64_t lane = 0; lane < kW; ++lane) result = std::max<uint32_t>(result, acc[b][lane]);
+    out_max[b] = result;
+  }
 }
 
-template <typename T, bool kVllm>
-REFIT_FP8_INLINE VecU8 QuantizeLanes(VecI32 x, VecF32 inv) {
-  const VecI32 abs = x & static_cast<int32_t>(T::kAbsMask);
+template <typename T, typename S, bool kVllm>
+REFIT_FP8_INLINE typename S::I32 QuantizeLanes(typename S::I32 x, typename S::F32 inv) {
+  using I32 = typename S::I32;
+  const I32 abs = x & static_cast<int32_t>(T::kAbsMask);
   // |x| * inv == |x * inv| in IEEE arithmetic, so the sign can ride apart.
-  VecI32 a = reinterpret_cast<VecI32>(T::AbsToFloat(abs) * inv);
-  const VecI32 max_bits = SplatI32(kF32Bits448);
+  I32 a = reinterpret_cast<I32>(T::template AbsToFloat<S>(abs) * inv);
+  const I32 max_bits = S::Splat(kF32Bits448);
   a = a < max_bits ? a : max_bits;
-  VecI32 code = EncodeAbs(a);
-  VecI32 sign = T::SignByte(x);
+  I32 code = EncodeAbs<S>(a);
+  I32 sign = T::template SignByte<S>(x);
   if constexpr (kVllm) {
     // Non-finite sources saturate (Inf keeps its sign, NaN becomes +448)
     // whatever x * inv gave.
-    const VecI32 inf = SplatI32(static_cast<int32_t>(T::kInf));
-    code = abs >= inf ? SplatI32(kFp8Max) : code;
-    sign = abs > inf ? VecI32{} : sign;
+    const I32 inf = S::Splat(static_cast<int32_t>(T::kInf));
+    code = abs >= inf ? S::Splat(kFp8Max) : code;
+    sign = abs > inf ? I32{} : sign;
   }
-  return __builtin_convertvector(code | sign, VecU8);
+  return code | sign;
 }
 
-template <typename T, bool kVllm>
-REFIT_FP8_INLINE void QuantizeTile(const typename T::Bits* src, int64_t stride, int64_t nrows,
-                                   int64_t ncols, float inv, uint8_t* dst, int64_t dst_stride) {
+// Stores one byte per lane (every lane holds 0..255). GCC narrows 512-bit
+// vectors well (vpmovdb) but scalarizes narrower ones, so those use packs.
+template <int kBytes>
+struct ByteStore;
+
+template <>
+struct ByteStore<64> {
+  using I32 = Simd<64>::I32;
+  REFIT_FP8_INLINE static __m128i Pack(I32 v) {
+    const Simd<64>::U8 bytes = __builtin_convertvector(v, Simd<64>::U8);
+    __m128i out;
+    std::memcpy(&out, &bytes, sizeof out);
+    return out;
+  }
+  REFIT_FP8_INLINE static void Store(uint8_t* dst, I32 v) {
+    const __m128i bytes = Pack(v);
+    std::memcpy(dst, &bytes, sizeof bytes);
+  }
+  // dst 16-byte aligned; bypasses the cache.
+  REFIT_FP8_INLINE static void Stream(uint8_t* dst, I32 v) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), Pack(v));
+  }
+};
+
+template <>
+struct ByteStore<32> {
+  using I32 = Simd<32>::I32;
+  // SSE2 packs on the two halves (VEX-encoded inside the AVX2 kernels); an
+  // AVX2 intrinsic here could not be inlined through the generic kernel.
+  REFIT_FP8_INLINE static void Store(uint8_t* dst, I32 v) {
+    __m128i halves[2];
+    std::memcpy(halves, &v, sizeof halves);
+    const __m128i words = _mm_packs_epi32(halves[0], halves[1]);  // values <= 255
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(words, words));
+  }
+  static void Stream(uint8_t*, I32) {}  // never called: 8-byte groups do not stream
+};
+
+template <>
+struct ByteStore<16> {
+  using I32 = Simd<16>::I32;
+  REFIT_FP8_INLINE static void Store(uint8_t* dst, I32 v) {
+    __m128i x;
+    std::memcpy(&x, &v, sizeof x);
+    const __m128i words = _mm_packs_epi32(x, x);  // values <= 255: no saturation
+    const int32_t bytes = _mm_cvtsi128_si32(_mm_packus_epi16(words, words));
+    std::memcpy(dst, &bytes, sizeof bytes);
+  }
+  static void Stream(uint8_t*, I32) {}  // never called
+};
+
+// Quantizes a [nrows, ncols] tile; column block b (of `block_cols`) uses
+// inv[b]. With `stream`, 16-byte groups of output go out as non-temporal
+// stores: a large output is not read again by us, and skipping the
+// read-for-ownership saves a third of the memory traffic of the pass.
+template <typename T, int kBytes, bool kVllm>
+REFIT_FP8_INLINE void QuantizeBlocks(const typename T::Bits* src, int64_t stride, int64_t nrows,
+                                     int64_t ncols, int64_t block_cols, const float* inv,
+                                     bool stream, uint8_t* dst, int64_t dst_stride) {
   using Bits = typename T::Bits;
-  const VecF32 vinv = VecF32{} + inv;
+  using S = Simd<kBytes>;
+  constexpr int64_t kLanes = S::kLanes;
+  using Store = ByteStore<kBytes>;
+  constexpr bool kCanStream = kBytes == 64;
+  if (block_cols <= 0) block_cols = 1;  // empty range: no blocks
+  const int64_t nblocks = (ncols + block_cols - 1) / block_cols;
   for (int64_t r = 0; r < nrows; ++r) {
     const Bits* in = src + r * stride;
     uint8_t* out = dst + r * dst_stride;
-    int64_t i = 0;
-    for (; i + kLanes <= ncols; i += kLanes) {
-      const VecU8 q = QuantizeLanes<T, kVllm>(T::Load(in + i), vinv);
-      std::memcpy(out + i, &q, sizeof q);
-    }
-    if (i < ncols) {
-      Bits tail[kLanes] = {};
-      std::memcpy(tail, in + i, (ncols - i) * sizeof(Bits));
-      const VecU8 q = QuantizeLanes<T, kVllm>(T::Load(tail), vinv);
-      std::memcpy(out + i, &q, ncols - i);
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const typename S::F32 vinv = typename S::F32{} + inv[b];
+      const int64_t end = std::min(ncols, (b + 1) * block_cols);
+      int64_t i = b * block_cols;
+      if (kCanStream && stream && reinterpret_cast<uintptr_t>(out + i) % 16 == 0) {
+        for (; i + kLanes <= end; i += kLanes) {
+          Store::Stream(out + i, QuantizeLanes<T, S, kVllm>(T::template Load<S>(in + i), vinv));
+        }
+      }
+      for (; i + kLanes <= end; i += kLanes) {
+        Store::Store(out + i, QuantizeLanes<T, S, kVllm>(T::template Load<S>(in + i), vinv));
+      }
+      if (i < end) {
+        Bits tail[kLanes] = {};
+        std::memcpy(tail, in + i, (end - i) * sizeof(Bits));
+        uint8_t bytes[kLanes];
+        Store::Store(bytes, QuantizeLanes<T, S, kVllm>(T::template Load<S>(tail), vinv));
+        std::memcpy(out + i, bytes, end - i);
+      }
     }
   }
+  // Non-temporal stores are weakly ordered: fence before the caller publishes
+  // (thread join, return).
+  if (kCanStream && stream) _mm_sfence();
 }
 
-using AbsMaxFn = uint32_t (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
-                              bool ignore_nan);
+using AbsMaxFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
+                          int64_t block_cols, bool ignore_nan, uint32_t* out_max);
 using QuantizeFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
-                            float inv, bool vllm, uint8_t* dst, int64_t dst_stride);
+                            int64_t block_cols, const float* inv, bool vllm, bool stream,
+                            uint8_t* dst, int64_t dst_stride);
 
 // One non-inlined entry point per (ISA, source type, pass); the kernels above
 // are inlined into it and compiled for its target.
-#define REFIT_FP8_DEFINE_KERNELS(NAME, ATTR)                                                   \
+#define REFIT_FP8_DEFINE_KERNELS(NAME, BYTES, ATTR)                                            \
   template <typename T>                                                                        \
-  ATTR uint32_t AbsMax##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,    \
-                             bool ignore_nan) {                                                \
+  ATTR void AbsMax##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,        \
+                         int64_t block_cols, bool ignore_nan, uint32_t* out_max) {             \
     const auto* p = static_cast<const typename T::Bits*>(src);                                 \
-    return ignore_nan ? AbsMaxTile<T, true>(p, stride, nrows, ncols)                           \
-                      : AbsMaxTile<T, false>(p, stride, nrows, ncols);                         \
+    if (ignore_nan) {                                                                          \
+      AbsMaxBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, out_max);              \
+    } else {                                                                                   \
+      AbsMaxBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, out_max);             \
+    }                                                                                          \
   }                                                                                            \
   template <typename T>                                                                        \
   ATTR void Quantize##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,      \
-                           float inv, bool vllm, uint8_t* dst, int64_t dst_stride) {           \
+                           int64_t block_cols, const float* inv, bool vllm, bool stream,       \
+                           uint8_t* dst, int64_t dst_stride) {                                 \
     const auto* p = static_cast<const typename T::Bits*>(src);                                 \
     if (vllm) {                                                                                \
-      QuantizeTile<T, true>(p, stride, nrows, ncols, inv, dst, dst_stride);                    \
+      QuantizeBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, inv, stream, dst,    \
+                                     dst_stride);                                              \
     } else {                                                                                   \
-      QuantizeTile<T, false>(p, stride, nrows, ncols, inv, dst, dst_stride);                   \
+      QuantizeBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, inv, stream, dst,   \
+                                      dst_stride);                                             \
     }                                                                                          \
   }
 
-REFIT_FP8_DEFINE_KERNELS(Portable, )
-REFIT_FP8_DEFINE_KERNELS(Avx2, __attribute__((target("avx2"))))
-REFIT_FP8_DEFINE_KERNELS(Avx512,
+REFIT_FP8_DEFINE_KERNELS(Portable, 16, )
+REFIT_FP8_DEFINE_KERNELS(Avx2, 32, __attribute__((target("avx2"))))
+REFIT_FP8_DEFINE_KERNELS(Avx512, 64,
                          __attribute__((target("avx512f,avx512bw,avx512vl,"
                                                "prefer-vector-width=512"))))
 
@@ -472,6 +596,7 @@ struct Job {
   int64_t rows;
   int64_t cols;
   bool vllm;
+  bool stream;
   int threads;
   Kernels k;
   uint8_t* out_q;
@@ -479,13 +604,19 @@ struct Job {
   absl::string_view name;
 };
 
+// Outputs at least this large are written with non-temporal stores: they
+// cannot stay in cache anyway, and the caller's next step (copy to the live
+// tensor or the GPU) is a separate pass.
+constexpr int64_t kStreamingMinBytes = int64_t{16} << 20;
+
 absl::Status QuantizePerTensor(const Job& job) {
   const int64_t n = job.rows * job.cols;
   const int workers = WorkersFor(job.threads, n, n);
   std::vector<uint32_t> partial(workers, 0);
   // Pass 1: amax (and, for free, whether anything is Inf/NaN).
   ParallelRanges(workers, n, 64, [&](int w, int64_t begin, int64_t end) {
-    partial[w] = job.k.abs_max(job.src + begin * job.esize, 0, 1, end - begin, job.vllm);
+    job.k.abs_max(job.src + begin * job.esize, 0, 1, end - begin, end - begin, job.vllm,
+                  &partial[w]);
   });
   const uint32_t amax_bits = *std::max_element(partial.begin(), partial.end());
   if (!job.vllm && amax_bits >= InfBits(job.dtype)) {
@@ -493,19 +624,19 @@ absl::Status QuantizePerTensor(const Job& job) {
   }
   const float s = AbsBitsToFloat(job.dtype, amax_bits) / kFp8E4M3Max;
   job.out_scales[0] = s;
-  const float inv = InverseScale(s);
-  const bool all_max = job.vllm && s == 0.0f;  // vLLM: 0 / 0 = NaN -> +448
   if (InverseOverflows(s)) {
     QuantizeWithInfiniteInverse(job.src, job.dtype, n, job.out_q);
     return absl::OkStatus();
   }
+  const float inv = InverseScale(s);
+  const bool all_max = job.vllm && s == 0.0f;  // vLLM: 0 / 0 = NaN -> +448
   // Pass 2: scale, clamp, convert.
   ParallelRanges(workers, n, 64, [&](int, int64_t begin, int64_t end) {
     if (all_max) {
       std::memset(job.out_q + begin, kFp8Max, end - begin);
     } else {
-      job.k.quantize(job.src + begin * job.esize, 0, 1, end - begin, inv, job.vllm,
-                     job.out_q + begin, 0);
+      job.k.quantize(job.src + begin * job.esize, 0, 1, end - begin, end - begin, &inv, job.vllm,
+                     job.stream, job.out_q + begin, 0);
     }
   });
   return absl::OkStatus();
@@ -520,7 +651,8 @@ absl::Status QuantizePerChannel(const Job& job) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row = job.src + r * job.cols * job.esize;
       uint8_t* out = job.out_q + r * job.cols;
-      const uint32_t amax_bits = job.k.abs_max(row, 0, 1, job.cols, job.vllm);
+      uint32_t amax_bits;
+      job.k.abs_max(row, 0, 1, job.cols, job.cols, job.vllm, &amax_bits);
       if (!job.vllm && amax_bits >= inf) {
         bad[w] = 1;
         return;
@@ -532,7 +664,8 @@ absl::Status QuantizePerChannel(const Job& job) {
       } else if (InverseOverflows(s)) {
         QuantizeWithInfiniteInverse(row, job.dtype, job.cols, out);
       } else {
-        job.k.quantize(row, 0, 1, job.cols, InverseScale(s), job.vllm, out, 0);
+        const float inv = InverseScale(s);
+        job.k.quantize(row, 0, 1, job.cols, job.cols, &inv, job.vllm, job.stream, out, 0);
       }
     }
   });
@@ -542,49 +675,48 @@ absl::Status QuantizePerChannel(const Job& job) {
   return absl::OkStatus();
 }
 
-// Tiles are handled in groups along a 128-row band, sized so that a group's
-// source (~256 KiB) stays in L2 between the amax and the convert pass.
-constexpr int64_t kBlockGroupBytes = 256 * 1024;
-constexpr int64_t kMaxBlocksPerGroup = 16;
+// Blocks are handled in groups along a 128-row band: the amax pass over the
+// group, then the convert pass while the group is still in cache (L3). Groups
+// are as wide as possible, whole bands up to 8 MiB: then the amax pass reads
+// one contiguous stream, which the hardware prefetcher serves at full speed,
+// instead of 128 short row segments (measured: 30% less CPU time).
+constexpr int64_t kBlockGroupBytes = int64_t{8} << 20;
 
 absl::Status QuantizeBlock128(const Job& job) {
   const int64_t block_rows = (job.rows + kFp8BlockSize - 1) / kFp8BlockSize;
   const int64_t block_cols = (job.cols + kFp8BlockSize - 1) / kFp8BlockSize;
   const int64_t per_group = std::clamp<int64_t>(
-      kBlockGroupBytes / (kFp8BlockSize * kFp8BlockSize * job.esize), 1, kMaxBlocksPerGroup);
+      kBlockGroupBytes / (kFp8BlockSize * kFp8BlockSize * job.esize), 1, kMaxBlocksPerCall);
   const int64_t groups_per_band = (block_cols + per_group - 1) / per_group;
   const int64_t tasks = block_rows * groups_per_band;
   const int workers = WorkersFor(job.threads, job.rows * job.cols, tasks);
   std::vector<char> bad(workers, 0);
   ParallelRanges(workers, tasks, 1, [&](int w, int64_t begin, int64_t end) {
     const uint32_t inf = InfBits(job.dtype);
-    float inv[kMaxBlocksPerGroup];
+    uint32_t amax_bits[kMaxBlocksPerCall];
+    float inv[kMaxBlocksPerCall];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t br = t / groups_per_band;
       const int64_t bc0 = t % groups_per_band * per_group;
-      const int64_t bc1 = std::min(bc0 + per_group, block_cols);
+      const int64_t nblocks = std::min(per_group, block_cols - bc0);
       const int64_t r0 = br * kFp8BlockSize;
+      const int64_t c0 = bc0 * kFp8BlockSize;
       const int64_t nrows = std::min(kFp8BlockSize, job.rows - r0);
-      for (int64_t bc = bc0; bc < bc1; ++bc) {
-        const int64_t c0 = bc * kFp8BlockSize;
-        const int64_t ncols = std::min(kFp8BlockSize, job.cols - c0);
-        const uint32_t amax_bits = job.k.abs_max(job.src + (r0 * job.cols + c0) * job.esize,
-                                                 job.cols, nrows, ncols, job.vllm);
-        if (!job.vllm && amax_bits >= inf) {
+      const int64_t ncols = std::min(nblocks * kFp8BlockSize, job.cols - c0);
+      const uint8_t* src = job.src + (r0 * job.cols + c0) * job.esize;
+      job.k.abs_max(src, job.cols, nrows, ncols, kFp8BlockSize, job.vllm, amax_bits);
+      for (int64_t b = 0; b < nblocks; ++b) {
+        if (!job.vllm && amax_bits[b] >= inf) {
           bad[w] = 1;
           return;
         }
-        const float amax = std::max(AbsBitsToFloat(job.dtype, amax_bits), kFp8BlockAmaxFloor);
-        const float s = amax / kFp8E4M3Max;
-        job.out_scales[br * block_cols + bc] = s;
-        inv[bc - bc0] = InverseScale(s);
+        const float amax = std::max(AbsBitsToFloat(job.dtype, amax_bits[b]), kFp8BlockAmaxFloor);
+        const float s = amax / kFp8E4M3Max;  // >= 2.2e-7: 1/s never overflows
+        job.out_scales[br * block_cols + bc0 + b] = s;
+        inv[b] = InverseScale(s);
       }
-      for (int64_t bc = bc0; bc < bc1; ++bc) {
-        const int64_t c0 = bc * kFp8BlockSize;
-        const int64_t ncols = std::min(kFp8BlockSize, job.cols - c0);
-        job.k.quantize(job.src + (r0 * job.cols + c0) * job.esize, job.cols, nrows, ncols,
-                       inv[bc - bc0], job.vllm, job.out_q + r0 * job.cols + c0, job.cols);
-      }
+      job.k.quantize(src, job.cols, nrows, ncols, kFp8BlockSize, inv, job.vllm, job.stream,
+                     job.out_q + r0 * job.cols + c0, job.cols);
     }
   });
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) {
@@ -677,6 +809,7 @@ absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t
   job.rows = rows;
   job.cols = cols;
   job.vllm = vllm;
+  job.stream = n >= kStreamingMinBytes;
   job.threads = ResolveThreads(options.num_threads);
   job.k = kKernels[static_cast<int>(CurrentIsa())][SourceIndex(src_dtype)];
   job.out_q = out_q;

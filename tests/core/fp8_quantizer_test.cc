@@ -414,6 +414,32 @@ TEST(Fp8QuantizerTest, ResultDoesNotDependOnThreadCount) {
   }
 }
 
+// Outputs of 16 MiB and more are written with non-temporal stores where the
+// destination is 16-byte aligned; odd widths give rows of every alignment,
+// and an output offset by one byte forces the fallback throughout.
+TEST(Fp8QuantizerTest, LargeOutputsTakeTheStreamingPathWithSameBytes) {
+  const int64_t rows = 4097;
+  const int64_t cols = 4099;  // rows * cols > 16 Mi
+  const at::Tensor x = RandomWeights(rows, cols, at::kBFloat16, 123);
+  for (QuantScheme scheme : kSchemes) {
+    SCOPED_TRACE(static_cast<int>(scheme));
+    const Quantized expected = TorchReference(x, scheme);
+    const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kReject, 2);
+    ASSERT_TRUE(ours.status.ok()) << ours.status;
+    ExpectSameScales(ours.scales, expected.scales);
+    ExpectSameBytes(ours.q, expected.q, cols);
+    if (scheme == QuantScheme::kPerTensor) {
+      std::vector<uint8_t> shifted(rows * cols + 1, 0xAB);
+      std::vector<float> scale(1);
+      Fp8QuantizeOptions options;
+      ASSERT_TRUE(QuantizeFp8(x.data_ptr(), DType::kBFloat16, rows, cols, options,
+                              shifted.data() + 1, scale.data(), "w")
+                      .ok());
+      ExpectSameBytes(std::vector<uint8_t>(shifted.begin() + 1, shifted.end()), expected.q, cols);
+    }
+  }
+}
+
 // --- Edge cases ---------------------------------------------------------------
 
 TEST(Fp8QuantizerTest, AllZeroTensorUnderRejectGivesZeroScaleAndZeroBytes) {

@@ -1,0 +1,361 @@
+#!/usr/bin/env bash
+# One-shot device check for refitd's GPU path (docs/gpu.md).
+#
+# Runs on a machine with an NVIDIA GPU, CUDA 13, CMake, ninja and PyTorch in
+# its python3, but no internet and no Debian packages beyond the base system.
+# The libraries the core build needs (Abseil, nlohmann-json, xxHash,
+# GoogleTest, Google Benchmark, pkgconf) travel with the repository as .deb
+# files in .deps/debs (git-ignored), fetched beforehand with --fetch on a
+# machine that has apt. They are unpacked with `dpkg -x` into a private prefix
+# (.deps/prefix), never over /. The build is core only (REFIT_BUILD_SERVER=OFF:
+# core has no gRPC), against that machine's torch, with REFIT_WITH_CUDA=ON.
+#
+#   scripts/gpu-check.sh --fetch     download the .debs (needs apt; run it here)
+#   scripts/gpu-check.sh --dry-run   unpack, configure, build the GPU targets and
+#                                    run the gpu tests (they skip without a GPU);
+#                                    the benchmark is skipped
+#   scripts/gpu-check.sh             all of it, plus the GPU benchmark
+#
+# Output: a table (printed last) and JSON in $OUT/gpu-check-results.json when
+# $OUT is a directory, else ./gpu-check-results.json (the caller's directory).
+# Environment: PYTHON (a python with torch; default python3, then .venv),
+# GPU_CHECK_BUILD_DIR (default build-gpu-check), JOBS (default nproc),
+# GPU_CHECK_BENCH_ARGS (extra refit_gpu_bench flags, e.g. --quick).
+# Exit status: 0 when the build, every gpu test and every benchmark target
+# pass; 1 otherwise (the table says what failed); 2 for usage errors.
+set -euo pipefail
+
+CALLER_DIR=$PWD
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DEPS_DIR=$ROOT/.deps
+DEBS_DIR=$DEPS_DIR/debs
+PREFIX=$DEPS_DIR/prefix
+BUILD_DIR=${GPU_CHECK_BUILD_DIR:-$ROOT/build-gpu-check}
+case "$BUILD_DIR" in /*) ;; *) BUILD_DIR=$ROOT/$BUILD_DIR ;; esac
+JOBS=${JOBS:-$(nproc)}
+START=$(date +%s)
+
+# Exactly what the core build needs beyond a base system, with the runtime
+# libraries the -dev packages depend on. googletest (sources) is not needed:
+# libgtest-dev/libgmock-dev carry the built static libraries.
+PACKAGES=(
+  libabsl-dev libabsl20220623
+  libgtest-dev libgmock-dev
+  libbenchmark-dev libbenchmark1debian
+  nlohmann-json3-dev
+  libxxhash-dev libxxhash0
+  pkgconf pkgconf-bin libpkgconf3
+)
+
+MODE=full
+case "${1:-}" in
+  --fetch) MODE=fetch ;;
+  --dry-run) MODE=dry-run ;;
+  "") ;;
+  -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+  *) echo "usage: $0 [--fetch|--dry-run]" >&2; exit 2 ;;
+esac
+
+log() { printf '[gpu-check %3ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
+die() { printf '[gpu-check] ERROR: %s\n' "$*" >&2; exit 1; }
+
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
+  RESULTS=$OUT/gpu-check-results.json
+else
+  RESULTS=$CALLER_DIR/gpu-check-results.json
+fi
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+STEPS=$WORK/steps.tsv   # name <TAB> status <TAB> seconds <TAB> detail
+: > "$STEPS"
+step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >> "$STEPS"; }
+
+# ---------------------------------------------------------------- fetch ----
+if [ "$MODE" = fetch ]; then
+  command -v apt-get > /dev/null || die "--fetch needs apt-get (run it on the build machine)"
+  mkdir -p "$DEBS_DIR"
+  rm -f "$DEBS_DIR"/*.deb
+  log "downloading ${#PACKAGES[@]} packages into ${DEBS_DIR#$ROOT/}"
+  (cd "$DEBS_DIR" && apt-get download -q "${PACKAGES[@]}")
+  (cd "$DEBS_DIR" && sha256sum ./*.deb > SHA256SUMS)
+  log "fetched: $(ls "$DEBS_DIR"/*.deb | wc -l) debs, $(du -sh "$DEBS_DIR" | cut -f1)"
+  exit 0
+fi
+
+# --------------------------------------------------------------- unpack ----
+[ -d "$DEBS_DIR" ] && ls "$DEBS_DIR"/*.deb > /dev/null 2>&1 ||
+  die "no .debs in ${DEBS_DIR#$ROOT/}: run scripts/gpu-check.sh --fetch on a machine with apt first"
+for p in "${PACKAGES[@]}"; do
+  ls "$DEBS_DIR/${p}_"*.deb > /dev/null 2>&1 || die "missing ${p}_*.deb in ${DEBS_DIR#$ROOT/}; rerun --fetch"
+done
+if [ -f "$DEBS_DIR/SHA256SUMS" ]; then
+  (cd "$DEBS_DIR" && sha256sum --quiet -c SHA256SUMS) || die "a .deb does not match SHA256SUMS"
+fi
+
+# Extracts a .deb's data archive without dpkg (python3 is always there on
+# the GPU machine: torch needs it). .deb = ar archive holding data.tar.*.
+extract_deb_python() {
+  python3 - "$1" "$2" <<'EOF'
+import io, sys, tarfile
+deb, dest = sys.argv[1], sys.argv[2]
+data = open(deb, 'rb').read()
+assert data[:8] == b'!<arch>\n', deb
+pos = 8
+while pos < len(data):
+    name = data[pos:pos + 16].decode().strip().rstrip('/')
+    size = int(data[pos + 48:pos + 58].decode().strip())
+    body = data[pos + 60:pos + 60 + size]
+    pos += 60 + size + (size & 1)
+    if name.startswith('data.tar'):
+        with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+            tar.extractall(dest)
+        break
+else:
+    sys.exit('no data.tar in ' + deb)
+EOF
+}
+
+t0=$(date +%s)
+stamp=$PREFIX/.unpacked
+want=$(cat "$DEBS_DIR"/SHA256SUMS 2>/dev/null || ls -l "$DEBS_DIR")
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  rm -rf "$PREFIX"
+  mkdir -p "$PREFIX"
+  for deb in "$DEBS_DIR"/*.deb; do
+    if command -v dpkg > /dev/null; then
+      dpkg -x "$deb" "$PREFIX"
+    else
+      extract_deb_python "$deb" "$PREFIX"
+    fi
+  done
+  printf '%s' "$want" > "$stamp"
+  log "unpacked $(ls "$DEBS_DIR"/*.deb | wc -l) debs into ${PREFIX#$ROOT/} ($(du -sh "$PREFIX" | cut -f1))"
+else
+  log "prefix ${PREFIX#$ROOT/} is up to date"
+fi
+step unpack ok $(( $(date +%s) - t0 )) "${PREFIX#$ROOT/}"
+
+ARCH=$(gcc -dumpmachine 2>/dev/null || echo x86_64-linux-gnu)
+LIBDIR=$PREFIX/usr/lib/$ARCH
+[ -d "$LIBDIR" ] || die "unexpected layout: $LIBDIR missing (debs for another architecture?)"
+# The prefix's shared libraries (Abseil, xxHash, benchmark, libpkgconf) must
+# be found by the freshly built binaries, also while the build runs them
+# (gtest_discover_tests lists the tests of each test binary).
+export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# pkgconf from the prefix, searching only the prefix; the sysroot rewrites
+# the .pc files' /usr paths into the prefix.
+export PKG_CONFIG_LIBDIR=$LIBDIR/pkgconfig:$PREFIX/usr/share/pkgconfig
+export PKG_CONFIG_SYSROOT_DIR=$PREFIX
+unset PKG_CONFIG_PATH
+PKGCONF=$PREFIX/usr/bin/pkgconf
+"$PKGCONF" --exists libxxhash || die "the prefix's pkgconf cannot see libxxhash"
+
+# ---------------------------------------------------------------- torch ----
+PY=""
+for cand in ${PYTHON:-} python3 "$ROOT/.venv/bin/python3"; do
+  if [ -n "$cand" ] && "$cand" -c 'import torch' > /dev/null 2>&1; then PY=$cand; break; fi
+done
+[ -n "$PY" ] || die "no python with torch (set PYTHON)"
+TORCH_PREFIX=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
+TORCH_CUDA=$("$PY" -c 'import torch; print(torch.version.cuda)')
+log "torch $TORCH_VERSION (CUDA $TORCH_CUDA) from $TORCH_PREFIX"
+
+NVCC=${CUDACXX:-}
+[ -n "$NVCC" ] || NVCC=$(command -v nvcc || true)
+[ -n "$NVCC" ] || { [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc; }
+[ -n "$NVCC" ] || die "nvcc not found (CUDA toolkit); set CUDACXX"
+NVCC_VERSION=$("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
+log "nvcc $NVCC_VERSION ($NVCC)"
+
+# ------------------------------------------------------------ configure ----
+t0=$(date +%s)
+mkdir -p "$BUILD_DIR"
+if ! cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DREFIT_WITH_CUDA=ON -DREFIT_BUILD_SERVER=OFF -DREFIT_BUILD_TESTS=ON -DREFIT_BUILD_BENCH=OFF \
+    -DCMAKE_CUDA_COMPILER="$NVCC" \
+    -DCMAKE_PREFIX_PATH="$PREFIX/usr;$TORCH_PREFIX" \
+    -DPKG_CONFIG_EXECUTABLE="$PKGCONF" \
+    > "$WORK/configure.log" 2>&1; then
+  tail -40 "$WORK/configure.log"
+  die "configure failed (log above)"
+fi
+step configure ok $(( $(date +%s) - t0 )) "REFIT_WITH_CUDA=ON REFIT_BUILD_SERVER=OFF"
+
+# Every dependency must come from the prefix, not from the machine: a
+# config found elsewhere, or a header/library path outside the prefix,
+# would make this check pass here and fail on the GPU machine.
+cache=$BUILD_DIR/CMakeCache.txt
+for var in absl_DIR GTest_DIR nlohmann_json_DIR; do
+  val=$(sed -n "s/^$var:[A-Z]*=//p" "$cache")
+  case "$val" in "$PREFIX"/*) ;; *) die "$var=$val is not in the private prefix" ;; esac
+done
+for var in XXHASH_INCLUDEDIR pkgcfg_lib_XXHASH_xxhash; do
+  val=$(sed -n "s/^$var:[A-Z]*=//p" "$cache")
+  case "$val" in "$PREFIX"/*) ;; *) die "xxHash: $var=$val is not in the private prefix" ;; esac
+done
+for lib in libabsl_status.so libxxhash.so; do
+  outside=$(grep -o "[^ ]*$lib[^ ]*" "$BUILD_DIR/build.ninja" | grep -v "^$PREFIX" | sort -u || true)
+  [ -z "$outside" ] || die "links $lib from outside the prefix: $outside"
+done
+log "configured; Abseil, GTest, nlohmann-json and xxHash resolve in ${PREFIX#$ROOT/}"
+
+# ---------------------------------------------------------------- build ----
+TARGETS=(refit_cuda refit_gpu_bench)
+for t in "$ROOT"/tests/*/*_gpu_test.cc; do
+  [ -e "$t" ] || continue
+  TARGETS+=("$(basename "$(dirname "$t")")_$(basename "$t" .cc)")
+done
+t0=$(date +%s)
+log "building ${TARGETS[*]} (-j$JOBS)"
+if ! cmake --build "$BUILD_DIR" -j"$JOBS" --target "${TARGETS[@]}" > "$WORK/build.log" 2>&1; then
+  grep -E "error|FAILED" "$WORK/build.log" | head -30
+  step build FAILED $(( $(date +%s) - t0 )) "see the errors above"
+  die "build failed"
+fi
+step build ok $(( $(date +%s) - t0 )) "${#TARGETS[@]} targets, nvcc $NVCC_VERSION, sm_90 + PTX"
+# The compile commands must use the prefix's headers (the machine may have
+# none, or other versions).
+grep -q -- "-isystem $PREFIX/usr/include" "$BUILD_DIR/compile_commands.json" ||
+  die "no compile command uses the prefix's include directory"
+log "built"
+
+# ------------------------------------------------------------------ gpu ----
+GPU_NAME=""
+if command -v nvidia-smi > /dev/null 2>&1; then
+  GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
+fi
+HAVE_GPU=0
+if [ -n "$GPU_NAME" ] && "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  HAVE_GPU=1
+fi
+log "GPU: ${GPU_NAME:-none}"
+
+t0=$(date +%s)
+# ctest -L gpu selects the gpu-labelled tests. If the label did not reach
+# the discovered tests (a list-valued LABELS can get flattened on its way
+# through gtest_discover_tests), select the same tests by their suites, as
+# the gpu test binaries list them, so they still run under ctest.
+SELECT=(-L gpu)
+if [ "$(ctest --test-dir "$BUILD_DIR" -N -L gpu 2>/dev/null | sed -n 's/^Total Tests: //p')" = 0 ]; then
+  suites=""
+  for t in "${TARGETS[@]}"; do
+    case "$t" in *_gpu_test) ;; *) continue ;; esac
+    for s in $("$BUILD_DIR/tests/$t" --gtest_list_tests | sed -n 's/^\([A-Za-z0-9_]*\)\.$/\1/p'); do
+      suites="$suites${suites:+|}$s"
+    done
+  done
+  [ -n "$suites" ] || die "no gpu tests found"
+  log "WARNING: no test carries the ctest label 'gpu'; selecting the gpu test suites by name"
+  SELECT=(-R "^($suites)\\.")
+fi
+ctest_rc=0
+timeout 300 ctest --test-dir "$BUILD_DIR" "${SELECT[@]}" -j4 --timeout 240 --output-on-failure \
+  --no-tests=error --output-junit "$WORK/ctest.xml" > "$WORK/ctest.log" 2>&1 || ctest_rc=$?
+tail -15 "$WORK/ctest.log"
+step "gpu tests" "$([ $ctest_rc -eq 0 ] && echo ok || echo FAILED)" $(( $(date +%s) - t0 )) \
+  "$([ $HAVE_GPU -eq 1 ] && echo "on $GPU_NAME" || echo "no GPU: device tests skip themselves")"
+
+BENCH_JSON=$WORK/bench.json
+bench_rc=0
+if [ "$MODE" = dry-run ]; then
+  # Only proves that the binary loads and answers; nothing is measured.
+  "$BUILD_DIR/bench/refit_gpu_bench" --quick --models_gib= --json "$WORK/bench-dry.json" \
+    > "$WORK/bench.log" 2>&1 || bench_rc=$?
+  log "dry run: GPU benchmark skipped (refit_gpu_bench rc=$bench_rc: $(tr -d "\n " < "$WORK/bench-dry.json" 2>/dev/null | head -c 200))"
+  step "gpu benchmark" skipped 0 "dry run; refit_gpu_bench loads (rc=$bench_rc)"
+elif [ $HAVE_GPU -eq 0 ]; then
+  log "no usable GPU: benchmark skipped"
+  step "gpu benchmark" skipped 0 "no usable GPU"
+else
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout 300 "$BUILD_DIR/bench/refit_gpu_bench" --json "$BENCH_JSON" ${GPU_CHECK_BENCH_ARGS:-} \
+    > "$WORK/bench.log" 2>&1 || bench_rc=$?
+  cat "$WORK/bench.log"
+  step "gpu benchmark" "$([ $bench_rc -eq 0 ] && echo ok || echo FAILED)" $(( $(date +%s) - t0 )) \
+    "refit_gpu_bench rc=$bench_rc"
+fi
+
+# --------------------------------------------------------------- report ----
+python3 - "$WORK" "$RESULTS" "$MODE" "$START" "$TORCH_VERSION" "$TORCH_CUDA" "$NVCC_VERSION" \
+    "$GPU_NAME" "$ctest_rc" "$bench_rc" <<'EOF'
+import json, os, sys, time
+import xml.etree.ElementTree as ET
+work, results, mode, start, torch_v, torch_cuda, nvcc_v, gpu, ctest_rc, bench_rc = sys.argv[1:]
+steps = []
+for line in open(os.path.join(work, 'steps.tsv')):
+    name, status, secs, detail = (line.rstrip('\n').split('\t') + [''])[:4]
+    steps.append({'step': name, 'status': status, 'seconds': int(secs), 'detail': detail})
+tests = {'passed': 0, 'failed': 0, 'skipped': 0, 'failed_names': []}
+try:
+    for case in ET.parse(os.path.join(work, 'ctest.xml')).getroot().iter('testcase'):
+        status = case.get('status', '')
+        if case.find('failure') is not None or status == 'fail':
+            tests['failed'] += 1
+            tests['failed_names'].append(case.get('name'))
+        elif case.find('skipped') is not None or status in ('notrun', 'disabled'):
+            tests['skipped'] += 1
+        else:
+            tests['passed'] += 1
+except (OSError, ET.ParseError):
+    tests['error'] = 'no ctest results'
+bench = None
+try:
+    bench = json.load(open(os.path.join(work, 'bench.json')))
+except (OSError, ValueError):
+    pass
+ok = int(ctest_rc) == 0 and int(bench_rc) == 0 and all(s['status'] != 'FAILED' for s in steps)
+if bench and not bench.get('skipped') and not bench.get('all_targets_met', False):
+    ok = False
+out = {
+    'mode': mode, 'ok': ok, 'elapsed_s': int(time.time()) - int(start),
+    'gpu': gpu or None, 'torch': torch_v, 'torch_cuda': torch_cuda, 'nvcc': nvcc_v,
+    'steps': steps, 'gpu_tests': tests, 'benchmark': bench,
+}
+with open(results, 'w') as f:
+    json.dump(out, f, indent=2)
+    f.write('\n')
+
+rows = []
+for s in steps:
+    rows.append((s['step'], s['status'], f"{s['seconds']} s", s['detail']))
+rows.append(('gpu tests (ctest -L gpu)', 'FAILED' if tests['failed'] else 'ok',
+             f"{tests['passed']} passed, {tests['skipped']} skipped, {tests['failed']} failed",
+             ' '.join(tests['failed_names'][:5])))
+if bench and not bench.get('skipped'):
+    for q in bench.get('quantize', []):
+        rows.append((f"quantize {q['dtype']} {q['scheme']}", 'ok' if q['pass'] else 'MISS',
+                     f"{q['fraction_of_copy']:.2f} of copy",
+                     f"{q['quantize_gbps']:.0f} vs {q['copy_gbps']:.0f} GB/s (target >= 0.7)"))
+    i = bench.get('ingest')
+    if i:
+        rows.append(('H2D ingest, pinned pool', 'ok' if i['pass'] else 'MISS',
+                     f"{i['fraction_of_plain']:.2f} of plain",
+                     f"{i['pool_gbps']:.1f} vs {i['plain_pinned_gbps']:.1f} GB/s (target >= 0.8)"))
+    c = bench.get('commit')
+    if c:
+        rows.append(('commit (device copies + event)', 'ok' if c['pass'] else 'MISS',
+                     f"{c['commit_over_plain']:.2f} x plain",
+                     f"{c['commit_s']*1e3:.2f} vs {c['plain_copy_s']*1e3:.2f} ms (target <= 1.2)"))
+    for r in bench.get('refit', []):
+        gib = r['model_bytes_bf16'] / 2**30
+        rows.append((f"refit e2e {gib:.0f} GiB bf16->fp8", 'ok' if r['cpu_parity_first_tensor'] else 'PARITY',
+                     f"{r['total_s']:.2f} s, {r['gbps']:.1f} GB/s",
+                     f"ingest only {r['ingest_only_gbps']:.1f} GB/s; commit {r['commit_s']*1e3:.1f} ms"))
+elif bench:
+    rows.append(('gpu benchmark', 'skipped', '', bench.get('skipped', '')))
+w = [max(len(str(r[k])) for r in rows + [('check', 'status', 'result', 'detail')]) for k in range(4)]
+print()
+print(f"gpu-check ({mode}) on {gpu or 'no GPU'}; torch {torch_v} (CUDA {torch_cuda}), nvcc {nvcc_v}; "
+      f"{out['elapsed_s']} s; results: {results}")
+header = ('check', 'status', 'result', 'detail')
+print('  '.join(str(header[k]).ljust(w[k]) for k in range(4)))
+print('  '.join('-' * w[k] for k in range(4)))
+for r in rows:
+    print('  '.join(str(r[k]).ljust(w[k]) for k in range(4)))
+print('OVERALL:', 'PASS' if ok else 'FAIL')
+sys.exit(0 if ok else 1)
+EOF

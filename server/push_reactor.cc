@@ -79,11 +79,14 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     idle_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
     if (!ok) {
       // The client half-closed without End, or the call is gone.
-      std::string message = "Push stream closed before End";
+      const std::string reason = context_->IsCancelled()
+                                     ? "the client cancelled the Push (cancel, disconnect or "
+                                       "deadline)"
+                                     : "the stream closed before End";
+      std::string message = absl::StrCat("Push: ", reason);
       if (session_ != nullptr) {
-        session_->Abort("the stream closed before End");
-        message = absl::StrCat("refit \"", session_->refit_id(),
-                               "\" aborted: the stream closed before End");
+        session_->Abort(reason);
+        message = absl::StrCat("refit \"", session_->refit_id(), "\" aborted: ", reason);
       }
       FinishOnce(grpc::Status(grpc::StatusCode::ABORTED, message), "aborted");
       return;

@@ -65,11 +65,7 @@ class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorRe
     message_.set_byte_offset(offset_);
     message_.set_data(bytes_.data() + offset_, n);
     offset_ += n;
-    if (offset_ >= bytes_.size()) {
-      StartWriteLast(&message_, grpc::WriteOptions());
-    } else {
-      StartWrite(&message_);
-    }
+    StartWrite(&message_);
   }
 
   std::string bytes_;

@@ -1,0 +1,206 @@
+// Shared helpers of the tests in tests/server: a RefitServer on a Unix socket
+// in a fresh temp dir, clients for it, and Push messages built from the
+// fixture model.
+#ifndef REFIT_TESTS_SERVER_SERVER_TEST_UTIL_H_
+#define REFIT_TESTS_SERVER_SERVER_TEST_UTIL_H_
+
+#include <stdlib.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/fixture_model.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "refit/v1/refit.grpc.pb.h"
+#include "server/refit_server.h"
+
+namespace refit::server::testing {
+
+inline std::string MakeTempDir() {
+  const char* tmp = getenv("TEST_TMPDIR");
+  if (tmp == nullptr || *tmp == '\0') tmp = getenv("TMPDIR");
+  std::string pattern = absl::StrCat(tmp != nullptr && *tmp ? tmp : "/tmp", "/refitd-test-XXXXXX");
+  if (mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
+  return pattern;
+}
+
+// Options for a fast in-process daemon on `dir`/refitd.sock.
+inline ServerOptions TestOptions(const std::string& dir) {
+  ServerOptions options;
+  options.listen = {absl::StrCat("unix:", dir, "/refitd.sock")};
+  options.model = "demo";
+  options.reload_root = dir;
+  options.shutdown_timeout = absl::Seconds(5);
+  return options;
+}
+
+inline std::shared_ptr<grpc::Channel> Connect(const RefitServer& server) {
+  return grpc::CreateChannel(server.bound_addresses().front(),
+                             grpc::InsecureChannelCredentials());
+}
+
+inline std::vector<core::OwnedTensor> FixtureWeights(uint64_t seed) {
+  absl::StatusOr<std::vector<core::OwnedTensor>> weights =
+      core::MakeFixtureWeights(core::FixtureConfig(), seed);
+  EXPECT_TRUE(weights.ok()) << weights.status();
+  return weights.ok() ? *std::move(weights) : std::vector<core::OwnedTensor>{};
+}
+
+inline v1::DType ProtoDType(core::DType dtype) {
+  switch (dtype) {
+    case core::DType::kFloat32:
+      return v1::DTYPE_F32;
+    case core::DType::kFloat16:
+      return v1::DTYPE_F16;
+    case core::DType::kBFloat16:
+      return v1::DTYPE_BF16;
+    default:
+      ADD_FAILURE() << "fixture dtype";
+      return v1::DTYPE_UNSPECIFIED;
+  }
+}
+
+inline v1::PushRequest BeginMessage(v1::CompletionMode mode = v1::COMPLETION_MODE_COMMIT) {
+  v1::PushRequest request;
+  v1::RefitOptions* options = request.mutable_begin()->mutable_options();
+  options->set_completion(mode);
+  options->set_non_finite(v1::NON_FINITE_POLICY_REJECT);
+  options->set_label("test");
+  return request;
+}
+
+inline v1::PushRequest EndMessage() {
+  v1::PushRequest request;
+  request.mutable_end();
+  return request;
+}
+
+inline void AddChunk(const core::OwnedTensor& tensor, v1::Chunks* chunks) {
+  v1::Chunk* chunk = chunks->add_chunks();
+  chunk->set_tensor_name(tensor.name);
+  chunk->set_dtype(ProtoDType(tensor.dtype));
+  for (int64_t d : tensor.shape) chunk->add_shape(d);
+  chunk->set_byte_offset(0);
+  chunk->set_data(tensor.bytes.data(), tensor.bytes.size());
+}
+
+// All tensors, about `bucket_bytes` per message.
+inline std::vector<v1::PushRequest> ChunkMessages(const std::vector<core::OwnedTensor>& tensors,
+                                                  size_t bucket_bytes = 256 << 10) {
+  std::vector<v1::PushRequest> out;
+  v1::PushRequest current;
+  size_t bytes = 0;
+  for (const core::OwnedTensor& tensor : tensors) {
+    AddChunk(tensor, current.mutable_chunks());
+    bytes += tensor.bytes.size();
+    if (bytes >= bucket_bytes) {
+      out.push_back(std::move(current));
+      current = v1::PushRequest();
+      bytes = 0;
+    }
+  }
+  if (current.has_chunks()) out.push_back(std::move(current));
+  return out;
+}
+
+struct PushOutcome {
+  grpc::Status status;
+  v1::PushResponse response;
+};
+
+// One whole Push stream: `messages` in order, then WritesDone and Finish.
+inline PushOutcome PushMessages(v1::RefitService::Stub* stub,
+                                const std::vector<v1::PushRequest>& messages,
+                                const std::string& token = "") {
+  grpc::ClientContext context;
+  if (!token.empty()) context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  PushOutcome outcome;
+  std::unique_ptr<grpc::ClientWriter<v1::PushRequest>> writer =
+      stub->Push(&context, &outcome.response);
+  for (const v1::PushRequest& message : messages) {
+    if (!writer->Write(message)) break;
+  }
+  writer->WritesDone();
+  outcome.status = writer->Finish();
+  return outcome;
+}
+
+inline std::vector<v1::PushRequest> FullPush(uint64_t seed,
+                                             v1::CompletionMode mode = v1::COMPLETION_MODE_COMMIT) {
+  std::vector<v1::PushRequest> messages = {BeginMessage(mode)};
+  for (v1::PushRequest& m : ChunkMessages(FixtureWeights(seed))) messages.push_back(std::move(m));
+  messages.push_back(EndMessage());
+  return messages;
+}
+
+inline v1::GetStatusResponse Status(v1::RefitService::Stub* stub, const std::string& token = "") {
+  grpc::ClientContext context;
+  if (!token.empty()) context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  v1::GetStatusResponse response;
+  grpc::Status status = stub->GetStatus(&context, v1::GetStatusRequest(), &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return response;
+}
+
+// Reads a whole kernel tensor.
+inline grpc::Status ReadTensorBytes(v1::RefitService::Stub* stub, const std::string& name,
+                                    std::string* bytes, uint32_t max_chunk_bytes = 0,
+                                    int* messages = nullptr) {
+  grpc::ClientContext context;
+  v1::ReadTensorRequest request;
+  request.set_name(name);
+  request.set_max_chunk_bytes(max_chunk_bytes);
+  std::unique_ptr<grpc::ClientReader<v1::ReadTensorResponse>> reader =
+      stub->ReadTensor(&context, request);
+  v1::ReadTensorResponse response;
+  bytes->clear();
+  int count = 0;
+  while (reader->Read(&response)) {
+    EXPECT_EQ(response.byte_offset(), bytes->size());
+    bytes->append(response.data());
+    ++count;
+  }
+  if (messages != nullptr) *messages = count;
+  return reader->Finish();
+}
+
+// A Watch stream opened before the action under test; Next() blocks for the
+// next event.
+class WatchStream {
+ public:
+  explicit WatchStream(v1::RefitService::Stub* stub) {
+    reader_ = stub->Watch(&context_, v1::WatchRequest());
+    v1::WatchEvent snapshot;
+    EXPECT_TRUE(reader_->Read(&snapshot));
+    EXPECT_EQ(snapshot.type(), v1::WatchEvent::TYPE_SNAPSHOT);
+  }
+  ~WatchStream() {
+    context_.TryCancel();
+    v1::WatchEvent ignored;
+    while (reader_->Read(&ignored)) {
+    }
+    reader_->Finish();
+  }
+  // The next event of `type` (earlier ones of other types are skipped).
+  v1::WatchEvent Next(v1::WatchEvent::Type type) {
+    v1::WatchEvent event;
+    while (reader_->Read(&event)) {
+      if (event.type() == type) return event;
+    }
+    ADD_FAILURE() << "Watch ended before an event of type " << type;
+    return event;
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<v1::WatchEvent>> reader_;
+};
+
+}  // namespace refit::server::testing
+
+#endif  // REFIT_TESTS_SERVER_SERVER_TEST_UTIL_H_

@@ -16,10 +16,10 @@
 #include "absl/strings/str_cat.h"
 #include "core/fp8_quantizer_internal.h"
 
-// The kernels are written once with GCC vector extensions (64-byte vectors)
-// and compiled three times: baseline x86-64, AVX2 and AVX-512, chosen at run
-// time. Vectors never cross a non-inlined call, so GCC's note that passing
-// them by value depends on the ISA does not apply.
+// The kernels are written once with GCC vector extensions and compiled three
+// times: baseline x86-64, AVX2 and AVX-512, chosen at run time. Vectors never
+// cross a non-inlined call, so GCC's note that passing them by value depends
+// on the ISA does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace refit::core {
@@ -36,8 +36,8 @@ namespace {
 //   |y| <  2^-6 (e4m3 subnormal, step 2^-9): add 2^14, whose ulp is 2^-9, so
 //     the FPU's round-to-nearest-even does the rounding; the low mantissa bits
 //     are then the code 0..8 (8 = 2^-6 is the smallest normal, code 0x08).
-// Integer math on IEEE bits and one float add are exact and deterministic on
-// every ISA, which is what makes the variants byte-identical.
+// Integer math on IEEE bits and one correctly rounded float add give the same
+// result on every ISA, which is what makes the variants byte-identical.
 
 constexpr int32_t kF32AbsMask = 0x7FFFFFFF;
 constexpr int32_t kF32InfBits = 0x7F800000;
@@ -45,7 +45,9 @@ constexpr int32_t kF32Bits448 = 0x43E00000;
 constexpr int32_t kF32BitsFp8MinNormal = 0x3C800000;  // 2^-6
 constexpr float kSubnormalRounder = 16384.0f;         // 2^14
 constexpr int32_t kSubnormalRounderBits = 0x46800000;
-constexpr int32_t kMantissaRound = 0x7FFFF;  // half of the 20 dropped bits, minus one
+// Added before dropping 20 mantissa bits: half an ulp of what stays, minus
+// one; adding the lowest kept bit as well makes exact ties round to even.
+constexpr int32_t kMantissaRound = 0x7FFFF;
 constexpr int32_t kRebias = (127 - 7) << 3;
 constexpr int32_t kFp8Max = 0x7E;  // 448
 constexpr int32_t kFp8Nan = 0x7F;
@@ -71,12 +73,13 @@ REFIT_FP8_INLINE int32_t EncodeAbsScalar(int32_t a) {
 // Vector kernels, written once with GCC vector extensions and instantiated
 // per ISA at that ISA's native width (kBytes = 16 / 32 / 64): wider generic
 // vectors than the target has would make GCC scalarize the selects. Lanes are
-// int32/float; 16-bit inputs are widened on load.
+// int32/float.
 
 template <int kBytes>
 struct Simd {
   typedef int32_t I32 __attribute__((vector_size(kBytes)));
   typedef float F32 __attribute__((vector_size(kBytes)));
+  typedef uint32_t U32 __attribute__((vector_size(kBytes)));
   typedef uint16_t U16 __attribute__((vector_size(kBytes / 2)));  // one u16 per lane
   typedef uint8_t U8 __attribute__((vector_size(kBytes / 4)));    // one byte per lane
   static constexpr int64_t kLanes = kBytes / 4;
@@ -108,12 +111,6 @@ struct Bf16Traits {
   static constexpr uint32_t kAbsMask = 0x7FFF;
   static constexpr uint32_t kInf = 0x7F80;
   template <typename S>
-  REFIT_FP8_INLINE static typename S::I32 Load(const Bits* p) {
-    typename S::U16 raw;
-    std::memcpy(&raw, p, sizeof raw);
-    return __builtin_convertvector(raw, typename S::I32);
-  }
-  template <typename S>
   REFIT_FP8_INLINE static typename S::F32 AbsToFloat(typename S::I32 abs) {
     return reinterpret_cast<typename S::F32>(abs << 16);
   }
@@ -128,12 +125,6 @@ struct Fp16Traits {
   using Bits = uint16_t;
   static constexpr uint32_t kAbsMask = 0x7FFF;
   static constexpr uint32_t kInf = 0x7C00;
-  template <typename S>
-  REFIT_FP8_INLINE static typename S::I32 Load(const Bits* p) {
-    typename S::U16 raw;
-    std::memcpy(&raw, p, sizeof raw);
-    return __builtin_convertvector(raw, typename S::I32);
-  }
   // Normals: move exponent and mantissa into place and rebias 15 -> 127.
   // Subnormals: mantissa * 2^-24 via an exact int -> float conversion, so no
   // float32 denormal is ever formed (denormals-are-zero could not bite).
@@ -161,12 +152,6 @@ struct F32Traits {
   using Bits = uint32_t;
   static constexpr uint32_t kAbsMask = 0x7FFFFFFF;
   static constexpr uint32_t kInf = 0x7F800000;
-  template <typename S>
-  REFIT_FP8_INLINE static typename S::I32 Load(const Bits* p) {
-    typename S::I32 raw;
-    std::memcpy(&raw, p, sizeof raw);
-    return raw;
-  }
   template <typename S>
   REFIT_FP8_INLINE static typename S::F32 AbsToFloat(typename S::I32 abs) {
     return reinterpret_cast<typename S::F32>(abs);
@@ -257,60 +242,110 @@ REFIT_FP8_INLINE typename S::I32 QuantizeLanes(typename S::I32 x, typename S::F3
   return code | sign;
 }
 
-// Stores one byte per lane (every lane holds 0..255). GCC narrows 512-bit
-// vectors well (vpmovdb) but scalarizes narrower ones, so those use packs.
-template <int kBytes>
-struct ByteStore;
+// One step of the convert pass: one vector load of raw source bits. 32-bit
+// sources give one code per lane. 16-bit sources are not widened (GCC's
+// widening is poor); a load holds two elements per lane instead, 2j in the
+// low half and 2j+1 in the high half, and the lane returns both codes, in
+// memory order (little endian).
+template <typename T, int kBytes, bool kVllm>
+REFIT_FP8_INLINE typename Simd<kBytes>::I32 QuantizeStep(const typename T::Bits* p,
+                                                         typename Simd<kBytes>::F32 inv) {
+  using S = Simd<kBytes>;
+  using I32 = typename S::I32;
+  I32 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  if constexpr (sizeof(typename T::Bits) == 2) {
+    const I32 even = raw & 0xFFFF;
+    const I32 odd = reinterpret_cast<I32>(reinterpret_cast<typename S::U32>(raw) >> 16);
+    return QuantizeLanes<T, S, kVllm>(even, inv) | (QuantizeLanes<T, S, kVllm>(odd, inv) << 8);
+  } else {
+    return QuantizeLanes<T, S, kVllm>(raw, inv);
+  }
+}
 
-template <>
-struct ByteStore<64> {
-  using I32 = Simd<64>::I32;
-  REFIT_FP8_INLINE static __m128i Pack(I32 v) {
-    const Simd<64>::U8 bytes = __builtin_convertvector(v, Simd<64>::U8);
-    __m128i out;
-    std::memcpy(&out, &bytes, sizeof out);
-    return out;
+// Stores the low kOut (1 or 2) bytes of every lane. GCC narrows 512-bit
+// vectors well (vpmovdb / vpmovdw) but scalarizes narrower ones, so those use
+// SSE2 packs (VEX-encoded inside the AVX2 kernels; an AVX2 intrinsic could not
+// be inlined through the generic kernel). Stream: dst 16-byte aligned,
+// non-temporal; only the 512-bit kernels stream.
+template <int kBytes, int kOut>
+struct OutStore;
+
+template <int kOut>
+struct OutStore<64, kOut> {
+  using S = Simd<64>;
+  static constexpr bool kCanStream = true;
+  REFIT_FP8_INLINE static void Store(uint8_t* dst, S::I32 v) {
+    if constexpr (kOut == 1) {
+      const S::U8 out = __builtin_convertvector(v, S::U8);
+      std::memcpy(dst, &out, sizeof out);
+    } else {
+      const S::U16 out = __builtin_convertvector(v, S::U16);
+      std::memcpy(dst, &out, sizeof out);
+    }
   }
-  REFIT_FP8_INLINE static void Store(uint8_t* dst, I32 v) {
-    const __m128i bytes = Pack(v);
-    std::memcpy(dst, &bytes, sizeof bytes);
-  }
-  // dst 16-byte aligned; bypasses the cache.
-  REFIT_FP8_INLINE static void Stream(uint8_t* dst, I32 v) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), Pack(v));
+  REFIT_FP8_INLINE static void Stream(uint8_t* dst, S::I32 v) {
+    __m128i out[kOut];
+    if constexpr (kOut == 1) {
+      const S::U8 narrow = __builtin_convertvector(v, S::U8);
+      std::memcpy(out, &narrow, sizeof out);
+    } else {
+      const S::U16 narrow = __builtin_convertvector(v, S::U16);
+      std::memcpy(out, &narrow, sizeof out);
+    }
+    for (int k = 0; k < kOut; ++k) _mm_stream_si128(reinterpret_cast<__m128i*>(dst) + k, out[k]);
   }
 };
 
-template <>
-struct ByteStore<32> {
-  using I32 = Simd<32>::I32;
-  // SSE2 packs on the two halves (VEX-encoded inside the AVX2 kernels); an
-  // AVX2 intrinsic here could not be inlined through the generic kernel.
-  REFIT_FP8_INLINE static void Store(uint8_t* dst, I32 v) {
+// Packs 128-bit pieces of lanes holding 0..255 (kOut 1) or 0..65535 (kOut 2).
+// Signed saturating packs are exact once 16-bit payloads are sign-extended.
+template <int kOut>
+REFIT_FP8_INLINE __m128i PackWords(__m128i lo, __m128i hi) {
+  if constexpr (kOut == 2) {
+    lo = _mm_srai_epi32(_mm_slli_epi32(lo, 16), 16);
+    hi = _mm_srai_epi32(_mm_slli_epi32(hi, 16), 16);
+  }
+  return _mm_packs_epi32(lo, hi);
+}
+
+template <int kOut>
+struct OutStore<32, kOut> {
+  using S = Simd<32>;
+  static constexpr bool kCanStream = false;
+  REFIT_FP8_INLINE static void Store(uint8_t* dst, S::I32 v) {
     __m128i halves[2];
     std::memcpy(halves, &v, sizeof halves);
-    const __m128i words = _mm_packs_epi32(halves[0], halves[1]);  // values <= 255
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(words, words));
+    const __m128i words = PackWords<kOut>(halves[0], halves[1]);
+    if constexpr (kOut == 1) {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(words, words));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), words);
+    }
   }
-  static void Stream(uint8_t*, I32) {}  // never called: 8-byte groups do not stream
+  static void Stream(uint8_t*, S::I32) {}  // never called
 };
 
-template <>
-struct ByteStore<16> {
-  using I32 = Simd<16>::I32;
-  REFIT_FP8_INLINE static void Store(uint8_t* dst, I32 v) {
+template <int kOut>
+struct OutStore<16, kOut> {
+  using S = Simd<16>;
+  static constexpr bool kCanStream = false;
+  REFIT_FP8_INLINE static void Store(uint8_t* dst, S::I32 v) {
     __m128i x;
     std::memcpy(&x, &v, sizeof x);
-    const __m128i words = _mm_packs_epi32(x, x);  // values <= 255: no saturation
-    const int32_t bytes = _mm_cvtsi128_si32(_mm_packus_epi16(words, words));
-    std::memcpy(dst, &bytes, sizeof bytes);
+    const __m128i words = PackWords<kOut>(x, x);
+    if constexpr (kOut == 1) {
+      const int32_t bytes = _mm_cvtsi128_si32(_mm_packus_epi16(words, words));
+      std::memcpy(dst, &bytes, sizeof bytes);
+    } else {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), words);
+    }
   }
-  static void Stream(uint8_t*, I32) {}  // never called
+  static void Stream(uint8_t*, S::I32) {}  // never called
 };
 
 // Quantizes a [nrows, ncols] tile; column block b (of `block_cols`) uses
-// inv[b]. With `stream`, 16-byte groups of output go out as non-temporal
-// stores: a large output is not read again by us, and skipping the
+// inv[b]. With `stream`, output goes out as non-temporal stores where it is
+// 16-byte aligned: a large output is not read again by us, and skipping the
 // read-for-ownership saves a third of the memory traffic of the pass.
 template <typename T, int kBytes, bool kVllm>
 REFIT_FP8_INLINE void QuantizeBlocks(const typename T::Bits* src, int64_t stride, int64_t nrows,
@@ -318,9 +353,8 @@ REFIT_FP8_INLINE void QuantizeBlocks(const typename T::Bits* src, int64_t stride
                                      bool stream, uint8_t* dst, int64_t dst_stride) {
   using Bits = typename T::Bits;
   using S = Simd<kBytes>;
-  constexpr int64_t kLanes = S::kLanes;
-  using Store = ByteStore<kBytes>;
-  constexpr bool kCanStream = kBytes == 64;
+  constexpr int64_t kStep = kBytes / sizeof(Bits);  // elements (= output bytes) per step
+  using Store = OutStore<kBytes, sizeof(Bits) == 2 ? 2 : 1>;
   if (block_cols <= 0) block_cols = 1;  // empty range: no blocks
   const int64_t nblocks = (ncols + block_cols - 1) / block_cols;
   for (int64_t r = 0; r < nrows; ++r) {
@@ -330,26 +364,26 @@ REFIT_FP8_INLINE void QuantizeBlocks(const typename T::Bits* src, int64_t stride
       const typename S::F32 vinv = typename S::F32{} + inv[b];
       const int64_t end = std::min(ncols, (b + 1) * block_cols);
       int64_t i = b * block_cols;
-      if (kCanStream && stream && reinterpret_cast<uintptr_t>(out + i) % 16 == 0) {
-        for (; i + kLanes <= end; i += kLanes) {
-          Store::Stream(out + i, QuantizeLanes<T, S, kVllm>(T::template Load<S>(in + i), vinv));
+      if (Store::kCanStream && stream && reinterpret_cast<uintptr_t>(out + i) % 16 == 0) {
+        for (; i + kStep <= end; i += kStep) {
+          Store::Stream(out + i, QuantizeStep<T, kBytes, kVllm>(in + i, vinv));
         }
       }
-      for (; i + kLanes <= end; i += kLanes) {
-        Store::Store(out + i, QuantizeLanes<T, S, kVllm>(T::template Load<S>(in + i), vinv));
+      for (; i + kStep <= end; i += kStep) {
+        Store::Store(out + i, QuantizeStep<T, kBytes, kVllm>(in + i, vinv));
       }
       if (i < end) {
-        Bits tail[kLanes] = {};
+        Bits tail[kStep] = {};
         std::memcpy(tail, in + i, (end - i) * sizeof(Bits));
-        uint8_t bytes[kLanes];
-        Store::Store(bytes, QuantizeLanes<T, S, kVllm>(T::template Load<S>(tail), vinv));
+        uint8_t bytes[kStep];
+        Store::Store(bytes, QuantizeStep<T, kBytes, kVllm>(tail, vinv));
         std::memcpy(out + i, bytes, end - i);
       }
     }
   }
   // Non-temporal stores are weakly ordered: fence before the caller publishes
   // (thread join, return).
-  if (kCanStream && stream) _mm_sfence();
+  if (Store::kCanStream && stream) _mm_sfence();
 }
 
 using AbsMaxFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,

@@ -1,0 +1,131 @@
+// Option parsing helpers and the tokens-file parser: no server needed.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "server/auth.h"
+#include "server/server_options.h"
+
+namespace refit::server {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(ServerOptionsTest, SplitsCommaSeparatedAndRepeatedAddresses) {
+  EXPECT_THAT(SplitListenAddresses({"127.0.0.1:1, unix:/tmp/a.sock", "[::1]:3", ""}),
+              ElementsAre("127.0.0.1:1", "unix:/tmp/a.sock", "[::1]:3"));
+}
+
+TEST(ServerOptionsTest, LoopbackAddresses) {
+  EXPECT_TRUE(IsLoopbackAddress("127.0.0.1:50051"));
+  EXPECT_TRUE(IsLoopbackAddress("127.1.2.3:0"));
+  EXPECT_TRUE(IsLoopbackAddress("localhost:50051"));
+  EXPECT_TRUE(IsLoopbackAddress("[::1]:50051"));
+  EXPECT_TRUE(IsLoopbackAddress("unix:/run/refitd.sock"));
+  EXPECT_FALSE(IsLoopbackAddress("0.0.0.0:50051"));
+  EXPECT_FALSE(IsLoopbackAddress("[::]:50051"));
+  EXPECT_FALSE(IsLoopbackAddress("10.0.0.5:50051"));
+  EXPECT_FALSE(IsLoopbackAddress(":50051"));
+}
+
+TEST(ServerOptionsTest, ParsesByteSizes) {
+  EXPECT_EQ(*ParseByteSize("4096"), 4096);
+  EXPECT_EQ(*ParseByteSize("64MiB"), int64_t{64} << 20);
+  EXPECT_EQ(*ParseByteSize("64M"), int64_t{64} << 20);
+  EXPECT_EQ(*ParseByteSize("4GiB"), int64_t{4} << 30);
+  EXPECT_EQ(*ParseByteSize("512k"), int64_t{512} << 10);
+  EXPECT_EQ(ParseByteSize("lots").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseByteSize("12X").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseByteSize("99999999999T").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(AuthenticatorTest, ParsesTokensFile) {
+  absl::StatusOr<std::unique_ptr<Authenticator>> auth = Authenticator::FromText(
+      "# tokens\n"
+      "t1 trainer alice   # the trainer\n"
+      "\n"
+      "o1 operator\n"
+      "r1 reader bob\n",
+      "tokens.txt");
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  EXPECT_TRUE((*auth)->enabled());
+  absl::StatusOr<Principal> alice = (*auth)->Authorize("Bearer t1", Action::kPush, "Push");
+  ASSERT_TRUE(alice.ok());
+  EXPECT_EQ(alice->name, "alice");
+  EXPECT_EQ(alice->role, Role::kTrainer);
+  absl::StatusOr<Principal> op = (*auth)->Authorize("bearer o1", Action::kReload, "Reload");
+  ASSERT_TRUE(op.ok());
+  EXPECT_EQ(op->name, "operator@tokens.txt:4");
+}
+
+TEST(AuthenticatorTest, RejectsMalformedFiles) {
+  auto bad_role = Authenticator::FromText("t1 admin\n", "f");
+  EXPECT_EQ(bad_role.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad_role.status().message(), HasSubstr("f:1"));
+  EXPECT_THAT(bad_role.status().message(), HasSubstr("admin"));
+  auto one_field = Authenticator::FromText("# c\nt1\n", "f");
+  EXPECT_EQ(one_field.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(one_field.status().message(), HasSubstr("f:2"));
+  auto repeated = Authenticator::FromText("t1 reader\nt1 trainer\n", "f");
+  EXPECT_EQ(repeated.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Authenticator::FromText("# nothing\n", "f").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Authenticator::FromFile("/nonexistent/tokens").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(AuthenticatorTest, RoleMatrix) {
+  auto auth = *Authenticator::FromText("t trainer\no operator\nr reader\n", "f");
+  struct Case {
+    const char* token;
+    Action action;
+    bool allowed;
+  };
+  const Case cases[] = {
+      {"t", Action::kPush, true},     {"t", Action::kFinish, true},
+      {"t", Action::kAbortAny, false}, {"t", Action::kReload, false},
+      {"t", Action::kRead, false},    {"o", Action::kPush, true},
+      {"o", Action::kFinish, true},   {"o", Action::kAbortAny, true},
+      {"o", Action::kReload, true},   {"o", Action::kRead, true},
+      {"r", Action::kPush, false},    {"r", Action::kFinish, false},
+      {"r", Action::kAbortAny, false}, {"r", Action::kReload, false},
+      {"r", Action::kRead, true},
+  };
+  for (const Case& c : cases) {
+    absl::Status status =
+        auth->Authorize(absl::StrCat("Bearer ", c.token), c.action, "M").status();
+    if (c.allowed) {
+      EXPECT_TRUE(status.ok()) << c.token << " " << static_cast<int>(c.action);
+    } else {
+      EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied)
+          << c.token << " " << static_cast<int>(c.action);
+    }
+  }
+  EXPECT_EQ(auth->Authorize(std::nullopt, Action::kRead, "M").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(auth->Authorize("Bearer nope", Action::kRead, "M").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(auth->Authorize("Basic r", Action::kRead, "M").status().code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
+TEST(AuthenticatorTest, AllowAllIsAnonymousOperator) {
+  auto auth = Authenticator::AllowAll();
+  absl::StatusOr<Principal> p = auth->Authorize(std::nullopt, Action::kReload, "Reload");
+  ASSERT_TRUE(p.ok());
+  EXPECT_FALSE(p->authenticated);
+  EXPECT_TRUE(Authenticator::CheckOwner(*p, "someone", "r-1", "Commit").ok());
+}
+
+TEST(AuthenticatorTest, TrainersFinishOnlyTheirOwnRefits) {
+  Principal alice{"alice", Role::kTrainer, true};
+  Principal op{"ops", Role::kOperator, true};
+  EXPECT_TRUE(Authenticator::CheckOwner(alice, "alice", "r-1", "Commit").ok());
+  absl::Status other = Authenticator::CheckOwner(alice, "bob", "r-1", "Commit");
+  EXPECT_EQ(other.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(other.message(), HasSubstr("r-1"));
+  EXPECT_TRUE(Authenticator::CheckOwner(op, "bob", "r-1", "Abort").ok());
+}
+
+}  // namespace
+}  // namespace refit::server

@@ -643,6 +643,10 @@ struct Job {
 // tensor or the GPU) is a separate pass.
 constexpr int64_t kStreamingMinBytes = int64_t{16} << 20;
 
+// Elements per backwards step of the per-tensor convert pass (a multiple of
+// 64, so that chunk starts keep the output's 16-byte alignment).
+constexpr int64_t kReverseChunk = int64_t{1} << 19;
+
 absl::Status QuantizePerTensor(const Job& job) {
   const int64_t n = job.rows * job.cols;
   const int workers = WorkersFor(job.threads, n, n);
@@ -664,13 +668,19 @@ absl::Status QuantizePerTensor(const Job& job) {
   }
   const float inv = InverseScale(s);
   const bool all_max = job.vllm && s == 0.0f;  // vLLM: 0 / 0 = NaN -> +448
-  // Pass 2: scale, clamp, convert.
+  // Pass 2: scale, clamp, convert. Each worker walks its range backwards in
+  // chunks: the end of the range is what pass 1 read last, so it may still be
+  // in the L3 (all of it, for tensors of up to a few tens of MiB).
   ParallelRanges(workers, n, 64, [&](int, int64_t begin, int64_t end) {
     if (all_max) {
       std::memset(job.out_q + begin, kFp8Max, end - begin);
-    } else {
-      job.k.quantize(job.src + begin * job.esize, 0, 1, end - begin, end - begin, &inv, job.vllm,
-                     job.stream, job.out_q + begin, 0);
+      return;
+    }
+    for (int64_t k = (end - begin - 1) / kReverseChunk; k >= 0; --k) {
+      const int64_t from = begin + k * kReverseChunk;
+      const int64_t count = std::min(kReverseChunk, end - from);
+      job.k.quantize(job.src + from * job.esize, 0, 1, count, count, &inv, job.vllm, job.stream,
+                     job.out_q + from, 0);
     }
   });
   return absl::OkStatus();

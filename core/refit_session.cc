@@ -7,7 +7,9 @@
 #include <limits>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -115,6 +117,7 @@ struct TensorState {
 struct LayerState {
   int64_t loaded = 0;
   bool processed = false;
+  bool queued = false;  // complete, waiting for or in the worker
   std::vector<Buffer> params;  // allocated on the first chunk, freed when processed
   int64_t param_bytes = 0;     // allocated
   // Staged kernel bytes, one per kernel of the layer, once processed.
@@ -155,10 +158,14 @@ class RefitSessionImpl {
   }
 
   ~RefitSessionImpl() {
-    absl::MutexLock lock(&mu_);
-    if (state_ == SessionState::kReceiving || state_ == SessionState::kPrepared) {
-      AbortLocked(absl::AbortedError("refit session destroyed before commit"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (state_ == SessionState::kReceiving || state_ == SessionState::kPrepared) {
+        AbortLocked(absl::AbortedError("refit session destroyed before commit"));
+      }
+      StopWorker();
     }
+    if (worker_.joinable()) worker_.join();
   }
 
   const std::string& refit_id() const { return options_.refit_id; }
@@ -192,7 +199,7 @@ class RefitSessionImpl {
   absl::Status Ingest(const Chunk& chunk) {
     absl::MutexLock lock(&mu_);
     if (state_ != SessionState::kReceiving) return NotReceiving();
-    absl::Status status = IngestLocked(chunk);
+    absl::Status status = worker_status_.ok() ? IngestLocked(chunk) : worker_status_;
     last_ingest_ = absl::Now();
     if (!status.ok()) AbortLocked(status);
     return status;
@@ -234,6 +241,7 @@ class RefitSessionImpl {
     }
     timings_.commit = stats->pause;
     state_ = SessionState::kCommitted;
+    StopWorker();
 
     RefitResult result;
     result.refit_id = options_.refit_id;
@@ -297,6 +305,7 @@ class RefitSessionImpl {
     if (state_ == SessionState::kAborted || state_ == SessionState::kCommitted) return;
     state_ = SessionState::kAborted;
     abort_status_ = reason;
+    StopWorker();
     FreeAll();
     store_->ReleaseSession(options_.refit_id);
     REFIT_LOG(WARNING)
@@ -381,7 +390,7 @@ class RefitSessionImpl {
     row_last = std::min(row_last, slice.src_row + slice.num_rows);
     // A processed layer has every element of its slice; the range check
     // already refused anything overlapping it, so the rest is other ranks'.
-    if (row_first >= row_last || layer.processed) return absl::OkStatus();
+    if (row_first >= row_last || layer.processed || layer.queued) return absl::OkStatus();
     if (slice.src_col > 0 || slice.num_cols < cols) {
       // Column slice: skip chunks that lie wholly in other ranks' columns.
       bool touches = false;
@@ -416,7 +425,7 @@ class RefitSessionImpl {
     loaded_ += contributed;
     if (contributed > 0 && layer_spec.kind != LayerKind::kAttention &&
         layer.loaded == layer_spec.expected_numel) {
-      return ProcessLayer(ct.layer);
+      return EnqueueLayer(ct.layer);
     }
     return absl::OkStatus();
   }
@@ -425,6 +434,13 @@ class RefitSessionImpl {
     const LayerSpec& spec = layout_.layers()[l];
     LayerState& layer = layers_[l];
     int64_t bytes = spec.param_bytes();
+    if (staging_bytes_ + bytes > options_.staging_budget_bytes && (!pending_.empty() || busy_)) {
+      // Complete layers still hold staging until the worker is through with
+      // them: wait for it (backpressure) rather than fail.
+      absl::Status drained = DrainWorker();
+      if (state_ != SessionState::kReceiving) return NotReceiving();
+      if (!drained.ok()) return drained;
+    }
     if (staging_bytes_ + bytes > options_.staging_budget_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "staging budget exceeded: layer \"", spec.name, "\" needs ", bytes,
@@ -449,19 +465,22 @@ class RefitSessionImpl {
     return n;
   }
 
-  // Turns a layer's checkpoint-format params into its kernels (staged), then
-  // frees the params.
-  absl::Status ProcessLayer(int l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  struct Processed {
+    std::vector<Buffer> staged;  // one per kernel of the layer
+    std::vector<uint64_t> hashes;
+    absl::Duration took;
+  };
+
+  // Turns a layer's checkpoint-format params into its kernels. Touches no
+  // session state, so the worker runs it without holding mu_.
+  absl::StatusOr<Processed> ComputeLayer(int l, std::vector<Buffer> params) const {
     absl::Time start = absl::Now();
     const LayerSpec& spec = layout_.layers()[l];
-    LayerState& layer = layers_[l];
-    if (layer.params.empty()) {
-      absl::Status allocated = AllocateLayer(l);
-      if (!allocated.ok()) return allocated;
-    }
-    std::vector<Buffer> staged(spec.kernels.size());
+    Processed out;
+    out.staged.resize(spec.kernels.size());
+    std::vector<Buffer>& staged = out.staged;
     if (spec.kind == LayerKind::kAttention) {
-      absl::Status done = ProcessAttention(spec, layer, staged);
+      absl::Status done = ProcessAttention(spec, params, staged);
       if (!done.ok()) return done;
     } else {
       for (size_t k = 0; k < spec.kernels.size(); ++k) {
@@ -489,7 +508,7 @@ class RefitSessionImpl {
           qopts.non_finite = options_.non_finite;
           qopts.num_threads = options_.quantize_threads;
           absl::Status quantized = QuantizeFp8(
-              layer.params[p].data.get(), param.dtype, param.shape[0], param.shape[1], qopts,
+              params[p].data.get(), param.dtype, param.shape[0], param.shape[1], qopts,
               q->data.get(), reinterpret_cast<float*>(scales->data.get()), kernel.name);
           if (!quantized.ok()) return quantized;
           staged[k] = *std::move(q);
@@ -500,39 +519,118 @@ class RefitSessionImpl {
             return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": param \"",
                                                     param.suffix, "\" and its kernel differ in size"));
           }
-          staged[k] = std::move(layer.params[p]);
+          staged[k] = std::move(params[p]);
         }
       }
     }
     // Processing must reproduce the first load's exact sizes, or nothing commits.
-    layer.hashes.resize(spec.kernels.size());
+    out.hashes.resize(spec.kernels.size());
     for (size_t k = 0; k < spec.kernels.size(); ++k) {
       if (staged[k].size != spec.kernels[k].nbytes()) {
         return absl::InternalError(absl::StrCat("kernel \"", spec.kernels[k].name, "\": staged ",
                                                 staged[k].size, " bytes, live tensor has ",
                                                 spec.kernels[k].nbytes()));
       }
-      layer.hashes[k] = Hash(staged[k].data.get(), staged[k].size);
-      staged_kernel_bytes_ += staged[k].size;
+      out.hashes[k] = Hash(staged[k].data.get(), staged[k].size);
     }
-    layer.staged = std::move(staged);
-    layer.params.clear();
+    out.took = absl::Now() - start;
+    return out;
+  }
+
+  // Records a processed layer; its high-precision staging is gone by now.
+  void PublishLayer(int l, Processed processed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    LayerState& layer = layers_[l];
+    for (const Buffer& b : processed.staged) staged_kernel_bytes_ += b.size;
+    layer.staged = std::move(processed.staged);
+    layer.hashes = std::move(processed.hashes);
     staging_bytes_ -= layer.param_bytes;
     layer.param_bytes = 0;
     layer.processed = true;
-    timings_.quantize += absl::Now() - start;
+    layer.queued = false;
+    timings_.quantize += processed.took;
+  }
+
+  // Processes layer `l` on the calling thread (finalize-time layers).
+  absl::Status ProcessLayer(int l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    LayerState& layer = layers_[l];
+    if (layer.params.empty()) {
+      absl::Status allocated = AllocateLayer(l);
+      if (!allocated.ok()) return allocated;
+    }
+    absl::StatusOr<Processed> processed = ComputeLayer(l, std::move(layer.params));
+    layer.params.clear();
+    if (!processed.ok()) return processed.status();
+    PublishLayer(l, *std::move(processed));
     return absl::OkStatus();
+  }
+
+  // A complete layer goes to the worker, so that quantizing it overlaps
+  // receiving the next one.
+  absl::Status EnqueueLayer(int l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!options_.overlap_processing) return ProcessLayer(l);
+    layers_[l].queued = true;
+    pending_.push_back(l);
+    if (!worker_.joinable()) worker_ = std::thread([this] { WorkerLoop(); });
+    return absl::OkStatus();
+  }
+
+  void WorkerLoop() {
+    absl::MutexLock lock(&mu_);
+    while (true) {
+      mu_.Await(absl::Condition(
+          +[](RefitSessionImpl* self) {
+            return self->stop_ || !self->pending_.empty();
+          },
+          this));
+      if (stop_) return;
+      int l = pending_.front();
+      pending_.pop_front();
+      if (!worker_status_.ok()) continue;  // drop work after the first failure
+      busy_ = true;
+      std::vector<Buffer> params = std::move(layers_[l].params);
+      layers_[l].params.clear();
+      mu_.Unlock();
+      absl::StatusOr<Processed> processed = ComputeLayer(l, std::move(params));
+      mu_.Lock();
+      busy_ = false;
+      if (stop_) return;
+      if (!processed.ok()) {
+        worker_status_ = processed.status();
+        continue;
+      }
+      PublishLayer(l, *std::move(processed));
+    }
+  }
+
+  // Waits until the worker has processed everything queued; returns its
+  // first error, if any.
+  absl::Status DrainWorker() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    mu_.Await(absl::Condition(
+        +[](RefitSessionImpl* self) {
+          return self->pending_.empty() && !self->busy_;
+        },
+        this));
+    return worker_status_;
+  }
+
+  // Stops the worker; the in-flight layer, if any, is finished and dropped.
+  void StopWorker() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    stop_ = true;
+    mu_.Await(absl::Condition(
+        +[](RefitSessionImpl* self) { return !self->busy_; },
+        this));
+    pending_.clear();
   }
 
   // REFERENCE.md §4: both k and v present (> 0) -> use them; both missing ->
   // 1.0; one missing -> the other; q missing -> k. The legacy kv_scale stands
   // in for whichever of k / v is missing.
-  absl::Status ProcessAttention(const LayerSpec& spec, const LayerState& layer,
-                                std::vector<Buffer>& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  absl::Status ProcessAttention(const LayerSpec& spec, const std::vector<Buffer>& params,
+                                std::vector<Buffer>& staged) const {
     auto received = [&](absl::string_view suffix) -> float {
       int p = ParamIndex(spec, suffix);
-      if (p < 0 || layer.params.empty()) return 0.0f;
-      float value = LoadAsFloat(layer.params[p].data.get(), spec.params[p].dtype, 0);
+      if (p < 0 || params.empty()) return 0.0f;
+      float value = LoadAsFloat(params[p].data.get(), spec.params[p].dtype, 0);
       return value > 0.0f && value < std::numeric_limits<float>::infinity() ? value : 0.0f;
     };
     float kv = received("kv_scale");
@@ -600,6 +698,8 @@ class RefitSessionImpl {
   absl::Status FinalizeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::Time start = absl::Now();
     timings_.receive = last_ingest_ - begin_time_;
+    absl::Status drained = DrainWorker();
+    if (!drained.ok()) return drained;
     const std::vector<CheckpointTensor>& cts = layout_.checkpoint_tensors();
     // A tensor received only in part is truncated data, never padding.
     for (size_t i = 0; i < cts.size(); ++i) {
@@ -677,6 +777,13 @@ class RefitSessionImpl {
   PhaseTimings timings_ ABSL_GUARDED_BY(mu_);
   const absl::Time begin_time_;
   absl::Time last_ingest_ ABSL_GUARDED_BY(mu_);
+
+  // The processing worker (RefitOptions::overlap_processing).
+  std::thread worker_;
+  std::deque<int> pending_ ABSL_GUARDED_BY(mu_);
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status worker_status_ ABSL_GUARDED_BY(mu_);
 };
 
 RefitSession::RefitSession(std::unique_ptr<RefitSessionImpl> impl) : impl_(std::move(impl)) {}

@@ -63,6 +63,8 @@ struct RefitOptions {
   NonFinitePolicy non_finite = NonFinitePolicy::kReject;
   bool allow_partial_layers = false;  // zero-fill missing tensors (vLLM behaviour)
   int quantize_threads = 0;
+  // Quantize complete layers on a worker thread while later chunks arrive.
+  bool overlap_processing = true;
 };
 
 // A byte range of one checkpoint tensor, as the trainer sends it.

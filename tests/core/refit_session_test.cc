@@ -210,7 +210,9 @@ TEST_F(RefitSessionTest, AbortBeforeTheFirstLayerCompletesChangesNothing) {
 }
 
 TEST_F(RefitSessionTest, AbortMidwayChangesNothing) {
-  std::unique_ptr<RefitSession> session = Begin();
+  RefitOptions options;
+  options.overlap_processing = false;  // processed layers are done on return
+  std::unique_ptr<RefitSession> session = Begin(options);
   for (size_t i = 0; i < v2_.size() / 2; ++i) {
     ASSERT_TRUE(session->Ingest(ToChunk({&v2_[i], 0, v2_[i].bytes.size()})).ok());
   }
@@ -221,6 +223,44 @@ TEST_F(RefitSessionTest, AbortMidwayChangesNothing) {
   EXPECT_EQ(session->progress().staged_kernel_bytes, 0);
   EXPECT_EQ(session->Ingest(ToChunk({&v2_.back(), 0, v2_.back().bytes.size()})).code(),
             absl::StatusCode::kFailedPrecondition);
+  ExpectUnchanged();
+}
+
+TEST_F(RefitSessionTest, AbortWhileTheWorkerIsQuantizingChangesNothing) {
+  // Layers complete one after another and queue for the worker; aborting
+  // right away must stop it cleanly whatever it is doing.
+  for (int round = 0; round < 5; ++round) {
+    std::unique_ptr<RefitSession> session = Begin();
+    for (const OwnedTensor& t : v2_) {
+      ASSERT_TRUE(session->Ingest(ToChunk({&t, 0, t.bytes.size()})).ok());
+    }
+    session->Abort("round");
+    EXPECT_EQ(session->progress().staged_kernel_bytes, 0);
+    ExpectUnchanged();
+  }
+}
+
+TEST_F(RefitSessionTest, WorkerErrorsSurfaceAndAbort) {
+  std::vector<OwnedTensor> w = v2_;
+  for (OwnedTensor& t : w) {
+    if (t.name == "model.layers.0.mlp.down_proj.weight") {
+      t.bytes[0] = 0x80;  // bf16 0x7F80 = +Inf
+      t.bytes[1] = 0x7F;
+    }
+  }
+  std::unique_ptr<RefitSession> session = Begin();
+  absl::Status first_error;
+  for (const OwnedTensor& t : w) {
+    absl::Status s = session->Ingest(ToChunk({&t, 0, t.bytes.size()}));
+    if (!s.ok()) {
+      first_error = s;
+      break;
+    }
+  }
+  if (first_error.ok()) first_error = session->Prepare();
+  EXPECT_EQ(first_error.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(first_error.message(), HasSubstr("model.layers.0.mlp.down_proj"));
+  EXPECT_EQ(session->state(), SessionState::kAborted);
   ExpectUnchanged();
 }
 

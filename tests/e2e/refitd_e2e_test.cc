@@ -1,0 +1,501 @@
+// End-to-end: the real build/bin/refitd driven by the real build/bin/refitctl
+// (and by e2e_stalled_pusher, a trainer that stops mid-push), as separate
+// processes. See tests/e2e/e2e_util.h for the ground rules.
+#include <stdlib.h>
+
+#include <map>
+#include <regex>
+#include <thread>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "client/refit_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/e2e/e2e_util.h"
+
+namespace refit::e2e {
+namespace {
+
+using ::grpc::health::v1::HealthCheckResponse;
+using ::testing::HasSubstr;
+
+class RefitdE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const char* bin : {"refitd", "refitctl", "refit_make_fixture"}) {
+      if (!std::filesystem::exists(BinPath(bin))) {
+        GTEST_SKIP() << BinPath(bin) << " is not built";
+      }
+    }
+    char pattern[] = "/tmp/refit_e2e_XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+    socket_ = "unix:" + dir_ + "/refitd.sock";
+  }
+
+  void TearDown() override {
+    children_.clear();  // SIGKILLs whatever still runs
+    daemon_.reset();
+    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
+    if (HasFailure()) std::cerr << "e2e: files kept in " << dir_ << "\n";
+  }
+
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+
+  // Starts refitd on the demo model with `flags` and waits until it is ready.
+  void StartDaemon(std::vector<std::string> flags = {}, bool wait_ready = true) {
+    std::vector<std::string> argv = {BinPath("refitd"), "--model=demo"};
+    bool has_listen = false;
+    for (const std::string& f : flags) has_listen |= absl::StartsWith(f, "--listen");
+    if (!has_listen) argv.push_back("--listen=" + socket_);
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    ++daemon_starts_;
+    daemon_log_ = Path(absl::StrCat("refitd-", daemon_starts_, ".log"));
+    daemon_ = Child::Start(argv, Path("refitd.out"), daemon_log_);
+    ASSERT_NE(daemon_, nullptr);
+    if (!wait_ready) return;
+    ASSERT_TRUE(WaitFor([&] {
+      if (!daemon_->running()) return true;
+      return absl::StrContains(daemon_->Stderr(), "ready");
+    })) << "refitd never logged readiness";
+    ASSERT_TRUE(daemon_->running()) << "refitd exited:\n" << daemon_->Stderr();
+  }
+
+  // The address refitd logged for a TCP listener or the metrics endpoint.
+  std::string LoggedAddress(const std::string& message) {
+    std::string found;
+    WaitFor([&] {
+      for (absl::string_view line : absl::StrSplit(daemon_->Stderr(), '\n')) {
+        if (!absl::StrContains(line, message)) continue;
+        std::smatch m;
+        std::string l(line);
+        if (std::regex_search(l, m, std::regex("address=([^ ]+)"))) {
+          found = m[1];
+          return true;
+        }
+      }
+      return false;
+    });
+    return found;
+  }
+
+  std::unique_ptr<client::RefitClient> Client(client::ClientOptions options = {}) {
+    if (options.address == "127.0.0.1:50051") options.address = socket_;
+    options.timeout = absl::Seconds(30);
+    auto c = client::RefitClient::Create(options);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *std::move(c);
+  }
+
+  // Runs refitctl with --addr (unless given) and `args`.
+  CommandResult Ctl(std::vector<std::string> args, const std::string& addr = "") {
+    std::vector<std::string> argv = {BinPath("refitctl"), "--addr=" + (addr.empty() ? socket_ : addr),
+                                     "--timeout=30s"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    ++commands_;
+    auto child = Child::Start(argv, Path(absl::StrCat("ctl-", commands_, ".out")),
+                              Path(absl::StrCat("ctl-", commands_, ".err")));
+    CommandResult r;
+    std::optional<int> code = child->Wait(absl::Seconds(90));
+    r.code = code.value_or(-1);
+    r.out = child->Stdout();
+    r.err = child->Stderr();
+    return r;
+  }
+
+  nlohmann::json StatusJson(const std::string& addr = "", std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"status", "--json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    CommandResult r = Ctl(args, addr);
+    EXPECT_EQ(r.code, 0) << r.err;
+    return nlohmann::json::parse(r.out, nullptr, false);
+  }
+
+  // Writes the fixture model with `seed` and returns its directory.
+  std::string Fixture(int seed) {
+    std::string out = Path(absl::StrCat("weights-", seed));
+    if (std::filesystem::exists(out)) return out;
+    auto child = Child::Start({BinPath("refit_make_fixture"), "--out=" + out,
+                               absl::StrCat("--seed=", seed)},
+                              Path("fixture.out"), Path("fixture.err"));
+    EXPECT_EQ(child->Wait(), 0) << child->Stderr();
+    return out;
+  }
+
+  // Starts a trainer that stops halfway through its push, and waits until the
+  // daemon shows its refit as active. Returns the refit id.
+  std::string StartStalledPush(const std::string& weights, const std::string& token = "") {
+    std::vector<std::string> argv = {TestBinPath("e2e_stalled_pusher"), socket_, weights};
+    if (!token.empty()) argv.push_back(token);
+    pusher_ = Child::Start(argv, Path("pusher.out"), Path("pusher.err"), /*stdin_pipe=*/true);
+    EXPECT_TRUE(WaitFor([&] { return absl::StrContains(pusher_->Stdout(), "stalled"); }))
+        << pusher_->Stderr();
+    std::string refit_id;
+    auto client = Client();
+    EXPECT_TRUE(WaitFor([&] {
+      auto status = client->GetStatus();
+      if (!status.ok() || !status->has_active_refit()) return false;
+      refit_id = status->active_refit().refit_id();
+      return true;
+    })) << "the stalled push never showed up as the active refit";
+    return refit_id;
+  }
+
+  std::string dir_;
+  std::string socket_;
+  std::string daemon_log_;
+  int daemon_starts_ = 0;
+  int commands_ = 0;
+  std::unique_ptr<Child> daemon_;
+  std::unique_ptr<Child> pusher_;
+  std::vector<std::unique_ptr<Child>> children_;
+};
+
+TEST_F(RefitdE2eTest, PushFlipsTheVersionAndVerifyMatches) {
+  StartDaemon();
+  nlohmann::json before = StatusJson();
+  ASSERT_TRUE(before.is_object());
+  const uint64_t v0 = before["version"];
+  EXPECT_GE(v0, 1u);
+
+  const std::string weights = Fixture(2);
+  CommandResult push = Ctl({"push", weights});
+  ASSERT_EQ(push.code, 0) << push.err;
+  EXPECT_THAT(push.out, HasSubstr(absl::StrCat("version ", v0 + 1)));
+
+  nlohmann::json after = StatusJson();
+  EXPECT_EQ(after["version"], v0 + 1);
+  EXPECT_NE(after["fingerprint"], before["fingerprint"]);
+
+  CommandResult verify = Ctl({"verify", weights});
+  EXPECT_EQ(verify.code, 0) << verify.out << verify.err;
+  EXPECT_THAT(verify.out, HasSubstr("verify: OK"));
+  EXPECT_THAT(verify.out, HasSubstr("0 mismatch"));
+
+  // Other weights do not match what is live.
+  CommandResult other = Ctl({"verify", "--json", Fixture(3)});
+  EXPECT_EQ(other.code, 6) << other.err;
+  nlohmann::json report = nlohmann::json::parse(other.out, nullptr, false);
+  EXPECT_EQ(report["ok"], false);
+  EXPECT_EQ(report["fingerprint"]["match"], false);
+  EXPECT_GT(report["mismatched"].get<int>(), 0);
+}
+
+TEST_F(RefitdE2eTest, TwoPhasePushThenCommit) {
+  StartDaemon();
+  const uint64_t v0 = StatusJson()["version"];
+  CommandResult push = Ctl({"push", "--prepare", "--json", Fixture(2)});
+  ASSERT_EQ(push.code, 0) << push.err;
+  nlohmann::json prepared = nlohmann::json::parse(push.out, nullptr, false);
+  EXPECT_EQ(prepared["state"], "prepared");
+  EXPECT_EQ(StatusJson()["version"], v0);
+  CommandResult commit = Ctl({"commit", prepared["refit_id"].get<std::string>()});
+  ASSERT_EQ(commit.code, 0) << commit.err;
+  EXPECT_EQ(StatusJson()["version"], v0 + 1);
+  // A stale base version is a conflict.
+  CommandResult stale = Ctl({"push", "--base-version", std::to_string(v0), Fixture(3)});
+  EXPECT_EQ(stale.code, 5) << stale.err;
+}
+
+TEST_F(RefitdE2eTest, KilledPusherLeavesTheVersionAndTheNextPushSucceeds) {
+  StartDaemon();
+  nlohmann::json before = StatusJson();
+  StartStalledPush(Fixture(2));
+  pusher_->Signal(SIGKILL);
+  ASSERT_FALSE(pusher_->Wait().has_value());
+  EXPECT_TRUE(pusher_->KilledBySignal(SIGKILL));
+
+  auto client = Client();
+  EXPECT_TRUE(WaitFor([&] {
+    auto status = client->GetStatus();
+    return status.ok() && !status->has_active_refit();
+  })) << "the killed push's refit stayed active";
+  nlohmann::json after = StatusJson();
+  EXPECT_EQ(after["version"], before["version"]);
+  EXPECT_EQ(after["fingerprint"], before["fingerprint"]);
+  EXPECT_EQ(Ctl({"health"}).code, 0);
+
+  CommandResult push = Ctl({"push", Fixture(3)});
+  EXPECT_EQ(push.code, 0) << push.err;
+  EXPECT_EQ(StatusJson()["version"], before["version"].get<uint64_t>() + 1);
+}
+
+TEST_F(RefitdE2eTest, ConcurrentPushIsRefusedNamingTheActiveRefit) {
+  StartDaemon();
+  const uint64_t v0 = StatusJson()["version"];
+  const std::string active = StartStalledPush(Fixture(2));
+  ASSERT_FALSE(active.empty());
+
+  CommandResult second = Ctl({"push", Fixture(3)});
+  EXPECT_EQ(second.code, 5) << second.err;
+  EXPECT_THAT(second.err, HasSubstr(active));
+
+  // The first push, resumed, still commits.
+  pusher_->WriteStdin("continue\n");
+  ASSERT_EQ(pusher_->Wait(), 0);
+  EXPECT_THAT(pusher_->Stdout(), HasSubstr(absl::StrCat("status OK")));
+  EXPECT_EQ(StatusJson()["version"], v0 + 1);
+}
+
+TEST_F(RefitdE2eTest, SigtermDuringPushAbortsItAndExitsZero) {
+  // A short bound keeps the suite fast; the daemon must honour it.
+  StartDaemon({"--shutdown-timeout=3s"});
+  const uint64_t v0 = StatusJson()["version"];
+  const std::string active = StartStalledPush(Fixture(2));
+
+  daemon_->Signal(SIGTERM);
+  // The bound is --shutdown-timeout plus slack for a loaded machine.
+  std::optional<int> code = daemon_->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value()) << "refitd did not exit after SIGTERM";
+  EXPECT_EQ(*code, 0);
+
+  pusher_->WriteStdin("continue\n");
+  ASSERT_EQ(pusher_->Wait(), 0);
+  EXPECT_THAT(pusher_->Stdout(), HasSubstr("status ABORTED"));
+
+  const std::string log = daemon_->Stderr();
+  EXPECT_THAT(log, HasSubstr("refitd stopped"));
+  EXPECT_THAT(log, HasSubstr(absl::StrCat("version=", v0, " ")));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr(absl::StrCat("version=", v0 + 1))));
+  EXPECT_THAT(log, HasSubstr(active));
+}
+
+TEST_F(RefitdE2eTest, AuthMatrix) {
+  std::ofstream(Path("tokens")) << "# token role name\n"
+                                << "tok-trainer trainer alice\n"
+                                << "tok-reader reader bob\n"
+                                << "tok-operator operator carol\n";
+  for (const char* role : {"trainer", "reader", "operator"}) {
+    std::ofstream(Path(absl::StrCat(role, ".token"))) << "tok-" << role << "\n";
+  }
+  std::ofstream(Path("wrong.token")) << "not-a-token\n";
+  StartDaemon({"--auth-tokens=" + Path("tokens")});
+  auto token = [&](const std::string& role) { return "--token-file=" + Path(role + ".token"); };
+  const std::string weights = Fixture(2);
+
+  // Health needs no token.
+  EXPECT_EQ(Ctl({"health"}).code, 0);
+  // No token, unknown token: UNAUTHENTICATED.
+  CommandResult none = Ctl({"status"});
+  EXPECT_EQ(none.code, 4);
+  EXPECT_THAT(none.err, HasSubstr("UNAUTHENTICATED"));
+  EXPECT_EQ(Ctl({"status", token("wrong")}).code, 4);
+  // Wrong role: PERMISSION_DENIED.
+  CommandResult reader_push = Ctl({"push", token("reader"), weights});
+  EXPECT_EQ(reader_push.code, 4);
+  EXPECT_THAT(reader_push.err, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_EQ(Ctl({"reload", token("trainer"), "--from", weights}).code, 4);
+  EXPECT_EQ(Ctl({"abort", token("trainer")}).code, 4);  // abort-any is operator only
+  // Right role.
+  EXPECT_EQ(Ctl({"status", token("reader")}).code, 0);
+  EXPECT_EQ(Ctl({"tensors", token("reader")}).code, 0);
+  CommandResult push = Ctl({"push", token("trainer"), weights});
+  EXPECT_EQ(push.code, 0) << push.err;
+  EXPECT_EQ(Ctl({"verify", token("reader"), weights}).code, 0);
+  EXPECT_EQ(Ctl({"push", token("operator"), Fixture(3)}).code, 0);
+  // Refusals are logged.
+  EXPECT_THAT(daemon_->Stderr(), HasSubstr("bob"));
+}
+
+class TlsE2eTest : public RefitdE2eTest {
+ protected:
+  // A CA, a server certificate for 127.0.0.1 / localhost and a client
+  // certificate, all made here with openssl.
+  bool MakeCertificates() {
+    const std::string script = absl::StrCat(
+        "set -e; cd '", dir_, "'\n",
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=refit-test-ca "
+        "-keyout ca.key -out ca.pem 2>/dev/null\n",
+        "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > server.ext\n",
+        "openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout server.key "
+        "-out server.csr 2>/dev/null\n",
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+        "-extfile server.ext -out server.pem 2>/dev/null\n",
+        "openssl req -newkey rsa:2048 -nodes -subj /CN=trainer -keyout client.key "
+        "-out client.csr 2>/dev/null\n",
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+        "-out client.pem 2>/dev/null\n",
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=other-ca "
+        "-keyout other-ca.key -out other-ca.pem 2>/dev/null\n");
+    std::ofstream(Path("certs.sh")) << script;
+    auto child = Child::Start({"/bin/sh", Path("certs.sh")}, Path("certs.out"), Path("certs.err"));
+    std::optional<int> code = child->Wait();
+    return code.has_value() && *code == 0;
+  }
+};
+
+TEST_F(TlsE2eTest, TlsAndMutualTls) {
+  ASSERT_TRUE(MakeCertificates()) << ReadFileOrEmpty(Path("certs.err"));
+  StartDaemon({"--listen=127.0.0.1:0", "--tls-cert=" + Path("server.pem"),
+               "--tls-key=" + Path("server.key")});
+  std::string addr = LoggedAddress("refitd listening");
+  ASSERT_FALSE(addr.empty()) << daemon_->Stderr();
+
+  EXPECT_EQ(Ctl({"status", "--tls-ca=" + Path("ca.pem")}, addr).code, 0);
+  EXPECT_EQ(Ctl({"health", "--tls-ca=" + Path("ca.pem")}, addr).code, 0);
+  // Plaintext against a TLS port, and TLS without trusting the CA, fail.
+  EXPECT_EQ(Ctl({"status", "--timeout=3s"}, addr).code, 7);
+  EXPECT_EQ(Ctl({"status", "--tls-ca=" + Path("other-ca.pem"), "--timeout=3s"}, addr).code, 7);
+  EXPECT_EQ(Ctl({"push", "--tls-ca=" + Path("ca.pem"), Fixture(2)}, addr).code, 0);
+
+  // Mutual TLS: a client certificate is required.
+  daemon_->Signal(SIGTERM);
+  ASSERT_EQ(daemon_->Wait(absl::Seconds(30)), 0);
+  StartDaemon({"--listen=127.0.0.1:0", "--tls-cert=" + Path("server.pem"),
+               "--tls-key=" + Path("server.key"), "--tls-client-ca=" + Path("ca.pem")});
+  addr = LoggedAddress("refitd listening");
+  ASSERT_FALSE(addr.empty());
+  EXPECT_EQ(Ctl({"status", "--tls-ca=" + Path("ca.pem"), "--timeout=3s"}, addr).code, 7);
+  EXPECT_EQ(Ctl({"status", "--tls-ca=" + Path("ca.pem"), "--tls-cert=" + Path("client.pem"),
+                 "--tls-key=" + Path("client.key")},
+                addr)
+                .code,
+            0);
+}
+
+TEST_F(RefitdE2eTest, LivenessAndReadinessTransitions) {
+  StartDaemon({"--shutdown-timeout=3s"}, /*wait_ready=*/false);
+  auto client = Client();
+  // Liveness comes first; readiness follows once the first version is loaded.
+  ASSERT_TRUE(WaitFor([&] {
+    auto live = client->HealthCheck("");
+    return live.ok() && *live == HealthCheckResponse::SERVING;
+  }));
+  std::vector<HealthCheckResponse::ServingStatus> seen;
+  absl::Status watched = client->HealthWatch(client::kReadinessService, [&](auto status) {
+    seen.push_back(status);
+    return status != HealthCheckResponse::SERVING;
+  });
+  ASSERT_TRUE(watched.ok()) << watched;
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.back(), HealthCheckResponse::SERVING);
+  for (size_t i = 0; i + 1 < seen.size(); ++i) EXPECT_EQ(seen[i], HealthCheckResponse::NOT_SERVING);
+
+  // Readiness stays SERVING while a new version is staging.
+  StartStalledPush(Fixture(2));
+  EXPECT_EQ(*client->HealthCheck(client::kReadinessService), HealthCheckResponse::SERVING);
+  EXPECT_EQ(Ctl({"health"}).code, 0);
+
+  // SIGTERM: a watcher sees NOT_SERVING before the daemon goes away.
+  absl::Mutex mu;
+  std::vector<HealthCheckResponse::ServingStatus> during_shutdown;
+  std::thread watcher([&] {
+    auto c = Client();
+    c->HealthWatch(client::kReadinessService, [&](auto status) {
+       absl::MutexLock lock(&mu);
+       during_shutdown.push_back(status);
+       return status != HealthCheckResponse::NOT_SERVING;
+     }).IgnoreError();
+  });
+  ASSERT_TRUE(WaitFor([&] {  // the watcher has joined the stream
+    absl::MutexLock lock(&mu);
+    return !during_shutdown.empty();
+  }));
+  daemon_->Signal(SIGTERM);
+  watcher.join();
+  ASSERT_GE(during_shutdown.size(), 2u);
+  EXPECT_EQ(during_shutdown.front(), HealthCheckResponse::SERVING);
+  EXPECT_EQ(during_shutdown.back(), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(daemon_->Wait(absl::Seconds(30)), 0);
+}
+
+// Prometheus text: "name{labels} value" lines; comments start with '#'.
+std::map<std::string, double> ParseMetrics(const std::string& text) {
+  std::map<std::string, double> samples;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.empty() || line[0] == '#') continue;
+    size_t space = line.rfind(' ');
+    if (space == absl::string_view::npos) continue;
+    double value = 0;
+    if (!absl::SimpleAtod(line.substr(space + 1), &value)) continue;
+    samples[std::string(line.substr(0, space))] = value;
+  }
+  return samples;
+}
+
+// GET /metrics over a plain socket (HTTP/1.0, so the server closes).
+std::string HttpGet(const std::string& host_port, const std::string& path) {
+  std::vector<std::string> parts = absl::StrSplit(host_port, ':');
+  int port = 0;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], &port)) return "";
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return "";
+  }
+  std::string request = "GET " + path + " HTTP/1.0\r\nHost: " + host_port + "\r\n\r\n";
+  (void)!::write(fd, request.data(), request.size());
+  std::string response;
+  char buffer[8192];
+  for (ssize_t n; (n = ::read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, n);
+  ::close(fd);
+  return response;
+}
+
+TEST_F(RefitdE2eTest, MetricsAreScrapedAndParsed) {
+  StartDaemon({"--metrics-listen=127.0.0.1:0"});
+  const std::string metrics = LoggedAddress("metrics at /metrics");
+  ASSERT_FALSE(metrics.empty()) << daemon_->Stderr();
+  ASSERT_EQ(Ctl({"push", Fixture(2)}).code, 0);
+  const uint64_t version = StatusJson()["version"];
+
+  std::string response = HttpGet(metrics, "/metrics");
+  ASSERT_THAT(response, HasSubstr("200"));
+  size_t body = response.find("\r\n\r\n");
+  ASSERT_NE(body, std::string::npos);
+  std::map<std::string, double> samples = ParseMetrics(response.substr(body + 4));
+  EXPECT_GE(samples["refitd_refits_total{outcome=\"committed\"}"], 2.0);  // first load + push
+  EXPECT_GT(samples["refitd_bytes_received_total"], 0.0);
+  bool found_version = false;
+  for (const auto& [name, value] : samples) {
+    if (absl::StartsWith(name, "refitd_version{")) {
+      EXPECT_EQ(value, static_cast<double>(version)) << name;
+      found_version = true;
+    }
+  }
+  EXPECT_TRUE(found_version);
+  for (const char* phase : {"receive", "quantize", "finalize", "commit"}) {
+    EXPECT_GE(samples[absl::StrCat("refitd_phase_seconds_count{phase=\"", phase, "\"}")], 1.0)
+        << phase;
+  }
+  EXPECT_TRUE(samples.count("refitd_last_commit_pause_seconds"));
+}
+
+TEST_F(RefitdE2eTest, ReadAndTensorsAndWatch) {
+  StartDaemon();
+  CommandResult tensors = Ctl({"tensors", "--json"});
+  ASSERT_EQ(tensors.code, 0) << tensors.err;
+  nlohmann::json list = nlohmann::json::parse(tensors.out, nullptr, false);
+  ASSERT_FALSE(list["tensors"].empty());
+  const std::string name = list["tensors"][0]["name"];
+  CommandResult read = Ctl({"read", name, "--out", Path("t.bin")});
+  ASSERT_EQ(read.code, 0) << read.err;
+  EXPECT_EQ(ReadFileOrEmpty(Path("t.bin")).size(), list["tensors"][0]["nbytes"].get<size_t>());
+  EXPECT_EQ(Ctl({"read", "no.such.tensor"}).code, 3);
+  EXPECT_EQ(Ctl({"tensors", "--checkpoint"}).code, 0);
+
+  // watch: the snapshot, then staging_started, prepared and committed of one push.
+  std::vector<std::string> argv = {BinPath("refitctl"), "--addr=" + socket_, "watch", "--json",
+                                   "--count=4"};
+  auto watch = Child::Start(argv, Path("watch.out"), Path("watch.err"));
+  ASSERT_TRUE(WaitFor([&] { return absl::StrContains(watch->Stdout(), "snapshot"); }));
+  ASSERT_EQ(Ctl({"push", Fixture(2)}).code, 0);
+  ASSERT_EQ(watch->Wait(), 0) << watch->Stderr();
+  std::string out = watch->Stdout();
+  EXPECT_THAT(out, HasSubstr("\"staging_started\""));
+  EXPECT_THAT(out, HasSubstr("\"committed\""));
+}
+
+}  // namespace
+}  // namespace refit::e2e

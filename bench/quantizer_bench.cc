@@ -37,10 +37,10 @@ constexpr QuantScheme kSchemes[] = {QuantScheme::kPerTensor, QuantScheme::kPerCh
                                     QuantScheme::kBlock128};
 
 struct Data {
-  at::Tensor x;                  // bf16 [kRows, kCols]
-  std::vector<uint8_t> q;        // our output (pages touched up front)
+  at::Tensor x;            // bf16 [kRows, kCols]
+  std::vector<uint8_t> q;  // our output (pages touched up front)
   std::vector<float> scales;
-  std::vector<uint8_t> copy;     // memcpy destination
+  std::vector<uint8_t> copy;  // memcpy destination
 };
 
 Data& GetData() {
@@ -80,8 +80,8 @@ void RunOurs(benchmark::State& state, QuantScheme scheme, int threads) {
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(state.iterations() * (kInputBytes + kOutputBytes));
-  state.SetLabel(absl::StrCat(QuantSchemeName(scheme), " threads=", threads, " isa=",
-                              internal::Fp8IsaName(internal::ActiveFp8Isa())));
+  state.SetLabel(absl::StrCat(QuantSchemeName(scheme), " threads=", threads,
+                              " isa=", internal::Fp8IsaName(internal::ActiveFp8Isa())));
 }
 
 void BM_Ours(benchmark::State& state) {
@@ -165,11 +165,7 @@ void SchemeArgs(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Ours)->Apply(SchemeArgs)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_TorchOps)->Apply(SchemeArgs)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Memcpy)
-    ->Arg(DefaultThreads())
-    ->Arg(1)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+BENCHMARK(BM_Memcpy)->Arg(DefaultThreads())->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_OursIsa)
     ->Args({0, 0, DefaultThreads()})
     ->Args({1, 0, DefaultThreads()})

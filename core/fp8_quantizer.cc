@@ -1,17 +1,17 @@
 #include "core/fp8_quantizer.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <system_error>
 #include <thread>
 #include <vector>
-
-#include <immintrin.h>
 
 #include "absl/strings/str_cat.h"
 #include "core/fp8_quantizer_internal.h"
@@ -97,8 +97,8 @@ REFIT_FP8_INLINE typename S::I32 EncodeAbs(typename S::I32 a) {
   using I32 = typename S::I32;
   using F32 = typename S::F32;
   const I32 normal = ((a + kMantissaRound + ((a >> 20) & 1)) >> 20) - kRebias;
-  const I32 sub = reinterpret_cast<I32>(reinterpret_cast<F32>(a) + kSubnormalRounder) -
-                  kSubnormalRounderBits;
+  const I32 sub =
+      reinterpret_cast<I32>(reinterpret_cast<F32>(a) + kSubnormalRounder) - kSubnormalRounderBits;
   return a < S::Splat(kF32BitsFp8MinNormal) ? sub : normal;
 }
 
@@ -179,7 +179,7 @@ REFIT_FP8_INLINE void AbsMaxBlocks(const typename T::Bits* src, int64_t stride, 
   constexpr int64_t kW = kBytes / sizeof(Bits);
   const Bits mask = static_cast<Bits>(T::kAbsMask);
   [[maybe_unused]] const Bits inf = static_cast<Bits>(T::kInf);
-  auto step = [&](W a, W& m) __attribute__((always_inline)) {
+  auto step = [&](W a, W & m) __attribute__((always_inline)) {
     a &= mask;
     if constexpr (kIgnoreNan) a = a > inf ? W{} : a;
     m = a > m ? a : m;
@@ -394,29 +394,29 @@ using QuantizeFn = void (*)(const void* src, int64_t stride, int64_t nrows, int6
 
 // One non-inlined entry point per (ISA, source type, pass); the kernels above
 // are inlined into it and compiled for its target.
-#define REFIT_FP8_DEFINE_KERNELS(NAME, BYTES, ATTR)                                            \
-  template <typename T>                                                                        \
-  ATTR void AbsMax##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,        \
-                         int64_t block_cols, bool ignore_nan, uint32_t* out_max) {             \
-    const auto* p = static_cast<const typename T::Bits*>(src);                                 \
-    if (ignore_nan) {                                                                          \
-      AbsMaxBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, out_max);              \
-    } else {                                                                                   \
-      AbsMaxBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, out_max);             \
-    }                                                                                          \
-  }                                                                                            \
-  template <typename T>                                                                        \
-  ATTR void Quantize##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,      \
-                           int64_t block_cols, const float* inv, bool vllm, bool stream,       \
-                           uint8_t* dst, int64_t dst_stride) {                                 \
-    const auto* p = static_cast<const typename T::Bits*>(src);                                 \
-    if (vllm) {                                                                                \
-      QuantizeBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, inv, stream, dst,    \
-                                     dst_stride);                                              \
-    } else {                                                                                   \
-      QuantizeBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, inv, stream, dst,   \
-                                      dst_stride);                                             \
-    }                                                                                          \
+#define REFIT_FP8_DEFINE_KERNELS(NAME, BYTES, ATTR)                                          \
+  template <typename T>                                                                      \
+  ATTR void AbsMax##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,      \
+                         int64_t block_cols, bool ignore_nan, uint32_t* out_max) {           \
+    const auto* p = static_cast<const typename T::Bits*>(src);                               \
+    if (ignore_nan) {                                                                        \
+      AbsMaxBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, out_max);            \
+    } else {                                                                                 \
+      AbsMaxBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, out_max);           \
+    }                                                                                        \
+  }                                                                                          \
+  template <typename T>                                                                      \
+  ATTR void Quantize##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,    \
+                           int64_t block_cols, const float* inv, bool vllm, bool stream,     \
+                           uint8_t* dst, int64_t dst_stride) {                               \
+    const auto* p = static_cast<const typename T::Bits*>(src);                               \
+    if (vllm) {                                                                              \
+      QuantizeBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, inv, stream, dst,  \
+                                     dst_stride);                                            \
+    } else {                                                                                 \
+      QuantizeBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, inv, stream, dst, \
+                                      dst_stride);                                           \
+    }                                                                                        \
   }
 
 REFIT_FP8_DEFINE_KERNELS(Portable, 16, )
@@ -508,7 +508,8 @@ void ParallelRanges(int workers, int64_t count, int64_t align, const Fn& fn) {
   int started = 1;
   for (; started < workers; ++started) {
     try {
-      threads.emplace_back([&fn, &bound, started] { fn(started, bound(started), bound(started + 1)); });
+      threads.emplace_back(
+          [&fn, &bound, started] { fn(started, bound(started), bound(started + 1)); });
     } catch (const std::system_error&) {
       break;  // out of threads: the remaining ranges run here
     }
@@ -618,9 +619,9 @@ absl::Status NonFiniteError(const void* src, DType dtype, int64_t rows, int64_t 
   }
   const float value = LoadAsFloat(src, dtype, static_cast<size_t>(index));
   const char* text = std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
-  return absl::InvalidArgumentError(absl::StrCat(
-      "tensor '", tensor_name, "': element ", index, " (row ", index / cols, ", col ",
-      index % cols, ") is ", text, "; FP8 quantization rejects non-finite weights"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("tensor '", tensor_name, "': element ", index, " (row ", index / cols, ", col ",
+                   index % cols, ") is ", text, "; FP8 quantization rejects non-finite weights"));
 }
 
 struct Job {
@@ -813,9 +814,9 @@ absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t
                          const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
                          absl::string_view tensor_name) {
   if (!IsHighPrecisionFloat(src_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor_name,
-                                                   "': cannot quantize ", DTypeName(src_dtype),
-                                                   " to FP8; expected ", FloatTypeList()));
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor_name, "': cannot quantize ",
+                                                   DTypeName(src_dtype), " to FP8; expected ",
+                                                   FloatTypeList()));
   }
   if (options.scheme != QuantScheme::kPerTensor && options.scheme != QuantScheme::kPerChannel &&
       options.scheme != QuantScheme::kBlock128) {
@@ -837,8 +838,7 @@ absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t
       (num_scales > 0 && out_scales == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor '", tensor_name, "': null buffer for [", rows, ", ", cols, "] (src ",
-        src != nullptr, ", out_q ", out_q != nullptr, ", out_scales ", out_scales != nullptr,
-        ")"));
+        src != nullptr, ", out_q ", out_q != nullptr, ", out_scales ", out_scales != nullptr, ")"));
   }
   const bool vllm = options.non_finite == NonFinitePolicy::kVllmCompatible;
   if (n == 0) {

@@ -135,10 +135,8 @@ Quantized TorchReference(const at::Tensor& x, QuantScheme scheme) {
     at::Tensor amax = padded.abs().reshape({br, 128, bc, 128}).amax({1, 3});
     s = amax.clamp_min(kFp8BlockAmaxFloor) / 448.0;
     at::Tensor inv = s.reciprocal();
-    inv_full = inv.repeat_interleave(128, 0)
-                   .repeat_interleave(128, 1)
-                   .slice(0, 0, rows)
-                   .slice(1, 0, cols);
+    inv_full =
+        inv.repeat_interleave(128, 0).repeat_interleave(128, 1).slice(0, 0, rows).slice(1, 0, cols);
   } else {
     at::Tensor amax = scheme == QuantScheme::kPerTensor ? xf.abs().amax().reshape({1, 1})
                                                         : xf.abs().amax({1}, true);
@@ -160,9 +158,8 @@ void ExpectSameBytes(const std::vector<uint8_t>& ours, const std::vector<uint8_t
   int64_t mismatches = 0;
   for (size_t i = 0; i < ours.size(); ++i) {
     if (ours[i] != expected[i] && mismatches++ < 5) {
-      ADD_FAILURE() << "byte " << i << " (row " << i / cols << ", col " << i % cols
-                    << "): ours 0x" << std::hex << int{ours[i]} << ", expected 0x"
-                    << int{expected[i]};
+      ADD_FAILURE() << "byte " << i << " (row " << i / cols << ", col " << i % cols << "): ours 0x"
+                    << std::hex << int{ours[i]} << ", expected 0x" << int{expected[i]};
     }
   }
   EXPECT_EQ(mismatches, 0);
@@ -260,14 +257,14 @@ TEST(Fp8QuantizerTest, FromFloatMatchesLibTorchAroundEveryRoundingBoundary) {
   ASSERT_GT(values.size(), 4000u);
   ExpectScalarMatchesTorch(values);
   // Spot checks that do not depend on torch.
-  EXPECT_EQ(Fp8E4M3FromFloat(0x1p-10f), 0x00);        // tie -> even (0)
-  EXPECT_EQ(Fp8E4M3FromFloat(3 * 0x1p-10f), 0x02);    // tie -> even (2 * 2^-9)
-  EXPECT_EQ(Fp8E4M3FromFloat(0x1p-9f), 0x01);         // smallest subnormal
-  EXPECT_EQ(Fp8E4M3FromFloat(0x1p-6f), 0x08);         // smallest normal
-  EXPECT_EQ(Fp8E4M3FromFloat(15 * 0x1p-10f), 0x08);   // 7.5 * 2^-9: tie -> 8 (normal)
-  EXPECT_EQ(Fp8E4M3FromFloat(1.0625f), 0x38);         // 1 + 1/16: tie -> 1.0
-  EXPECT_EQ(Fp8E4M3FromFloat(1.1875f), 0x3A);         // 1 + 3/16: tie -> 1.25
-  EXPECT_EQ(Fp8E4M3FromFloat(-432.0f), 0xFE);         // tie between 416 and 448 -> 448
+  EXPECT_EQ(Fp8E4M3FromFloat(0x1p-10f), 0x00);       // tie -> even (0)
+  EXPECT_EQ(Fp8E4M3FromFloat(3 * 0x1p-10f), 0x02);   // tie -> even (2 * 2^-9)
+  EXPECT_EQ(Fp8E4M3FromFloat(0x1p-9f), 0x01);        // smallest subnormal
+  EXPECT_EQ(Fp8E4M3FromFloat(0x1p-6f), 0x08);        // smallest normal
+  EXPECT_EQ(Fp8E4M3FromFloat(15 * 0x1p-10f), 0x08);  // 7.5 * 2^-9: tie -> 8 (normal)
+  EXPECT_EQ(Fp8E4M3FromFloat(1.0625f), 0x38);        // 1 + 1/16: tie -> 1.0
+  EXPECT_EQ(Fp8E4M3FromFloat(1.1875f), 0x3A);        // 1 + 3/16: tie -> 1.25
+  EXPECT_EQ(Fp8E4M3FromFloat(-432.0f), 0xFE);        // tie between 416 and 448 -> 448
 }
 
 // All 2^31 + 2^30 + ... float32 patterns within [-448, 448] (2 * 0x43E00001),
@@ -300,15 +297,14 @@ TEST(Fp8QuantizerTest, DISABLED_FromFloatAndKernelsMatchLibTorchOnEveryFloat32In
       values.push_back(448.0f);
       for (Fp8Isa isa : SupportedIsas()) {
         ScopedIsa scoped(isa);
-        ASSERT_TRUE(QuantizeFp8(values.data(), DType::kFloat32, 1, count + 1,
-                                Fp8QuantizeOptions{}, kernel_out.data(), &scale, "all")
+        ASSERT_TRUE(QuantizeFp8(values.data(), DType::kFloat32, 1, count + 1, Fp8QuantizeOptions{},
+                                kernel_out.data(), &scale, "all")
                         .ok());
         ASSERT_EQ(scale, 1.0f);
         for (int64_t i = 0; i < count; ++i) {
           if (kernel_out[i] != expected[i] && mismatches++ < 5) {
-            ADD_FAILURE() << internal::Fp8IsaName(isa) << ": " << Hex(BitsOf(values[i]))
-                          << " -> 0x" << std::hex << int{kernel_out[i]} << ", torch 0x"
-                          << int{expected[i]};
+            ADD_FAILURE() << internal::Fp8IsaName(isa) << ": " << Hex(BitsOf(values[i])) << " -> 0x"
+                          << std::hex << int{kernel_out[i]} << ", torch 0x" << int{expected[i]};
           }
         }
       }
@@ -347,8 +343,8 @@ TEST(Fp8QuantizerTest, ToFloatMatchesLibTorchOnAll256Codes) {
       EXPECT_TRUE(std::isnan(ours)) << "code " << code;
       EXPECT_EQ(std::signbit(ours), code >= 0x80) << "code " << code;
     } else {
-      EXPECT_EQ(BitsOf(ours), BitsOf(theirs)) << "code " << code << ": ours " << ours
-                                              << ", torch " << theirs;
+      EXPECT_EQ(BitsOf(ours), BitsOf(theirs))
+          << "code " << code << ": ours " << ours << ", torch " << theirs;
     }
   }
   EXPECT_EQ(Fp8E4M3ToFloat(0x7E), 448.0f);

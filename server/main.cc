@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include <grpc/grpc.h>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -165,6 +167,11 @@ int main(int argc, char** argv) {
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+
+  // Never let the last gRPC object run grpc_shutdown at exit: in gRPC 1.51 it
+  // can wait up to 10 s for an executor thread, which would stretch the
+  // SIGTERM bound.
+  grpc_init();
 
   // Signals are taken by sigwait below; block them before any thread starts.
   sigset_t signals;

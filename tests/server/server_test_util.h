@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <grpc/grpc.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -29,8 +30,20 @@ inline std::string MakeTempDir() {
   return pattern;
 }
 
+// gRPC 1.51's grpc_shutdown (run when the last gRPC object of the process
+// goes) can wait up to 10 s for an executor thread sleeping in epoll. One
+// reference held for the whole test process keeps that off the test path.
+inline void HoldGrpcLibrary() {
+  static const bool initialized = [] {
+    grpc_init();
+    return true;
+  }();
+  (void)initialized;
+}
+
 // Options for a fast in-process daemon on `dir`/refitd.sock.
 inline ServerOptions TestOptions(const std::string& dir) {
+  HoldGrpcLibrary();
   ServerOptions options;
   options.listen = {absl::StrCat("unix:", dir, "/refitd.sock")};
   options.model = "demo";

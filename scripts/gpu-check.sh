@@ -175,6 +175,7 @@ mkdir -p "$BUILD_DIR"
 if ! cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
     -DREFIT_WITH_CUDA=ON -DREFIT_BUILD_SERVER=OFF -DREFIT_BUILD_TESTS=ON -DREFIT_BUILD_BENCH=OFF \
+    -DREFIT_CUDA_WERROR=OFF \
     -DCMAKE_CUDA_COMPILER="$NVCC" \
     -DCMAKE_PREFIX_PATH="$PREFIX/usr;$TORCH_PREFIX" \
     -DPKG_CONFIG_EXECUTABLE="$PKGCONF" \
@@ -239,7 +240,7 @@ t0=$(date +%s)
 # through gtest_discover_tests), select the same tests by their suites, as
 # the gpu test binaries list them, so they still run under ctest.
 SELECT=(-L gpu)
-if [ "$(ctest --test-dir "$BUILD_DIR" -N -L gpu 2>/dev/null | sed -n 's/^Total Tests: //p')" = 0 ]; then
+if [ "$(cd "$BUILD_DIR" && ctest -N -L gpu 2>/dev/null | sed -n 's/^Total Tests: //p')" = 0 ]; then
   suites=""
   for t in "${TARGETS[@]}"; do
     case "$t" in *_gpu_test) ;; *) continue ;; esac
@@ -251,9 +252,12 @@ if [ "$(ctest --test-dir "$BUILD_DIR" -N -L gpu 2>/dev/null | sed -n 's/^Total T
   log "WARNING: no test carries the ctest label 'gpu'; selecting the gpu test suites by name"
   SELECT=(-R "^($suites)\\.")
 fi
+# JUnit output (CMake >= 3.21) gives exact counts; older ctest: the log.
+JUNIT=()
+ctest --help 2>/dev/null | grep -q -- --output-junit && JUNIT=(--output-junit "$WORK/ctest.xml")
 ctest_rc=0
-timeout 300 ctest --test-dir "$BUILD_DIR" "${SELECT[@]}" -j4 --timeout 240 --output-on-failure \
-  --no-tests=error --output-junit "$WORK/ctest.xml" > "$WORK/ctest.log" 2>&1 || ctest_rc=$?
+(cd "$BUILD_DIR" && timeout 300 ctest "${SELECT[@]}" -j4 --timeout 240 --output-on-failure \
+  --no-tests=error ${JUNIT[@]+"${JUNIT[@]}"}) > "$WORK/ctest.log" 2>&1 || ctest_rc=$?
 tail -15 "$WORK/ctest.log"
 step "gpu tests" "$([ $ctest_rc -eq 0 ] && echo ok || echo FAILED)" $(( $(date +%s) - t0 )) \
   "$([ $HAVE_GPU -eq 1 ] && echo "on $GPU_NAME" || echo "no GPU: device tests skip themselves")"
@@ -301,7 +305,18 @@ try:
         else:
             tests['passed'] += 1
 except (OSError, ET.ParseError):
-    tests['error'] = 'no ctest results'
+    # No JUnit file: count from the log ("N% tests passed, F tests failed out of T").
+    import re
+    log = open(os.path.join(work, 'ctest.log'), errors='replace').read()
+    m = re.search(r'(\d+) tests failed out of (\d+)', log)
+    if m:
+        skipped = len(re.findall(r'\(Skipped\)', log))
+        tests['failed'] = int(m.group(1))
+        tests['skipped'] = skipped
+        tests['passed'] = int(m.group(2)) - tests['failed'] - skipped
+        tests['failed_names'] = re.findall(r'- (\S+) \((?:Failed|Timeout|SEGFAULT|Subprocess aborted|Exception)', log)
+    else:
+        tests['error'] = 'no ctest results'
 bench = None
 try:
     bench = json.load(open(os.path.join(work, 'bench.json')))

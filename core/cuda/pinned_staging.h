@@ -43,7 +43,7 @@ struct PinnedStagingOptions {
 struct PinnedStagingStats {
   int64_t copies = 0;
   int64_t bytes_copied = 0;
-  int64_t acquire_waits = 0;  // Acquire calls that had to wait for a copy
+  int64_t acquire_waits = 0;  // Acquire calls that reclaimed a buffer from an in-flight copy
 };
 
 class PinnedStagingPool {

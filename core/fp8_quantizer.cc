@@ -46,9 +46,10 @@ constexpr int32_t kF32BitsFp8MinNormal = 0x3C800000;  // 2^-6
 constexpr float kSubnormalRounder = 16384.0f;         // 2^14
 constexpr int32_t kSubnormalRounderBits = 0x46800000;
 // Added before dropping 20 mantissa bits: half an ulp of what stays, minus
-// one; adding the lowest kept bit as well makes exact ties round to even.
-constexpr int32_t kMantissaRound = 0x7FFFF;
-constexpr int32_t kRebias = (127 - 7) << 3;
+// one (adding the lowest kept bit as well makes exact ties round to even),
+// minus the exponent rebias 127 -> 7 in place, so that the shift leaves the
+// code. Normal lanes (|y| >= 2^-6) stay non-negative.
+constexpr int32_t kNormalBias = 0x7FFFF - ((127 - 7) << 23);
 constexpr int32_t kFp8Max = 0x7E;  // 448
 constexpr int32_t kFp8Nan = 0x7F;
 
@@ -64,7 +65,7 @@ REFIT_FP8_INLINE float FloatOf(int32_t b) {
 }
 
 REFIT_FP8_INLINE int32_t EncodeAbsScalar(int32_t a) {
-  const int32_t normal = ((a + kMantissaRound + ((a >> 20) & 1)) >> 20) - kRebias;
+  const int32_t normal = (a + kNormalBias + ((a >> 20) & 1)) >> 20;
   const int32_t sub = BitsOf(FloatOf(a) + kSubnormalRounder) - kSubnormalRounderBits;
   return a < kF32BitsFp8MinNormal ? sub : normal;
 }
@@ -96,7 +97,7 @@ template <typename S>
 REFIT_FP8_INLINE typename S::I32 EncodeAbs(typename S::I32 a) {
   using I32 = typename S::I32;
   using F32 = typename S::F32;
-  const I32 normal = ((a + kMantissaRound + ((a >> 20) & 1)) >> 20) - kRebias;
+  const I32 normal = (a + kNormalBias + ((a >> 20) & 1)) >> 20;
   const I32 sub =
       reinterpret_cast<I32>(reinterpret_cast<F32>(a) + kSubnormalRounder) - kSubnormalRounderBits;
   return a < S::Splat(kF32BitsFp8MinNormal) ? sub : normal;
@@ -227,9 +228,14 @@ REFIT_FP8_INLINE typename S::I32 QuantizeLanes(typename S::I32 x, typename S::F3
   using I32 = typename S::I32;
   const I32 abs = x & static_cast<int32_t>(T::kAbsMask);
   // |x| * inv == |x * inv| in IEEE arithmetic, so the sign can ride apart.
-  I32 a = reinterpret_cast<I32>(T::template AbsToFloat<S>(abs) * inv);
-  const I32 max_bits = S::Splat(kF32Bits448);
-  a = a < max_bits ? a : max_bits;
+  // No clamp to 448 here: |x| <= amax and inv = 1/(amax/448), each rounded
+  // once (and 1/s < 2^128, so s has >= 21 significant bits), give
+  // |x| * inv <= 448 * (1 + 2^-19), far below 464, the first value that would
+  // round past 448. So the clamp of the formula never changes a code.
+  // (QuantizeWithInfiniteInverse handles inv = inf; non-finite products
+  // only come from non-finite x, which kReject excludes and kVllmCompatible
+  // overrides below.)
+  const I32 a = reinterpret_cast<I32>(T::template AbsToFloat<S>(abs) * inv);
   I32 code = EncodeAbs<S>(a);
   I32 sign = T::template SignByte<S>(x);
   if constexpr (kVllm) {

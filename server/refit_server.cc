@@ -10,7 +10,6 @@
 #include <utility>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 
 #include "absl/strings/match.h"
@@ -173,7 +172,8 @@ absl::Status RefitServer::StartGrpc() {
   }
 
   service_ = std::make_unique<RefitServiceImpl>(options_, &groups_, auth_.get(), &metrics_);
-  grpc::EnableDefaultHealthCheckService(true);
+  health_ = std::make_unique<HealthService>();
+  health_->SetServing(kRefitServiceName, false);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   std::vector<int> ports(options_.listen.size(), 0);
@@ -184,6 +184,7 @@ absl::Status RefitServer::StartGrpc() {
       std::min<int64_t>(options_.max_chunk_bytes + kMessageHeadroomBytes, INT_MAX);
   builder.SetMaxReceiveMessageSize(static_cast<int>(receive_limit));
   builder.RegisterService(service_.get());
+  builder.RegisterService(health_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ",
@@ -202,7 +203,6 @@ absl::Status RefitServer::StartGrpc() {
     bound_addresses_.push_back(bound);
     REFIT_LOG(INFO).Field("address", bound) << "refitd listening";
   }
-  server_->GetHealthCheckService()->SetServingStatus(kRefitServiceName, false);
 
   if (!options_.metrics_listen.empty()) {
     RefitServer* self = this;
@@ -262,7 +262,7 @@ absl::Status RefitServer::LoadInitialModel() {
           .Field("fingerprint", result->fingerprint)
       << "first version loaded; ready";
   absl::MutexLock lock(&shutdown_mu_);
-  if (!shut_down_) server_->GetHealthCheckService()->SetServingStatus(kRefitServiceName, true);
+  if (!shut_down_) health_->SetServing(kRefitServiceName, true);
   return absl::OkStatus();
 }
 
@@ -271,14 +271,12 @@ void RefitServer::Shutdown() {
     absl::MutexLock lock(&shutdown_mu_);
     if (shut_down_) return;
     shut_down_ = true;
-    if (server_ != nullptr) {
-      server_->GetHealthCheckService()->SetServingStatus(kRefitServiceName, false);
-    }
+    if (health_ != nullptr) health_->SetServing(kRefitServiceName, false);
   }
   REFIT_LOG(INFO) << "shutting down: readiness NOT_SERVING, refusing new refits";
   if (service_ != nullptr) service_->BeginShutdown();
+  if (health_ != nullptr) health_->Shutdown();
   if (server_ != nullptr) {
-    server_->GetHealthCheckService()->Shutdown();
     server_->Shutdown(std::chrono::system_clock::now() +
                       absl::ToChronoMilliseconds(options_.shutdown_timeout));
   }

@@ -3,8 +3,8 @@
 //
 // Lifecycle:
 //   Create         builds the model group (layout + zeroed ShardStore on the
-//                  device), the gRPC server (RefitService, grpc.health.v1,
-//                  reflection) on every listen address, and the /metrics
+//                  device), the gRPC server (RefitService, grpc.health.v1
+//                  (server/health_service.h), reflection) on every listen address, and the /metrics
 //                  endpoint. Liveness ("") is SERVING, readiness
 //                  ("refit.v1.RefitService") NOT_SERVING.
 //   LoadInitialModel  loads the first version (--model demo: the fixture
@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/auth.h"
+#include "server/health_service.h"
 #include "server/metrics.h"
 #include "server/model_group.h"
 #include "server/refit_service.h"
@@ -82,6 +83,7 @@ class RefitServer {
   std::unique_ptr<Authenticator> auth_;
   Metrics metrics_;
   std::unique_ptr<RefitServiceImpl> service_;
+  std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::vector<std::string> bound_addresses_;

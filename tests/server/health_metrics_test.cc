@@ -94,14 +94,34 @@ TEST(HealthTest, ReadinessFollowsFirstLoadStagingAndShutdown) {
     writer->Finish();
   }
 
+  // Shutdown tells the watcher NOT_SERVING and then ends its stream (it does
+  // not hold the shutdown until the deadline).
   std::thread stopper([&server] { server.Shutdown(); });
   ASSERT_TRUE(watch->Read(&update));
   EXPECT_EQ(update.status(), HealthCheckResponse::NOT_SERVING);
-  watch_context.TryCancel();
+  while (watch->Read(&update)) {
+    EXPECT_EQ(update.status(), HealthCheckResponse::NOT_SERVING);
+  }
+  EXPECT_EQ(watch->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  stopper.join();
+}
+
+TEST(HealthTest, WatchOfAnUnknownServiceReportsServiceUnknown) {
+  const std::string dir = MakeTempDir();
+  absl::StatusOr<std::unique_ptr<RefitServer>> server = RefitServer::Start(TestOptions(dir));
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto health = Health::NewStub(testing::Connect(**server));
+  grpc::ClientContext context;
+  HealthCheckRequest request;
+  request.set_service("no.such.Service");
+  auto watch = health->Watch(&context, request);
+  HealthCheckResponse update;
+  ASSERT_TRUE(watch->Read(&update));
+  EXPECT_EQ(update.status(), HealthCheckResponse::SERVICE_UNKNOWN);
+  context.TryCancel();
   while (watch->Read(&update)) {
   }
-  watch->Finish();
-  stopper.join();
+  EXPECT_EQ(watch->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
 // A tiny HTTP/1.0 GET, enough for one scrape.

@@ -1,7 +1,5 @@
 #include "core/fp8_quantizer.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -15,6 +13,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/fp8_quantizer_internal.h"
+
+// x86-64 gets SSE2 packs and streaming stores, and AVX2 / AVX-512 variants;
+// elsewhere (or with REFIT_FP8_GENERIC, to test that path on x86) only the
+// generic kernel, with GCC's own narrowing.
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(REFIT_FP8_GENERIC)
+#define REFIT_FP8_X86 1
+#include <immintrin.h>
+#else
+#define REFIT_FP8_X86 0
+#endif
 
 // The kernels are written once with GCC vector extensions and compiled three
 // times: baseline x86-64, AVX2 and AVX-512, chosen at run time. Vectors never
@@ -274,6 +282,7 @@ REFIT_FP8_INLINE typename Simd<kBytes>::I32 QuantizeStep(const typename T::Bits*
 // SSE2 packs (VEX-encoded inside the AVX2 kernels; an AVX2 intrinsic could not
 // be inlined through the generic kernel). Stream: dst 16-byte aligned,
 // non-temporal; only the 512-bit kernels stream.
+#if REFIT_FP8_X86
 template <int kBytes, int kOut>
 struct OutStore;
 
@@ -348,6 +357,23 @@ struct OutStore<16, kOut> {
   }
   static void Stream(uint8_t*, S::I32) {}  // never called
 };
+#else
+template <int kBytes, int kOut>
+struct OutStore {
+  using S = Simd<kBytes>;
+  static constexpr bool kCanStream = false;
+  REFIT_FP8_INLINE static void Store(uint8_t* dst, typename S::I32 v) {
+    if constexpr (kOut == 1) {
+      const typename S::U8 out = __builtin_convertvector(v, typename S::U8);
+      std::memcpy(dst, &out, sizeof out);
+    } else {
+      const typename S::U16 out = __builtin_convertvector(v, typename S::U16);
+      std::memcpy(dst, &out, sizeof out);
+    }
+  }
+  static void Stream(uint8_t*, typename S::I32) {}  // never called
+};
+#endif  // REFIT_FP8_X86
 
 // Quantizes a [nrows, ncols] tile; column block b (of `block_cols`) uses
 // inv[b]. With `stream`, output goes out as non-temporal stores where it is
@@ -389,7 +415,9 @@ REFIT_FP8_INLINE void QuantizeBlocks(const typename T::Bits* src, int64_t stride
   }
   // Non-temporal stores are weakly ordered: fence before the caller publishes
   // (thread join, return).
+#if REFIT_FP8_X86
   if (Store::kCanStream && stream) _mm_sfence();
+#endif
 }
 
 using AbsMaxFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
@@ -426,27 +454,37 @@ using QuantizeFn = void (*)(const void* src, int64_t stride, int64_t nrows, int6
   }
 
 REFIT_FP8_DEFINE_KERNELS(Portable, 16, )
+#if REFIT_FP8_X86
 REFIT_FP8_DEFINE_KERNELS(Avx2, 32, __attribute__((target("avx2"))))
 REFIT_FP8_DEFINE_KERNELS(Avx512, 64,
                          __attribute__((target("avx512f,avx512bw,avx512vl,"
                                                "prefer-vector-width=512"))))
+#endif
 
 struct Kernels {
   AbsMaxFn abs_max;
   QuantizeFn quantize;
 };
 
-// [isa][source type: bf16, fp16, fp32]
+// One row per ISA: kernels for bf16, fp16, fp32 sources.
+#define REFIT_FP8_KERNEL_ROW(NAME)                                \
+  {                                                               \
+    {&AbsMax##NAME<Bf16Traits>, &Quantize##NAME<Bf16Traits>},     \
+        {&AbsMax##NAME<Fp16Traits>, &Quantize##NAME<Fp16Traits>}, \
+        {&AbsMax##NAME<F32Traits>, &Quantize##NAME<F32Traits>},   \
+  }
+
+// [isa][source type]. Off x86 the rows of the other ISAs repeat the generic
+// kernel; CpuSupports never lets them be selected there.
 constexpr Kernels kKernels[3][3] = {
-    {{&AbsMaxPortable<Bf16Traits>, &QuantizePortable<Bf16Traits>},
-     {&AbsMaxPortable<Fp16Traits>, &QuantizePortable<Fp16Traits>},
-     {&AbsMaxPortable<F32Traits>, &QuantizePortable<F32Traits>}},
-    {{&AbsMaxAvx2<Bf16Traits>, &QuantizeAvx2<Bf16Traits>},
-     {&AbsMaxAvx2<Fp16Traits>, &QuantizeAvx2<Fp16Traits>},
-     {&AbsMaxAvx2<F32Traits>, &QuantizeAvx2<F32Traits>}},
-    {{&AbsMaxAvx512<Bf16Traits>, &QuantizeAvx512<Bf16Traits>},
-     {&AbsMaxAvx512<Fp16Traits>, &QuantizeAvx512<Fp16Traits>},
-     {&AbsMaxAvx512<F32Traits>, &QuantizeAvx512<F32Traits>}},
+    REFIT_FP8_KERNEL_ROW(Portable),
+#if REFIT_FP8_X86
+    REFIT_FP8_KERNEL_ROW(Avx2),
+    REFIT_FP8_KERNEL_ROW(Avx512),
+#else
+    REFIT_FP8_KERNEL_ROW(Portable),
+    REFIT_FP8_KERNEL_ROW(Portable),
+#endif
 };
 
 using internal::Fp8Isa;
@@ -454,6 +492,9 @@ using internal::Fp8Isa;
 std::atomic<int> g_isa{-1};
 
 bool CpuSupports(Fp8Isa isa) {
+#if !REFIT_FP8_X86
+  return isa == Fp8Isa::kPortable;
+#else
   __builtin_cpu_init();
   switch (isa) {
     case Fp8Isa::kPortable:
@@ -465,6 +506,7 @@ bool CpuSupports(Fp8Isa isa) {
              __builtin_cpu_supports("avx512vl");
   }
   return false;
+#endif
 }
 
 Fp8Isa CurrentIsa() {

@@ -66,16 +66,31 @@ struct Fp8CudaJob {
   absl::string_view tensor_name;  // copied; named in every error
 };
 
+struct Fp8CudaQuantizerOptions {
+  // Use the GPU's e4m3 conversion instruction (sm_89+) where it provably
+  // gives the same bytes: Create checks it against the integer conversion
+  // for every finite float32 on this device (once per process, ~10 ms) and
+  // falls back to the integer code on any difference. The environment
+  // variable REFIT_FP8_CUDA_SOFTWARE_CONVERSION (any value) also disables it.
+  bool allow_hardware_conversion = true;
+};
+
 class Fp8CudaQuantizer {
  public:
-  // UNAVAILABLE if `device` cannot be used; RESOURCE_EXHAUSTED if the small
-  // error record cannot be allocated.
-  static absl::StatusOr<std::unique_ptr<Fp8CudaQuantizer>> Create(int device);
+  // UNAVAILABLE if `device` cannot be used; INTERNAL/RESOURCE_EXHAUSTED if
+  // the conversion check cannot run.
+  static absl::StatusOr<std::unique_ptr<Fp8CudaQuantizer>> Create(
+      int device, const Fp8CudaQuantizerOptions& options = {});
   ~Fp8CudaQuantizer();
   Fp8CudaQuantizer(const Fp8CudaQuantizer&) = delete;
   Fp8CudaQuantizer& operator=(const Fp8CudaQuantizer&) = delete;
 
   int device() const { return device_; }
+  // Whether the kernels use the conversion instruction (see the options).
+  bool hardware_conversion() const { return hw_conversion_; }
+  // Finite floats whose hardware conversion differed from the integer one
+  // in Create's check; -1 if the check did not run.
+  int64_t HardwareConversionMismatchesForTesting() const;
 
   // Opaque; defined in fp8_quantize.cu (public only so its kernels can name it).
   struct DeviceErrorRecord;
@@ -111,7 +126,7 @@ class Fp8CudaQuantizer {
     std::vector<PendingJob> pending;
   };
 
-  Fp8CudaQuantizer(int device, int num_sms);
+  Fp8CudaQuantizer(int device, int num_sms, bool hw_conversion, int64_t hw_mismatches);
   absl::StatusOr<StreamState*> GetStreamState(void* stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A record reset (in `stream` order) for the next jobs of `stream`.
   absl::StatusOr<DeviceErrorRecord*> AcquireRecord(void* stream)
@@ -119,6 +134,8 @@ class Fp8CudaQuantizer {
 
   const int device_;
   const int num_sms_;
+  const bool hw_conversion_;
+  const int64_t hw_mismatches_;
 
   // Held while launching, so that a stream's sequence numbers follow its
   // launch order. Launches do not wait for the device.

@@ -4,11 +4,15 @@
 // elements, same amax, same float ops" (the amax is an exact max and every
 // scale is computed by one correctly rounded division).
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -57,25 +61,6 @@ struct alignas(16) Vec16 {
   T v[kN];
 };
 
-// kN output bytes stored with one instruction.
-template <int N>
-struct PackedBytes;
-template <>
-struct PackedBytes<8> {
-  using Type = uint2;
-  __device__ __forceinline__ static uint2 Pack(const uint8_t (&b)[8]) {
-    return make_uint2(b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24),
-                      b[4] | (b[5] << 8) | (b[6] << 16) | (static_cast<uint32_t>(b[7]) << 24));
-  }
-};
-template <>
-struct PackedBytes<4> {
-  using Type = uint32_t;
-  __device__ __forceinline__ static uint32_t Pack(const uint8_t (&b)[4]) {
-    return b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
-  }
-};
-
 struct ErrorSink {
   Fp8CudaQuantizer::DeviceErrorRecord* record;  // unused unless rejecting
   unsigned long long seq_key;                   // job sequence << kIndexBits
@@ -120,14 +105,62 @@ __device__ uint32_t BlockMax(uint32_t v) {
   return v;
 }
 
+// Two elements through the hardware conversion (cvt.rn.satfinite.e4m3x2.f32
+// on sm_89+): round to nearest even, |v| > 448 saturates to +-448; low byte
+// = lo. Fp8CudaQuantizer::Create verifies on the device, for every finite
+// float, that this equals fp8_math's integer conversion before enabling it.
+__device__ __forceinline__ uint32_t HwCvt2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Whether a tile may use the hardware conversion: enabled for the device,
+// and 1/s finite. With 1/s finite, x * (1/s) of a finite x is finite (|x| <=
+// amax, so |x/s| <= ~448), and the conversion only has to round and
+// saturate, where the hardware and the integer code agree. When 1/s
+// overflows, 0 * Inf = NaN must become 0x7E: the integer path handles it.
+__device__ __forceinline__ bool UseHw(bool hw_enabled, const Fp8Scale& scale) {
+  return hw_enabled && IsFiniteBits(FloatBits(scale.inv));
+}
+
+// Bytes of two elements. kVllmCompatible special cases (non-finite input,
+// s == 0) take the integer path; everything else the hardware one.
+__device__ __forceinline__ uint32_t QuantizePairHw(float x0, float x1, const Fp8Scale& scale,
+                                                   bool vllm) {
+  if (vllm && (!IsFiniteBits(FloatBits(x0)) || !IsFiniteBits(FloatBits(x1)) || scale.s == 0.0f)) {
+    return QuantizeValue(x0, scale, true) | (static_cast<uint32_t>(QuantizeValue(x1, scale, true)) << 8);
+  }
+  return HwCvt2(x0 * scale.inv, x1 * scale.inv);
+}
+
 template <typename T>
 __device__ __forceinline__ void QuantizeVec(const Vec16<T>& v, const Fp8Scale& scale, bool vllm,
-                                            uint8_t* out) {
+                                            bool hw, uint8_t* out) {
   constexpr int kN = Vec16<T>::kN;
-  uint8_t b[kN];
+  uint32_t words[kN / 4];
+  if (hw) {
 #pragma unroll
-  for (int k = 0; k < kN; ++k) b[k] = QuantizeValue(ToFloat(v.v[k]), scale, vllm);
-  *reinterpret_cast<typename PackedBytes<kN>::Type*>(out) = PackedBytes<kN>::Pack(b);
+    for (int w = 0; w < kN / 4; ++w) {
+      const uint32_t lo = QuantizePairHw(ToFloat(v.v[4 * w]), ToFloat(v.v[4 * w + 1]), scale, vllm);
+      const uint32_t hi =
+          QuantizePairHw(ToFloat(v.v[4 * w + 2]), ToFloat(v.v[4 * w + 3]), scale, vllm);
+      words[w] = lo | (hi << 16);
+    }
+  } else {
+#pragma unroll
+    for (int w = 0; w < kN / 4; ++w) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        word |= static_cast<uint32_t>(QuantizeValue(ToFloat(v.v[4 * w + k]), scale, vllm)) << (8 * k);
+      }
+      words[w] = word;
+    }
+  }
+  if constexpr (kN == 8) {
+    *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(out) = words[0];
+  }
 }
 
 // ---- per-tensor: amax over the flat tensor, then scale, then convert ----
@@ -177,8 +210,9 @@ __global__ void PerTensorScaleKernel(float* scale) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     ConvertFlatKernel(const T* __restrict__ src, int64_t n, bool vec, const float* scale,
-                      uint8_t* __restrict__ out, bool vllm) {
+                      uint8_t* __restrict__ out, bool vllm, bool hw_enabled) {
   const Fp8Scale q_scale = MakeFp8Scale(*scale);
+  const bool hw = UseHw(hw_enabled, q_scale);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t tail_start = 0;
@@ -195,7 +229,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + u * stride;
-        if (i < nvec) QuantizeVec(v[u], q_scale, vllm, out + i * kN);
+        if (i < nvec) QuantizeVec(v[u], q_scale, vllm, hw, out + i * kN);
       }
     }
     tail_start = nvec * kN;
@@ -210,7 +244,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, bool kReject>
 __global__ void __launch_bounds__(kThreads)
     PerChannelKernel(const T* __restrict__ src, int64_t cols, bool vec, uint8_t* __restrict__ out,
-                     float* scales, ErrorSink sink, bool vllm) {
+                     float* scales, ErrorSink sink, bool vllm, bool hw_enabled) {
   const int64_t row = blockIdx.x;
   const int64_t row_start = row * cols;
   const T* rsrc = src + row_start;
@@ -233,9 +267,10 @@ __global__ void __launch_bounds__(kThreads)
   const float s = ScaleFromAmax(BitsToFloat(amax), /*block=*/false);
   if (threadIdx.x == 0) scales[row] = s;
   const Fp8Scale q_scale = MakeFp8Scale(s);
+  const bool hw = UseHw(hw_enabled, q_scale);
   // Second read of the row: it was just read by this block, so it is in L2.
   for (int64_t i = threadIdx.x; i < nvec; i += kThreads) {
-    QuantizeVec(vsrc[i], q_scale, vllm, rout + i * kN);
+    QuantizeVec(vsrc[i], q_scale, vllm, hw, rout + i * kN);
   }
   for (int64_t c = tail_start + threadIdx.x; c < cols; c += kThreads) {
     rout[c] = QuantizeValue(ToFloat(rsrc[c]), q_scale, vllm);
@@ -247,7 +282,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, bool kReject>
 __global__ void __launch_bounds__(kThreads)
     Block128Kernel(const T* __restrict__ src, int64_t rows, int64_t cols, bool vec,
-                   uint8_t* __restrict__ out, float* scales, ErrorSink sink, bool vllm) {
+                   uint8_t* __restrict__ out, float* scales, ErrorSink sink, bool vllm,
+                   bool hw_enabled) {
   constexpr int kTile = 128;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
@@ -276,12 +312,14 @@ __global__ void __launch_bounds__(kThreads)
   const float s = ScaleFromAmax(BitsToFloat(amax), /*block=*/true);
   if (threadIdx.x == 0) scales[static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x] = s;
   const Fp8Scale q_scale = MakeFp8Scale(s);
+  const bool hw = UseHw(hw_enabled, q_scale);
   for (int t = threadIdx.x; t < total; t += kThreads) {
     const int r = t / per_row;
     const int c = t - r * per_row;
     if (vec) {
       const int64_t index = (r0 + r) * cols + c0 + static_cast<int64_t>(c) * kN;
-      QuantizeVec(*reinterpret_cast<const Vec16<T>*>(src + index), q_scale, vllm, out + index);
+      QuantizeVec(*reinterpret_cast<const Vec16<T>*>(src + index), q_scale, vllm, hw,
+                  out + index);
     } else {
       const int64_t index = (r0 + r) * cols + c0 + c;
       out[index] = QuantizeValue(ToFloat(src[index]), q_scale, vllm);
@@ -322,7 +360,7 @@ bool Aligned(const void* p, size_t alignment) {
 
 template <typename T, bool kReject>
 absl::Status LaunchJob(const Fp8CudaJob& job, QuantScheme scheme, bool vllm, ErrorSink sink,
-                       cudaStream_t stream, int num_sms, unsigned long long seq) {
+                       cudaStream_t stream, int num_sms, bool hw, unsigned long long seq) {
   const T* src = static_cast<const T*>(job.src);
   const int64_t n = job.rows * job.cols;
   constexpr int kN = Vec16<T>::kN;
@@ -341,7 +379,7 @@ absl::Status LaunchJob(const Fp8CudaJob& job, QuantScheme scheme, bool vllm, Err
             src, n, aligned, reinterpret_cast<uint32_t*>(job.out_scales), sink);
         PerTensorScaleKernel<<<1, 1, 0, stream>>>(job.out_scales);
         ConvertFlatKernel<T><<<blocks, kThreads, 0, stream>>>(src, n, aligned, job.out_scales,
-                                                              job.out_q, vllm);
+                                                              job.out_q, vllm, hw);
       }
       break;
     }
@@ -349,7 +387,7 @@ absl::Status LaunchJob(const Fp8CudaJob& job, QuantScheme scheme, bool vllm, Err
       if (job.rows == 0) break;
       const bool vec = aligned && job.cols % kN == 0;
       PerChannelKernel<T, kReject><<<static_cast<unsigned>(job.rows), kThreads, 0, stream>>>(
-          src, job.cols, vec, job.out_q, job.out_scales, sink, vllm);
+          src, job.cols, vec, job.out_q, job.out_scales, sink, vllm, hw);
       break;
     }
     case QuantScheme::kBlock128: {
@@ -359,7 +397,7 @@ absl::Status LaunchJob(const Fp8CudaJob& job, QuantScheme scheme, bool vllm, Err
                       static_cast<unsigned>((job.rows + 127) / 128));
       Block128Kernel<T, kReject><<<grid, kThreads, 0, stream>>>(src, job.rows, job.cols, vec,
                                                                job.out_q, job.out_scales, sink,
-                                                               vllm);
+                                                               vllm, hw);
       break;
     }
     case QuantScheme::kNone:
@@ -374,18 +412,69 @@ absl::Status LaunchJob(const Fp8CudaJob& job, QuantScheme scheme, bool vllm, Err
 
 template <typename T>
 absl::Status Dispatch(const Fp8CudaJob& job, QuantScheme scheme, NonFinitePolicy policy,
-                      ErrorSink sink, cudaStream_t stream, int num_sms, unsigned long long seq) {
+                      ErrorSink sink, cudaStream_t stream, int num_sms, bool hw,
+                      unsigned long long seq) {
   if (policy == NonFinitePolicy::kReject) {
-    return LaunchJob<T, true>(job, scheme, /*vllm=*/false, sink, stream, num_sms, seq);
+    return LaunchJob<T, true>(job, scheme, /*vllm=*/false, sink, stream, num_sms, hw, seq);
   }
-  return LaunchJob<T, false>(job, scheme, /*vllm=*/true, sink, stream, num_sms, seq);
+  return LaunchJob<T, false>(job, scheme, /*vllm=*/true, sink, stream, num_sms, hw, seq);
+}
+
+// Compares the hardware conversion with the integer one for every finite
+// float32 of both signs (4.3e9 conversions, ~10 ms on an H100), in pairs so
+// that the byte order of the x2 instruction is checked too.
+__global__ void HwConversionCheckKernel(unsigned long long* mismatches) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  unsigned long long bad = 0;
+  for (uint64_t a = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       a <= 0x7F7FFFFFull; a += stride) {
+    const uint32_t bits = static_cast<uint32_t>(a);
+    const float v = BitsToFloat(bits);
+    const uint32_t want = Fp8E4M3FromFloatBits(bits) |
+                          (static_cast<uint32_t>(Fp8E4M3FromFloatBits(bits | 0x80000000u)) << 8);
+    bad += HwCvt2(v, -v) != want;
+  }
+  if (bad != 0) atomicAdd(mismatches, bad);
+}
+
+// Runs the check once per device per process.
+absl::StatusOr<int64_t> HwConversionMismatches(int device, int num_sms) {
+  static std::mutex mu;
+  static std::vector<int64_t>* results = new std::vector<int64_t>();  // -1: not run
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<int>(results->size()) <= device) results->resize(device + 1, -1);
+  if ((*results)[device] >= 0) return (*results)[device];
+  unsigned long long* count = nullptr;
+  REFIT_CUDA_RETURN_IF_ERROR(cudaMalloc(&count, sizeof(*count)), "cudaMalloc(conversion check)");
+  unsigned long long host = 0;
+  const absl::Status status = [&] {
+    REFIT_CUDA_RETURN_IF_ERROR(cudaMemset(count, 0, sizeof(*count)), "cudaMemset(conversion check)");
+    HwConversionCheckKernel<<<num_sms * 8, kThreads>>>(count);
+    REFIT_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launching the conversion check");
+    return CudaStatus(cudaMemcpy(&host, count, sizeof(host), cudaMemcpyDeviceToHost),
+                      "running the conversion check");
+  }();
+  cudaFree(count);
+  if (!status.ok()) return status;
+  (*results)[device] = static_cast<int64_t>(host);
+  return (*results)[device];
 }
 
 }  // namespace
 
-Fp8CudaQuantizer::Fp8CudaQuantizer(int device, int num_sms) : device_(device), num_sms_(num_sms) {}
+int64_t Fp8CudaQuantizer::HardwareConversionMismatchesForTesting() const {
+  return hw_mismatches_;
+}
 
-absl::StatusOr<std::unique_ptr<Fp8CudaQuantizer>> Fp8CudaQuantizer::Create(int device) {
+Fp8CudaQuantizer::Fp8CudaQuantizer(int device, int num_sms, bool hw_conversion,
+                                   int64_t hw_mismatches)
+    : device_(device),
+      num_sms_(num_sms),
+      hw_conversion_(hw_conversion),
+      hw_mismatches_(hw_mismatches) {}
+
+absl::StatusOr<std::unique_ptr<Fp8CudaQuantizer>> Fp8CudaQuantizer::Create(
+    int device, const Fp8CudaQuantizerOptions& options) {
   absl::Status status = CheckCudaDevice(device);
   if (!status.ok()) return status;
   ScopedCudaDevice scoped(device);
@@ -394,7 +483,24 @@ absl::StatusOr<std::unique_ptr<Fp8CudaQuantizer>> Fp8CudaQuantizer::Create(int d
   REFIT_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
       "cudaDeviceGetAttribute(multiprocessor count)");
-  return std::unique_ptr<Fp8CudaQuantizer>(new Fp8CudaQuantizer(device, std::max(num_sms, 1)));
+  num_sms = std::max(num_sms, 1);
+  int major = 0;
+  REFIT_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+      "cudaDeviceGetAttribute(compute capability)");
+  // The conversion instruction exists from sm_89 on; this library is built
+  // for sm_90 and newer (PTX), so every device it runs on has it.
+  bool hw = options.allow_hardware_conversion && major >= 9 &&
+            std::getenv("REFIT_FP8_CUDA_SOFTWARE_CONVERSION") == nullptr;
+  int64_t mismatches = -1;
+  if (hw) {
+    absl::StatusOr<int64_t> checked = HwConversionMismatches(device, num_sms);
+    if (!checked.ok()) return checked.status();
+    mismatches = *checked;
+    hw = mismatches == 0;  // bit-identity first: fall back if anything differs
+  }
+  return std::unique_ptr<Fp8CudaQuantizer>(
+      new Fp8CudaQuantizer(device, num_sms, hw, mismatches));
 }
 
 Fp8CudaQuantizer::~Fp8CudaQuantizer() {
@@ -500,13 +606,13 @@ absl::Status Fp8CudaQuantizer::Enqueue(const Fp8CudaJob& job, const Fp8QuantizeO
     switch (job.src_dtype) {
       case DType::kFloat32:
         return Dispatch<float>(job, options.scheme, options.non_finite, sink, cuda_stream,
-                               num_sms_, seq);
+                               num_sms_, hw_conversion_, seq);
       case DType::kBFloat16:
         return Dispatch<Bf16>(job, options.scheme, options.non_finite, sink, cuda_stream,
-                              num_sms_, seq);
+                              num_sms_, hw_conversion_, seq);
       default:
         return Dispatch<Fp16>(job, options.scheme, options.non_finite, sink, cuda_stream,
-                              num_sms_, seq);
+                              num_sms_, hw_conversion_, seq);
     }
   }();
   if (!status.ok()) return status;

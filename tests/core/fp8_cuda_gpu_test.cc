@@ -372,9 +372,27 @@ class Fp8CudaGpuTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<Fp8CudaQuantizer>> quantizer = Fp8CudaQuantizer::Create(0);
     ASSERT_TRUE(quantizer.ok()) << quantizer.status();
     quantizer_ = std::move(*quantizer);
+    cuda::Fp8CudaQuantizerOptions software;
+    software.allow_hardware_conversion = false;
+    quantizer = Fp8CudaQuantizer::Create(0, software);
+    ASSERT_TRUE(quantizer.ok()) << quantizer.status();
+    software_ = std::move(*quantizer);
+  }
+  // Both conversion paths must give the CPU's bytes.
+  std::vector<std::pair<const char*, Fp8CudaQuantizer*>> Quantizers() {
+    return {{"hardware conversion", quantizer_.get()}, {"integer conversion", software_.get()}};
   }
   std::unique_ptr<Fp8CudaQuantizer> quantizer_;
+  std::unique_ptr<Fp8CudaQuantizer> software_;
 };
+
+TEST_F(Fp8CudaGpuTest, HardwareConversionIsBitIdenticalOnThisDevice) {
+  // Create compared cvt.rn.satfinite.e4m3x2.f32 with the integer conversion
+  // for every finite float32 of both signs.
+  EXPECT_EQ(quantizer_->HardwareConversionMismatchesForTesting(), 0);
+  EXPECT_TRUE(quantizer_->hardware_conversion());
+  EXPECT_FALSE(software_->hardware_conversion());
+}
 
 TEST_F(Fp8CudaGpuTest, MatchesCpuOnRandomWeights) {
   uint64_t seed = 100;
@@ -383,12 +401,15 @@ TEST_F(Fp8CudaGpuTest, MatchesCpuOnRandomWeights) {
       for (NonFinitePolicy policy : kPolicies) {
         for (auto [rows, cols] : kShapes) {
           const at::Tensor src = RandomWeights(rows, cols, dtype, ++seed);
-          const std::string what = CaseName(dtype, scheme, policy, rows, cols);
           const Quantized cpu = CpuQuantize(src, dtype, scheme, policy);
-          ASSERT_TRUE(cpu.status.ok()) << what << ": " << cpu.status;
-          const Quantized gpu = GpuQuantize(*quantizer_, src, dtype, scheme, policy);
-          ASSERT_TRUE(gpu.status.ok()) << what << ": " << gpu.status;
-          ExpectSameBytes(cpu, gpu, what);
+          ASSERT_TRUE(cpu.status.ok()) << cpu.status;
+          for (auto [path, quantizer] : Quantizers()) {
+            const std::string what =
+                absl::StrCat(CaseName(dtype, scheme, policy, rows, cols), ", ", path);
+            const Quantized gpu = GpuQuantize(*quantizer, src, dtype, scheme, policy);
+            ASSERT_TRUE(gpu.status.ok()) << what << ": " << gpu.status;
+            ExpectSameBytes(cpu, gpu, what);
+          }
         }
       }
     }
@@ -414,23 +435,28 @@ TEST_F(Fp8CudaGpuTest, MatchesCpuOnLargeTensors) {
 TEST_F(Fp8CudaGpuTest, MatchesCpuOnEdgeCases) {
   for (DType dtype : kDTypes) {
     for (QuantScheme scheme : kSchemes) {
-      for (const at::Tensor& src : EdgeCases(dtype, /*non_finite=*/true)) {
-        const std::string what = CaseName(dtype, scheme, NonFinitePolicy::kVllmCompatible,
-                                          src.size(0), src.size(1));
-        const Quantized cpu = CpuQuantize(src, dtype, scheme, NonFinitePolicy::kVllmCompatible);
-        ASSERT_TRUE(cpu.status.ok()) << what << ": " << cpu.status;
-        const Quantized gpu =
-            GpuQuantize(*quantizer_, src, dtype, scheme, NonFinitePolicy::kVllmCompatible);
-        ASSERT_TRUE(gpu.status.ok()) << what << ": " << gpu.status;
-        ExpectSameBytes(cpu, gpu, what);
-      }
-      for (const at::Tensor& src : EdgeCases(dtype, /*non_finite=*/false)) {
-        const std::string what =
-            CaseName(dtype, scheme, NonFinitePolicy::kReject, src.size(0), src.size(1));
-        const Quantized cpu = CpuQuantize(src, dtype, scheme, NonFinitePolicy::kReject);
-        const Quantized gpu = GpuQuantize(*quantizer_, src, dtype, scheme, NonFinitePolicy::kReject);
-        ASSERT_TRUE(gpu.status.ok()) << what << ": " << gpu.status;
-        ExpectSameBytes(cpu, gpu, what);
+      for (auto [path, quantizer] : Quantizers()) {
+        for (const at::Tensor& src : EdgeCases(dtype, /*non_finite=*/true)) {
+          const std::string what = absl::StrCat(
+              CaseName(dtype, scheme, NonFinitePolicy::kVllmCompatible, src.size(0), src.size(1)),
+              ", ", path);
+          const Quantized cpu = CpuQuantize(src, dtype, scheme, NonFinitePolicy::kVllmCompatible);
+          ASSERT_TRUE(cpu.status.ok()) << what << ": " << cpu.status;
+          const Quantized gpu =
+              GpuQuantize(*quantizer, src, dtype, scheme, NonFinitePolicy::kVllmCompatible);
+          ASSERT_TRUE(gpu.status.ok()) << what << ": " << gpu.status;
+          ExpectSameBytes(cpu, gpu, what);
+        }
+        for (const at::Tensor& src : EdgeCases(dtype, /*non_finite=*/false)) {
+          const std::string what = absl::StrCat(
+              CaseName(dtype, scheme, NonFinitePolicy::kReject, src.size(0), src.size(1)), ", ",
+              path);
+          const Quantized cpu = CpuQuantize(src, dtype, scheme, NonFinitePolicy::kReject);
+          const Quantized gpu =
+              GpuQuantize(*quantizer, src, dtype, scheme, NonFinitePolicy::kReject);
+          ASSERT_TRUE(gpu.status.ok()) << what << ": " << gpu.status;
+          ExpectSameBytes(cpu, gpu, what);
+        }
       }
     }
   }
@@ -444,10 +470,18 @@ TEST_F(Fp8CudaGpuTest, MisalignedBuffersTakeTheScalarPathWithSameBytes) {
           CaseName(dtype, scheme, NonFinitePolicy::kReject, src.size(0), src.size(1));
       const Quantized cpu = CpuQuantize(src, dtype, scheme, NonFinitePolicy::kReject);
       const int64_t esize = static_cast<int64_t>(DTypeSize(dtype));
-      const Quantized gpu = GpuQuantize(*quantizer_, src, dtype, scheme, NonFinitePolicy::kReject,
-                                        /*src_offset=*/esize, /*out_offset=*/1);
-      ASSERT_TRUE(gpu.status.ok()) << what << ": " << gpu.status;
-      ExpectSameBytes(cpu, gpu, what);
+      for (auto [path, quantizer] : Quantizers()) {
+        const Quantized gpu =
+            GpuQuantize(*quantizer, src, dtype, scheme, NonFinitePolicy::kReject,
+                        /*src_offset=*/esize, /*out_offset=*/1);
+        ASSERT_TRUE(gpu.status.ok()) << what << ", " << path << ": " << gpu.status;
+        ExpectSameBytes(cpu, gpu, absl::StrCat(what, ", ", path));
+        // Aligned source, misaligned output: vector loads, scalar path.
+        const Quantized half = GpuQuantize(*quantizer, src, dtype, scheme,
+                                           NonFinitePolicy::kReject, 0, /*out_offset=*/3);
+        ASSERT_TRUE(half.status.ok()) << half.status;
+        ExpectSameBytes(cpu, half, absl::StrCat(what, ", ", path, ", output offset 3"));
+      }
     }
   }
 }

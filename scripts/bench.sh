@@ -184,30 +184,37 @@ try:
 except ImportError:
     plt = None
 if plt is not None and core and "scaling" in core["series"]:
-    pts = core["series"]["scaling"]
-    fig_, ax = plt.subplots(figsize=(6.4, 4.2))
-    xs = [p["gib"] for p in pts]
-    med = [p["median_total_s"] for p in pts]
-    for p in pts:
-        ax.scatter([p["gib"]] * len(p["total_s"]), p["total_s"], color="tab:blue", alpha=0.35, s=14)
-    ax.plot(xs, med, "o-", color="tab:blue", label="in-process refit (median)")
-    mid = pts[len(pts) // 2]
-    slope = mid["median_total_s"] / mid["gib"]
-    ax.plot([0, max(xs)], [0, slope * max(xs)], "--", color="gray",
-            label=f"linear through {mid['label']}")
+    import statistics
+    fig_, ax = plt.subplots(figsize=(6.8, 4.4))
+    variants = [("scaling", "in-process refit, default options", "tab:blue"),
+                ("scaling_budget_2_layers", "in-process refit, staging budget 2 x largest layer",
+                 "tab:orange")]
+    xmax = 0
+    for key, label, color in variants:
+        pts = core["series"].get(key)
+        if not pts:
+            continue
+        xs = [p["gib"] for p in pts]
+        xmax = max(xmax, max(xs))
+        for p in pts:
+            ax.scatter([p["gib"]] * len(p["total_s"]), p["total_s"], color=color, alpha=0.35, s=14)
+        ax.plot(xs, [p["median_total_s"] for p in pts], "o-", color=color, label=label + " (median)")
+        mid = pts[len(pts) // 2]
+        slope = mid["median_total_s"] / mid["gib"]
+        ax.plot([0, max(xs)], [0, slope * max(xs)], ":", color=color, alpha=0.7,
+                label=f"linear through the {mid['label']} point")
     if e2e:
         s = e2e["series"]
         gib = s["bytes"] / 2**30
-        import statistics
         ax.scatter([gib], [statistics.median(s["seconds"]["push"])], marker="s", color="tab:red",
                    label="Push via refitd (median)", zorder=3)
-        ax.scatter([gib], [statistics.median(s["seconds"]["reload"])], marker="^", color="tab:green",
-                   label="tmpfs write + Reload (median)", zorder=3)
+        ax.scatter([gib], [statistics.median(s["seconds"]["reload"])], marker="^",
+                   color="tab:green", label="tmpfs write + Reload (median)", zorder=3)
     ax.set_xlabel("model size (GiB of bf16 checkpoint)")
     ax.set_ylabel("refit time (s)")
     ax.set_title("Refit time vs model size (FP8 per-tensor, CPU)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig_.tight_layout()
     fig_.savefig(os.path.join(results, "refit_time_vs_size.png"), dpi=110)
     plt.close(fig_)

@@ -42,7 +42,7 @@ cmake --build "$BUILD_DIR" -j"$JOBS" --target refitd refit_make_fixture quantize
 if [ "$QUICK" = 1 ]; then
   MODEL_LAYERS=4; SIZES=64,256; REPS=2; E2E_REPS=2; QMIN=0.2
 else
-  MODEL_LAYERS=47; SIZES=256,1024,4096; REPS=3; E2E_REPS=${BENCH_E2E_REPS:-5}; QMIN=0.5
+  MODEL_LAYERS=47; SIZES=256,1024,4096; REPS=3; E2E_REPS=${BENCH_E2E_REPS:-7}; QMIN=0.5
 fi
 MODEL_ARGS="--layers $MODEL_LAYERS --hidden 1024 --intermediate 2816 --heads 8 --kv-heads 2 --vocab 8192"
 MODEL_DIR=$TMP/model-l$MODEL_LAYERS
@@ -57,9 +57,12 @@ fi
 # --- runs -------------------------------------------------------------------
 status=0
 log "quantizer_bench"
-"$BUILD_DIR/bench/quantizer_bench" --benchmark_format=json \
-  --benchmark_filter='^BM_(Ours|TorchOps|Memcpy)/' --benchmark_min_time="$QMIN" \
-  > "$TMP/quantizer.json" 2> "$TMP/quantizer.log" || { log "quantizer_bench failed"; status=1; }
+rm -f "$TMP/quantizer.json"
+# Its console reporter prints a table and ratios; the JSON goes to a file.
+"$BUILD_DIR/bench/quantizer_bench" --benchmark_out="$TMP/quantizer.json" \
+  --benchmark_out_format=json --benchmark_filter='^BM_(Ours|TorchOps|Memcpy)/' \
+  --benchmark_min_time="$QMIN" > "$TMP/quantizer.txt" 2>&1 \
+  || { log "quantizer_bench failed (see $TMP/quantizer.txt)"; status=1; }
 
 log "refit_core_bench (sizes $SIZES MiB)"
 "$BUILD_DIR/bench/refit_core_bench" --sizes="$SIZES" --reps="$REPS" \
@@ -111,6 +114,11 @@ def machine():
         flags = open("/proc/cpuinfo").read()
         info["isa"] = [x for x in ("avx512f", "avx2", "sse2") if f" {x}" in flags]
         info["load_average_at_end"] = list(os.getloadavg())
+        # Share of time some task waited for a CPU (PSI): how busy the
+        # machine was with other work while the figures were taken.
+        for line in open("/proc/pressure/cpu"):
+            if line.startswith("some"):
+                info["cpu_pressure_some_avg300_percent"] = float(line.split()[3].split("=")[1])
     except OSError:
         pass
     try:
@@ -279,7 +287,8 @@ def fmt(x):
 
 m = out["machine"]
 print(f"\nMachine: {m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}"
-      f" (load average at end {', '.join(f'{x:.1f}' for x in m.get('load_average_at_end', []))})\n")
+      f" (load average at end {', '.join(f'{x:.1f}' for x in m.get('load_average_at_end', []))};"
+      f" CPU pressure {m.get('cpu_pressure_some_avg300_percent', '?')}% over 5 min)\n")
 print("| figure | value | reference | ratio | target | met |")
 print("|---|---|---|---|---|---|")
 for f in figures:

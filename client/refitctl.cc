@@ -114,21 +114,16 @@ struct CommandLine {
   }
 };
 
-class UsageError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-CommandLine Parse(int argc, char** argv) {
-  CommandLine cl;
+// Parses the command line; returns "" or a usage error.
+std::string Parse(int argc, char** argv, CommandLine* cl) {
   bool only_positional = false;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (only_positional || arg.size() < 2 || arg[0] != '-') {
-      if (cl.command.empty()) {
-        cl.command = arg;
+      if (cl->command.empty()) {
+        cl->command = arg;
       } else {
-        cl.args.push_back(arg);
+        cl->args.push_back(arg);
       }
       continue;
     }
@@ -138,7 +133,7 @@ CommandLine Parse(int argc, char** argv) {
     }
     if (arg == "-h") arg = "--help";
     absl::string_view body = arg;
-    if (!absl::ConsumePrefix(&body, "--")) throw UsageError("unknown flag " + arg);
+    if (!absl::ConsumePrefix(&body, "--")) return "unknown flag " + arg;
     std::string name(body), value;
     bool has_value = false;
     if (size_t eq = name.find('='); eq != std::string::npos) {
@@ -147,24 +142,82 @@ CommandLine Parse(int argc, char** argv) {
       has_value = true;
     }
     auto spec = KnownFlags().find(name);
-    if (spec == KnownFlags().end()) throw UsageError("unknown flag --" + name);
+    if (spec == KnownFlags().end()) return "unknown flag --" + name;
     if (spec->second.takes_value && !has_value) {
-      if (i + 1 >= argc) throw UsageError("flag --" + name + " needs a value");
+      if (i + 1 >= argc) return "flag --" + name + " needs a value";
       value = argv[++i];
     } else if (!spec->second.takes_value && has_value) {
-      throw UsageError("flag --" + name + " takes no value");
+      return "flag --" + name + " takes no value";
     }
-    cl.flags[name] = value;
+    cl->flags[name] = value;
   }
-  return cl;
+  return "";
 }
 
-uint64_t ParseUint(const CommandLine& cl, const std::string& name, uint64_t fallback) {
-  if (!cl.Has(name)) return fallback;
-  uint64_t value = 0;
-  if (!absl::SimpleAtoi(cl.Get(name), &value)) {
-    throw UsageError("--" + name + " needs a non-negative integer, got '" + cl.Get(name) + "'");
+// --timeout: plain seconds ("2.5") or an Abseil duration ("10s", "500ms").
+bool ParseTimeout(const std::string& text, absl::Duration* out) {
+  double seconds = 0;
+  if (absl::SimpleAtod(text, &seconds)) {
+    *out = absl::Seconds(seconds);
+    return true;
   }
+  return absl::ParseDuration(text, out);
+}
+
+struct CommandSpec {
+  size_t min_args;
+  size_t max_args;
+};
+
+const std::map<std::string, CommandSpec>& Commands() {
+  static const auto* commands = new std::map<std::string, CommandSpec>{
+      {"status", {0, 0}}, {"health", {0, 0}},  {"push", {1, SIZE_MAX}}, {"reload", {0, 1}},
+      {"commit", {0, 1}}, {"abort", {0, 1}},   {"tensors", {0, 0}},     {"read", {1, 1}},
+      {"verify", {1, SIZE_MAX}}, {"watch", {0, 0}},
+  };
+  return *commands;
+}
+
+// Every usage error, found before anything is sent: "" when the command
+// line is fine.
+std::string CheckUsage(const CommandLine& cl) {
+  if (cl.command.empty()) return "no command given";
+  auto command = Commands().find(cl.command);
+  if (command == Commands().end()) return "unknown command '" + cl.command + "'";
+  const CommandSpec& spec = command->second;
+  if (cl.args.size() < spec.min_args) {
+    return absl::StrCat("'", cl.command, "' needs ",
+                        cl.command == "read" ? "a tensor name" : "safetensors files or a directory");
+  }
+  if (cl.args.size() > spec.max_args) {
+    return absl::StrCat("'", cl.command, "' takes at most ", spec.max_args, " argument(s), got ",
+                        cl.args.size());
+  }
+  for (const char* name : {"base-version", "bucket-mib", "chunk-mib", "tp-rank", "tp-size",
+                           "count"}) {
+    uint64_t value = 0;
+    if (cl.Has(name) && !absl::SimpleAtoi(cl.Get(name), &value)) {
+      return absl::StrCat("--", name, " needs a non-negative integer, got '", cl.Get(name), "'");
+    }
+    if (cl.Has(name) && value == 0 && (std::string(name) == "bucket-mib" ||
+                                       std::string(name) == "chunk-mib")) {
+      return "--bucket-mib and --chunk-mib must be positive";
+    }
+  }
+  absl::Duration timeout;
+  if (cl.Has("timeout") && !ParseTimeout(cl.Get("timeout"), &timeout)) {
+    return "--timeout needs a duration such as 10s or 500ms";
+  }
+  if (cl.command == "reload" && cl.Get("from").empty() && cl.args.empty()) {
+    return "'reload' needs --from PATH";
+  }
+  return "";
+}
+
+// A flag CheckUsage has validated.
+uint64_t ParseUint(const CommandLine& cl, const std::string& name, uint64_t fallback) {
+  uint64_t value = fallback;
+  if (cl.Has(name) && !absl::SimpleAtoi(cl.Get(name), &value)) value = fallback;
   return value;
 }
 
@@ -250,10 +303,6 @@ class Refitctl {
 
   int Run() {
     const std::string& c = cl_.command;
-    static const std::set<std::string> kCommands = {"status", "health", "push",    "reload",
-                                                    "commit", "abort",  "tensors", "read",
-                                                    "verify", "watch"};
-    if (!kCommands.count(c)) throw UsageError("unknown command '" + c + "'");
     absl::Status connected = Connect();
     if (!connected.ok()) return Fail(connected);
     if (c == "status") return Status();
@@ -283,16 +332,7 @@ class Refitctl {
     options.tls_cert_file = cl_.Get("tls-cert");
     options.tls_key_file = cl_.Get("tls-key");
     options.tls_server_name = cl_.Get("tls-server-name");
-    if (cl_.Has("timeout")) {
-      absl::Duration timeout;
-      double seconds = 0;
-      if (absl::SimpleAtod(cl_.Get("timeout"), &seconds)) {
-        timeout = absl::Seconds(seconds);
-      } else if (!absl::ParseDuration(cl_.Get("timeout"), &timeout)) {
-        throw UsageError("--timeout needs a duration such as 10s or 500ms");
-      }
-      options.timeout = timeout;
-    }
+    if (cl_.Has("timeout")) ParseTimeout(cl_.Get("timeout"), &options.timeout);
     absl::StatusOr<std::unique_ptr<RefitClient>> client = RefitClient::Create(options);
     if (!client.ok()) return client.status();
     client_ = *std::move(client);
@@ -311,17 +351,7 @@ class Refitctl {
     return ExitCodeFor(status);
   }
 
-  void ExpectArgs(size_t min, size_t max) {
-    if (cl_.args.size() < min || cl_.args.size() > max) {
-      throw UsageError(absl::StrCat("'", cl_.command, "' takes ",
-                                    min == max ? absl::StrCat(min)
-                                               : absl::StrCat(min, " to ", max),
-                                    " argument(s), got ", cl_.args.size()));
-    }
-  }
-
   int Status() {
-    ExpectArgs(0, 0);
     auto status = client_->GetStatus(cl_.Get("group"));
     if (!status.ok()) return Fail(status.status());
     const refit::v1::GetStatusResponse& s = *status;
@@ -385,7 +415,6 @@ class Refitctl {
   }
 
   int Health() {
-    ExpectArgs(0, 0);
     auto live = client_->HealthCheck("");
     if (!live.ok()) return Fail(live.status());
     auto ready = client_->HealthCheck(kReadinessService);
@@ -412,9 +441,6 @@ class Refitctl {
     options.label = cl_.Get("label");
     options.bucket_bytes = ParseUint(cl_, "bucket-mib", 32) << 20;
     options.max_chunk_bytes = ParseUint(cl_, "chunk-mib", 32) << 20;
-    if (options.bucket_bytes == 0 || options.max_chunk_bytes == 0) {
-      throw UsageError("--bucket-mib and --chunk-mib must be positive");
-    }
     options.checksums = !cl_.Has("no-checksum");
     options.allow_partial_layers = cl_.Has("allow-partial");
     options.non_finite = cl_.Has("vllm-non-finite") ? refit::v1::NON_FINITE_POLICY_VLLM_COMPATIBLE
@@ -453,7 +479,6 @@ class Refitctl {
   }
 
   int Push() {
-    if (cl_.args.empty()) throw UsageError("'push' needs safetensors files or a directory");
     PushOptions options = MakePushOptions();
     absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths(cl_.args);
     if (!files.ok()) return Fail(files.status());
@@ -470,9 +495,7 @@ class Refitctl {
   }
 
   int Reload() {
-    ExpectArgs(0, 1);
     std::string path = cl_.Get("from", cl_.args.empty() ? "" : cl_.args[0]);
-    if (path.empty()) throw UsageError("'reload' needs --from PATH");
     PushOptions push = MakePushOptions();
     refit::v1::ReloadRequest request;
     request.set_model_group(push.model_group);
@@ -502,7 +525,6 @@ class Refitctl {
   }
 
   int Commit() {
-    ExpectArgs(0, 1);
     std::string id = cl_.args.empty() ? "" : cl_.args[0];
     if (id.empty()) {
       auto status = client_->GetStatus(cl_.Get("group"));
@@ -520,7 +542,6 @@ class Refitctl {
   }
 
   int Abort() {
-    ExpectArgs(0, 1);
     std::string id = cl_.args.empty() ? "" : cl_.args[0];
     auto result = client_->Abort(cl_.Get("group"), id, cl_.Get("reason", "refitctl abort"));
     if (!result.ok()) return Fail(result.status());
@@ -535,7 +556,6 @@ class Refitctl {
   }
 
   int Tensors() {
-    ExpectArgs(0, 0);
     auto layout = cl_.Has("checkpoint") ? refit::v1::ListTensorsRequest::LAYOUT_CHECKPOINT
                                         : refit::v1::ListTensorsRequest::LAYOUT_KERNEL;
     auto list = client_->ListTensors(cl_.Get("group"), layout);
@@ -570,7 +590,6 @@ class Refitctl {
   }
 
   int Read() {
-    ExpectArgs(1, 1);
     auto result = client_->ReadTensor(cl_.Get("group"), cl_.args[0]);
     if (!result.ok()) return Fail(result.status());
     const std::string out = cl_.Get("out");
@@ -620,7 +639,6 @@ class Refitctl {
   }
 
   int VerifyCommand() {
-    if (cl_.args.empty()) throw UsageError("'verify' needs safetensors files or a directory");
     absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths(cl_.args);
     if (!files.ok()) return Fail(files.status());
     VerifyOptions options;
@@ -674,7 +692,6 @@ class Refitctl {
   }
 
   int Watch() {
-    ExpectArgs(0, 0);
     const uint64_t count = ParseUint(cl_, "count", 0);
     uint64_t seen = 0;
     absl::Status status = client_->Watch(cl_.Get("group"), [&](const refit::v1::WatchEvent& e) {
@@ -734,18 +751,18 @@ int ExitCodeFor(const absl::Status& status) {
 }
 
 int RunRefitctl(int argc, char** argv) {
-  try {
-    CommandLine cl = Parse(argc, argv);
-    if (cl.Has("help") || cl.command == "help") {
-      std::cout << kUsage;
-      return kExitOk;
-    }
-    if (cl.command.empty()) throw UsageError("no command given");
-    return Refitctl(std::move(cl)).Run();
-  } catch (const UsageError& e) {
-    std::cerr << "refitctl: " << e.what() << "\n\n" << kUsage;
+  CommandLine cl;
+  std::string error = Parse(argc, argv, &cl);
+  if (error.empty() && (cl.Has("help") || cl.command == "help")) {
+    std::cout << kUsage;
+    return kExitOk;
+  }
+  if (error.empty()) error = CheckUsage(cl);
+  if (!error.empty()) {
+    std::cerr << "refitctl: " << error << "\n\n" << kUsage;
     return kExitUsage;
   }
+  return Refitctl(std::move(cl)).Run();
 }
 
 }  // namespace refit::client

@@ -251,14 +251,16 @@ TEST_F(RefitdE2eTest, SigtermDuringPushAbortsItAndExitsZero) {
   const std::string active = StartStalledPush(Fixture(2));
 
   daemon_->Signal(SIGTERM);
+  // The trainer waits for the daemon's verdict on its stream.
+  pusher_->WriteStdin("finish\n");
+  ASSERT_EQ(pusher_->Wait(), 0);
+  EXPECT_THAT(pusher_->Stdout(), HasSubstr("status ABORTED"));
+  EXPECT_THAT(pusher_->Stdout(), HasSubstr("shutting down"));
+
   // The bound is --shutdown-timeout plus slack for a loaded machine.
   std::optional<int> code = daemon_->Wait(absl::Seconds(30));
   ASSERT_TRUE(code.has_value()) << "refitd did not exit after SIGTERM";
   EXPECT_EQ(*code, 0);
-
-  pusher_->WriteStdin("continue\n");
-  ASSERT_EQ(pusher_->Wait(), 0);
-  EXPECT_THAT(pusher_->Stdout(), HasSubstr("status ABORTED"));
 
   const std::string log = daemon_->Stderr();
   EXPECT_THAT(log, HasSubstr("refitd stopped"));

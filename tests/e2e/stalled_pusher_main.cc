@@ -6,9 +6,13 @@
 //
 // Opens a Push stream, sends Begin and the first half of the chunks of the
 // safetensors files in DIR (one chunk per message), prints "stalled" on
-// stdout, then waits for a line on stdin. Then it sends the rest and End,
-// and prints "status <CODE> <message>" with the stream's final status
-// (e.g. "status ABORTED daemon shutting down"), and exits 0.
+// stdout, then waits for a line on stdin:
+//   "continue"  sends the rest and End;
+//   "finish"    sends nothing more and waits for the daemon to end the stream
+//               (a test sends this right after stopping the daemon, so the
+//               daemon's status is read while the connection is still up).
+// Then it prints "status <CODE> <message>" with the stream's final status
+// (e.g. "status ABORTED ... refitd is shutting down") and exits 0.
 #include <iostream>
 #include <string>
 #include <vector>
@@ -67,13 +71,15 @@ int main(int argc, char** argv) {
 
   std::string line;
   std::getline(std::cin, line);
-  for (size_t i = half; ok && i < chunks.size(); ++i) ok = writer->Write(chunks[i]);
-  if (ok) {
-    refit::v1::PushRequest end;
-    end.mutable_end();
-    ok = writer->Write(end);
+  if (line != "finish") {
+    for (size_t i = half; ok && i < chunks.size(); ++i) ok = writer->Write(chunks[i]);
+    if (ok) {
+      refit::v1::PushRequest end;
+      end.mutable_end();
+      ok = writer->Write(end);
+    }
+    if (ok) writer->WritesDone();
   }
-  if (ok) writer->WritesDone();
   grpc::Status status = writer->Finish();
   absl::Status s = refit::client::FromGrpcStatus(status);
   std::cout << "status " << absl::StatusCodeToString(s.code()) << " " << s.message()

@@ -207,9 +207,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
       for (int threads : thread_counts) {
         const std::string args = absl::StrCat(scheme, "/", threads);
         const double ours = Rate("BM_Ours/" + args);
-        if (ours == 0) continue;
         const double torch = Rate("BM_TorchOps/" + args);
         const double copy = Rate(absl::StrCat("BM_Memcpy/", threads));
+        if (ours == 0 || (torch == 0 && copy == 0)) continue;
         out << QuantSchemeName(kSchemes[scheme]) << " threads=" << threads << ":";
         if (torch > 0) out << " " << ours / torch << "x the LibTorch op chain;";
         if (copy > 0) out << " " << ours / copy << "x memcpy bandwidth;";
@@ -231,13 +231,26 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace refit::core
 
 int main(int argc, char** argv) {
+  // The ratio summary is for people; with --benchmark_format=json|csv (as
+  // scripts/bench.sh asks) stdout must be exactly the library's output.
+  bool console = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--benchmark_format=", 0) == 0 && arg != "--benchmark_format=console") {
+      console = false;
+    }
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  // Colours only on a terminal, as the default reporter does.
-  refit::core::RatioReporter reporter(isatty(fileno(stdout))
-                                          ? benchmark::ConsoleReporter::OO_Defaults
-                                          : benchmark::ConsoleReporter::OO_Tabular);
-  benchmark::RunSpecifiedBenchmarks(&reporter);
+  if (!console) {
+    benchmark::RunSpecifiedBenchmarks();
+  } else {
+    // Colours only on a terminal, as the default reporter does.
+    refit::core::RatioReporter reporter(isatty(fileno(stdout))
+                                            ? benchmark::ConsoleReporter::OO_Defaults
+                                            : benchmark::ConsoleReporter::OO_Tabular);
+    benchmark::RunSpecifiedBenchmarks(&reporter);
+  }
   benchmark::Shutdown();
   return 0;
 }

@@ -114,10 +114,10 @@ std::vector<std::string> NormalizeArgs(int argc, char** argv) {
   return args;
 }
 
-template <typename T>
-bool Fail(const T& status) {
-  std::cerr << "refitd: " << status << "\n";
-  return false;
+// Bad flag values: a message and exit status 2.
+int UsageError(const absl::Status& status) {
+  std::cerr << "refitd: " << status << " (see --help)\n";
+  return 2;
 }
 
 }  // namespace
@@ -152,11 +152,11 @@ int main(int argc, char** argv) {
   options.quant = absl::GetFlag(FLAGS_quant);
   absl::StatusOr<int64_t> budget =
       refit::server::ParseByteSize(absl::GetFlag(FLAGS_staging_budget));
-  if (!budget.ok()) return Fail(budget.status()) ? 0 : 2;
+  if (!budget.ok()) return UsageError(budget.status());
   options.staging_budget_bytes = *budget;
   absl::StatusOr<int64_t> max_chunk =
       refit::server::ParseByteSize(absl::GetFlag(FLAGS_max_chunk_bytes));
-  if (!max_chunk.ok()) return Fail(max_chunk.status()) ? 0 : 2;
+  if (!max_chunk.ok()) return UsageError(max_chunk.status());
   options.max_chunk_bytes = *max_chunk;
   options.push_idle_timeout = absl::GetFlag(FLAGS_push_idle_timeout);
   options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
@@ -174,6 +174,10 @@ int main(int argc, char** argv) {
   grpc_init();
 
   // Signals are taken by sigwait below; block them before any thread starts.
+  // A shell starts background jobs with SIGINT ignored, and an ignored signal
+  // is discarded before sigwait could see it: restore the defaults first.
+  signal(SIGTERM, SIG_DFL);
+  signal(SIGINT, SIG_DFL);
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);

@@ -399,7 +399,10 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
   absl::Status read = store->ReadKernel(request->name(), &bytes, &version);
   if (!read.ok()) return FailStream<v1::ReadTensorResponse>(read);
   size_t chunk = static_cast<size_t>(options_.read_chunk_bytes);
-  if (request->max_chunk_bytes() > 0) chunk = std::min<size_t>(chunk, request->max_chunk_bytes());
+  if (request->max_chunk_bytes() > 0) {
+    chunk = std::min<size_t>(request->max_chunk_bytes(),
+                             static_cast<size_t>(options_.max_chunk_bytes));
+  }
   return new ReadTensorReactor(std::move(info), version, std::move(bytes), chunk);
 }
 

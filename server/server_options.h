@@ -31,8 +31,10 @@ struct ServerOptions {
   // Largest chunk payload of one Push message; gRPC's receive limit is this
   // plus kMessageHeadroomBytes.
   int64_t max_chunk_bytes = int64_t{64} << 20;
-  // Default and maximum payload of one ReadTensor message.
-  int64_t read_chunk_bytes = int64_t{4} << 20;
+  // Payload of one ReadTensor message unless the request asks for less or
+  // more (up to max_chunk_bytes). 1 MiB stays under gRPC clients' default
+  // 4 MiB receive limit.
+  int64_t read_chunk_bytes = int64_t{1} << 20;
   // A Push stream that sends nothing for this long is aborted.
   absl::Duration push_idle_timeout = absl::Seconds(60);
   // SIGTERM: in-flight RPCs get this long, then they are cancelled.

@@ -254,6 +254,21 @@ TEST_F(RefitServiceTest, OversizedChunkIsRejected) {
   EXPECT_THAT(push.status.error_message(), HasSubstr("--max-chunk-bytes"));
 }
 
+TEST_F(RefitServiceTest, MessageBeyondGrpcLimitIsResourceExhausted) {
+  ServerOptions options = TestOptions(dir_);
+  options.max_chunk_bytes = 1024;  // gRPC limit: 1 KiB + 1 MiB headroom
+  StartServer(options);
+  // 2 MiB of payload in one message (the tensor's own size does not matter:
+  // gRPC refuses the message before the daemon looks at it).
+  core::OwnedTensor big{"model.embed_tokens.weight", core::DType::kBFloat16, {1000, 128},
+                        std::vector<uint8_t>(2 << 20)};
+  v1::PushRequest chunks;
+  AddChunk(big, chunks.mutable_chunks());
+  PushOutcome push = PushMessages(stub_.get(), {BeginMessage(), chunks, EndMessage()});
+  EXPECT_EQ(push.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(Version(), 1u);
+}
+
 TEST_F(RefitServiceTest, SecondConcurrentPushIsAbortedNamingTheActiveRefit) {
   WatchStream watch(stub_.get());
   grpc::ClientContext first_context;

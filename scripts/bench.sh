@@ -252,6 +252,8 @@ if plt is not None:
         bars.append(("bare gRPC stream", g["bare"], "ref"))
         bars.append(("Push, ingest only", g["ingest"], "ours"))
         bars.append(("Push, full refit", g["push"], "ours"))
+        if "push_tight" in g:
+            bars.append(("Push, full refit, budget 2 layers", g["push_tight"], "ours"))
         bars.append(("tmpfs write + Reload", g["reload"], "ref"))
         ph = s.get("push_phases") or []
         if ph:

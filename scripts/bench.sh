@@ -10,8 +10,11 @@
 #   build-bench/bench/quantizer_bench   FP8 quantizer vs the LibTorch op chain vs memcpy
 #   build-bench/bench/refit_core_bench  commit, assembler, scaling, memory (in process)
 #   build-bench/bench/refit_e2e_bench   refitd + client vs bare gRPC / raw socket / tmpfs Reload
-# and writes bench/results/latest.json, bench/results/refit_time_vs_size.png and
-# bench/results/throughput_per_phase.png. The markdown table comes last.
+# and writes bench/results/latest.json, bench/results/latest.md (the table),
+# bench/results/refit_time_vs_size.png and bench/results/throughput_per_phase.png,
+# and puts the table into README.md between <!-- bench:begin --> and
+# <!-- bench:end --> (BENCH_UPDATE_README=0 leaves README.md alone). The
+# markdown table comes last on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -288,15 +291,32 @@ def fmt(x):
     return str(x)
 
 m = out["machine"]
-print(f"\nMachine: {m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}"
-      f" (load average at end {', '.join(f'{x:.1f}' for x in m.get('load_average_at_end', []))};"
-      f" CPU pressure {m.get('cpu_pressure_some_avg300_percent', '?')}% over 5 min)\n")
-print("| figure | value | reference | ratio | target | met |")
-print("|---|---|---|---|---|---|")
+lines = [f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}"
+         f" (load average at end {', '.join(f'{x:.1f}' for x in m.get('load_average_at_end', []))};"
+         f" CPU pressure {m.get('cpu_pressure_some_avg300_percent', '?')}% over 5 min);"
+         f" {out['generated_utc']}, commit {m.get('commit', '?')}.",
+         "",
+         "| figure | value | reference | ratio | target | met |",
+         "|---|---|---|---|---|---|"]
 for f in figures:
     met = {True: "yes", False: "**no**", None: "-"}[f["met"]]
-    print(f"| {f['name']} | {fmt(f['value'])} {f['unit']} | {f['reference_name']}: "
-          f"{fmt(f['reference_value'])} | {fmt(f['ratio'])} | {f['target'] or '-'} | {met} |")
+    lines.append(f"| {f['name']} | {fmt(f['value'])} {f['unit']} | {f['reference_name']}: "
+                 f"{fmt(f['reference_value'])} | {fmt(f['ratio'])} | {f['target'] or '-'} | {met} |")
+table = "\n".join(lines) + "\n"
+with open(os.path.join(results, "latest.md"), "w") as f:
+    f.write(table)
+# The README's Performance section shows the same table, between markers.
+begin, end_ = "<!-- bench:begin -->", "<!-- bench:end -->"
+try:
+    readme = open("README.md").read()
+    if begin in readme and end_ in readme and os.environ.get("BENCH_UPDATE_README", "1") == "1":
+        head, rest = readme.split(begin, 1)
+        _, tail = rest.split(end_, 1)
+        with open("README.md", "w") as f:
+            f.write(head + begin + "\n" + table + end_ + tail)
+except OSError:
+    pass
+print("\n" + table)
 EOF
 log "done in $(($(date +%s) - start)) s"
 exit $status

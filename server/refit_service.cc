@@ -218,6 +218,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
   if (request->refit_id().empty()) {
     return Reply(context, absl::InvalidArgumentError("Commit: refit_id is empty"));
   }
+  if (absl::Status s = CheckAcceptingRefits(); !s.ok()) return Reply(context, s);
   {
     absl::StatusOr<ModelGroup::Found> found = (*group)->Find(request->refit_id());
     if (!found.ok()) return Reply(context, found.status());
@@ -438,16 +439,25 @@ absl::StatusOr<std::vector<std::string>> ResolveReloadPath(const std::string& ro
         absl::StrCat("--reload-root ", root, " does not resolve to a directory"));
   }
   if (path.empty()) return absl::InvalidArgumentError("Reload: path is empty");
+  const std::string root_str(resolved_root);
+  auto under_root = [&root_str](const std::string& p) {
+    return p == root_str || absl::StartsWith(p, root_str == "/" ? root_str : root_str + "/");
+  };
   char resolved[PATH_MAX];
   if (realpath(path.c_str(), resolved) == nullptr) {
+    // Say NOT_FOUND only where the caller may look: when the directory that
+    // would hold the path resolves under the root.
+    const size_t slash = path.find_last_of('/');
+    const std::string parent = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+    char resolved_parent[PATH_MAX];
+    if (realpath(parent.c_str(), resolved_parent) != nullptr && under_root(resolved_parent)) {
+      return absl::NotFoundError(absl::StrCat("Reload: path ", path, " does not exist"));
+    }
     return absl::PermissionDeniedError(absl::StrCat(
-        "Reload: path ", path, " does not resolve to a file under the reload root ", root));
+        "Reload: path ", path, " is outside the reload root ", root_str));
   }
-  const std::string root_str(resolved_root);
   const std::string path_str(resolved);
-  const bool under = path_str == root_str ||
-                     absl::StartsWith(path_str, root_str == "/" ? root_str : root_str + "/");
-  if (!under) {
+  if (!under_root(path_str)) {
     return absl::PermissionDeniedError(absl::StrCat("Reload: path ", path, " resolves to ",
                                                     path_str, ", outside the reload root ",
                                                     root_str));

@@ -525,7 +525,8 @@ TEST_F(RefitServiceTest, WatchStartsWithSnapshotThenReportsARefit) {
 }
 
 TEST_F(RefitServiceTest, ReloadOutsideRootIsPermissionDenied) {
-  for (const std::string& path : {std::string("/etc"), dir_ + "/../", dir_ + "/missing"}) {
+  for (const std::string& path :
+       {std::string("/etc"), dir_ + "/../", dir_ + "/missing", std::string("/no/such/dir")}) {
     grpc::ClientContext context;
     v1::ReloadRequest request;
     request.set_path(path);
@@ -537,7 +538,7 @@ TEST_F(RefitServiceTest, ReloadOutsideRootIsPermissionDenied) {
     }
     grpc::Status status = reader->Finish();
     if (path == dir_ + "/missing") {
-      EXPECT_NE(status.error_code(), grpc::StatusCode::OK) << path;
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << path;
     } else {
       EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << path;
       EXPECT_THAT(status.error_message(), HasSubstr("outside the reload root"));

@@ -401,6 +401,7 @@ TEST_F(RefitdE2eTest, LivenessAndReadinessTransitions) {
     return !during_shutdown.empty();
   }));
   daemon_->Signal(SIGTERM);
+  pusher_->WriteStdin("finish\n");  // let its stream end now, not at the shutdown bound
   watcher.join();
   ASSERT_GE(during_shutdown.size(), 2u);
   EXPECT_EQ(during_shutdown.front(), HealthCheckResponse::SERVING);

@@ -32,8 +32,8 @@ std::string FormatProgressLine(uint64_t done, uint64_t total, absl::Duration ela
   const double fraction =
       total == 0 ? 1.0 : std::min(1.0, static_cast<double>(done) / static_cast<double>(total));
   const int filled = static_cast<int>(fraction * bar_width);
-  std::string bar = absl::StrCat("[", std::string(filled, '#'),
-                                 std::string(bar_width - filled, '-'), "]");
+  std::string bar =
+      absl::StrCat("[", std::string(filled, '#'), std::string(bar_width - filled, '-'), "]");
   const double seconds = absl::ToDoubleSeconds(elapsed);
   std::string rate = "-- B/s";
   absl::Duration eta = absl::InfiniteDuration();

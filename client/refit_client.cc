@@ -1,13 +1,13 @@
 #include "client/refit_client.h"
 
+#include <grpcpp/grpcpp.h>
+#include <xxhash.h>
+
 #include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <thread>
 #include <utility>
-
-#include <grpcpp/grpcpp.h>
-#include <xxhash.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -57,8 +57,7 @@ absl::StatusOr<std::unique_ptr<RefitClient>> RefitClient::Create(ClientOptions o
       ssl.pem_root_certs = *std::move(ca);
     }
     if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
-      return absl::InvalidArgumentError(
-          "a client certificate needs both --tls-cert and --tls-key");
+      return absl::InvalidArgumentError("a client certificate needs both --tls-cert and --tls-key");
     }
     if (!options.tls_cert_file.empty()) {
       absl::StatusOr<std::string> cert = ReadFile(options.tls_cert_file, "TLS certificate");
@@ -81,8 +80,7 @@ absl::StatusOr<std::unique_ptr<RefitClient>> RefitClient::Create(ClientOptions o
   // Fail fast on a dead daemon, and find a restarted one quickly.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(options.address, creds, args);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(options.address, creds, args);
   return std::unique_ptr<RefitClient>(new RefitClient(std::move(channel), std::move(options)));
 }
 
@@ -228,8 +226,8 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const Tensor
   return finish();
 }
 
-absl::StatusOr<refit::v1::RefitResult> RefitClient::PushFiles(
-    const std::vector<std::string>& files, const PushOptions& options) {
+absl::StatusOr<refit::v1::RefitResult> RefitClient::PushFiles(const std::vector<std::string>& files,
+                                                              const PushOptions& options) {
   std::vector<std::unique_ptr<SafetensorsView>> views;
   std::vector<TensorRef> tensors;
   for (const std::string& file : files) {
@@ -351,8 +349,8 @@ absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& mode
         result.data.reserve(result.info.nbytes());
         first = false;
       } else if (message.version() != result.version) {
-        consistency = absl::DataLossError(absl::StrCat(
-            "read ", name, ": stream mixes versions ", result.version, " and ", message.version()));
+        consistency = absl::DataLossError(absl::StrCat("read ", name, ": stream mixes versions ",
+                                                       result.version, " and ", message.version()));
         continue;
       }
       if (message.byte_offset() != result.data.size()) {

@@ -90,15 +90,33 @@ struct FlagSpec {
 
 const std::map<std::string, FlagSpec>& KnownFlags() {
   static const auto* flags = new std::map<std::string, FlagSpec>{
-      {"addr", {true}},        {"group", {true}},         {"token-file", {true}},
-      {"tls-ca", {true}},      {"tls-cert", {true}},      {"tls-key", {true}},
-      {"tls-server-name", {true}}, {"timeout", {true}},   {"json", {false}},
-      {"help", {false}},       {"prepare", {false}},      {"base-version", {true}},
-      {"label", {true}},       {"bucket-mib", {true}},    {"chunk-mib", {true}},
-      {"no-checksum", {false}}, {"allow-partial", {false}}, {"vllm-non-finite", {false}},
-      {"from", {true}},        {"reason", {true}},        {"checkpoint", {false}},
-      {"out", {true}},         {"config", {true}},        {"quant", {true}},
-      {"tp-rank", {true}},     {"tp-size", {true}},       {"count", {true}},
+      {"addr", {true}},
+      {"group", {true}},
+      {"token-file", {true}},
+      {"tls-ca", {true}},
+      {"tls-cert", {true}},
+      {"tls-key", {true}},
+      {"tls-server-name", {true}},
+      {"timeout", {true}},
+      {"json", {false}},
+      {"help", {false}},
+      {"prepare", {false}},
+      {"base-version", {true}},
+      {"label", {true}},
+      {"bucket-mib", {true}},
+      {"chunk-mib", {true}},
+      {"no-checksum", {false}},
+      {"allow-partial", {false}},
+      {"vllm-non-finite", {false}},
+      {"from", {true}},
+      {"reason", {true}},
+      {"checkpoint", {false}},
+      {"out", {true}},
+      {"config", {true}},
+      {"quant", {true}},
+      {"tp-rank", {true}},
+      {"tp-size", {true}},
+      {"count", {true}},
   };
   return *flags;
 }
@@ -171,8 +189,8 @@ struct CommandSpec {
 
 const std::map<std::string, CommandSpec>& Commands() {
   static const auto* commands = new std::map<std::string, CommandSpec>{
-      {"status", {0, 0}}, {"health", {0, 0}},  {"push", {1, SIZE_MAX}}, {"reload", {0, 1}},
-      {"commit", {0, 1}}, {"abort", {0, 1}},   {"tensors", {0, 0}},     {"read", {1, 1}},
+      {"status", {0, 0}},        {"health", {0, 0}}, {"push", {1, SIZE_MAX}}, {"reload", {0, 1}},
+      {"commit", {0, 1}},        {"abort", {0, 1}},  {"tensors", {0, 0}},     {"read", {1, 1}},
       {"verify", {1, SIZE_MAX}}, {"watch", {0, 0}},
   };
   return *commands;
@@ -186,21 +204,22 @@ std::string CheckUsage(const CommandLine& cl) {
   if (command == Commands().end()) return "unknown command '" + cl.command + "'";
   const CommandSpec& spec = command->second;
   if (cl.args.size() < spec.min_args) {
-    return absl::StrCat("'", cl.command, "' needs ",
-                        cl.command == "read" ? "a tensor name" : "safetensors files or a directory");
+    return absl::StrCat(
+        "'", cl.command, "' needs ",
+        cl.command == "read" ? "a tensor name" : "safetensors files or a directory");
   }
   if (cl.args.size() > spec.max_args) {
     return absl::StrCat("'", cl.command, "' takes at most ", spec.max_args, " argument(s), got ",
                         cl.args.size());
   }
-  for (const char* name : {"base-version", "bucket-mib", "chunk-mib", "tp-rank", "tp-size",
-                           "count"}) {
+  for (const char* name :
+       {"base-version", "bucket-mib", "chunk-mib", "tp-rank", "tp-size", "count"}) {
     uint64_t value = 0;
     if (cl.Has(name) && !absl::SimpleAtoi(cl.Get(name), &value)) {
       return absl::StrCat("--", name, " needs a non-negative integer, got '", cl.Get(name), "'");
     }
-    if (cl.Has(name) && value == 0 && (std::string(name) == "bucket-mib" ||
-                                       std::string(name) == "chunk-mib")) {
+    if (cl.Has(name) && value == 0 &&
+        (std::string(name) == "bucket-mib" || std::string(name) == "chunk-mib")) {
       return "--bucket-mib and --chunk-mib must be positive";
     }
   }
@@ -280,21 +299,21 @@ Json ProgressJson(const refit::v1::Progress& p) {
 }
 
 Json ResultJson(const refit::v1::RefitResult& r) {
-  return Json{{"refit_id", r.refit_id()},
-              {"state", StateLabel(r.state())},
-              {"version", r.version()},
-              {"fingerprint", r.fingerprint()},
-              {"kept_layers", std::vector<std::string>(r.kept_layers().begin(),
-                                                       r.kept_layers().end())},
-              {"partial_layers", std::vector<std::string>(r.partial_layers().begin(),
-                                                          r.partial_layers().end())},
-              {"bytes_received", r.bytes_received()},
-              {"peak_staging_bytes", r.peak_staging_bytes()},
-              {"timings",
-               {{"receive_seconds", r.timings().receive_seconds()},
-                {"quantize_seconds", r.timings().quantize_seconds()},
-                {"finalize_seconds", r.timings().finalize_seconds()},
-                {"commit_seconds", r.timings().commit_seconds()}}}};
+  return Json{
+      {"refit_id", r.refit_id()},
+      {"state", StateLabel(r.state())},
+      {"version", r.version()},
+      {"fingerprint", r.fingerprint()},
+      {"kept_layers", std::vector<std::string>(r.kept_layers().begin(), r.kept_layers().end())},
+      {"partial_layers",
+       std::vector<std::string>(r.partial_layers().begin(), r.partial_layers().end())},
+      {"bytes_received", r.bytes_received()},
+      {"peak_staging_bytes", r.peak_staging_bytes()},
+      {"timings",
+       {{"receive_seconds", r.timings().receive_seconds()},
+        {"quantize_seconds", r.timings().quantize_seconds()},
+        {"finalize_seconds", r.timings().finalize_seconds()},
+        {"commit_seconds", r.timings().commit_seconds()}}}};
 }
 
 class Refitctl {
@@ -341,8 +360,9 @@ class Refitctl {
 
   int Fail(const absl::Status& status) {
     if (json_) {
-      std::cout << Json{{"error", {{"code", absl::StatusCodeToString(status.code())},
-                                   {"message", std::string(status.message())}}}}
+      std::cout << Json{{"error",
+                         {{"code", absl::StatusCodeToString(status.code())},
+                          {"message", std::string(status.message())}}}}
                        .dump()
                 << std::endl;
     }
@@ -404,9 +424,9 @@ class Refitctl {
     }
     if (s.has_active_refit()) {
       const auto& p = s.active_refit();
-      std::cout << absl::StrFormat("active refit %s %s, %d/%d layers, %s received\n",
-                                   p.refit_id(), StateLabel(p.state()), p.layers_done(),
-                                   p.layers_total(), FormatBytes(p.bytes_received()));
+      std::cout << absl::StrFormat("active refit %s %s, %d/%d layers, %s received\n", p.refit_id(),
+                                   StateLabel(p.state()), p.layers_done(), p.layers_total(),
+                                   FormatBytes(p.bytes_received()));
     } else {
       std::cout << "active refit none\n";
     }
@@ -421,10 +441,9 @@ class Refitctl {
     if (!ready.ok()) return Fail(ready.status());
     const bool ok = *live == HealthCheckResponse::SERVING && *ready == HealthCheckResponse::SERVING;
     if (json_) {
-      std::cout << Json{{"live", ServingLabel(*live)}, {"ready", ServingLabel(*ready)},
-                        {"ok", ok}}
-                       .dump()
-                << std::endl;
+      std::cout
+          << Json{{"live", ServingLabel(*live)}, {"ready", ServingLabel(*ready)}, {"ok", ok}}.dump()
+          << std::endl;
     } else {
       std::cout << "live   " << ServingLabel(*live) << "\nready  " << ServingLabel(*ready)
                 << std::endl;
@@ -435,8 +454,8 @@ class Refitctl {
   PushOptions MakePushOptions() {
     PushOptions options;
     options.model_group = cl_.Get("group");
-    options.completion = cl_.Has("prepare") ? refit::v1::COMPLETION_MODE_PREPARE
-                                            : refit::v1::COMPLETION_MODE_COMMIT;
+    options.completion =
+        cl_.Has("prepare") ? refit::v1::COMPLETION_MODE_PREPARE : refit::v1::COMPLETION_MODE_COMMIT;
     if (cl_.Has("base-version")) options.base_version = ParseUint(cl_, "base-version", 0);
     options.label = cl_.Get("label");
     options.bucket_bytes = ParseUint(cl_, "bucket-mib", 32) << 20;
@@ -511,11 +530,11 @@ class Refitctl {
     absl::StatusOr<refit::v1::RefitResult> result =
         client_->Reload(request, [&](const refit::v1::Progress& p) {
           if (tty) {
-            std::fprintf(stderr, "\r%s  %u/%u layers\x1b[K",
-                         FormatProgressLine(p.elements_loaded(), p.elements_expected(),
-                                            absl::Now() - start)
-                             .c_str(),
-                         p.layers_done(), p.layers_total());
+            std::fprintf(
+                stderr, "\r%s  %u/%u layers\x1b[K",
+                FormatProgressLine(p.elements_loaded(), p.elements_expected(), absl::Now() - start)
+                    .c_str(),
+                p.layers_done(), p.layers_total());
           }
         });
     if (tty) std::fputc('\n', stderr);
@@ -549,8 +568,8 @@ class Refitctl {
       std::cout << Json{{"refit_id", result->refit_id()}, {"version", result->version()}}.dump()
                 << std::endl;
     } else {
-      std::cout << "aborted refit " << result->refit_id() << "; live version "
-                << result->version() << " unchanged" << std::endl;
+      std::cout << "aborted refit " << result->refit_id() << "; live version " << result->version()
+                << " unchanged" << std::endl;
     }
     return kExitOk;
   }
@@ -593,12 +612,11 @@ class Refitctl {
     auto result = client_->ReadTensor(cl_.Get("group"), cl_.args[0]);
     if (!result.ok()) return Fail(result.status());
     const std::string out = cl_.Get("out");
-    std::string summary = absl::StrFormat("%s %s %s, %d bytes, version %d, xxh3 %s",
-                                          result->info.name(), DTypeLabel(result->info.dtype()),
-                                          ShapeLabel(result->info.shape()), result->data.size(),
-                                          result->version,
-                                          Hex(ChunkChecksum(absl::MakeConstSpan(
-                                              reinterpret_cast<const uint8_t*>(result->data.data()),
+    std::string summary = absl::StrFormat(
+        "%s %s %s, %d bytes, version %d, xxh3 %s", result->info.name(),
+        DTypeLabel(result->info.dtype()), ShapeLabel(result->info.shape()), result->data.size(),
+        result->version,
+        Hex(ChunkChecksum(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(result->data.data()),
                                               result->data.size()))));
     if (out == "-") {
       std::cout.write(result->data.data(), static_cast<std::streamsize>(result->data.size()));
@@ -696,20 +714,17 @@ class Refitctl {
     uint64_t seen = 0;
     absl::Status status = client_->Watch(cl_.Get("group"), [&](const refit::v1::WatchEvent& e) {
       if (json_) {
-        std::cout << Json{{"type", EventLabel(e.type())},
-                          {"model_group", e.model_group()},
-                          {"refit_id", e.refit_id()},
-                          {"version", e.version()},
-                          {"fingerprint", e.fingerprint()},
-                          {"message", e.message()},
+        std::cout << Json{{"type", EventLabel(e.type())},    {"model_group", e.model_group()},
+                          {"refit_id", e.refit_id()},        {"version", e.version()},
+                          {"fingerprint", e.fingerprint()},  {"message", e.message()},
                           {"unix_seconds", e.unix_seconds()}}
                          .dump()
                   << std::endl;
       } else {
-        std::cout << absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ",
-                                      absl::FromUnixNanos(static_cast<int64_t>(
-                                          e.unix_seconds() * 1e9)),
-                                      absl::UTCTimeZone())
+        std::cout << absl::FormatTime(
+                         "%Y-%m-%dT%H:%M:%E3SZ",
+                         absl::FromUnixNanos(static_cast<int64_t>(e.unix_seconds() * 1e9)),
+                         absl::UTCTimeZone())
                   << "  " << absl::StrFormat("%-15s", EventLabel(e.type())) << "  version "
                   << e.version() << "  " << e.fingerprint()
                   << (e.refit_id().empty() ? "" : "  refit " + e.refit_id())

@@ -25,9 +25,9 @@ struct DTypeEntry {
 };
 
 constexpr DTypeEntry kDTypes[] = {
-    {"F32", refit::v1::DTYPE_F32, 4},     {"F16", refit::v1::DTYPE_F16, 2},
-    {"BF16", refit::v1::DTYPE_BF16, 2},   {"F8_E4M3", refit::v1::DTYPE_F8_E4M3, 1},
-    {"I64", refit::v1::DTYPE_I64, 8},     {"I32", refit::v1::DTYPE_I32, 4},
+    {"F32", refit::v1::DTYPE_F32, 4},   {"F16", refit::v1::DTYPE_F16, 2},
+    {"BF16", refit::v1::DTYPE_BF16, 2}, {"F8_E4M3", refit::v1::DTYPE_F8_E4M3, 1},
+    {"I64", refit::v1::DTYPE_I64, 8},   {"I32", refit::v1::DTYPE_I32, 4},
     {"U8", refit::v1::DTYPE_U8, 1},
 };
 
@@ -89,8 +89,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base[i];
   if (header_len > size - 8) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": header length ", header_len,
-                                                   " exceeds the file size ", size));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": header length ", header_len, " exceeds the file size ", size));
   }
   const uint8_t* data_begin = base + 8 + header_len;
   const uint64_t data_size = size - 8 - header_len;
@@ -107,9 +107,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
       return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "': ", what));
     };
     if (!entry.is_object() || !entry.contains("dtype") || !entry["dtype"].is_string() ||
-        !entry.contains("shape") || !entry["shape"].is_array() ||
-        !entry.contains("data_offsets") || !entry["data_offsets"].is_array() ||
-        entry["data_offsets"].size() != 2) {
+        !entry.contains("shape") || !entry["shape"].is_array() || !entry.contains("data_offsets") ||
+        !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2) {
       return bad("needs dtype, shape and data_offsets [begin, end]");
     }
     SafetensorsTensor t;
@@ -132,8 +131,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
     const uint64_t begin = offsets[0].get<uint64_t>();
     const uint64_t end = offsets[1].get<uint64_t>();
     if (begin > end || end > data_size) {
-      return bad(absl::StrCat("data_offsets [", begin, ", ", end,
-                              ") outside the data section of ", data_size, " bytes"));
+      return bad(absl::StrCat("data_offsets [", begin, ", ", end, ") outside the data section of ",
+                              data_size, " bytes"));
     }
     if (end - begin != numel * DTypeBytes(t.dtype)) {
       return bad(absl::StrCat("data_offsets span ", end - begin, " bytes, shape and dtype need ",

@@ -52,11 +52,11 @@ absl::Status Scatter(const CheckpointTensor& ct, const core::TensorEntry& src,
     if (src.dtype == param.dtype) {
       std::memcpy(to, from, static_cast<size_t>(s.num_cols) * out);
     } else {
-      absl::Status converted = core::ConvertFloats(from, src.dtype, to, param.dtype,
-                                                   static_cast<size_t>(s.num_cols));
+      absl::Status converted =
+          core::ConvertFloats(from, src.dtype, to, param.dtype, static_cast<size_t>(s.num_cols));
       if (!converted.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor \"", ct.name, "\": ",
-                                                       converted.message()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor \"", ct.name, "\": ", converted.message()));
       }
     }
   }
@@ -181,8 +181,7 @@ std::string FirstDifference(const std::string& expected, const std::string& got)
     }
   }
   return absl::StrFormat("%d of %d bytes differ, first at byte %d (expected 0x%02x, got 0x%02x)",
-                         count, expected.size(), first,
-                         static_cast<unsigned char>(expected[first]),
+                         count, expected.size(), first, static_cast<unsigned char>(expected[first]),
                          static_cast<unsigned char>(got[first]));
 }
 
@@ -198,15 +197,15 @@ absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& op
     // Not std::filesystem: see ExpandSafetensorsPaths.
     const std::string& first = options.files.front();
     const size_t slash = first.rfind('/');
-    config_path = slash == std::string::npos ? "config.json"
-                                             : first.substr(0, slash + 1) + "config.json";
+    config_path =
+        slash == std::string::npos ? "config.json" : first.substr(0, slash + 1) + "config.json";
   }
   absl::StatusOr<core::ModelConfig> config = core::ModelConfig::FromFile(config_path);
   if (!config.ok()) return config.status();
   core::ParallelConfig parallel;
   parallel.tp_rank = options.tp_rank >= 0 ? options.tp_rank : status->model().tp_rank();
-  parallel.tp_size = options.tp_size > 0 ? options.tp_size
-                                         : std::max<int64_t>(1, status->model().tp_size());
+  parallel.tp_size =
+      options.tp_size > 0 ? options.tp_size : std::max<int64_t>(1, status->model().tp_size());
   std::string quant_name = !options.quant.empty() ? options.quant : status->model().quantization();
   if (quant_name.empty()) quant_name = "per-tensor";
   absl::StatusOr<core::QuantScheme> quant = core::ParseQuantScheme(quant_name);
@@ -235,8 +234,8 @@ absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& op
       }
       if ((*ct)->use != CheckpointTensor::Use::kTarget) continue;
       if (t.shape != (*ct)->shape) {
-        report.problems.push_back(absl::StrCat(path, ": tensor \"", t.name,
-                                               "\" has a shape the model does not have"));
+        report.problems.push_back(
+            absl::StrCat(path, ": tensor \"", t.name, "\" has a shape the model does not have"));
         continue;
       }
       const LayerSpec& spec = layout.layers()[(*ct)->layer];
@@ -279,9 +278,8 @@ absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& op
       absl::StatusOr<ReadTensorResult> got = client.ReadTensor(options.model_group, kernel.name);
       if (!got.ok()) return got.status();
       if (got->version != report.version) {
-        report.problems.push_back(absl::StrCat("the daemon's version changed from ",
-                                               report.version, " to ", got->version,
-                                               " during verify"));
+        report.problems.push_back(absl::StrCat("the daemon's version changed from ", report.version,
+                                               " to ", got->version, " during verify"));
         report.version = got->version;
       }
       VerifyEntry entry;

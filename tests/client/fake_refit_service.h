@@ -106,8 +106,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status ReadTensor(grpc::ServerContext* context,
-                          const refit::v1::ReadTensorRequest* request,
+  grpc::Status ReadTensor(grpc::ServerContext* context, const refit::v1::ReadTensorRequest* request,
                           grpc::ServerWriter<refit::v1::ReadTensorResponse>* writer) override {
     absl::MutexLock lock(&mu_);
     if (request->name() != tensor_name_) {

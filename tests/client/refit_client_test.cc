@@ -1,11 +1,11 @@
 #include "client/refit_client.h"
 
+#include <ftw.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
-#include <ftw.h>
-#include <stdlib.h>
 #include <fstream>
 #include <map>
 #include <string>
@@ -48,9 +48,9 @@ std::map<std::string, std::vector<uint8_t>> Reassemble(
       std::vector<uint8_t>& t = out[c.tensor_name()];
       EXPECT_EQ(c.byte_offset(), t.size()) << c.tensor_name();
       if (c.has_xxh3()) {
-        EXPECT_EQ(c.xxh3(), ChunkChecksum(absl::MakeConstSpan(
-                                reinterpret_cast<const uint8_t*>(c.data().data()),
-                                c.data().size())));
+        EXPECT_EQ(c.xxh3(),
+                  ChunkChecksum(absl::MakeConstSpan(
+                      reinterpret_cast<const uint8_t*>(c.data().data()), c.data().size())));
       }
       t.insert(t.end(), c.data().begin(), c.data().end());
     }
@@ -210,8 +210,8 @@ TEST(RefitClientTest, GetStatusRetriesUnavailable) {
 
 TEST(RefitClientTest, GetStatusGivesUpAfterMaxAttempts) {
   FakeServer server;
-  server.service().FailGetStatus(std::vector<grpc::Status>(
-      10, grpc::Status(grpc::StatusCode::UNAVAILABLE, "busy")));
+  server.service().FailGetStatus(
+      std::vector<grpc::Status>(10, grpc::Status(grpc::StatusCode::UNAVAILABLE, "busy")));
   ClientOptions options;
   options.retry.max_attempts = 3;
   auto client = Connect(server, options);
@@ -267,8 +267,8 @@ TEST(RefitClientTest, ReloadStreamsProgressThenResult) {
   refit::v1::ReloadRequest request;
   request.set_path("/ckpt/step-3");
   std::vector<uint32_t> layers;
-  absl::StatusOr<refit::v1::RefitResult> r =
-      client->Reload(request, [&](const refit::v1::Progress& p) { layers.push_back(p.layers_done()); });
+  absl::StatusOr<refit::v1::RefitResult> r = client->Reload(
+      request, [&](const refit::v1::Progress& p) { layers.push_back(p.layers_done()); });
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->refit_id(), "reload-of-/ckpt/step-3");
   EXPECT_EQ(layers, (std::vector<uint32_t>{1, 2, 3}));
@@ -329,8 +329,8 @@ TEST(RefitClientTest, HealthCheckAndWatch) {
     return status != HealthCheckResponse::SERVING;
   });
   EXPECT_TRUE(s.ok()) << s;
-  EXPECT_EQ(seen, (std::vector<HealthCheckResponse::ServingStatus>{
-                      HealthCheckResponse::NOT_SERVING, HealthCheckResponse::SERVING}));
+  EXPECT_EQ(seen, (std::vector<HealthCheckResponse::ServingStatus>{HealthCheckResponse::NOT_SERVING,
+                                                                   HealthCheckResponse::SERVING}));
 }
 
 // A safetensors file written by hand: 8-byte length, JSON, data.

@@ -1,19 +1,19 @@
 #include "client/refitctl.h"
 
+#include <stdlib.h>
 #include <unistd.h>
 
-#include <stdlib.h>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "client/progress_bar.h"
 #include "client/refit_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "absl/strings/ascii.h"
-#include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "nlohmann/json.hpp"
 #include "tests/client/fake_refit_service.h"
 
@@ -93,10 +93,12 @@ TEST(RefitctlTest, StatusHumanOutput) {
 TEST(RefitctlTest, HealthExitsZeroOnlyWhenReady) {
   FakeServer server;
   std::string out;
-  server.server().GetHealthCheckService()->SetServingStatus(::refit::client::kReadinessService, false);
+  server.server().GetHealthCheckService()->SetServingStatus(::refit::client::kReadinessService,
+                                                            false);
   EXPECT_EQ(RunCtl({"--addr", server.address(), "health"}, &out), 7);
   EXPECT_THAT(out, HasSubstr("ready  NOT_SERVING"));
-  server.server().GetHealthCheckService()->SetServingStatus(::refit::client::kReadinessService, true);
+  server.server().GetHealthCheckService()->SetServingStatus(::refit::client::kReadinessService,
+                                                            true);
   EXPECT_EQ(RunCtl({"--addr", server.address(), "health", "--json"}, &out), 0);
   EXPECT_EQ(nlohmann::json::parse(out)["ready"], "SERVING");
 }

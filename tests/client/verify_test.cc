@@ -5,13 +5,12 @@
 #include "client/verify.h"
 
 #include <ftw.h>
+#include <grpcpp/grpcpp.h>
 #include <stdlib.h>
 
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -187,7 +186,7 @@ INSTANTIATE_TEST_SUITE_P(Schemes, VerifyTest,
                                            core::QuantScheme::kBlock128),
                          [](const auto& info) {
                            std::string name(core::QuantSchemeName(info.param));
-                           return name == "per-tensor"   ? std::string("PerTensor")
+                           return name == "per-tensor"    ? std::string("PerTensor")
                                   : name == "per-channel" ? std::string("PerChannel")
                                                           : std::string("Block128");
                          });

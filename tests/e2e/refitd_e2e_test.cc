@@ -5,8 +5,8 @@
 
 #include <map>
 #include <regex>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -96,8 +96,8 @@ class RefitdE2eTest : public ::testing::Test {
 
   // Runs refitctl with --addr (unless given) and `args`.
   CommandResult Ctl(std::vector<std::string> args, const std::string& addr = "") {
-    std::vector<std::string> argv = {BinPath("refitctl"), "--addr=" + (addr.empty() ? socket_ : addr),
-                                     "--timeout=30s"};
+    std::vector<std::string> argv = {BinPath("refitctl"),
+                                     "--addr=" + (addr.empty() ? socket_ : addr), "--timeout=30s"};
     argv.insert(argv.end(), args.begin(), args.end());
     ++commands_;
     auto child = Child::Start(argv, Path(absl::StrCat("ctl-", commands_, ".out")),
@@ -122,9 +122,9 @@ class RefitdE2eTest : public ::testing::Test {
   std::string Fixture(int seed) {
     std::string out = Path(absl::StrCat("weights-", seed));
     if (std::filesystem::exists(out)) return out;
-    auto child = Child::Start({BinPath("refit_make_fixture"), "--out=" + out,
-                               absl::StrCat("--seed=", seed)},
-                              Path("fixture.out"), Path("fixture.err"));
+    auto child =
+        Child::Start({BinPath("refit_make_fixture"), "--out=" + out, absl::StrCat("--seed=", seed)},
+                     Path("fixture.out"), Path("fixture.err"));
     EXPECT_EQ(child->Wait(), 0) << child->Stderr();
     return out;
   }

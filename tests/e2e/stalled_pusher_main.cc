@@ -13,11 +13,11 @@
 //               daemon's status is read while the connection is still up).
 // Then it prints "status <CODE> <message>" with the stream's final status
 // (e.g. "status ABORTED ... refitd is shutting down") and exits 0.
+#include <grpcpp/grpcpp.h>
+
 #include <iostream>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "client/refit_client.h"

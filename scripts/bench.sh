@@ -3,7 +3,8 @@
 # reference measured in the same run (docs/benchmarks.md says what each one is).
 #
 #   scripts/bench.sh            full run (about 5 minutes on a 2-core machine)
-#   BENCH_QUICK=1 scripts/bench.sh   smaller models and fewer repetitions (smoke test)
+#   BENCH_QUICK=1 scripts/bench.sh   smaller models and fewer repetitions (smoke test;
+#                                    writes bench/results/tmp/quick/, not the committed results)
 #
 # Builds what it needs in build-bench/ (Release), makes the synthetic 1 GiB
 # checkpoint once (bench/results/tmp/, ignored by git), runs
@@ -43,7 +44,9 @@ cmake --build "$BUILD_DIR" -j"$JOBS" --target refitd refit_make_fixture quantize
 
 # --- the 1 GiB checkpoint (same shapes as refit_core_bench's models) ---------
 if [ "$QUICK" = 1 ]; then
+  # A smoke test: its results go to bench/results/tmp/quick, README.md is left alone.
   MODEL_LAYERS=4; SIZES=64,256; REPS=2; E2E_REPS=2; QMIN=0.2
+  RESULTS=$TMP/quick; mkdir -p "$RESULTS"; export BENCH_UPDATE_README=0
 else
   MODEL_LAYERS=47; SIZES=256,1024,4096; REPS=3; E2E_REPS=${BENCH_E2E_REPS:-7}; QMIN=0.5
 fi

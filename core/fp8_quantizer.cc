@@ -624,20 +624,6 @@ void QuantizeWithInfiniteInverse(const uint8_t* src, DType dtype, int64_t count,
 
 std::string FloatTypeList() { return "F32, F16 or BF16"; }
 
-absl::string_view SchemeName(QuantScheme scheme) {
-  switch (scheme) {
-    case QuantScheme::kNone:
-      return "none";
-    case QuantScheme::kPerTensor:
-      return "per-tensor";
-    case QuantScheme::kPerChannel:
-      return "per-channel";
-    case QuantScheme::kBlock128:
-      return "block";
-  }
-  return "unknown";
-}
-
 // Only runs once a pass has seen a non-finite value: finds the first one in
 // memory order so that the error names the same element however the work was
 // split.
@@ -869,7 +855,7 @@ absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t
   if (options.scheme != QuantScheme::kPerTensor && options.scheme != QuantScheme::kPerChannel &&
       options.scheme != QuantScheme::kBlock128) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "tensor '", tensor_name, "': quantization scheme \"", SchemeName(options.scheme),
+        "tensor '", tensor_name, "': quantization scheme \"", QuantSchemeName(options.scheme),
         "\" is not an FP8 scheme (expected per-tensor, per-channel or block)"));
   }
   if (rows < 0 || cols < 0 || (cols > 0 && rows > std::numeric_limits<int64_t>::max() / cols)) {

@@ -688,6 +688,7 @@ class Refitctl {
                           {"expected", report->expected_fingerprint},
                           {"match", report->fingerprint_match()}}},
                         {"problems", report->problems},
+                        {"config", report->config_source},
                         {"tensors", entries}}
                        .dump(2)
                 << std::endl;
@@ -698,6 +699,7 @@ class Refitctl {
         std::cout << absl::StrFormat("%-*s  %-8s  %s\n", width, e.name, state(e.state), e.detail);
       }
       for (const std::string& p : report->problems) std::cout << "problem: " << p << "\n";
+      std::cout << "layout from " << report->config_source << "\n";
       std::cout << absl::StrFormat(
           "%d match, %d mismatch, %d skipped at version %d; fingerprint %s (daemon %s, "
           "expected %s)\n",

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -14,6 +16,7 @@
 #include "core/model_config.h"
 #include "core/model_layout.h"
 #include "core/safetensors.h"
+#include "nlohmann/json.hpp"
 
 namespace refit::client {
 namespace {
@@ -185,6 +188,79 @@ std::string FirstDifference(const std::string& expected, const std::string& got)
                          static_cast<unsigned char>(got[first]));
 }
 
+const char* TorchDTypeName(refit::v1::DType dtype) {
+  switch (dtype) {
+    case refit::v1::DTYPE_F32:
+      return "float32";
+    case refit::v1::DTYPE_F16:
+      return "float16";
+    default:
+      return "bfloat16";
+  }
+}
+
+// A config.json equivalent, from the daemon's checkpoint layout (full
+// shapes) and model summary. Head counts are not visible in shapes; any
+// factorization gives the same layout at tp_size 1 (only the fused row
+// counts matter), so the head size is taken from Qwen3's q_norm or as the
+// gcd of the q and k rows. With tensor parallelism the factorization decides
+// the k/v slices, so --config is required there.
+absl::StatusOr<core::ModelConfig> ConfigFromDaemon(RefitClient& client, const std::string& group,
+                                                   const refit::v1::GetStatusResponse& status) {
+  if (status.model().tp_size() > 1) {
+    return absl::FailedPreconditionError(
+        "no config.json beside the files and the daemon is tensor-parallel: pass --config");
+  }
+  absl::StatusOr<refit::v1::ListTensorsResponse> list =
+      client.ListTensors(group, refit::v1::ListTensorsRequest::LAYOUT_CHECKPOINT);
+  if (!list.ok()) return list.status();
+  std::map<std::string, const refit::v1::TensorInfo*> tensors;
+  for (const refit::v1::TensorInfo& t : list->tensors()) tensors[t.name()] = &t;
+  auto find = [&](const std::string& name, bool loaded_only) -> const refit::v1::TensorInfo* {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) return nullptr;
+    if (loaded_only && it->second->layer().empty()) return nullptr;  // accepted and ignored
+    return it->second;
+  };
+  const refit::v1::TensorInfo* embed = find("model.embed_tokens.weight", true);
+  const refit::v1::TensorInfo* q = find("model.layers.0.self_attn.q_proj.weight", true);
+  const refit::v1::TensorInfo* k = find("model.layers.0.self_attn.k_proj.weight", true);
+  const refit::v1::TensorInfo* gate = find("model.layers.0.mlp.gate_proj.weight", true);
+  if (embed == nullptr || q == nullptr || k == nullptr || gate == nullptr ||
+      embed->shape_size() != 2 || q->shape_size() != 2 || k->shape_size() != 2 ||
+      gate->shape_size() != 2) {
+    return absl::FailedPreconditionError(
+        "no config.json beside the files, and the daemon's checkpoint layout is not a dense "
+        "decoder this tool can read: pass --config");
+  }
+  const int64_t q_rows = q->shape(0), k_rows = k->shape(0);
+  int64_t head_dim = std::gcd(q_rows, k_rows);
+  if (const refit::v1::TensorInfo* q_norm = find("model.layers.0.self_attn.q_norm.weight", true);
+      q_norm != nullptr && q_norm->shape_size() == 1) {
+    head_dim = q_norm->shape(0);
+  }
+  int64_t num_layers = status.model().num_layers();
+  if (num_layers == 0) {
+    while (find(absl::StrCat("model.layers.", num_layers, ".self_attn.q_proj.weight"), true)) {
+      ++num_layers;
+    }
+  }
+  nlohmann::json config = {
+      {"architectures", {status.model().architecture()}},
+      {"hidden_size", embed->shape(1)},
+      {"intermediate_size", gate->shape(0)},
+      {"num_hidden_layers", num_layers},
+      {"num_attention_heads", q_rows / head_dim},
+      {"num_key_value_heads", k_rows / head_dim},
+      {"head_dim", head_dim},
+      {"vocab_size", embed->shape(0)},
+      {"tie_word_embeddings", find("lm_head.weight", true) == nullptr},
+      {"attention_bias", find("model.layers.0.self_attn.q_proj.bias", true) != nullptr},
+      {"torch_dtype", TorchDTypeName(embed->dtype())},
+  };
+  return core::ModelConfig::FromJson(config.dump(), "the daemon's checkpoint layout");
+}
+
 }  // namespace
 
 absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& options) {
@@ -201,6 +277,12 @@ absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& op
         slash == std::string::npos ? "config.json" : first.substr(0, slash + 1) + "config.json";
   }
   absl::StatusOr<core::ModelConfig> config = core::ModelConfig::FromFile(config_path);
+  VerifyReport report;
+  report.config_source = config_path;
+  if (config.status().code() == absl::StatusCode::kNotFound && options.config_path.empty()) {
+    config = ConfigFromDaemon(client, options.model_group, *status);
+    report.config_source = "the daemon's checkpoint layout";
+  }
   if (!config.ok()) return config.status();
   core::ParallelConfig parallel;
   parallel.tp_rank = options.tp_rank >= 0 ? options.tp_rank : status->model().tp_rank();
@@ -216,7 +298,6 @@ absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& op
   const ModelLayout& layout = **built;
   core::NameMapper mapper(*built);
 
-  VerifyReport report;
   report.version = status->version();
   report.daemon_fingerprint = status->fingerprint();
 

@@ -2,8 +2,9 @@
 // safetensors files should give.
 //
 // The files are processed locally the way the daemon does it: the layout is
-// core's ModelLayout, built from the checkpoint's config.json and the
-// daemon's tensor-parallel rank/size and quantization scheme (GetStatus model
+// core's ModelLayout, built from the checkpoint's config.json (or, when there
+// is none, from the daemon's checkpoint layout, ListTensors) and the daemon's
+// tensor-parallel rank/size and quantization scheme (GetStatus model
 // summary); each checkpoint tensor is copied through its SliceSpec into its
 // layer's checkpoint-format buffer (converted to the checkpoint dtype), and
 // complete layers are turned into kernels with core's QuantizeFp8 (quantized
@@ -29,7 +30,8 @@ namespace refit::client {
 struct VerifyOptions {
   std::string model_group;
   std::vector<std::string> files;  // *.safetensors
-  // config.json; "" = the config.json beside the first file.
+  // config.json; "" = the config.json beside the first file, or if there is
+  // none, a config inferred from the daemon's checkpoint layout (tp_size 1).
   std::string config_path;
   // Overrides of the daemon's summary ("" / -1 = use the daemon's).
   std::string quant;
@@ -46,6 +48,7 @@ struct VerifyEntry {
 
 struct VerifyReport {
   uint64_t version = 0;
+  std::string config_source;  // the config.json path, or "the daemon's checkpoint layout"
   std::string daemon_fingerprint;
   std::string expected_fingerprint;
   std::vector<VerifyEntry> entries;
@@ -58,7 +61,8 @@ struct VerifyReport {
 };
 
 // Errors: those of reading the files and config (NOT_FOUND,
-// INVALID_ARGUMENT), of building the layout (INVALID_ARGUMENT), of
+// INVALID_ARGUMENT; FAILED_PRECONDITION when there is no config.json and the
+// daemon's layout cannot stand in for it), of building the layout (INVALID_ARGUMENT), of
 // quantizing (INVALID_ARGUMENT for non-finite weights), and the daemon's RPC
 // errors. A mismatch is not an error: it is in the report.
 absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& options);

@@ -42,6 +42,26 @@ class StoreBackedService final : public refit::v1::RefitService::Service {
     response->mutable_model()->set_tp_size(store_->layout().parallel().tp_size);
     response->mutable_model()->set_quantization(
         std::string(core::QuantSchemeName(store_->layout().quant())));
+    response->mutable_model()->set_architecture(store_->layout().config().arch_name);
+    response->mutable_model()->set_num_layers(store_->layout().config().num_layers);
+    return grpc::Status::OK;
+  }
+
+  // The checkpoint layout, as refitd lists it (ignored names have no layer).
+  grpc::Status ListTensors(grpc::ServerContext*, const refit::v1::ListTensorsRequest*,
+                           refit::v1::ListTensorsResponse* response) override {
+    const core::ModelLayout& layout = store_->layout();
+    for (const core::CheckpointTensor& t : layout.checkpoint_tensors()) {
+      refit::v1::TensorInfo* info = response->add_tensors();
+      info->set_name(t.name);
+      info->set_dtype(t.dtype == core::DType::kFloat32   ? refit::v1::DTYPE_F32
+                      : t.dtype == core::DType::kFloat16 ? refit::v1::DTYPE_F16
+                                                         : refit::v1::DTYPE_BF16);
+      for (int64_t d : t.shape) info->add_shape(d);
+      if (t.use == core::CheckpointTensor::Use::kTarget) {
+        info->set_layer(layout.layers()[t.layer].name);
+      }
+    }
     return grpc::Status::OK;
   }
 
@@ -170,6 +190,20 @@ TEST_P(VerifyTest, SkipsLayersTheFilesDoNotHold) {
   if (report->skipped > 0) {
     EXPECT_TRUE(report->fingerprint_match());
   }
+}
+
+TEST_P(VerifyTest, InfersTheLayoutFromTheDaemonWithoutConfigJson) {
+  std::vector<std::string> files = Weights(2);
+  Load(files);
+  ASSERT_EQ(::remove((dir_ + "/w2/config.json").c_str()), 0);
+  VerifyOptions options;
+  options.files = files;
+  absl::StatusOr<VerifyReport> report = Verify(*client_, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->config_source, "the daemon's checkpoint layout");
+  EXPECT_EQ(report->mismatched, 0);
+  EXPECT_EQ(report->matched, static_cast<int>(store_->layout().num_kernels()));
+  EXPECT_TRUE(report->ok());
 }
 
 TEST_P(VerifyTest, MissingConfigIsNotFound) {

@@ -619,8 +619,8 @@ int Main() {
         const int64_t end = std::min(host_bytes, (t + 1) * per);
         for (int64_t i = t * per; i + 8 <= end; i += 8) {
           state = state * 6364136223846793005ull + 1442695040888963407ull;
-          // Four finite bf16 values: sign and low mantissa random, exponent
-          // near 2^-7..2^0.
+          // Four finite bf16 values: sign, mantissa and the exponent's low
+          // bit random, so magnitudes in [2^-7, 2^-5).
           uint64_t v = (state >> 1) & 0x80FF80FF80FF80FFull;
           v |= 0x3C003C003C003C00ull;
           std::memcpy(&host_model[i], &v, 8);

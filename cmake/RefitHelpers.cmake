@@ -32,9 +32,16 @@ function(refit_add_tests)
     if(name MATCHES "_gpu_test$")
       list(APPEND _labels gpu)
     endif()
+    # Labels are applied after discovery: a list passed through
+    # gtest_discover_tests' PROPERTIES keeps only its first element.
     gtest_discover_tests(${target}
       WORKING_DIRECTORY ${CMAKE_SOURCE_DIR}
-      PROPERTIES LABELS "${_labels}" ENVIRONMENT "REFIT_BUILD_DIR=${CMAKE_BINARY_DIR}"
+      TEST_LIST ${target}_TESTS
+      PROPERTIES ENVIRONMENT "REFIT_BUILD_DIR=${CMAKE_BINARY_DIR}"
       DISCOVERY_TIMEOUT 60)
+    set(_labels_file ${CMAKE_CURRENT_BINARY_DIR}/${target}_labels.cmake)
+    file(WRITE ${_labels_file}
+      "if(${target}_TESTS)\n  set_tests_properties(\${${target}_TESTS} PROPERTIES LABELS \"${_labels}\")\nendif()\n")
+    set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${_labels_file})
   endforeach()
 endfunction()

@@ -204,6 +204,33 @@ TEST_F(RefitdE2eTest, TwoPhasePushThenCommit) {
   EXPECT_EQ(stale.code, 5) << stale.err;
 }
 
+TEST_F(RefitdE2eTest, ReloadFromDiskAndAbortAPreparedOne) {
+  const std::string weights = Fixture(2);
+  StartDaemon({"--reload-root=" + dir_});
+  const uint64_t v0 = StatusJson()["version"];
+
+  CommandResult reload = Ctl({"reload", "--from", weights, "--json"});
+  ASSERT_EQ(reload.code, 0) << reload.err;
+  EXPECT_EQ(nlohmann::json::parse(reload.out, nullptr, false)["version"], v0 + 1);
+  EXPECT_EQ(StatusJson()["version"], v0 + 1);
+  EXPECT_EQ(Ctl({"verify", weights}).code, 0);
+
+  // Outside the reload root: PERMISSION_DENIED.
+  CommandResult outside = Ctl({"reload", "--from", "/etc"});
+  EXPECT_EQ(outside.code, 4) << outside.err;
+
+  // A prepared reload that is aborted changes nothing.
+  CommandResult prepared = Ctl({"reload", "--from", Fixture(3), "--prepare", "--json"});
+  ASSERT_EQ(prepared.code, 0) << prepared.err;
+  const std::string id = nlohmann::json::parse(prepared.out, nullptr, false)["refit_id"];
+  CommandResult abort = Ctl({"abort", id, "--reason", "e2e"});
+  EXPECT_EQ(abort.code, 0) << abort.err;
+  EXPECT_THAT(abort.out, HasSubstr(id));
+  EXPECT_EQ(StatusJson()["version"], v0 + 1);
+  EXPECT_EQ(Ctl({"commit", id}).code, 3);  // nothing left to commit
+  EXPECT_EQ(Ctl({"verify", weights}).code, 0);
+}
+
 TEST_F(RefitdE2eTest, KilledPusherLeavesTheVersionAndTheNextPushSucceeds) {
   StartDaemon();
   nlohmann::json before = StatusJson();

@@ -21,6 +21,18 @@
 #include "core/safetensors.h"
 #include "core/shard_store_tensors.h"
 
+#ifdef REFIT_WITH_CUDA
+#include <ATen/ops/empty.h>
+#include <c10/core/Device.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+
+#include "core/cuda/cuda_device.h"
+#include "core/cuda/cuda_status.h"
+#include "core/cuda/fp8_cuda.h"
+#include "core/cuda/pinned_staging.h"
+#endif
+
 namespace refit::core {
 namespace {
 
@@ -45,6 +57,165 @@ struct Buffer {
     return buffer;
   }
 };
+
+#ifdef REFIT_WITH_CUDA
+// A staged kernel buffer in device memory, from LibTorch's CUDA caching
+// allocator (so device staging shows in its statistics and is reused across
+// refits). Uninitialized; every byte is written before use.
+struct DeviceBuffer {
+  at::Tensor tensor;
+  int64_t size = 0;
+
+  void* data() const { return size == 0 ? nullptr : tensor.data_ptr(); }
+
+  // RESOURCE_EXHAUSTED when the device is out of memory.
+  static absl::StatusOr<DeviceBuffer> Allocate(int device, int64_t size, absl::string_view what) {
+    DeviceBuffer buffer;
+    buffer.size = size;
+    if (size == 0) return buffer;
+    try {
+      buffer.tensor = at::empty(
+          {size}, at::TensorOptions().dtype(at::kByte).device(
+                      c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))));
+    } catch (const c10::OutOfMemoryError&) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", size, " bytes of device staging on cuda:", device,
+                       " for ", what, ": out of device memory"));
+    } catch (const c10::Error& e) {
+      return absl::InternalError(absl::StrCat("cannot allocate ", size,
+                                              " bytes of device staging on cuda:", device, " for ",
+                                              what, ": ", e.what_without_backtrace()));
+    }
+    return buffer;
+  }
+};
+
+// What a session needs to stage and quantize on a GPU: the process-wide
+// pinned staging pool and FP8 quantizer of the device (created once, shared
+// by every session on that device; both are thread-safe and bounded), and a
+// stream of the session's own, on which the layer's uploads, quantization
+// and read-backs are ordered. Streams are reused by later sessions (the
+// quantizer keeps per-stream state, so a new stream per refit would grow it
+// without bound); two sessions at once (two stores on one device) never
+// share one, so neither sees the other's non-finite errors.
+class GpuStaging {
+ public:
+  static constexpr int64_t kPinnedBufferBytes = int64_t{32} << 20;
+  static constexpr int kPinnedBuffers = 4;
+
+  static absl::StatusOr<std::unique_ptr<GpuStaging>> Create(int device) {
+    absl::Status usable = cuda::CheckCudaDevice(device);
+    if (!usable.ok()) return usable;
+    absl::StatusOr<Shared*> shared = GetShared(device);
+    if (!shared.ok()) return shared.status();
+    cudaStream_t stream = nullptr;
+    {
+      absl::MutexLock lock(&(*shared)->mu);
+      if (!(*shared)->free_streams.empty()) {
+        stream = (*shared)->free_streams.back();
+        (*shared)->free_streams.pop_back();
+      }
+    }
+    if (stream == nullptr) {
+      cuda::ScopedCudaDevice scoped(device);
+      if (!scoped.status().ok()) return scoped.status();
+      // A blocking stream: it is ordered after the legacy default stream, on
+      // which LibTorch's caching allocator may have used a block we now get.
+      REFIT_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamDefault),
+                                 "creating a refit staging stream");
+    }
+    return std::unique_ptr<GpuStaging>(new GpuStaging(device, *shared, stream));
+  }
+
+  ~GpuStaging() {
+    {
+      cuda::ScopedCudaDevice scoped(device_);
+      cudaStreamSynchronize(stream_);
+    }
+    absl::MutexLock lock(&shared_->mu);
+    shared_->free_streams.push_back(stream_);
+  }
+
+  int device() const { return device_; }
+  void* stream() const { return stream_; }
+  cuda::Fp8CudaQuantizer& quantizer() const { return *shared_->quantizer; }
+
+  // Copies host bytes to `dst` on the device through the pinned pool (a
+  // memcpy into a leased pinned buffer, then an async copy on the pool's
+  // stream); work enqueued later on stream() waits for it. `src` may be
+  // freed on return; `dst` must stay until stream() is synchronized.
+  absl::Status Upload(const void* src, int64_t size, void* dst) const {
+    const uint8_t* from = static_cast<const uint8_t*>(src);
+    uint8_t* to = static_cast<uint8_t*>(dst);
+    for (int64_t done = 0; done < size;) {
+      absl::StatusOr<cuda::PinnedStagingPool::Lease> lease = shared_->pool->Acquire();
+      if (!lease.ok()) return lease.status();
+      int64_t n = std::min(size - done, lease->capacity());
+      std::memcpy(lease->data(), from + done, static_cast<size_t>(n));
+      absl::Status copied = shared_->pool->CopyToDevice(*std::move(lease), to + done, n, stream_);
+      if (!copied.ok()) return copied;
+      done += n;
+    }
+    return absl::OkStatus();
+  }
+
+  // Enqueues a device-to-host copy on stream(); valid after Synchronize().
+  absl::Status Download(const void* src, int64_t size, void* dst) const {
+    if (size == 0) return absl::OkStatus();
+    return cuda::CudaStatus(cudaMemcpyAsync(dst, src, static_cast<size_t>(size),
+                                            cudaMemcpyDeviceToHost, stream_),
+                            "reading staged kernel bytes back for hashing");
+  }
+
+  absl::Status Synchronize() const {
+    return cuda::CudaStatus(cudaStreamSynchronize(stream_), "waiting for the staging stream");
+  }
+
+ private:
+  struct Shared {
+    std::unique_ptr<cuda::PinnedStagingPool> pool;
+    std::unique_ptr<cuda::Fp8CudaQuantizer> quantizer;
+    absl::Mutex mu;
+    std::vector<cudaStream_t> free_streams ABSL_GUARDED_BY(mu);
+  };
+
+  GpuStaging(int device, Shared* shared, cudaStream_t stream)
+      : device_(device), shared_(shared), stream_(stream) {}
+
+  // Never freed: sessions of any store may use them until the process ends.
+  static absl::StatusOr<Shared*> GetShared(int device) {
+    static absl::Mutex mu(absl::kConstInit);
+    static auto* by_device = new std::map<int, Shared*>();
+    absl::MutexLock lock(&mu);
+    auto it = by_device->find(device);
+    if (it != by_device->end()) return it->second;
+    cuda::PinnedStagingOptions pool_options;
+    pool_options.device = device;
+    pool_options.buffer_bytes = kPinnedBufferBytes;
+    pool_options.num_buffers = kPinnedBuffers;
+    absl::StatusOr<std::unique_ptr<cuda::PinnedStagingPool>> pool =
+        cuda::PinnedStagingPool::Create(pool_options);
+    if (!pool.ok()) return pool.status();
+    absl::StatusOr<std::unique_ptr<cuda::Fp8CudaQuantizer>> quantizer =
+        cuda::Fp8CudaQuantizer::Create(device);
+    if (!quantizer.ok()) return quantizer.status();
+    auto* shared = new Shared;
+    shared->pool = *std::move(pool);
+    shared->quantizer = *std::move(quantizer);
+    by_device->emplace(device, shared);
+    return shared;
+  }
+
+  const int device_;
+  Shared* const shared_;
+  const cudaStream_t stream_;
+};
+
+// Whether a session on a GPU store stages on the device. The environment
+// variable REFIT_HOST_STAGING (any value) keeps the host path (quantize on
+// the CPU, host-to-device commit), for diagnosis.
+bool UseDeviceStaging() { return std::getenv("REFIT_HOST_STAGING") == nullptr; }
+#endif  // REFIT_WITH_CUDA
 
 std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -122,6 +293,10 @@ struct LayerState {
   int64_t param_bytes = 0;     // allocated
   // Staged kernel bytes, one per kernel of the layer, once processed.
   std::vector<Buffer> staged;
+#ifdef REFIT_WITH_CUDA
+  // GPU stores: the staged kernels on the device instead (`staged` is empty).
+  std::vector<DeviceBuffer> device_staged;
+#endif
   std::vector<uint64_t> hashes;
 };
 
@@ -169,6 +344,11 @@ class RefitSessionImpl {
   }
 
   const std::string& refit_id() const { return options_.refit_id; }
+
+#ifdef REFIT_WITH_CUDA
+  // Before any Ingest: stage and quantize on the store's GPU.
+  void SetGpuStaging(std::unique_ptr<GpuStaging> gpu) { gpu_ = std::move(gpu); }
+#endif
 
   SessionState state() const {
     absl::MutexLock lock(&mu_);
@@ -226,7 +406,16 @@ class RefitSessionImpl {
       for (size_t k = 0; k < kernels.size(); ++k) {
         StagedKernel s;
         s.kernel = kernels[k];
+#ifdef REFIT_WITH_CUDA
+        if (!layer.device_staged.empty()) {
+          s.data = layer.device_staged[k].data();
+          s.on_device = true;
+        } else {
+          s.data = layer.staged[k].data.get();
+        }
+#else
         s.data = layer.staged[k].data.get();
+#endif
         s.hash = layer.hashes[k];
         // A zero-byte kernel has no storage; give memcpy a valid pointer.
         static const uint8_t kEmpty = 0;
@@ -467,6 +656,9 @@ class RefitSessionImpl {
 
   struct Processed {
     std::vector<Buffer> staged;  // one per kernel of the layer
+#ifdef REFIT_WITH_CUDA
+    std::vector<DeviceBuffer> device_staged;  // instead of `staged` on a GPU
+#endif
     std::vector<uint64_t> hashes;
     absl::Duration took;
   };
@@ -474,6 +666,9 @@ class RefitSessionImpl {
   // Turns a layer's checkpoint-format params into its kernels. Touches no
   // session state, so the worker runs it without holding mu_.
   absl::StatusOr<Processed> ComputeLayer(int l, std::vector<Buffer> params) const {
+#ifdef REFIT_WITH_CUDA
+    if (gpu_ != nullptr) return ComputeLayerOnDevice(l, std::move(params));
+#endif
     absl::Time start = absl::Now();
     const LayerSpec& spec = layout_.layers()[l];
     Processed out;
@@ -537,11 +732,166 @@ class RefitSessionImpl {
     return out;
   }
 
+#ifdef REFIT_WITH_CUDA
+  // ComputeLayer on a GPU store. The layer's high-precision weights go to the
+  // device through the pinned pool, FP8 weights and scales are quantized
+  // there (Fp8CudaQuantizer, bit-identical to QuantizeFp8), and every kernel
+  // ends up staged in device memory, ready for a device-to-device commit.
+  // Hashes are of the same bytes as the host path: kernels kept in the
+  // checkpoint dtype (and attention scales) are hashed from their host copy
+  // before upload, quantized kernels from a copy read back from the device.
+  // Every return path leaves the session's stream idle, so the device
+  // buffers may be freed (or committed) as soon as it returns.
+  absl::StatusOr<Processed> ComputeLayerOnDevice(int l, std::vector<Buffer> params) const {
+    absl::Time start = absl::Now();
+    const LayerSpec& spec = layout_.layers()[l];
+    const size_t n = spec.kernels.size();
+    cuda::ScopedCudaDevice scoped(gpu_->device());
+    if (!scoped.status().ok()) return scoped.status();
+
+    // Quantize jobs in flight on the stream; synced (and their non-finite
+    // record cleared) on every path out, so that the shared quantizer never
+    // reports this layer's jobs to a later Sync of a stream at this address.
+    struct StreamIdle {
+      const GpuStaging& gpu;
+      bool jobs = false;
+      ~StreamIdle() {
+        if (jobs) gpu.quantizer().Sync(gpu.stream()).IgnoreError();
+        gpu.Synchronize().IgnoreError();
+      }
+    };
+
+    Processed out;
+    out.device_staged.resize(n);
+    out.hashes.resize(n);
+    std::vector<Buffer> host(n);          // kernels computed or kept on the host
+    std::vector<bool> on_device(n, false);  // quantized on the device
+    std::vector<DeviceBuffer> sources;    // high-precision weights on the device
+    // Declared after the buffers: destroyed (stream synced) before them.
+    StreamIdle idle{*gpu_};
+
+    if (spec.kind == LayerKind::kAttention) {
+      absl::Status done = ProcessAttention(spec, params, host);
+      if (!done.ok()) return done;
+    } else {
+      for (size_t k = 0; k < n; ++k) {
+        const KernelSpec& kernel = spec.kernels[k];
+        if (kernel.suffix == "weight_scale" || kernel.suffix == "weight_scale_inv") continue;
+        int p = ParamIndex(spec, kernel.suffix);
+        if (p < 0) {
+          return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": kernel \"",
+                                                  kernel.suffix, "\" has no source param"));
+        }
+        const ParamSpec& param = spec.params[p];
+        if (spec.quantized && kernel.suffix == "weight") {
+          int s = KernelIndex(spec, "weight_scale");
+          if (s < 0) s = KernelIndex(spec, "weight_scale_inv");
+          if (s < 0 || param.shape.size() != 2) {
+            return absl::InternalError(
+                absl::StrCat("layer \"", spec.name, "\": quantized weight without scale"));
+          }
+          const int64_t rows = param.shape[0];
+          const int64_t cols = param.shape[1];
+          // The device writes exactly these sizes: check them before it does.
+          if (kernel.nbytes() != rows * cols ||
+              spec.kernels[s].nbytes() !=
+                  Fp8NumScales(layout_.quant(), rows, cols) * static_cast<int64_t>(sizeof(float))) {
+            return absl::InternalError(absl::StrCat("kernel \"", kernel.name,
+                                                    "\": FP8 kernel or scale sizes do not match ",
+                                                    ShapeString(param.shape)));
+          }
+          absl::StatusOr<DeviceBuffer> src =
+              DeviceBuffer::Allocate(gpu_->device(), param.nbytes(), kernel.name);
+          if (!src.ok()) return src.status();
+          absl::StatusOr<DeviceBuffer> q =
+              DeviceBuffer::Allocate(gpu_->device(), kernel.nbytes(), kernel.name);
+          if (!q.ok()) return q.status();
+          absl::StatusOr<DeviceBuffer> scales =
+              DeviceBuffer::Allocate(gpu_->device(), spec.kernels[s].nbytes(), kernel.name);
+          if (!scales.ok()) return scales.status();
+          absl::Status uploaded = gpu_->Upload(params[p].data.get(), params[p].size, src->data());
+          if (!uploaded.ok()) return uploaded;
+          params[p] = Buffer();  // copied into pinned memory: the host copy can go
+          cuda::Fp8CudaJob job;
+          job.src = src->data();
+          job.src_dtype = param.dtype;
+          job.rows = rows;
+          job.cols = cols;
+          job.out_q = static_cast<uint8_t*>(q->data());
+          job.out_scales = static_cast<float*>(scales->data());
+          job.tensor_name = kernel.name;
+          Fp8QuantizeOptions qopts;
+          qopts.scheme = layout_.quant();
+          qopts.non_finite = options_.non_finite;
+          idle.jobs = true;
+          absl::Status enqueued = gpu_->quantizer().Enqueue(job, qopts, gpu_->stream());
+          if (!enqueued.ok()) return enqueued;
+          sources.push_back(*std::move(src));
+          out.device_staged[k] = *std::move(q);
+          out.device_staged[s] = *std::move(scales);
+          on_device[k] = on_device[s] = true;
+        } else {
+          // Kept in the checkpoint dtype: the param buffer becomes the kernel.
+          if (param.nbytes() != kernel.nbytes()) {
+            return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": param \"",
+                                                    param.suffix, "\" and its kernel differ in size"));
+          }
+          host[k] = std::move(params[p]);
+        }
+      }
+    }
+    // Host-side kernels: check, hash, upload (overlapping the quantization
+    // already enqueued).
+    for (size_t k = 0; k < n; ++k) {
+      if (on_device[k]) continue;
+      if (host[k].size != spec.kernels[k].nbytes()) {
+        return absl::InternalError(absl::StrCat("kernel \"", spec.kernels[k].name, "\": staged ",
+                                                host[k].size, " bytes, live tensor has ",
+                                                spec.kernels[k].nbytes()));
+      }
+      out.hashes[k] = Hash(host[k].data.get(), host[k].size);
+      absl::StatusOr<DeviceBuffer> staged =
+          DeviceBuffer::Allocate(gpu_->device(), host[k].size, spec.kernels[k].name);
+      if (!staged.ok()) return staged.status();
+      absl::Status uploaded = gpu_->Upload(host[k].data.get(), host[k].size, staged->data());
+      if (!uploaded.ok()) return uploaded;
+      host[k] = Buffer();
+      out.device_staged[k] = *std::move(staged);
+    }
+    // Non-finite input under kReject: INVALID_ARGUMENT naming the tensor.
+    if (idle.jobs) {
+      idle.jobs = false;
+      absl::Status quantized = gpu_->quantizer().Sync(gpu_->stream());
+      if (!quantized.ok()) return quantized;
+    }
+    // Quantized kernels: hash the bytes the device wrote.
+    for (size_t k = 0; k < n; ++k) {
+      if (!on_device[k]) continue;
+      absl::StatusOr<Buffer> back = Buffer::Zeroed(out.device_staged[k].size, spec.kernels[k].name);
+      if (!back.ok()) return back.status();
+      absl::Status read = gpu_->Download(out.device_staged[k].data(), back->size, back->data.get());
+      if (!read.ok()) return read;
+      host[k] = *std::move(back);
+    }
+    absl::Status synced = gpu_->Synchronize();
+    if (!synced.ok()) return synced;
+    for (size_t k = 0; k < n; ++k) {
+      if (on_device[k]) out.hashes[k] = Hash(host[k].data.get(), host[k].size);
+    }
+    out.took = absl::Now() - start;
+    return out;
+  }
+#endif  // REFIT_WITH_CUDA
+
   // Records a processed layer; its high-precision staging is gone by now.
   void PublishLayer(int l, Processed processed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     LayerState& layer = layers_[l];
     for (const Buffer& b : processed.staged) staged_kernel_bytes_ += b.size;
     layer.staged = std::move(processed.staged);
+#ifdef REFIT_WITH_CUDA
+    for (const DeviceBuffer& b : processed.device_staged) staged_kernel_bytes_ += b.size;
+    layer.device_staged = std::move(processed.device_staged);
+#endif
     layer.hashes = std::move(processed.hashes);
     staging_bytes_ -= layer.param_bytes;
     layer.param_bytes = 0;
@@ -784,6 +1134,13 @@ class RefitSessionImpl {
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status worker_status_ ABSL_GUARDED_BY(mu_);
+
+#ifdef REFIT_WITH_CUDA
+  // Set on a GPU store (device staging); null on the host path. Used by
+  // whichever thread processes a layer: the worker, or the caller at
+  // finalize once the worker is drained, never both at once.
+  std::unique_ptr<GpuStaging> gpu_;
+#endif
 };
 
 RefitSession::RefitSession(std::unique_ptr<RefitSessionImpl> impl) : impl_(std::move(impl)) {}
@@ -805,8 +1162,25 @@ absl::StatusOr<std::unique_ptr<RefitSession>> RefitSession::Begin(ShardStore* st
                      store->group(), "\" serves version ", store->version()));
   }
   std::string id = options.refit_id;
-  auto session = std::unique_ptr<RefitSession>(
-      new RefitSession(std::make_unique<RefitSessionImpl>(store, std::move(options))));
+#ifdef REFIT_WITH_CUDA
+  std::unique_ptr<GpuStaging> gpu;
+  if (store->on_gpu() && UseDeviceStaging()) {
+    absl::StatusOr<std::unique_ptr<GpuStaging>> created =
+        GpuStaging::Create(store->impl().device.index());
+    if (!created.ok()) {
+      store->ReleaseSession(id);
+      return absl::Status(created.status().code(),
+                          absl::StrCat("refit \"", id, "\": cannot set up staging on ",
+                                       store->device(), ": ", created.status().message()));
+    }
+    gpu = *std::move(created);
+  }
+#endif
+  auto impl = std::make_unique<RefitSessionImpl>(store, std::move(options));
+#ifdef REFIT_WITH_CUDA
+  impl->SetGpuStaging(std::move(gpu));
+#endif
+  auto session = std::unique_ptr<RefitSession>(new RefitSession(std::move(impl)));
   REFIT_LOG(INFO).Field("refit_id", id).Field("group", store->group())
           .Field("base_version", absl::StrCat(store->version()))
       << "staging started";

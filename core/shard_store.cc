@@ -18,6 +18,8 @@
 
 #ifdef REFIT_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "core/cuda/device_commit.h"
 #endif
 
 namespace refit::core {
@@ -124,23 +126,41 @@ absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<Stage
     if (s.kernel < 0 || s.kernel >= static_cast<int>(kernels.size()) || s.data == nullptr) {
       return absl::InternalError(absl::StrCat("staged kernel index ", s.kernel, " is invalid"));
     }
+    if (s.on_device && !device.is_cuda()) {
+      return absl::InternalError(absl::StrCat("staged kernel ", specs[s.kernel]->name,
+                                              " is on a device, the store on ", device.str()));
+    }
   }
   CommitStats stats;
   absl::Time start;
   {
     absl::MutexLock lock(&mu);
+#ifdef REFIT_WITH_CUDA
+    // Device-staged kernels: one batch of device-to-device copies on the
+    // commit stream, then the event. Created once, before the pause starts.
+    std::vector<cuda::DeviceCopy> device_copies;
+    bool any_on_device = false;
+    for (const StagedKernel& s : staged) any_on_device = any_on_device || s.on_device;
+    if (any_on_device && commit_event == nullptr) {
+      absl::Status created = CreateCommitResourcesLocked();
+      if (!created.ok()) return created;  // nothing copied yet
+    }
+#endif
     start = absl::Now();
     try {
       for (const StagedKernel& s : staged) {
         at::Tensor& live = kernels[s.kernel];
         int64_t nbytes = specs[s.kernel]->nbytes();
-        if (live.is_cpu() && !s.on_device) {
+        if (nbytes == 0) {
+          // No storage to copy into.
+        } else if (live.is_cpu() && !s.on_device) {
           std::memcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes));
         } else {
 #ifdef REFIT_WITH_CUDA
-          cudaMemcpyKind kind = s.on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice;
-          if (cudaMemcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes), kind) !=
-              cudaSuccess) {
+          if (s.on_device) {
+            device_copies.push_back({live.data_ptr(), s.data, nbytes});
+          } else if (cudaMemcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes),
+                                cudaMemcpyHostToDevice) != cudaSuccess) {
             // Some kernels already hold new bytes: a mixed version must never
             // be served, so this is fatal.
             REFIT_LOG(ERROR) << "commit copy of " << specs[s.kernel]->name << " failed";
@@ -162,6 +182,19 @@ absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<Stage
       REFIT_LOG(ERROR) << "commit copy failed: " << e.what_without_backtrace();
       std::abort();
     }
+#ifdef REFIT_WITH_CUDA
+    if (any_on_device) {
+      // The event marks version N+1 complete; the writer lock is held until
+      // it has, so a reader never sees the copies half done.
+      absl::Status copied =
+          cuda::EnqueueDeviceCopies(device_copies, commit_stream, commit_event.get());
+      if (copied.ok()) copied = commit_event->Wait();
+      if (!copied.ok()) {
+        REFIT_LOG(ERROR) << "device commit failed: " << std::string(copied.message());
+        std::abort();
+      }
+    }
+#endif
     ++version;
     fingerprint = ComputeFingerprint(hashes);
     last_commit = absl::Now();
@@ -170,6 +203,37 @@ absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<Stage
     stats.fingerprint = fingerprint;
   }
   return stats;
+}
+
+#ifdef REFIT_WITH_CUDA
+absl::Status ShardStoreImpl::CreateCommitResourcesLocked() {
+  const int index = device.index();
+  absl::StatusOr<std::unique_ptr<cuda::DeviceEvent>> event = cuda::DeviceEvent::Create(index);
+  if (!event.ok()) return event.status();
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+  cudaStream_t stream = nullptr;
+  cudaError_t error = cudaSetDevice(index);
+  // Blocking: ordered after the legacy default stream, where LibTorch zeroed
+  // the live tensors and where in-process users of them run by default.
+  if (error == cudaSuccess) error = cudaStreamCreateWithFlags(&stream, cudaStreamDefault);
+  if (previous >= 0) cudaSetDevice(previous);
+  if (error != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("creating the commit stream on ", device.str(), ": ",
+                                            cudaGetErrorString(error)));
+  }
+  commit_stream = stream;
+  commit_event = *std::move(event);
+  return absl::OkStatus();
+}
+#endif
+
+ShardStoreImpl::~ShardStoreImpl() {
+#ifdef REFIT_WITH_CUDA
+  absl::MutexLock lock(&mu);
+  commit_event.reset();
+  if (commit_stream != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(commit_stream));
+#endif
 }
 
 ShardStore::ShardStore(std::shared_ptr<const ModelLayout> layout, ShardStoreOptions options)

@@ -24,6 +24,12 @@
 
 namespace refit::core {
 
+#ifdef REFIT_WITH_CUDA
+namespace cuda {
+class DeviceEvent;  // core/cuda/device_commit.h
+}  // namespace cuda
+#endif
+
 // New bytes for one live kernel, staged in host memory (or, for GPU staging,
 // on the store's device).
 struct StagedKernel {
@@ -36,13 +42,18 @@ struct StagedKernel {
 class ShardStoreImpl {
  public:
   ShardStoreImpl(std::shared_ptr<const ModelLayout> layout, c10::Device device);
+  ~ShardStoreImpl();
 
   // Allocates zeroed kernels and hashes them. RESOURCE_EXHAUSTED if they do not fit.
   absl::Status Allocate();
 
   // Copies `staged` into the live tensors in place under the writer lock.
   // Every entry must match its kernel's byte size (checked before the lock;
-  // INTERNAL otherwise, nothing copied).
+  // INTERNAL otherwise, nothing copied). On a GPU store, entries staged on
+  // the device (on_device) are copied device-to-device on the store's commit
+  // stream; an event recorded after the last copy marks the new version
+  // complete, and the writer lock is released only once it has completed, so
+  // readers under the reader lock never see a mix.
   absl::StatusOr<CommitStats> CommitStaged(const std::vector<StagedKernel>& staged);
 
   const ModelLayout& layout;
@@ -60,6 +71,14 @@ class ShardStoreImpl {
   std::vector<uint64_t> hashes ABSL_GUARDED_BY(mu);
   std::string fingerprint ABSL_GUARDED_BY(mu);
   absl::Time last_commit ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+
+#ifdef REFIT_WITH_CUDA
+  // GPU stores: the commit stream (a cudaStream_t) and the event recorded
+  // after a commit's last copy. Created by the first device commit.
+  void* commit_stream ABSL_GUARDED_BY(mu) = nullptr;
+  std::unique_ptr<cuda::DeviceEvent> commit_event ABSL_GUARDED_BY(mu);
+  absl::Status CreateCommitResourcesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+#endif
 
   // XXH3-64 over layout descriptors and per-kernel hashes, 16 hex digits.
   std::string ComputeFingerprint(const std::vector<uint64_t>& kernel_hashes) const;

@@ -921,7 +921,18 @@ class RefitSessionImpl {
     layers_[l].queued = true;
     pending_.push_back(l);
     if (!worker_.joinable()) worker_ = std::thread([this] { WorkerLoop(); });
-    return absl::OkStatus();
+    // Backpressure: return once the worker has taken the layer, so that at
+    // most one complete layer is being processed while the next one arrives.
+    // Without it a fast sender queues complete layers (each holding its
+    // high-precision staging) ahead of the quantizer, and peak memory grows
+    // with the model instead of with the largest layer.
+    mu_.Await(absl::Condition(
+        +[](RefitSessionImpl* self) {
+          return self->pending_.empty() || self->stop_ || !self->worker_status_.ok();
+        },
+        this));
+    if (state_ != SessionState::kReceiving) return NotReceiving();
+    return worker_status_;
   }
 
   void WorkerLoop() {

@@ -27,7 +27,8 @@
 //                       weights under NonFinitePolicy::kReject
 //   ALREADY_EXISTS      a chunk repeats a byte range already received
 //   OUT_OF_RANGE        chunk runs past the end of the tensor
-//   RESOURCE_EXHAUSTED  staging budget exceeded
+//   RESOURCE_EXHAUSTED  staging budget exceeded, or out of device memory
+//                       while staging on a GPU
 //   FAILED_PRECONDITION the session is no longer receiving
 // Errors of Prepare: DATA_LOSS for a tensor received only in part;
 // FAILED_PRECONDITION for a layer missing whole tensors (unless
@@ -64,6 +65,8 @@ struct RefitOptions {
   bool allow_partial_layers = false;  // zero-fill missing tensors (vLLM behaviour)
   int quantize_threads = 0;
   // Quantize complete layers on a worker thread while later chunks arrive.
+  // Ingest returns once the worker has taken a completed layer, so at most
+  // one complete layer waits on the quantizer (bounded memory).
   bool overlap_processing = true;
 };
 

@@ -1,5 +1,6 @@
 #include "core/refit_session.h"
 
+#include <malloc.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -46,10 +47,21 @@ struct Buffer {
   int64_t size = 0;
 
   static absl::StatusOr<Buffer> Zeroed(int64_t size, absl::string_view what) {
+    return Allocate(size, what, /*zero=*/true);
+  }
+  // For buffers that are written in full before anyone reads them (quantizer
+  // outputs, params without padding): no zeroing pass, no zero-page faults.
+  static absl::StatusOr<Buffer> Uninitialized(int64_t size, absl::string_view what) {
+    return Allocate(size, what, /*zero=*/false);
+  }
+
+ private:
+  static absl::StatusOr<Buffer> Allocate(int64_t size, absl::string_view what, bool zero) {
     Buffer buffer;
     buffer.size = size;
     if (size == 0) return buffer;
-    buffer.data.reset(static_cast<uint8_t*>(std::calloc(static_cast<size_t>(size), 1)));
+    buffer.data.reset(static_cast<uint8_t*>(zero ? std::calloc(static_cast<size_t>(size), 1)
+                                                 : std::malloc(static_cast<size_t>(size))));
     if (buffer.data == nullptr) {
       return absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", size, " bytes of staging for ", what));
@@ -488,6 +500,9 @@ class RefitSessionImpl {
     tensors_.shrink_to_fit();
     staging_bytes_ = 0;
     staged_kernel_bytes_ = 0;
+    // Hand the freed staging back to the system: between refits the daemon
+    // should hold little more than its kernels.
+    malloc_trim(0);
   }
 
   void AbortLocked(absl::Status reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -638,7 +653,12 @@ class RefitSessionImpl {
           " bytes; send tensors layer by layer or raise the budget"));
     }
     for (const ParamSpec& param : spec.params) {
-      absl::StatusOr<Buffer> buffer = Buffer::Zeroed(param.nbytes(), spec.name);
+      // Zeros matter where elements may never be written: padding rows,
+      // zero-filled partial layers, attention scales that may not come.
+      const bool zero = param.loaded_numel < param.numel() || options_.allow_partial_layers ||
+                        spec.kind == LayerKind::kAttention;
+      absl::StatusOr<Buffer> buffer = zero ? Buffer::Zeroed(param.nbytes(), spec.name)
+                                           : Buffer::Uninitialized(param.nbytes(), spec.name);
       if (!buffer.ok()) return buffer.status();
       layer.params.push_back(*std::move(buffer));
     }
@@ -694,9 +714,10 @@ class RefitSessionImpl {
             return absl::InternalError(
                 absl::StrCat("layer \"", spec.name, "\": quantized weight without scale"));
           }
-          absl::StatusOr<Buffer> q = Buffer::Zeroed(kernel.nbytes(), kernel.name);
+          absl::StatusOr<Buffer> q = Buffer::Uninitialized(kernel.nbytes(), kernel.name);
           if (!q.ok()) return q.status();
-          absl::StatusOr<Buffer> scales = Buffer::Zeroed(spec.kernels[s].nbytes(), kernel.name);
+          absl::StatusOr<Buffer> scales =
+              Buffer::Uninitialized(spec.kernels[s].nbytes(), kernel.name);
           if (!scales.ok()) return scales.status();
           Fp8QuantizeOptions qopts;
           qopts.scheme = layout_.quant();

@@ -1,6 +1,5 @@
 #include "core/refit_session.h"
 
-#include <malloc.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -500,9 +499,6 @@ class RefitSessionImpl {
     tensors_.shrink_to_fit();
     staging_bytes_ = 0;
     staged_kernel_bytes_ = 0;
-    // Hand the freed staging back to the system: between refits the daemon
-    // should hold little more than its kernels.
-    malloc_trim(0);
   }
 
   void AbortLocked(absl::Status reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -562,18 +558,39 @@ class RefitSessionImpl {
                                                 ", ", begin + size, ") run past its end at ",
                                                 total, " bytes"));
     }
-    if (chunk.xxh3.has_value() && Hash(chunk.data.data(), size) != *chunk.xxh3) {
-      return absl::DataLossError(absl::StrCat("tensor \"", ct.name, "\": checksum mismatch in chunk bytes [",
-                                              begin, ", ", begin + size, ")"));
-    }
     absl::Status added = ts.ranges.Add(begin, begin + size, ct.name);
     if (!added.ok()) return added;
     ts.seen = true;
     ts.dtype = chunk.dtype;
     bytes_received_ += static_cast<int64_t>(size);
-    if (ct.use == CheckpointTensor::Use::kIgnored || size == 0) return absl::OkStatus();
-
-    return Scatter(ct, chunk, begin / elem, (begin + size) / elem);
+    const bool scatter = ct.use != CheckpointTensor::Use::kIgnored && size > 0;
+    if (!chunk.xxh3.has_value()) {
+      return scatter ? Scatter(ct, chunk, begin / elem, (begin + size) / elem) : absl::OkStatus();
+    }
+    // Checksum and copy in cache-sized blocks: each block is hashed and then
+    // scattered while it is still in cache, one pass over memory instead of
+    // two. A mismatch found at the end aborts the refit; what was scattered
+    // lives only in staging, so nothing live ever sees it.
+    constexpr uint64_t kBlockBytes = uint64_t{256} << 10;
+    const uint64_t block = std::max<uint64_t>(elem, kBlockBytes - kBlockBytes % elem);
+    std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(),
+                                                                          XXH3_freeState);
+    XXH3_64bits_reset(state.get());
+    for (uint64_t off = 0; off < size; off += block) {
+      const uint64_t n = std::min(block, size - off);
+      XXH3_64bits_update(state.get(), chunk.data.data() + off, n);
+      if (!scatter) continue;
+      Chunk part = chunk;
+      part.data = chunk.data.subspan(off, n);
+      absl::Status scattered = Scatter(ct, part, (begin + off) / elem, (begin + off + n) / elem);
+      if (!scattered.ok()) return scattered;
+    }
+    if (XXH3_64bits_digest(state.get()) != *chunk.xxh3) {
+      return absl::DataLossError(absl::StrCat("tensor \"", ct.name,
+                                              "\": checksum mismatch in chunk bytes [", begin, ", ",
+                                              begin + size, ")"));
+    }
+    return absl::OkStatus();
   }
 
   // Copies the part of elements [e0, e1) of `ct` that lies in its slice into

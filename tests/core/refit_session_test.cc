@@ -8,6 +8,8 @@
 #include <fstream>
 #include <thread>
 
+#include <xxhash.h>
+
 #include "absl/strings/str_cat.h"
 #include "core/fixture_model.h"
 #include "core/fp8_quantizer.h"
@@ -456,6 +458,38 @@ TEST_F(RefitSessionTest, RejectsChecksumMismatch) {
   EXPECT_THAT(s.message(), HasSubstr("checksum"));
   EXPECT_THAT(s.message(), HasSubstr("model.norm.weight"));
   ExpectUnchanged();
+}
+
+TEST(RefitSessionChecksumTest, ChecksummedChunksOfManyBlocksGiveTheSameResult) {
+  ModelConfig config = FixtureConfig();
+  config.vocab_size = 5000;  // a 1.3 MB embedding: checksummed in several blocks
+  std::vector<OwnedTensor> w = MakeFixtureWeights(config, 3).value();
+  std::unique_ptr<ShardStore> plain = MakeStore(config);
+  std::unique_ptr<ShardStore> summed = MakeStore(config);
+  ASSERT_TRUE(PushAll(*plain, w).ok());
+  std::unique_ptr<RefitSession> session = RefitSession::Begin(summed.get(), {}).value();
+  for (const OwnedTensor& t : w) {
+    core::Chunk chunk = ToChunk({&t, 0, t.bytes.size()});
+    chunk.xxh3 = XXH3_64bits(t.bytes.data(), t.bytes.size());
+    ASSERT_TRUE(session->Ingest(chunk).ok()) << t.name;
+  }
+  ASSERT_TRUE(session->Commit().ok());
+  EXPECT_EQ(summed->fingerprint(), plain->fingerprint());
+
+  // One flipped byte near the end of a multi-block chunk: the refit aborts
+  // although earlier blocks were already staged, and nothing live changes.
+  const std::string before = summed->fingerprint();
+  session = RefitSession::Begin(summed.get(), {}).value();
+  const OwnedTensor& embed = Find(w, "model.embed_tokens.weight");
+  ASSERT_GT(embed.bytes.size(), size_t{1} << 20);
+  core::Chunk chunk = ToChunk({&embed, 0, embed.bytes.size()});
+  chunk.xxh3 = XXH3_64bits(embed.bytes.data(), embed.bytes.size()) ^ 1;
+  absl::Status s = session->Ingest(chunk);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("model.embed_tokens.weight"));
+  EXPECT_EQ(session->state(), SessionState::kAborted);
+  EXPECT_EQ(summed->fingerprint(), before);
+  EXPECT_EQ(summed->version(), 1u);
 }
 
 TEST_F(RefitSessionTest, RejectsTensorStillIncompleteAtTheEnd) {

@@ -715,22 +715,15 @@ class RefitSessionImpl {
       absl::Status done = ProcessAttention(spec, params, staged);
       if (!done.ok()) return done;
     } else {
+      absl::StatusOr<std::vector<KernelPlan>> plan = PlanKernels(spec);
+      if (!plan.ok()) return plan.status();
       for (size_t k = 0; k < spec.kernels.size(); ++k) {
         const KernelSpec& kernel = spec.kernels[k];
-        if (kernel.suffix == "weight_scale" || kernel.suffix == "weight_scale_inv") continue;
-        int p = ParamIndex(spec, kernel.suffix);
-        if (p < 0) {
-          return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": kernel \"",
-                                                  kernel.suffix, "\" has no source param"));
-        }
+        if ((*plan)[k].param < 0) continue;  // a scale, written with its weight
+        const int p = (*plan)[k].param;
+        const int s = (*plan)[k].scale;
         const ParamSpec& param = spec.params[p];
-        if (spec.quantized && kernel.suffix == "weight") {
-          int s = KernelIndex(spec, "weight_scale");
-          if (s < 0) s = KernelIndex(spec, "weight_scale_inv");
-          if (s < 0 || param.shape.size() != 2) {
-            return absl::InternalError(
-                absl::StrCat("layer \"", spec.name, "\": quantized weight without scale"));
-          }
+        if (s >= 0) {
           absl::StatusOr<Buffer> q = Buffer::Uninitialized(kernel.nbytes(), kernel.name);
           if (!q.ok()) return q.status();
           absl::StatusOr<Buffer> scales =
@@ -812,22 +805,15 @@ class RefitSessionImpl {
       absl::Status done = ProcessAttention(spec, params, host);
       if (!done.ok()) return done;
     } else {
+      absl::StatusOr<std::vector<KernelPlan>> plan = PlanKernels(spec);
+      if (!plan.ok()) return plan.status();
       for (size_t k = 0; k < n; ++k) {
         const KernelSpec& kernel = spec.kernels[k];
-        if (kernel.suffix == "weight_scale" || kernel.suffix == "weight_scale_inv") continue;
-        int p = ParamIndex(spec, kernel.suffix);
-        if (p < 0) {
-          return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": kernel \"",
-                                                  kernel.suffix, "\" has no source param"));
-        }
+        if ((*plan)[k].param < 0) continue;  // a scale, written with its weight
+        const int p = (*plan)[k].param;
+        const int s = (*plan)[k].scale;
         const ParamSpec& param = spec.params[p];
-        if (spec.quantized && kernel.suffix == "weight") {
-          int s = KernelIndex(spec, "weight_scale");
-          if (s < 0) s = KernelIndex(spec, "weight_scale_inv");
-          if (s < 0 || param.shape.size() != 2) {
-            return absl::InternalError(
-                absl::StrCat("layer \"", spec.name, "\": quantized weight without scale"));
-          }
+        if (s >= 0) {
           const int64_t rows = param.shape[0];
           const int64_t cols = param.shape[1];
           // The device writes exactly these sizes: check them before it does.
@@ -1055,6 +1041,36 @@ class RefitSessionImpl {
       staged[i] = *std::move(buffer);
     }
     return absl::OkStatus();
+  }
+
+  // How each kernel of a non-attention layer is made: copied from the param
+  // of the same suffix, or, for a quantized weight, quantized from it with the
+  // scales going to the `scale` kernel. Scale kernels get param = -1.
+  struct KernelPlan {
+    int param = -1;
+    int scale = -1;
+  };
+
+  static absl::StatusOr<std::vector<KernelPlan>> PlanKernels(const LayerSpec& spec) {
+    std::vector<KernelPlan> plan(spec.kernels.size());
+    for (size_t k = 0; k < spec.kernels.size(); ++k) {
+      const KernelSpec& kernel = spec.kernels[k];
+      if (kernel.suffix == "weight_scale" || kernel.suffix == "weight_scale_inv") continue;
+      plan[k].param = ParamIndex(spec, kernel.suffix);
+      if (plan[k].param < 0) {
+        return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": kernel \"",
+                                                kernel.suffix, "\" has no source param"));
+      }
+      if (spec.quantized && kernel.suffix == "weight") {
+        plan[k].scale = KernelIndex(spec, "weight_scale");
+        if (plan[k].scale < 0) plan[k].scale = KernelIndex(spec, "weight_scale_inv");
+        if (plan[k].scale < 0 || spec.params[plan[k].param].shape.size() != 2) {
+          return absl::InternalError(
+              absl::StrCat("layer \"", spec.name, "\": quantized weight without scale"));
+        }
+      }
+    }
+    return plan;
   }
 
   static int ParamIndex(const LayerSpec& spec, absl::string_view suffix) {

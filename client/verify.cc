@@ -81,29 +81,19 @@ int KernelIndex(const LayerSpec& spec, absl::string_view suffix) {
   return -1;
 }
 
-// REFERENCE.md §4: k and v as given (> 0, finite); both missing -> 1; one
-// missing -> the other; q missing -> k; legacy kv_scale stands in for k / v.
+// The attention kernels, by the daemon's own rule (core::ResolveAttentionScales).
 void AttentionKernels(const LayerSpec& spec, const LayerBuffers& buffers,
                       std::vector<std::string>& kernels) {
   auto received = [&](absl::string_view suffix) -> float {
     int p = ParamIndex(spec, suffix);
     if (p < 0 || buffers.params.empty() || !buffers.param_seen[p]) return 0.0f;
-    float value = core::LoadAsFloat(buffers.params[p].data(), spec.params[p].dtype, 0);
-    return value > 0.0f && value < std::numeric_limits<float>::infinity() ? value : 0.0f;
+    return core::LoadAsFloat(buffers.params[p].data(), spec.params[p].dtype, 0);
   };
-  float kv = received("kv_scale"), k = received("k_scale"), v = received("v_scale"),
-        q = received("q_scale");
-  if (k == 0.0f) k = kv;
-  if (v == 0.0f) v = kv;
-  if (k == 0.0f && v == 0.0f) {
-    k = v = 1.0f;
-  } else if (k == 0.0f || v == 0.0f) {
-    k = v = std::max(k, v);
-  }
-  if (q == 0.0f) q = k;
+  const core::AttentionScales scales = core::ResolveAttentionScales(
+      received("k_scale"), received("v_scale"), received("q_scale"), received("kv_scale"));
   for (size_t i = 0; i < spec.kernels.size(); ++i) {
     const KernelSpec& kernel = spec.kernels[i];
-    float value = kernel.suffix == "k_scale" ? k : kernel.suffix == "v_scale" ? v : q;
+    const float value = scales.ForKernel(kernel.suffix);
     kernels[i].assign(static_cast<size_t>(kernel.nbytes()), '\0');
     if (kernel.nbytes() == static_cast<int64_t>(sizeof(float))) {
       std::memcpy(kernels[i].data(), &value, sizeof(float));

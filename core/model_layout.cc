@@ -1,6 +1,7 @@
 #include "core/model_layout.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -452,6 +453,27 @@ absl::StatusOr<int> NameMapper::LookupIndex(absl::string_view name) const {
   return absl::NotFoundError(absl::StrCat("unknown tensor '", name, "' for ",
                                           c.arch_name.empty() ? "this model" : c.arch_name, " (",
                                           c.num_layers, " layers)", hint));
+}
+
+float AttentionScales::ForKernel(absl::string_view suffix) const {
+  return suffix == "k_scale" ? k : suffix == "v_scale" ? v : q;
+}
+
+AttentionScales ResolveAttentionScales(float k, float v, float q, float kv) {
+  auto present = [](float x) { return x > 0.0f && x < std::numeric_limits<float>::infinity(); };
+  if (!present(k)) k = present(kv) ? kv : 0.0f;
+  if (!present(v)) v = present(kv) ? kv : 0.0f;
+  AttentionScales scales;
+  if (k == 0.0f && v == 0.0f) {
+    scales.k = scales.v = 1.0f;
+  } else if (k == 0.0f || v == 0.0f) {
+    scales.k = scales.v = std::max(k, v);
+  } else {
+    scales.k = k;
+    scales.v = v;
+  }
+  scales.q = present(q) ? q : scales.k;
+  return scales;
 }
 
 }  // namespace refit::core

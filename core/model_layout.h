@@ -153,6 +153,21 @@ class ModelLayout {
   int64_t kernel_bytes_ = 0;
 };
 
+// The attention layer's kernel scales from what a checkpoint provided
+// (REFERENCE.md §4): k and v both present -> used as they are; both missing ->
+// 1.0; one missing -> the other; q missing -> k; the legacy kv_scale stands in
+// for whichever of k / v is missing. A value that is not positive and finite
+// counts as missing (pass 0 for a scale that was not received). Shared by
+// RefitSession and `refitctl verify`, which must agree byte for byte.
+struct AttentionScales {
+  float k = 1.0f;
+  float v = 1.0f;
+  float q = 1.0f;
+  // The value of the kernel with this suffix ("k_scale", "v_scale", "q_scale").
+  float ForKernel(absl::string_view suffix) const;
+};
+AttentionScales ResolveAttentionScales(float k, float v, float q, float kv);
+
 // Checkpoint name -> CheckpointTensor. Names a layout does not know are
 // NOT_FOUND with the name in the message (and a hint when it looks like a
 // known name of another layer count or architecture).

@@ -1007,32 +1007,20 @@ class RefitSessionImpl {
     pending_.clear();
   }
 
-  // REFERENCE.md §4: both k and v present (> 0) -> use them; both missing ->
-  // 1.0; one missing -> the other; q missing -> k. The legacy kv_scale stands
-  // in for whichever of k / v is missing.
+  // Attention scales at finalize: ResolveAttentionScales (REFERENCE.md §4).
   absl::Status ProcessAttention(const LayerSpec& spec, const std::vector<Buffer>& params,
                                 std::vector<Buffer>& staged) const {
     auto received = [&](absl::string_view suffix) -> float {
       int p = ParamIndex(spec, suffix);
       if (p < 0 || params.empty()) return 0.0f;
-      float value = LoadAsFloat(params[p].data.get(), spec.params[p].dtype, 0);
-      return value > 0.0f && value < std::numeric_limits<float>::infinity() ? value : 0.0f;
+      return LoadAsFloat(params[p].data.get(), spec.params[p].dtype, 0);
     };
-    float kv = received("kv_scale");
-    float k = received("k_scale");
-    float v = received("v_scale");
-    float q = received("q_scale");
-    if (k == 0.0f) k = kv;
-    if (v == 0.0f) v = kv;
-    if (k == 0.0f && v == 0.0f) {
-      k = v = 1.0f;
-    } else if (k == 0.0f || v == 0.0f) {
-      k = v = std::max(k, v);
-    }
-    if (q == 0.0f) q = k;
+    const AttentionScales scales =
+        ResolveAttentionScales(received("k_scale"), received("v_scale"), received("q_scale"),
+                               received("kv_scale"));
     for (size_t i = 0; i < spec.kernels.size(); ++i) {
       const KernelSpec& kernel = spec.kernels[i];
-      float value = kernel.suffix == "k_scale" ? k : kernel.suffix == "v_scale" ? v : q;
+      const float value = scales.ForKernel(kernel.suffix);
       absl::StatusOr<Buffer> buffer = Buffer::Zeroed(kernel.nbytes(), kernel.name);
       if (!buffer.ok()) return buffer.status();
       if (kernel.nbytes() == static_cast<int64_t>(sizeof(float))) {

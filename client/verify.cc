@@ -141,26 +141,6 @@ absl::Status LayerKernels(const ModelLayout& layout, const LayerSpec& spec, Laye
   return absl::OkStatus();
 }
 
-// The daemon's fingerprint (core/shard_store.cc): XXH3-64 over, for every
-// kernel in layout order, its name with the terminating NUL, its dtype name,
-// its shape as int64s and the XXH3-64 of its bytes.
-std::string Fingerprint(const std::vector<const KernelSpec*>& specs,
-                        const std::vector<uint64_t>& hashes) {
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const KernelSpec& spec = *specs[i];
-    XXH3_64bits_update(state, spec.name.data(), spec.name.size() + 1);
-    absl::string_view dtype = core::DTypeName(spec.dtype);
-    XXH3_64bits_update(state, dtype.data(), dtype.size());
-    for (int64_t dim : spec.shape) XXH3_64bits_update(state, &dim, sizeof(dim));
-    XXH3_64bits_update(state, &hashes[i], sizeof(uint64_t));
-  }
-  uint64_t digest = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return absl::StrFormat("%016x", digest);
-}
-
 std::string FirstDifference(const std::string& expected, const std::string& got) {
   if (expected.size() != got.size()) {
     return absl::StrCat("size differs: expected ", expected.size(), " bytes, daemon has ",
@@ -375,7 +355,7 @@ absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& op
       report.entries.push_back(std::move(entry));
     }
   }
-  report.expected_fingerprint = Fingerprint(specs, hashes);
+  report.expected_fingerprint = core::KernelFingerprint(specs, hashes);
   return report;
 }
 

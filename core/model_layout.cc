@@ -4,10 +4,13 @@
 #include <limits>
 #include <utility>
 
+#include <xxhash.h>
+
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 
 namespace refit::core {
@@ -474,6 +477,23 @@ AttentionScales ResolveAttentionScales(float k, float v, float q, float kv) {
   }
   scales.q = present(q) ? q : scales.k;
   return scales;
+}
+
+std::string KernelFingerprint(const std::vector<const KernelSpec*>& specs,
+                              const std::vector<uint64_t>& hashes) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const KernelSpec& spec = *specs[i];
+    XXH3_64bits_update(state, spec.name.data(), spec.name.size() + 1);
+    absl::string_view dtype = DTypeName(spec.dtype);
+    XXH3_64bits_update(state, dtype.data(), dtype.size());
+    for (int64_t dim : spec.shape) XXH3_64bits_update(state, &dim, sizeof(dim));
+    XXH3_64bits_update(state, &hashes[i], sizeof(uint64_t));
+  }
+  uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return absl::StrFormat("%016x", digest);
 }
 
 }  // namespace refit::core

@@ -153,6 +153,13 @@ class ModelLayout {
   int64_t kernel_bytes_ = 0;
 };
 
+// The fingerprint of a version: XXH3-64 (16 hex digits) over, for every
+// kernel in layout order, its name with the terminating NUL, its dtype name,
+// its shape as int64s and the XXH3-64 of its bytes (`hashes[i]`). ShardStore
+// publishes it; `refitctl verify` recomputes it from local files.
+std::string KernelFingerprint(const std::vector<const KernelSpec*>& specs,
+                              const std::vector<uint64_t>& hashes);
+
 // The attention layer's kernel scales from what a checkpoint provided
 // (REFERENCE.md §4): k and v both present -> used as they are; both missing ->
 // 1.0; one missing -> the other; q missing -> k; the legacy kv_scale stands in

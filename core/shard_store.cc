@@ -106,19 +106,7 @@ absl::Status ShardStoreImpl::Allocate() {
 }
 
 std::string ShardStoreImpl::ComputeFingerprint(const std::vector<uint64_t>& kernel_hashes) const {
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const KernelSpec& spec = *specs[i];
-    XXH3_64bits_update(state, spec.name.data(), spec.name.size() + 1);
-    absl::string_view dtype = DTypeName(spec.dtype);
-    XXH3_64bits_update(state, dtype.data(), dtype.size());
-    for (int64_t dim : spec.shape) XXH3_64bits_update(state, &dim, sizeof(dim));
-    XXH3_64bits_update(state, &kernel_hashes[i], sizeof(uint64_t));
-  }
-  uint64_t digest = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return absl::StrFormat("%016x", digest);
+  return KernelFingerprint(specs, kernel_hashes);
 }
 
 absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<StagedKernel>& staged) {

@@ -1,6 +1,6 @@
 // The FP8 kernels of Fp8CudaQuantizer (fp8_cuda.h), in a header so that
 // fp8_quantize.cu launches them on the GPU and a host test can run the very
-// same code in a simulated grid (tests/core/fp8_kernels_sim_gpu_test.cc):
+// same code in a simulated grid (tests/core/fp8_kernels_sim_test.cc):
 // without a GPU, that is how the kernels' indexing, vector and tail paths
 // and block reductions get exercised.
 //

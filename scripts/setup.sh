@@ -10,6 +10,10 @@ APT_PACKAGES=(
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libxxhash-dev libcpp-httplib-dev libssl-dev openssl
+  # scripts/format-check.sh and scripts/thread-safety.sh. Debian 12's clang
+  # (14) parses GCC 12's libstdc++ headers; clang-14 depends on
+  # libstdc++-12-dev, the same headers the build's g++ uses.
+  clang clang-format
 )
 
 missing=()

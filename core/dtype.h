@@ -9,9 +9,10 @@
 
 #include <cstddef>
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace refit::core {
 
@@ -37,14 +38,18 @@ enum class DType : uint8_t {
 size_t DTypeSize(DType dtype);
 // The safetensors spelling: "BF16", "F8_E4M3", ...
 absl::string_view DTypeName(DType dtype);
-// Parses the safetensors spelling. INVALID_ARGUMENT for anything else.
+// Parses the safetensors spelling (case-sensitive).
+// Errors:
+//   INVALID_ARGUMENT  any other name, quoted in the message ("unknown dtype")
 absl::StatusOr<DType> ParseDType(absl::string_view name);
 // bf16 / fp16 / fp32: the types a trainer may push.
 bool IsHighPrecisionFloat(DType dtype);
 
 // Converts `count` elements between two high-precision float types
 // (fp32/fp16/bf16), rounding to nearest even. Same type is a memcpy.
-// INVALID_ARGUMENT if either type is not one of the three.
+// Errors:
+//   INVALID_ARGUMENT  either type is not one of the three (both are named);
+//                     nothing is written
 absl::Status ConvertFloats(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                            size_t count);
 

@@ -32,11 +32,22 @@ ModelConfig FixtureConfig(Architecture arch = Architecture::kLlama);
 // Every checkpoint tensor of `config` with full shapes, in checkpoint order,
 // in config.dtype, values ~ N(0, 0.05) from a counter-based generator keyed by
 // (seed, tensor name). Norms are around 1.
+// Errors:
+//   INVALID_ARGUMENT  config.dtype is not bf16, fp16 or fp32, or sizes the
+//                     layout cannot be built from (ModelLayout::Build's)
+//   UNIMPLEMENTED     config.num_experts > 0 (ModelLayout::Build's)
 absl::StatusOr<std::vector<OwnedTensor>> MakeFixtureWeights(const ModelConfig& config,
                                                             uint64_t seed);
 
 // Writes `dir`/config.json and the weights split over `num_files`
-// safetensors files (model-0000i-of-0000n.safetensors). Creates `dir`.
+// safetensors files (model-0000i-of-0000n.safetensors), plus
+// model.safetensors.index.json. Creates `dir` and its parents. config.json is
+// written last, so a directory holding one is complete.
+// Errors:
+//   INVALID_ARGUMENT  MakeFixtureWeights's; num_files below 1 or above the
+//                     number of tensors; `dir` exists and is not a directory
+//   INTERNAL          a directory or file cannot be created or written
+//                     (WriteSafetensors's I/O errors)
 absl::Status WriteFixtureModel(const std::string& dir, const ModelConfig& config, uint64_t seed,
                                int num_files = 2);
 

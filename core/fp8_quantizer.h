@@ -5,7 +5,7 @@
 // layer's staged kernel tensors. The CUDA kernels in core/cuda/ implement the
 // same math and must produce identical bytes.
 //
-// Math (REFERENCE.md §2), x converted to float32 first:
+// Math, x converted to float32 first:
 //   per-tensor   s = max|x| / 448 over the whole (fused) tensor
 //   per-channel  s_r = max_j |x_rj| / 448 for each output row r
 //   block        s_b = max(max|x| over the 128x128 block, 1e-4) / 448
@@ -28,9 +28,9 @@
 #define REFIT_CORE_FP8_QUANTIZER_H_
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "core/dtype.h"
 #include "core/model_layout.h"
 
@@ -60,8 +60,15 @@ int64_t Fp8NumScales(QuantScheme scheme, int64_t rows, int64_t cols);
 // Quantizes a row-major [rows, cols] matrix of fp32/fp16/bf16 into
 // `out_q` (rows * cols bytes, row-major [rows, cols]) and `out_scales`
 // (Fp8NumScales floats; block scales row-major [ceil(rows/128), ceil(cols/128)]).
-// Errors: INVALID_ARGUMENT for a non-float dtype, QuantScheme::kNone, or
-// non-finite input under kReject; `tensor_name` is named in every message.
+// `tensor_name` is named in every message.
+// Errors:
+//   INVALID_ARGUMENT  src_dtype is not F32, F16 or BF16; scheme is kNone;
+//                     negative or overflowing rows x cols; negative
+//                     num_threads; a null buffer that must be written or read;
+//                     a NaN or Inf under kReject (naming the first one's
+//                     index, row, col and value); on error the outputs hold
+//                     nothing callers may use
+//   INTERNAL          the source changed while it was being read
 absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t cols,
                          const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
                          absl::string_view tensor_name);

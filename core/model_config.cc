@@ -219,8 +219,10 @@ absl::StatusOr<ModelConfig> ModelConfig::FromFile(const std::string& path) {
   if (!in) {
     const int err = errno;
     const std::string why = std::strerror(err);
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": ", why));
-    if (err == EACCES) return absl::PermissionDeniedError(absl::StrCat(path, ": ", why));
+    if (err == ENOENT || err == ENOTDIR) return absl::NotFoundError(absl::StrCat(path, ": ", why));
+    if (err == EACCES || err == EPERM) {
+      return absl::PermissionDeniedError(absl::StrCat(path, ": ", why));
+    }
     return absl::InvalidArgumentError(absl::StrCat(path, ": cannot open: ", why));
   }
   std::ostringstream text;

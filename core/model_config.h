@@ -9,9 +9,9 @@
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/dtype.h"
 
 namespace refit::core {
@@ -29,16 +29,30 @@ struct ModelConfig {
   int64_t head_dim = 0;      // defaults to hidden_size / num_heads
   int64_t vocab_size = 0;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;  // q/k/v bias (always on for Qwen2); Llama also has o_proj bias
+  bool attention_bias = false;     // q/k/v bias (always on for Qwen2); Llama also has o_proj bias
   DType dtype = DType::kBFloat16;  // "torch_dtype"/"dtype": the checkpoint format
   int64_t num_experts = 0;         // reserved for MoE layouts
 
-  // Parses config.json text. `source` names the file in errors.
-  // INVALID_ARGUMENT for malformed JSON, missing or inconsistent fields
-  // (e.g. num_heads not a multiple of num_kv_heads); UNIMPLEMENTED for an
-  // unsupported architecture or MoE.
+  // Parses config.json text. Every message starts with `source`; those about
+  // a field name it ("field 'num_key_value_heads' ...").
+  // Errors:
+  //   INVALID_ARGUMENT  not valid JSON or not an object; "architectures"
+  //                     missing or not a list of names; a required size
+  //                     missing or not a positive integer; a mistyped optional
+  //                     field (head_dim, num_key_value_heads, booleans, a
+  //                     negative expert count); a dtype other than bfloat16,
+  //                     float16, float32; num_key_value_heads not dividing
+  //                     num_attention_heads; no head_dim and hidden_size not a
+  //                     multiple of num_attention_heads
+  //   UNIMPLEMENTED     an architecture other than the four supported, or a
+  //                     mixture-of-experts model (checked first)
   static absl::StatusOr<ModelConfig> FromJson(absl::string_view text, absl::string_view source);
-  // Reads and parses a file. NOT_FOUND if absent.
+  // Reads and parses a file; the path is the `source` of FromJson's errors.
+  // Errors: FromJson's, and
+  //   NOT_FOUND          no such file (or a path component is not a directory)
+  //   PERMISSION_DENIED  the file cannot be read
+  //   INVALID_ARGUMENT   it cannot be opened for another reason
+  //   INTERNAL           reading failed after opening
   static absl::StatusOr<ModelConfig> FromFile(const std::string& path);
   // A config.json that FromJson reads back to an equal config.
   std::string ToJson() const;

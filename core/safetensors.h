@@ -22,11 +22,11 @@
 #include <map>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/dtype.h"
 
@@ -43,10 +43,23 @@ struct TensorEntry {
 
 class SafetensorsFile {
  public:
-  // Maps and validates `path`. NOT_FOUND if it does not exist,
-  // PERMISSION_DENIED if unreadable, INVALID_ARGUMENT if malformed.
+  // Maps and validates `path`. Every message starts with the path; those
+  // about one tensor or field name it.
+  // Errors:
+  //   NOT_FOUND          no such file (or a path component is not a directory)
+  //   PERMISSION_DENIED  the file cannot be read
+  //   INVALID_ARGUMENT   not a regular file, or malformed: shorter than the
+  //                      length prefix, a header length past the end of the
+  //                      file or over 100 MiB, a header that is not a JSON
+  //                      object, nests too deep or names a tensor twice, a bad
+  //                      "__metadata__", an entry with a missing or mistyped
+  //                      dtype/shape/data_offsets, an unknown dtype, a shape
+  //                      that overflows, data_offsets that do not match the
+  //                      shape, lie outside the data section or overlap
+  //   INTERNAL           other I/O errors (stat, mmap)
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
-  // Validates an in-memory image (copied); `label` stands for the path in errors.
+  // Validates an in-memory image (copied); `label` stands for the path in
+  // errors. Errors: Open's INVALID_ARGUMENT cases, for the same images.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> FromBytes(absl::string_view bytes,
                                                                     std::string label);
 
@@ -85,13 +98,24 @@ struct TensorToWrite {
 
 // Writes a safetensors file (header padded to 8 bytes, tensors in the given
 // order). Writes to a temporary file and renames, so readers never see a
-// partial file. INVALID_ARGUMENT if a tensor's data size does not match its
-// shape or names repeat; INTERNAL on I/O errors.
+// partial file; on any error no file is left at `path` or beside it.
+// Errors (every message names the path and, where one is at fault, the
+// tensor):
+//   INVALID_ARGUMENT  a tensor's data size does not match dtype x shape, a
+//                     negative or overflowing shape, a name given twice, the
+//                     reserved name "__metadata__", names or metadata that
+//                     are not UTF-8
+//   INTERNAL          I/O errors: the directory does not exist or is not
+//                     writable, write, fsync or rename failed
 absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorToWrite> tensors,
                               const std::map<std::string, std::string>& metadata = {});
 
-// The *.safetensors files of a checkpoint directory, sorted by name.
-// NOT_FOUND if there are none.
+// The *.safetensors files of a checkpoint directory, sorted by name: regular
+// files, symlinks followed; other entries are skipped.
+// Errors (naming the directory):
+//   NOT_FOUND          no such directory, or it holds no *.safetensors file
+//   PERMISSION_DENIED  the directory cannot be listed
+//   INTERNAL           other I/O errors
 absl::StatusOr<std::vector<std::string>> ListSafetensorsFiles(const std::string& dir);
 
 }  // namespace refit::core

@@ -10,8 +10,14 @@
 
 namespace refit::core {
 
-// INVALID_ARGUMENT for types LibTorch has no equivalent of.
+// Every DType has a LibTorch type today; the error keeps a DType added
+// later from mapping to the wrong one.
+// Errors:
+//   INVALID_ARGUMENT  a DType LibTorch has no equivalent of (named)
 absl::StatusOr<c10::ScalarType> ToScalarType(DType dtype);
+// Errors:
+//   INVALID_ARGUMENT  a LibTorch type refitd has no DType for (e.g. complex,
+//                     quantized or bits types; named)
 absl::StatusOr<DType> FromScalarType(c10::ScalarType type);
 
 }  // namespace refit::core

@@ -225,5 +225,41 @@ TEST(FixtureModelTest, RejectsImpossibleFileCounts) {
   RemoveTree(dir);
 }
 
+TEST(FixtureModelTest, RejectsDtypesATrainerCannotPush) {
+  ModelConfig config = FixtureConfig();
+  config.dtype = DType::kInt8;
+  absl::StatusOr<std::vector<OwnedTensor>> weights = MakeFixtureWeights(config, 1);
+  EXPECT_EQ(weights.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(weights.status().message()),
+              HasSubstr("dtype must be bf16, fp16 or fp32, got I8"));
+  const std::string dir = TempDir("int8");
+  absl::Status written = WriteFixtureModel(dir, config, 1);
+  EXPECT_EQ(written.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(written.message()), HasSubstr("got I8"));
+  EXPECT_FALSE(Exists(dir));
+}
+
+TEST(FixtureModelTest, MixtureOfExpertsIsUnimplemented) {
+  ModelConfig config = FixtureConfig();
+  config.num_experts = 8;
+  absl::StatusOr<std::vector<OwnedTensor>> weights = MakeFixtureWeights(config, 1);
+  EXPECT_EQ(weights.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(weights.status().message()), HasSubstr("mixture-of-experts"));
+}
+
+TEST(FixtureModelTest, DirectoryThatIsAFileIsInvalidAndBelowAFileInternal) {
+  const std::string base = TempDir("file");
+  ASSERT_EQ(::mkdir(base.c_str(), 0755), 0);
+  const std::string file = base + "/plain";
+  std::ofstream(file) << "x";
+  absl::Status is_file = WriteFixtureModel(file, FixtureConfig(), 1);
+  EXPECT_EQ(is_file.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(is_file.message()), HasSubstr(file + ": not a directory"));
+  absl::Status below = WriteFixtureModel(file + "/model", FixtureConfig(), 1);
+  EXPECT_EQ(below.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(std::string(below.message()), HasSubstr(file + "/model: cannot create"));
+  RemoveTree(base);
+}
+
 }  // namespace
 }  // namespace refit::core

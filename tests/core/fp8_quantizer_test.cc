@@ -720,5 +720,17 @@ TEST(Fp8QuantizerTest, NumScalesFollowsTheLayout) {
   EXPECT_EQ(Fp8NumScales(QuantScheme::kNone, 300, 1000), 0);
 }
 
+TEST(Fp8QuantizerTest, RejectsShapesWhoseSizeOverflows) {
+  float data[1] = {1};
+  uint8_t q[1];
+  float scale;
+  const int64_t big = int64_t{1} << 32;
+  const absl::Status status =
+      QuantizeFp8(data, DType::kFloat32, big, big, Fp8QuantizeOptions{}, q, &scale, "w5");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("tensor 'w5': invalid shape [4294967296, 4294967296]"));
+}
+
 }  // namespace
 }  // namespace refit::core

@@ -1,5 +1,6 @@
 #include "core/model_config.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -213,6 +214,73 @@ TEST(ModelConfigTest, FromFileReadsAndReportsMissingFiles) {
   auto missing = ModelConfig::FromFile(path);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(StatusMessage(missing.status()), HasSubstr(path));
+}
+
+TEST(ModelConfigTest, FromFileOfAnUnreadableFileIsPermissionDenied) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root reads files regardless of mode";
+  const std::string path =
+      ::testing::TempDir() + "model_config_test_secret_" + std::to_string(::getpid()) + ".json";
+  {
+    std::ofstream out(path);
+    out << kLlama;
+  }
+  ASSERT_EQ(::chmod(path.c_str(), 0), 0);
+  auto c = ModelConfig::FromFile(path);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(StatusMessage(c.status()), HasSubstr(path));
+  std::remove(path.c_str());
+}
+
+TEST(ModelConfigTest, FromFileThroughAFileIsNotFoundAndAnOverlongNameInvalid) {
+  const std::string file =
+      ::testing::TempDir() + "model_config_test_plain_" + std::to_string(::getpid());
+  {
+    std::ofstream out(file);
+    out << "x";
+  }
+  auto through = ModelConfig::FromFile(file + "/config.json");
+  EXPECT_EQ(through.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(StatusMessage(through.status()), HasSubstr(file + "/config.json"));
+  std::remove(file.c_str());
+
+  const std::string overlong = ::testing::TempDir() + std::string(300, 'x') + ".json";
+  auto c = ModelConfig::FromFile(overlong);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(StatusMessage(c.status()), HasSubstr("cannot open"));
+}
+
+TEST(ModelConfigTest, FromFileReportsParseErrorsWithThePath) {
+  const std::string path =
+      ::testing::TempDir() + "model_config_test_bad_" + std::to_string(::getpid()) + ".json";
+  {
+    std::ofstream out(path);
+    out << R"({"architectures": ["GPT2LMHeadModel"]})";
+  }
+  auto c = ModelConfig::FromFile(path);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(StatusMessage(c.status()), HasSubstr(path + ": field 'architectures'"));
+  std::remove(path.c_str());
+}
+
+TEST(ModelConfigTest, RejectsMistypedOptionalFields) {
+  const std::string head = R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+      "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "vocab_size": 100, )";
+  const std::pair<std::string, const char*> cases[] = {
+      {head + R"("head_dim": -16})", "field 'head_dim' must be a positive integer, got -16"},
+      {head + R"("num_key_value_heads": 2.5})",
+       "field 'num_key_value_heads' must be a positive integer, got 2.5"},
+      {head + R"("num_experts": -1})", "field 'num_experts' must be a non-negative integer"},
+      {head + R"("attention_bias": 1})", "field 'attention_bias' must be true or false, got 1"},
+      {head + R"("dtype": 16})", "field 'dtype' must be a string, got 16"},
+      {R"({"architectures": [], "hidden_size": 64})", "field 'architectures' must be a non-empty"},
+  };
+  for (const auto& [json, message] : cases) {
+    auto c = ModelConfig::FromJson(json, "m/config.json");
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << message;
+    EXPECT_THAT(StatusMessage(c.status()), HasSubstr("m/config.json: "));
+    EXPECT_THAT(StatusMessage(c.status()), HasSubstr(message));
+  }
 }
 
 }  // namespace

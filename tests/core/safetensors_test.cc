@@ -103,8 +103,8 @@ TEST(SafetensorsFileTest, RoundTripsDtypesShapesAndMetadata) {
   uint64_t header_len = 0;
   std::memcpy(&header_len, raw.data(), 8);
   EXPECT_EQ(header_len % 8, 0u);
-  EXPECT_EQ(raw.size(), 8 + header_len + (*file)->tensors().back().offset +
-                            (*file)->tensors().back().nbytes);
+  EXPECT_EQ(raw.size(),
+            8 + header_len + (*file)->tensors().back().offset + (*file)->tensors().back().nbytes);
   EXPECT_EQ((*file)->Find("layers.0.w")->offset, 0u);
   EXPECT_EQ(raw.substr(8 + header_len, f32.nbytes()), StringOf(f32));
 }
@@ -197,6 +197,15 @@ TEST(SafetensorsFileTest, DirectoryIsInvalidArgument) {
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(dir);
   EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(file.status().message(), HasSubstr("not a regular file"));
+}
+
+TEST(SafetensorsFileTest, PathThroughAFileIsNotFound) {
+  const std::string file = MakeTempDir() + "/plain";
+  ASSERT_TRUE(WriteFileBytes(file, "x"));
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> opened =
+      SafetensorsFile::Open(file + "/m.safetensors");
+  EXPECT_EQ(opened.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(opened.status().message(), HasSubstr(file + "/m.safetensors: cannot open"));
 }
 
 TEST(SafetensorsFileTest, EmptyHeaderAndEmptyFileOfTensorsAreValid) {
@@ -302,6 +311,16 @@ TEST(WriteSafetensorsTest, RejectsDuplicateAndReservedNames) {
   EXPECT_FALSE(std::filesystem::exists(path));
 }
 
+TEST(WriteSafetensorsTest, RejectsOverflowingShapes) {
+  const std::string path = MakeTempDir() + "/bad.safetensors";
+  std::vector<TensorToWrite> tensors = {
+      {"huge", DType::kUInt8, {int64_t{1} << 32, int64_t{1} << 32, 16}, {}}};
+  absl::Status status = WriteSafetensors(path, tensors);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("tensor \"huge\": invalid shape [4294967296"));
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
 TEST(WriteSafetensorsTest, RejectsNamesThatAreNotUtf8) {
   // JSON headers hold UTF-8 only; a stray Latin-1 byte must not produce a
   // file that no reader accepts.
@@ -331,9 +350,9 @@ TEST(ListSafetensorsFilesTest, ListsSortedShardsOnly) {
                                   dir + "/linked.safetensors");
   absl::StatusOr<std::vector<std::string>> files = ListSafetensorsFiles(dir);
   ASSERT_TRUE(files.ok()) << files.status();
-  EXPECT_THAT(*files, ElementsAre(dir + "/linked.safetensors",
-                                  dir + "/model-00001-of-00002.safetensors",
-                                  dir + "/model-00002-of-00002.safetensors"));
+  EXPECT_THAT(*files,
+              ElementsAre(dir + "/linked.safetensors", dir + "/model-00001-of-00002.safetensors",
+                          dir + "/model-00002-of-00002.safetensors"));
 }
 
 TEST(ListSafetensorsFilesTest, EmptyOrMissingDirectoryIsNotFound) {
@@ -346,6 +365,24 @@ TEST(ListSafetensorsFilesTest, EmptyOrMissingDirectoryIsNotFound) {
   files = ListSafetensorsFiles(dir + "/missing");
   EXPECT_EQ(files.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(files.status().message(), HasSubstr(dir + "/missing"));
+}
+
+TEST(ListSafetensorsFilesTest, AFileInsteadOfADirectoryIsNotFound) {
+  const std::string file = MakeTempDir() + "/model.safetensors";
+  ASSERT_TRUE(WriteFileBytes(file, SafetensorsImage("{}", "")));
+  absl::StatusOr<std::vector<std::string>> files = ListSafetensorsFiles(file);
+  EXPECT_EQ(files.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(files.status().message(), HasSubstr(file + ": cannot list directory"));
+}
+
+TEST(ListSafetensorsFilesTest, UnreadableDirectoryIsPermissionDenied) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root lists directories regardless of mode";
+  const std::string dir = MakeTempDir() + "/locked";
+  ASSERT_EQ(::mkdir(dir.c_str(), 0), 0);
+  absl::StatusOr<std::vector<std::string>> files = ListSafetensorsFiles(dir);
+  EXPECT_EQ(files.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(files.status().message(), HasSubstr(dir + ": cannot list directory"));
+  ::chmod(dir.c_str(), 0755);
 }
 
 // The Python safetensors package is the reference implementation: it must

@@ -1,8 +1,9 @@
 // Helpers of the end-to-end tests: real refitd / refitctl / helper processes
-// in a temp dir, on a Unix socket (or free TCP ports where TLS or metrics need
-// them). Tests wait on conditions (health, status, output lines), bounded by
-// generous limits that only matter when something hangs; nothing asserts on
-// time. Every child is SIGKILLed in its destructor if still running.
+// in a temp dir, on a Unix socket (or on 127.0.0.1:0, the port the daemon
+// chose read back from its log, where TLS or metrics need TCP). Tests wait on
+// conditions (health, status, output lines), bounded by generous limits that
+// only matter when something hangs; nothing asserts on time. Every child is
+// SIGKILLed in its destructor if still running.
 #ifndef REFIT_TESTS_E2E_E2E_UTIL_H_
 #define REFIT_TESTS_E2E_E2E_UTIL_H_
 
@@ -55,22 +56,6 @@ inline bool WaitFor(const std::function<bool()>& condition,
     absl::SleepFor(absl::Milliseconds(20));
   }
   return true;
-}
-
-// A free TCP port on 127.0.0.1 (bound and released; the kernel does not
-// hand it out again at once).
-inline int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  int port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
 }
 
 // A child process with stdout and stderr in files, and optionally a pipe to

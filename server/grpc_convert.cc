@@ -11,11 +11,6 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
 absl::StatusOr<core::DType> FromProtoDType(v1::DType dtype, absl::string_view tensor_name) {
   switch (dtype) {
     case v1::DTYPE_F32:
@@ -64,7 +59,7 @@ v1::DType ToProtoDType(core::DType dtype) {
 }
 
 absl::StatusOr<ConvertedRefitOptions> FromProtoRefitOptions(const v1::RefitOptions& options,
-                                                           int64_t staging_budget_bytes) {
+                                                            int64_t staging_budget_bytes) {
   ConvertedRefitOptions out;
   switch (options.completion()) {
     case v1::COMPLETION_MODE_COMMIT:
@@ -170,6 +165,30 @@ void ToProtoEvent(const core::StoreEvent& event, v1::WatchEvent* out) {
   out->set_fingerprint(event.fingerprint);
   out->set_message(event.message);
   out->set_unix_seconds(UnixSecondsOf(event.time));
+}
+
+void ToProtoTensorInfo(const core::KernelView& kernel, const core::ModelLayout& layout,
+                       v1::TensorInfo* out) {
+  out->set_name(kernel.spec->name);
+  out->set_dtype(ToProtoDType(kernel.spec->dtype));
+  for (int64_t d : kernel.spec->shape) out->add_shape(d);
+  out->set_nbytes(static_cast<uint64_t>(kernel.nbytes));
+  if (kernel.layer >= 0 && kernel.layer < static_cast<int>(layout.layers().size())) {
+    out->set_layer(layout.layers()[kernel.layer].name);
+  }
+}
+
+void ToProtoTensorInfo(const core::CheckpointTensor& tensor, const core::ModelLayout& layout,
+                       v1::TensorInfo* out) {
+  out->set_name(tensor.name);
+  out->set_dtype(ToProtoDType(tensor.dtype));
+  for (int64_t d : tensor.shape) out->add_shape(d);
+  out->set_nbytes(static_cast<uint64_t>(tensor.nbytes()));
+  const bool ignored = tensor.use == core::CheckpointTensor::Use::kIgnored;
+  if (!ignored && tensor.layer >= 0 && tensor.layer < static_cast<int>(layout.layers().size())) {
+    out->set_layer(layout.layers()[tensor.layer].name);
+  }
+  out->set_optional(tensor.optional || ignored);
 }
 
 }  // namespace refit::server

@@ -1,5 +1,5 @@
 // The one place where refitd translates between core and the wire: proto
-// messages <-> core types, and absl::Status <-> grpc::Status. Everything in
+// messages <-> core types, and absl::Status -> grpc::Status. Everything in
 // server/ that answers an RPC goes through these functions, so a status code
 // chosen in core reaches the client unchanged. Pure functions; thread-safe.
 #ifndef REFIT_SERVER_GRPC_CONVERT_H_
@@ -20,9 +20,9 @@
 
 namespace refit::server {
 
-// Same code, same message.
+// Same code, same message. The daemon never turns a grpc::Status back into
+// an absl::Status; the client library has that mapping of its own.
 grpc::Status ToGrpcStatus(const absl::Status& status);
-absl::Status FromGrpcStatus(const grpc::Status& status);
 
 // INVALID_ARGUMENT naming `tensor_name` for DTYPE_UNSPECIFIED or an unknown value.
 absl::StatusOr<core::DType> FromProtoDType(v1::DType dtype, absl::string_view tensor_name);
@@ -38,12 +38,18 @@ struct ConvertedRefitOptions {
   std::string label;
 };
 absl::StatusOr<ConvertedRefitOptions> FromProtoRefitOptions(const v1::RefitOptions& options,
-                                                           int64_t staging_budget_bytes);
+                                                            int64_t staging_budget_bytes);
 
 v1::RefitState ToProtoState(core::SessionState state);
 void ToProtoResult(const core::RefitResult& result, v1::RefitState state, v1::RefitResult* out);
 void ToProtoProgress(const core::SessionProgress& progress, v1::Progress* out);
 void ToProtoEvent(const core::StoreEvent& event, v1::WatchEvent* out);
+// The one place a TensorInfo is filled: a kernel as the store holds it, or a
+// checkpoint tensor as the layout expects it (ignored names are optional).
+void ToProtoTensorInfo(const core::KernelView& kernel, const core::ModelLayout& layout,
+                       v1::TensorInfo* out);
+void ToProtoTensorInfo(const core::CheckpointTensor& tensor, const core::ModelLayout& layout,
+                       v1::TensorInfo* out);
 double UnixSecondsOf(absl::Time time);
 
 }  // namespace refit::server

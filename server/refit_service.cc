@@ -156,12 +156,6 @@ absl::Status RefitServiceImpl::CheckAcceptingRefits() const {
   return absl::OkStatus();
 }
 
-bool RefitServiceImpl::Ready() const {
-  if (shutting_down_.load()) return false;
-  absl::StatusOr<ModelGroup*> group = FindGroup("");
-  return group.ok() && (*group)->store()->version() > 0;
-}
-
 void RefitServiceImpl::RunWorker(std::function<void()> work) {
   absl::MutexLock lock(&workers_mu_);
   workers_.emplace_back(std::move(work));

@@ -83,9 +83,6 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
   // UNAVAILABLE while shutting down.
   absl::Status CheckAcceptingRefits() const;
   void RunWorker(std::function<void()> work);
-  // "refit.v1.RefitService" is SERVING when some version is live and the
-  // daemon is not shutting down.
-  bool Ready() const;
 
  private:
   ServerOptions options_;

@@ -84,11 +84,6 @@ absl::StatusOr<std::unique_ptr<RefitClient>> RefitClient::Create(ClientOptions o
   return std::unique_ptr<RefitClient>(new RefitClient(std::move(channel), std::move(options)));
 }
 
-std::unique_ptr<RefitClient> RefitClient::FromChannel(std::shared_ptr<grpc::Channel> channel,
-                                                      ClientOptions options) {
-  return std::unique_ptr<RefitClient>(new RefitClient(std::move(channel), std::move(options)));
-}
-
 RefitClient::RefitClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : options_(std::move(options)),
       channel_(std::move(channel)),

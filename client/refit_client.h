@@ -126,9 +126,6 @@ class RefitClient {
   // INVALID_ARGUMENT for an empty address; NOT_FOUND / PERMISSION_DENIED if a
   // TLS file cannot be read. Does not connect yet (channels connect lazily).
   static absl::StatusOr<std::unique_ptr<RefitClient>> Create(ClientOptions options);
-  // For tests: a client over an existing channel (e.g. an in-process one).
-  static std::unique_ptr<RefitClient> FromChannel(std::shared_ptr<grpc::Channel> channel,
-                                                  ClientOptions options);
 
   RefitClient(const RefitClient&) = delete;
   RefitClient& operator=(const RefitClient&) = delete;

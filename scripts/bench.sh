@@ -143,7 +143,7 @@ def fig(name, value, unit, ref_name, ref_value, ratio, target, met, note=""):
 
 figures, series = [], {}
 
-# 1. quantizer (another engineer's Google Benchmark executable).
+# 1. quantizer (quantizer_bench's Google Benchmark JSON, read as it is).
 q = load("quantizer.json")
 if q:
     runs = {b["name"]: b for b in q.get("benchmarks", []) if b.get("run_type") == "iteration"}

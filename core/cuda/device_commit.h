@@ -3,10 +3,10 @@
 // version complete.
 //
 // Pipeline position: the last step of a refit on a GPU store. ShardStore's
-// commit (the lead's code) holds its writer lock, calls EnqueueDeviceCopies
-// with (live data_ptr, staged data_ptr, bytes) for every kernel, and records
-// a DeviceEvent; readers in the daemon (and, later, engines) wait on that
-// event before they read version N+1. The live pointers never change, so
+// commit holds its writer lock, calls EnqueueDeviceCopies with (live
+// data_ptr, staged data_ptr, bytes) for every kernel, and records a
+// DeviceEvent; readers in the daemon wait on that event before they read
+// version N+1 (so must an engine that reads the live tensors). The live pointers never change, so
 // CUDA graphs and IPC mappings stay valid.
 //
 // Torch-free, no CUDA types (streams and events as void*).

@@ -4,6 +4,8 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -20,9 +22,15 @@ using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot read ", what, " file ", path));
+    const int err = errno;
+    std::string message = absl::StrCat("cannot read ", what, " file ", path);
+    if (err != 0) absl::StrAppend(&message, ": ", std::strerror(err));
+    // An unreadable file is a fix-the-permissions problem, not a wrong path.
+    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
+    return absl::NotFoundError(message);
   }
   std::stringstream buffer;
   buffer << in.rdbuf();

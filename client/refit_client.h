@@ -123,8 +123,13 @@ absl::Status FromGrpcStatus(const class grpc::Status& status);
 
 class RefitClient {
  public:
-  // INVALID_ARGUMENT for an empty address; NOT_FOUND / PERMISSION_DENIED if a
-  // TLS file cannot be read. Does not connect yet (channels connect lazily).
+  // Does not connect yet (channels connect lazily), so an unreachable daemon
+  // shows up as UNAVAILABLE on the first call, not here.
+  // Errors:
+  //   INVALID_ARGUMENT   empty address; a client certificate without its key
+  //                      or a key without its certificate
+  //   NOT_FOUND          a TLS file (CA, certificate, key) does not exist
+  //   PERMISSION_DENIED  a TLS file exists but cannot be read
   static absl::StatusOr<std::unique_ptr<RefitClient>> Create(ClientOptions options);
 
   RefitClient(const RefitClient&) = delete;
@@ -134,50 +139,123 @@ class RefitClient {
 
   // One refit transaction: Begin, the tensors in buckets, End. Returns the
   // daemon's result (COMMITTED, or PREPARED with COMPLETION_MODE_PREPARE).
-  // INVALID_ARGUMENT locally for an empty tensor list, a zero bucket or
-  // chunk size, or a tensor whose data size does not match dtype x shape;
-  // otherwise the daemon's status (e.g. ABORTED naming the active refit,
-  // FAILED_PRECONDITION for a stale base_version, NOT_FOUND for an unknown
-  // tensor). Never retried (see the file comment).
+  // Never retried (see the file comment).
+  // Errors found locally, before anything is sent (the message names the
+  // tensor):
+  //   INVALID_ARGUMENT    no tensors; a zero bucket or chunk size; a tensor
+  //                       with an unspecified dtype, a negative dimension, or
+  //                       data whose size is not dtype size x shape
+  // Errors of the daemon, passed on with its code and message:
+  //   ABORTED             another refit is active on the group (its id is
+  //                       named); the live version is not base_version (re-read
+  //                       it and retry); the refit was aborted by an Abort RPC
+  //                       or a shutdown
+  //   NOT_FOUND           unknown model group or tensor name
+  //   INVALID_ARGUMENT    a dtype, shape or alignment the model does not have,
+  //                       overlapping chunks, an X_UNSPECIFIED option,
+  //                       non-finite weights under NON_FINITE_POLICY_REJECT
+  //   ALREADY_EXISTS      a byte range sent twice
+  //   OUT_OF_RANGE        a chunk past the end of its tensor
+  //   DATA_LOSS           a chunk's checksum does not match; a tensor sent
+  //                       only in part
+  //   FAILED_PRECONDITION a layer missing whole tensors (unless
+  //                       allow_partial_layers)
+  //   RESOURCE_EXHAUSTED  the daemon's staging budget or message size limit
+  //   DEADLINE_EXCEEDED   options().timeout passed, or the stream was idle
+  //                       longer than the daemon's push idle timeout
+  //   UNAVAILABLE         the daemon is unreachable or shutting down (a lost
+  //                       answer: the refit may still have committed)
+  //   UNAUTHENTICATED     missing or unknown token
+  //   PERMISSION_DENIED   the token's role may not push
   absl::StatusOr<refit::v1::RefitResult> Push(absl::Span<const TensorRef> tensors,
                                               const PushOptions& options);
   // Push of every tensor of the given safetensors files (memory-mapped; the
-  // bytes are not loaded twice). Errors of SafetensorsView::Open, then Push's.
+  // bytes are not loaded twice).
+  // Errors: those of SafetensorsView::Open for each file (NOT_FOUND,
+  // PERMISSION_DENIED, INVALID_ARGUMENT naming the file), then Push's
+  // (INVALID_ARGUMENT "no tensors" when the files hold none).
   absl::StatusOr<refit::v1::RefitResult> PushFiles(const std::vector<std::string>& files,
                                                    const PushOptions& options);
 
   // Server-streamed reload from a path the daemon reads itself. Progress
-  // messages go to `on_progress`; the final result is returned.
+  // messages go to `on_progress`; the final result is returned. Never retried.
+  // Errors:
+  //   DATA_LOSS           the stream ended OK but without a result
+  //   and the daemon's: PERMISSION_DENIED (the path resolves outside
+  //   --reload-root, the daemon has no reload root, or the role is not
+  //   operator), NOT_FOUND (no such path under the root, unknown model
+  //   group), INVALID_ARGUMENT (empty path, malformed files), and every
+  //   Push error of the tensors the daemon reads (ABORTED for an active
+  //   refit or a stale base_version, ...), UNAVAILABLE, UNAUTHENTICATED.
   absl::StatusOr<refit::v1::RefitResult> Reload(
       const refit::v1::ReloadRequest& request,
       const std::function<void(const refit::v1::Progress&)>& on_progress = nullptr);
+  // Commits a refit pushed with COMPLETION_MODE_PREPARE. Never retried.
+  // Errors (the daemon's):
+  //   NOT_FOUND           unknown model group or refit id
+  //   FAILED_PRECONDITION the refit is still receiving (not PREPARED yet)
+  //   INVALID_ARGUMENT    empty refit id
+  //   PERMISSION_DENIED   a trainer committing another trainer's refit
+  //   UNAVAILABLE         unreachable, or shutting down
+  //   UNAUTHENTICATED     missing or unknown token
   absl::StatusOr<refit::v1::RefitResult> Commit(const std::string& model_group,
                                                 const std::string& refit_id);
+  // Aborts a prepared or running refit; "" = whatever is active (operator
+  // only). Never retried.
+  // Errors (the daemon's):
+  //   NOT_FOUND           unknown model group or refit id; no active refit
+  //                       for ""
+  //   PERMISSION_DENIED   a trainer aborting another trainer's refit, or ""
+  //                       without the operator role
+  //   UNAVAILABLE         unreachable
+  //   UNAUTHENTICATED     missing or unknown token
   absl::StatusOr<refit::v1::AbortResponse> Abort(const std::string& model_group,
                                                  const std::string& refit_id,
                                                  const std::string& reason);
 
   // Read-only; retried on UNAVAILABLE.
+  // Errors (the daemon's):
+  //   NOT_FOUND           unknown model group
+  //   UNAVAILABLE         still unreachable after retry.max_attempts
+  //   DEADLINE_EXCEEDED   options().timeout passed
+  //   UNAUTHENTICATED / PERMISSION_DENIED  missing token / role may not read
   absl::StatusOr<refit::v1::GetStatusResponse> GetStatus(const std::string& model_group = "");
+  // Read-only; retried on UNAVAILABLE.
+  // Errors: as GetStatus, and INVALID_ARGUMENT for LAYOUT_UNSPECIFIED.
   absl::StatusOr<refit::v1::ListTensorsResponse> ListTensors(
       const std::string& model_group, refit::v1::ListTensorsRequest::Layout layout);
-  // The whole tensor; DATA_LOSS if the stream's pieces do not add up to
-  // info.nbytes or mix versions.
+  // The whole tensor, all of one version. Read-only; retried on UNAVAILABLE.
+  // Errors:
+  //   DATA_LOSS           the stream is empty, mixes versions, has a gap, or
+  //                       its pieces do not add up to info.nbytes (the message
+  //                       names the tensor and expected vs got)
+  //   NOT_FOUND           unknown kernel tensor or model group (the daemon's)
+  //   and GetStatus's UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED,
+  //   PERMISSION_DENIED.
   absl::StatusOr<ReadTensorResult> ReadTensor(const std::string& model_group,
                                               const std::string& name,
                                               uint32_t max_chunk_bytes = 0);
 
   // Calls `on_event` for every event (the first is a snapshot) until it
   // returns false or the stream ends. Returns OK when the callback stopped
-  // it, otherwise the stream's status.
+  // it, otherwise the stream's status. Not retried; options().timeout does
+  // not apply.
+  // Errors: NOT_FOUND (unknown model group), UNAVAILABLE (unreachable, or the
+  // daemon shut down while watching), UNAUTHENTICATED / PERMISSION_DENIED.
   absl::Status Watch(const std::string& model_group,
                      const std::function<bool(const refit::v1::WatchEvent&)>& on_event);
 
   // grpc.health.v1 Check ("" = liveness, kReadinessService = readiness).
-  // Retried on UNAVAILABLE. NOT_FOUND if the service is unknown.
+  // Sends no token. Retried on UNAVAILABLE.
+  // Errors:
+  //   NOT_FOUND           the daemon does not know the service
+  //   UNAVAILABLE         still unreachable after retry.max_attempts
+  //   DEADLINE_EXCEEDED   options().timeout passed
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> HealthCheck(
       const std::string& service);
-  // grpc.health.v1 Watch; same contract as Watch.
+  // grpc.health.v1 Watch; same contract as Watch. An unknown service is not
+  // an error: it is reported as SERVICE_UNKNOWN until the daemon learns it.
+  // Errors: UNAVAILABLE (unreachable, or the daemon shut down).
   absl::Status HealthWatch(
       const std::string& service,
       const std::function<bool(grpc::health::v1::HealthCheckResponse::ServingStatus)>& on_status);

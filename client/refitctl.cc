@@ -41,7 +41,7 @@ Commands:
                              (ready); exits 0 only when both are SERVING
   push FILES|DIR...          push *.safetensors as one refit (progress bar on a TTY)
       --prepare              stop at PREPARED; flip later with `commit`
-      --base-version N       refuse unless the live version is N
+      --base-version N       refuse unless the live version is N (exit 5 if not)
       --label TEXT           label shown in the daemon's logs and events
       --bucket-mib N         tensor bytes per message (default 32)
       --chunk-mib N          largest single chunk (default 32)
@@ -76,10 +76,11 @@ Global flags:
 Exit codes:
   0  ok
   1  usage error
-  2  other error (invalid argument, internal, ...)
+  2  other error (invalid argument, failed precondition, internal, ...)
   3  not found (tensor, refit, file)
   4  permission denied or unauthenticated
-  5  conflict: aborted, failed precondition (e.g. stale --base-version), already exists
+  5  conflict (ABORTED): another refit is active, the live version is not
+     --base-version, or the refit was aborted; re-read `status`, then retry
   6  verify found mismatches
   7  unavailable: daemon unreachable, deadline exceeded, or not serving
 )";
@@ -755,9 +756,10 @@ int ExitCodeFor(const absl::Status& status) {
     case absl::StatusCode::kPermissionDenied:
     case absl::StatusCode::kUnauthenticated:
       return kExitPermission;
+    // Only ABORTED means "retry the read-modify-write": FAILED_PRECONDITION
+    // (commit of a refit still receiving, a layer missing tensors) and
+    // ALREADY_EXISTS (a byte range sent twice) need a fix before a retry.
     case absl::StatusCode::kAborted:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kAlreadyExists:
       return kExitConflict;
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kDeadlineExceeded:

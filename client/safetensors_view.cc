@@ -9,6 +9,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
+#include <set>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -31,9 +34,62 @@ constexpr DTypeEntry kDTypes[] = {
     {"U8", refit::v1::DTYPE_U8, 1},
 };
 
+// Nesting allowed in a header; a valid one needs 3 ({"name": {"shape": [).
+constexpr int kMaxHeaderDepth = 16;
+
+// Streaming pre-pass over the header, for what the DOM parse cannot check:
+// it keeps one value per key, so a repeated tensor name would silently drop a
+// tensor from the push, and it recurses on nesting, so a header of many '['
+// could exhaust the stack.
+class HeaderChecker {
+ public:
+  using Json = nlohmann::json;
+  const std::string& error() const { return error_; }
+
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(Json::number_integer_t) { return true; }
+  bool number_unsigned(Json::number_unsigned_t) { return true; }
+  bool number_float(Json::number_float_t, const Json::string_t&) { return true; }
+  bool string(Json::string_t&) { return true; }
+  bool binary(Json::binary_t&) { return true; }
+  bool start_object(std::size_t) { return Enter(); }
+  bool start_array(std::size_t) { return Enter(); }
+  bool end_object() { return Leave(); }
+  bool end_array() { return Leave(); }
+  bool key(Json::string_t& key) {
+    if (depth_ == 1 && !names_.insert(key).second) {
+      error_ = absl::StrCat("header names tensor '", key, "' twice");
+      return false;
+    }
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    error_ = absl::StrCat("header is not valid JSON: ", e.what());
+    return false;
+  }
+
+ private:
+  bool Enter() {
+    if (++depth_ > kMaxHeaderDepth) {
+      error_ = absl::StrCat("header nests deeper than ", kMaxHeaderDepth, " levels");
+      return false;
+    }
+    return true;
+  }
+  bool Leave() {
+    --depth_;
+    return true;
+  }
+
+  int depth_ = 0;
+  std::set<std::string> names_;
+  std::string error_;
+};
+
 absl::Status OpenError(const std::string& path, int err) {
   std::string message = absl::StrCat("cannot open ", path, ": ", std::strerror(err));
-  if (err == ENOENT) return absl::NotFoundError(message);
+  if (err == ENOENT || err == ENOTDIR) return absl::NotFoundError(message);
   if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
   return absl::InternalError(message);
 }
@@ -70,6 +126,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
     ::close(fd);
     return OpenError(path, err);
   }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
   const size_t size = static_cast<size_t>(st.st_size);
   std::unique_ptr<SafetensorsView> view(new SafetensorsView());
   view->path_ = path;
@@ -94,13 +154,27 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
   }
   const uint8_t* data_begin = base + 8 + header_len;
   const uint64_t data_size = size - 8 - header_len;
+  HeaderChecker checker;
+  if (!nlohmann::json::sax_parse(base + 8, data_begin, &checker)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", checker.error()));
+  }
   nlohmann::json header = nlohmann::json::parse(base + 8, data_begin, nullptr,
                                                 /*allow_exceptions=*/false);
   if (!header.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": header is not a JSON object"));
   }
   for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
+    if (it.key() == "__metadata__") {
+      // Not pushed, but a file the daemon's reader would refuse should not
+      // pass here either.
+      bool strings = it.value().is_object();
+      for (const auto& item : it.value().items()) strings = strings && item.value().is_string();
+      if (!strings) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": __metadata__ must map strings to strings"));
+      }
+      continue;
+    }
     const std::string& name = it.key();
     const nlohmann::json& entry = it.value();
     auto bad = [&](absl::string_view what) {
@@ -121,8 +195,19 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
     uint64_t numel = 1;
     for (const nlohmann::json& d : entry["shape"]) {
       if (!d.is_number_unsigned()) return bad("shape must hold non-negative integers");
-      t.shape.push_back(d.get<int64_t>());
-      numel *= d.get<uint64_t>();
+      // An overflowing product could wrap around to the size of the bytes
+      // given and pass the check below with a shape the data does not fill.
+      const uint64_t dim = d.get<uint64_t>();
+      if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
+          __builtin_mul_overflow(numel, dim, &numel)) {
+        return bad(absl::StrCat("shape ", entry["shape"].dump(), " overflows 64 bits"));
+      }
+      t.shape.push_back(static_cast<int64_t>(dim));
+    }
+    uint64_t nbytes = 0;
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(DTypeBytes(t.dtype)), &nbytes)) {
+      return bad(absl::StrCat("shape ", entry["shape"].dump(), " of ", t.dtype_name,
+                              " overflows 64 bits"));
     }
     const nlohmann::json& offsets = entry["data_offsets"];
     if (!offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned()) {
@@ -134,17 +219,30 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
       return bad(absl::StrCat("data_offsets [", begin, ", ", end, ") outside the data section of ",
                               data_size, " bytes"));
     }
-    if (end - begin != numel * DTypeBytes(t.dtype)) {
-      return bad(absl::StrCat("data_offsets span ", end - begin, " bytes, shape and dtype need ",
-                              numel * DTypeBytes(t.dtype)));
+    if (end - begin != nbytes) {
+      return bad(
+          absl::StrCat("data_offsets span ", end - begin, " bytes, shape and dtype need ", nbytes));
     }
     t.data = absl::MakeConstSpan(data_begin + begin, end - begin);
     view->tensors_.push_back(std::move(t));
   }
+  // By (begin, size): an empty tensor sorts before a non-empty one at the
+  // same offset, so only bytes two tensors really share count as overlap.
   std::sort(view->tensors_.begin(), view->tensors_.end(),
             [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
-              return a.data.data() < b.data.data();
+              if (a.data.data() != b.data.data()) return a.data.data() < b.data.data();
+              return a.data.size() < b.data.size();
             });
+  // Overlapping tensors would push the same bytes under two names; no
+  // writer produces them, and the daemon's own reader rejects them.
+  for (size_t i = 1; i < view->tensors_.size(); ++i) {
+    const SafetensorsTensor& prev = view->tensors_[i - 1];
+    const SafetensorsTensor& cur = view->tensors_[i];
+    if (cur.data.data() < prev.data.data() + prev.data.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensors '", prev.name, "' and '",
+                                                     cur.name, "' overlap in data_offsets"));
+    }
+  }
   return view;
 }
 
@@ -175,9 +273,13 @@ absl::StatusOr<std::vector<std::string>> ExpandSafetensorsPaths(
     std::vector<std::string> in_dir;
     while (struct dirent* entry = ::readdir(dir)) {
       std::string name = entry->d_name;
-      if (absl::EndsWith(name, ".safetensors")) {
-        in_dir.push_back(absl::StrCat(path, absl::EndsWith(path, "/") ? "" : "/", name));
-      }
+      if (!absl::EndsWith(name, ".safetensors")) continue;
+      std::string file = absl::StrCat(path, absl::EndsWith(path, "/") ? "" : "/", name);
+      // As the daemon lists a checkpoint: regular files, symlinks followed
+      // (Hugging Face caches link every shard).
+      struct stat file_st;
+      if (::stat(file.c_str(), &file_st) != 0 || !S_ISREG(file_st.st_mode)) continue;
+      in_dir.push_back(std::move(file));
     }
     ::closedir(dir);
     if (in_dir.empty()) {

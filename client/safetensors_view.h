@@ -4,9 +4,10 @@
 // Why not core's SafetensorsFile: the client library must stay free of
 // refit_core (which links LibTorch), so that trainers can push with nothing
 // but gRPC. The daemon validates every chunk it receives anyway; this view
-// checks only what it needs to slice bytes safely: the header parses, dtypes
-// are known, and every tensor's byte range matches its shape and lies inside
-// the file.
+// checks what it needs to slice bytes safely and to push every tensor once:
+// the header parses (no repeated names, bounded nesting), dtypes are known,
+// and every tensor's byte range matches its shape, lies inside the file and
+// shares no bytes with another tensor's.
 //
 // Lifecycle: Open maps the file; tensor data points into the mapping and is
 // valid while the view lives. Immutable after Open; thread-safe to read.
@@ -43,9 +44,19 @@ size_t DTypeBytes(refit::v1::DType dtype);
 
 class SafetensorsView {
  public:
-  // NOT_FOUND / PERMISSION_DENIED if the file cannot be opened;
-  // INVALID_ARGUMENT (naming the file and tensor) if it is malformed or holds
-  // a dtype refit.v1 cannot carry.
+  // Errors (every message names the file; those about one tensor name it):
+  //   NOT_FOUND          no such file
+  //   PERMISSION_DENIED  the file cannot be read
+  //   INVALID_ARGUMENT   not a regular file; shorter than the 8-byte length
+  //                      prefix; a header length past the end of the file; a
+  //                      header that is not a JSON object, names a tensor
+  //                      twice, nests too deep or has a "__metadata__" that
+  //                      is not an object of strings; an entry without dtype,
+  //                      shape or data_offsets; a dtype refit.v1 cannot carry;
+  //                      a shape that overflows; data_offsets outside the data
+  //                      section, not matching the shape, or overlapping
+  //                      another tensor's
+  //   INTERNAL           the file cannot be mapped
   static absl::StatusOr<std::unique_ptr<SafetensorsView>> Open(const std::string& path);
   ~SafetensorsView();
   SafetensorsView(const SafetensorsView&) = delete;
@@ -64,8 +75,12 @@ class SafetensorsView {
   std::vector<SafetensorsTensor> tensors_;
 };
 
-// The *.safetensors files of a directory (sorted), or `path` itself if it is
-// a file. NOT_FOUND if there are none.
+// The *.safetensors files of each directory in `paths` (sorted), and each
+// path that is not a directory as it is, in the order given.
+// Errors:
+//   NOT_FOUND          `paths` is empty, a path does not exist, or a
+//                      directory holds no *.safetensors file
+//   PERMISSION_DENIED  a path or directory cannot be read
 absl::StatusOr<std::vector<std::string>> ExpandSafetensorsPaths(
     const std::vector<std::string>& paths);
 

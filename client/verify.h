@@ -9,7 +9,7 @@
 // layer's checkpoint-format buffer (converted to the checkpoint dtype), and
 // complete layers are turned into kernels with core's QuantizeFp8 (quantized
 // linear weights), a plain copy (norms, embeddings, biases) or the attention
-// scale rules of REFERENCE.md §4. Every expected kernel is compared with the
+// scale rule (core::ResolveAttentionScales). Every expected kernel is compared with the
 // daemon's bytes (ReadTensor). The fingerprint the daemon should report is
 // computed over the expected bytes (the daemon's own bytes for kernels of
 // layers the files do not cover) and compared with GetStatus's.
@@ -60,11 +60,26 @@ struct VerifyReport {
   bool ok() const { return mismatched == 0 && problems.empty() && fingerprint_match(); }
 };
 
-// Errors: those of reading the files and config (NOT_FOUND,
-// INVALID_ARGUMENT; FAILED_PRECONDITION when there is no config.json and the
-// daemon's layout cannot stand in for it), of building the layout (INVALID_ARGUMENT), of
-// quantizing (INVALID_ARGUMENT for non-finite weights), and the daemon's RPC
-// errors. A mismatch is not an error: it is in the report.
+// A mismatch is not an error: it is in the report, as are checkpoint tensors
+// the model does not have. Not retried beyond the client's read-only retries.
+// Errors:
+//   INVALID_ARGUMENT    no files; a malformed config.json or safetensors
+//                       file; a layout the tensor-parallel rank/size or the
+//                       quantization scheme cannot build; a tensor whose
+//                       dtype cannot be converted to the checkpoint's;
+//                       non-finite weights (named with the element)
+//   NOT_FOUND           a file, or the config_path given, does not exist; a
+//                       kernel the layout expects that the daemon does not
+//                       serve (the daemon's ReadTensor)
+//   PERMISSION_DENIED   a file or config.json cannot be read
+//   UNIMPLEMENTED       config.json names an unsupported architecture or a
+//                       mixture-of-experts model
+//   FAILED_PRECONDITION there is no config.json beside the files and the
+//                       daemon's layout cannot stand in for one (it is
+//                       tensor-parallel, or not a dense decoder): pass one
+//   and the daemon's errors of GetStatus, ListTensors and ReadTensor
+//   (UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED,
+//   DATA_LOSS for an inconsistent ReadTensor stream).
 absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& options);
 
 }  // namespace refit::client

@@ -12,7 +12,9 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <deque>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,12 +49,14 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
 
   grpc::Status Reload(grpc::ServerContext* context, const refit::v1::ReloadRequest* request,
                       grpc::ServerWriter<refit::v1::ReloadProgress>* writer) override {
+    if (std::optional<grpc::Status> failure = Failure("Reload")) return *failure;
     refit::v1::ReloadProgress progress;
     for (uint32_t i = 1; i <= 3; ++i) {
       progress.mutable_progress()->set_layers_done(i);
       progress.mutable_progress()->set_layers_total(3);
       writer->Write(progress);
     }
+    if (reload_without_result()) return grpc::Status::OK;
     refit::v1::ReloadProgress last;
     *last.mutable_result() = push_result_;
     last.mutable_result()->set_refit_id(absl::StrCat("reload-of-", request->path()));
@@ -62,6 +66,12 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
 
   grpc::Status Commit(grpc::ServerContext* context, const refit::v1::CommitRequest* request,
                       refit::v1::CommitResponse* response) override {
+    if (std::optional<grpc::Status> failure = Failure("Commit")) return *failure;
+    if (hang_commit()) {
+      // The sync API has no cancellation callback to wait on.
+      while (!context->IsCancelled()) absl::SleepFor(absl::Milliseconds(1));
+      return grpc::Status(grpc::StatusCode::CANCELLED, "Commit: the client went away");
+    }
     *response->mutable_result() = push_result_;
     response->mutable_result()->set_refit_id(request->refit_id());
     response->mutable_result()->set_state(refit::v1::REFIT_STATE_COMMITTED);
@@ -70,6 +80,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
 
   grpc::Status Abort(grpc::ServerContext* context, const refit::v1::AbortRequest* request,
                      refit::v1::AbortResponse* response) override {
+    if (std::optional<grpc::Status> failure = Failure("Abort")) return *failure;
     if (request->refit_id() == "unknown") {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "no refit 'unknown'");
     }
@@ -98,6 +109,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
   grpc::Status ListTensors(grpc::ServerContext* context,
                            const refit::v1::ListTensorsRequest* request,
                            refit::v1::ListTensorsResponse* response) override {
+    if (std::optional<grpc::Status> failure = Failure("ListTensors")) return *failure;
     response->set_version(7);
     refit::v1::TensorInfo* info = response->add_tensors();
     info->set_name(request->layout() == refit::v1::ListTensorsRequest::LAYOUT_KERNEL
@@ -112,15 +124,18 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     if (request->name() != tensor_name_) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "no tensor " + request->name());
     }
+    if (read_fault_ == ReadFault::kEmptyStream) return grpc::Status::OK;
     const size_t piece = 5;
     for (size_t off = 0; off < tensor_bytes_.size(); off += piece) {
+      if (read_fault_ == ReadFault::kGap && off == piece) continue;
       refit::v1::ReadTensorResponse r;
       if (off == 0) {
         r.mutable_info()->set_name(tensor_name_);
-        r.mutable_info()->set_nbytes(tensor_bytes_.size());
+        r.mutable_info()->set_nbytes(tensor_bytes_.size() +
+                                     (read_fault_ == ReadFault::kShort ? 1 : 0));
         r.mutable_info()->set_dtype(refit::v1::DTYPE_U8);
       }
-      r.set_version(off > 0 && mix_versions_ ? 8 : 7);
+      r.set_version(off > 0 && read_fault_ == ReadFault::kMixVersions ? 8 : 7);
       r.set_byte_offset(off);
       r.set_data(tensor_bytes_.substr(off, piece));
       writer->Write(r);
@@ -130,6 +145,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
 
   grpc::Status Watch(grpc::ServerContext* context, const refit::v1::WatchRequest* request,
                      grpc::ServerWriter<refit::v1::WatchEvent>* writer) override {
+    if (std::optional<grpc::Status> failure = Failure("Watch")) return *failure;
     refit::v1::WatchEvent event;
     event.set_type(refit::v1::WatchEvent::TYPE_SNAPSHOT);
     event.set_version(7);
@@ -144,7 +160,31 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     return grpc::Status::OK;
   }
 
+  // How ReadTensor breaks its stream: versions 7 then 8, a missing second
+  // piece, one byte fewer than info.nbytes, or no message at all.
+  enum class ReadFault { kNone, kMixVersions, kGap, kShort, kEmptyStream };
+
   // Scripting.
+  // Makes every call of `rpc` ("Reload", "Commit", "Abort", "ListTensors",
+  // "Watch") fail with `status`.
+  void Fail(const std::string& rpc, grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    failures_[rpc] = std::move(status);
+  }
+  // Commit answers only when the client gives up (deadline, cancel).
+  void HangCommit() {
+    absl::MutexLock lock(&mu_);
+    hang_commit_ = true;
+  }
+  // Reload streams its progress and ends OK without a result.
+  void SetReloadWithoutResult() {
+    absl::MutexLock lock(&mu_);
+    reload_without_result_ = true;
+  }
+  void SetReadFault(ReadFault fault) {
+    absl::MutexLock lock(&mu_);
+    read_fault_ = fault;
+  }
   void SetPushStatus(grpc::Status status) {
     absl::MutexLock lock(&mu_);
     push_status_ = std::move(status);
@@ -158,7 +198,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     absl::MutexLock lock(&mu_);
     tensor_name_ = std::move(name);
     tensor_bytes_ = std::move(bytes);
-    mix_versions_ = mix_versions;
+    read_fault_ = mix_versions ? ReadFault::kMixVersions : ReadFault::kNone;
   }
 
   // Observations.
@@ -176,6 +216,21 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
   }
 
  private:
+  std::optional<grpc::Status> Failure(const std::string& rpc) const {
+    absl::MutexLock lock(&mu_);
+    auto it = failures_.find(rpc);
+    if (it == failures_.end()) return std::nullopt;
+    return it->second;
+  }
+  bool hang_commit() const {
+    absl::MutexLock lock(&mu_);
+    return hang_commit_;
+  }
+  bool reload_without_result() const {
+    absl::MutexLock lock(&mu_);
+    return reload_without_result_;
+  }
+
   static std::string Authorization(grpc::ServerContext* context) {
     auto it = context->client_metadata().find("authorization");
     if (it == context->client_metadata().end()) return "";
@@ -191,7 +246,10 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
   std::string last_authorization_ ABSL_GUARDED_BY(mu_);
   std::string tensor_name_ ABSL_GUARDED_BY(mu_);
   std::string tensor_bytes_ ABSL_GUARDED_BY(mu_);
-  bool mix_versions_ ABSL_GUARDED_BY(mu_) = false;
+  ReadFault read_fault_ ABSL_GUARDED_BY(mu_) = ReadFault::kNone;
+  std::map<std::string, grpc::Status> failures_ ABSL_GUARDED_BY(mu_);
+  bool reload_without_result_ ABSL_GUARDED_BY(mu_) = false;
+  bool hang_commit_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // The fake on 127.0.0.1:<port 0>, with the standard health service.

@@ -2,6 +2,7 @@
 
 #include <ftw.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -333,6 +334,262 @@ TEST(RefitClientTest, HealthCheckAndWatch) {
                                                                    HealthCheckResponse::SERVING}));
 }
 
+TEST(RefitClientTest, CreateRejectsAnEmptyAddressAndHalfAClientCertificate) {
+  ClientOptions options;
+  options.address = "";
+  absl::StatusOr<std::unique_ptr<RefitClient>> client = RefitClient::Create(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(client.status().message(), HasSubstr("empty daemon address"));
+
+  char pattern[] = "/tmp/refit_client_tls_XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string cert = std::string(pattern) + "/client.pem";
+  std::ofstream(cert) << "not a real certificate";
+  options.address = "127.0.0.1:1";
+  options.tls_cert_file = cert;
+  client = RefitClient::Create(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(client.status().message(), HasSubstr("needs both --tls-cert and --tls-key"));
+  ::unlink(cert.c_str());
+  ::rmdir(pattern);
+}
+
+TEST(RefitClientTest, CreateWithAMissingTlsFileIsNotFound) {
+  ClientOptions options;
+  options.tls_ca_file = "/nonexistent/ca.pem";
+  absl::StatusOr<std::unique_ptr<RefitClient>> client = RefitClient::Create(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(client.status().message(), HasSubstr("TLS CA file /nonexistent/ca.pem"));
+}
+
+TEST(RefitClientTest, CreateWithAnUnreadableTlsFileIsPermissionDenied) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root reads files regardless of mode";
+  char pattern[] = "/tmp/refit_client_tls_XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string key = std::string(pattern) + "/key.pem";
+  std::ofstream(key) << "secret";
+  ASSERT_EQ(::chmod(key.c_str(), 0), 0);
+  ClientOptions options;
+  options.tls_ca_file = key;
+  absl::StatusOr<std::unique_ptr<RefitClient>> client = RefitClient::Create(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(client.status().message(), HasSubstr(key));
+  ::unlink(key.c_str());
+  ::rmdir(pattern);
+}
+
+TEST(RefitClientTest, PushRejectsBadTensorsAndSizesLocally) {
+  FakeServer server;
+  auto client = Connect(server);
+  std::vector<uint8_t> a = Bytes(8, 1);
+  struct Case {
+    TensorRef tensor;
+    size_t bucket_bytes;
+    const char* message;
+  };
+  const Case cases[] = {
+      {{"w", refit::v1::DTYPE_U8, {8}, a}, 0, "bucket and chunk sizes must be positive"},
+      {{"w.unspecified", refit::v1::DTYPE_UNSPECIFIED, {8}, a},
+       1024,
+       "tensor 'w.unspecified' has an unspecified dtype"},
+      {{"w.negative", refit::v1::DTYPE_U8, {-8}, a},
+       1024,
+       "tensor 'w.negative' has a negative dimension"},
+  };
+  for (const Case& c : cases) {
+    PushOptions options;
+    options.bucket_bytes = c.bucket_bytes;
+    absl::StatusOr<refit::v1::RefitResult> r = client->Push({c.tensor}, options);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(r.status().message(), HasSubstr(c.message));
+  }
+  absl::StatusOr<refit::v1::RefitResult> empty = client->Push({}, PushOptions());
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(empty.status().message(), HasSubstr("no tensors"));
+  EXPECT_TRUE(server.service().pushes().empty());
+}
+
+TEST(RefitClientTest, PushPassesEveryDaemonCodeAndMessageOn) {
+  // What refitd answers a Push with (see the errors on Push's declaration).
+  const std::pair<grpc::StatusCode, const char*> refusals[] = {
+      {grpc::StatusCode::ABORTED, "base version 5 is not the live version 7"},
+      {grpc::StatusCode::NOT_FOUND, "unknown tensor 'model.layers.9.w'"},
+      {grpc::StatusCode::INVALID_ARGUMENT, "tensor 'w': shape [2, 3], expected [3, 2]"},
+      {grpc::StatusCode::ALREADY_EXISTS, "tensor 'w': bytes [0, 4) received twice"},
+      {grpc::StatusCode::OUT_OF_RANGE, "tensor 'w': chunk ends past byte 12"},
+      {grpc::StatusCode::DATA_LOSS, "tensor 'w': checksum mismatch"},
+      {grpc::StatusCode::FAILED_PRECONDITION, "layer 'model.layers.0.mlp' misses tensors"},
+      {grpc::StatusCode::RESOURCE_EXHAUSTED, "staging budget of 1 MiB exceeded"},
+      {grpc::StatusCode::DEADLINE_EXCEEDED, "no message for 30s"},
+      {grpc::StatusCode::UNAUTHENTICATED, "Push: unknown token"},
+      {grpc::StatusCode::PERMISSION_DENIED, "Push: role reader may not push"},
+  };
+  FakeServer server;
+  auto client = Connect(server);
+  std::vector<uint8_t> a = Bytes(8, 1);
+  std::vector<TensorRef> tensors = {{"a", refit::v1::DTYPE_U8, {8}, a}};
+  for (const auto& [code, message] : refusals) {
+    server.service().SetPushStatus(grpc::Status(code, message));
+    absl::StatusOr<refit::v1::RefitResult> r = client->Push(tensors, PushOptions());
+    EXPECT_EQ(r.status().code(), static_cast<absl::StatusCode>(code)) << message;
+    EXPECT_EQ(r.status().message(), message);
+  }
+}
+
+TEST(RefitClientTest, TimeoutIsDeadlineExceeded) {
+  FakeServer server;
+  server.service().HangCommit();
+  ClientOptions options;
+  options.timeout = absl::Milliseconds(50);
+  auto client = Connect(server, options);
+  absl::StatusOr<refit::v1::RefitResult> c = client->Commit("target", "r-5");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(c.status().message(), HasSubstr("Deadline Exceeded"));
+}
+
+TEST(RefitClientTest, ReloadWithoutAResultIsDataLoss) {
+  FakeServer server;
+  server.service().SetReloadWithoutResult();
+  auto client = Connect(server);
+  refit::v1::ReloadRequest request;
+  request.set_path("/ckpt/step-3");
+  int progress = 0;
+  absl::StatusOr<refit::v1::RefitResult> r =
+      client->Reload(request, [&](const refit::v1::Progress&) { ++progress; });
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(r.status().message(), HasSubstr("ended without a result"));
+  EXPECT_EQ(progress, 3);
+}
+
+TEST(RefitClientTest, ReloadPassesTheDaemonsRefusalOn) {
+  FakeServer server;
+  server.service().Fail("Reload", grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                               "Reload: path /etc resolves outside /models"));
+  auto client = Connect(server);
+  refit::v1::ReloadRequest request;
+  request.set_path("/etc");
+  absl::StatusOr<refit::v1::RefitResult> r = client->Reload(request);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(r.status().message(), HasSubstr("outside /models"));
+}
+
+TEST(RefitClientTest, CommitPassesTheDaemonsCodesOn) {
+  FakeServer server;
+  server.service().Fail(
+      "Commit", grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                             "refit \"r-5\" is still receiving; it can be committed once it is "
+                             "PREPARED"));
+  auto client = Connect(server);
+  absl::StatusOr<refit::v1::RefitResult> c = client->Commit("target", "r-5");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(c.status().message(), HasSubstr("\"r-5\" is still receiving"));
+  server.service().Fail("Commit", grpc::Status(grpc::StatusCode::NOT_FOUND,
+                                               "model group \"target\" has no refit \"r-6\""));
+  c = client->Commit("target", "r-6");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(c.status().message(), HasSubstr("no refit \"r-6\""));
+}
+
+TEST(RefitClientTest, AbortPassesTheDaemonsCodesOn) {
+  FakeServer server;
+  auto client = Connect(server);
+  absl::StatusOr<refit::v1::AbortResponse> a = client->Abort("", "unknown", "");
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(a.status().message(), HasSubstr("no refit 'unknown'"));
+  server.service().Fail("Abort", grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                              "Abort: refit r-7 belongs to trainer-a"));
+  a = client->Abort("", "r-7", "");
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(a.status().message(), HasSubstr("r-7 belongs to trainer-a"));
+}
+
+TEST(RefitClientTest, ListTensorsPassesTheDaemonsCodesOn) {
+  FakeServer server;
+  server.service().Fail("ListTensors", grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                                    "ListTensors: layout must be LAYOUT_KERNEL or "
+                                                    "LAYOUT_CHECKPOINT"));
+  auto client = Connect(server);
+  auto r = client->ListTensors("", refit::v1::ListTensorsRequest::LAYOUT_UNSPECIFIED);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("LAYOUT_KERNEL or LAYOUT_CHECKPOINT"));
+}
+
+TEST(RefitClientTest, GetStatusOfAnUnknownGroupIsNotFound) {
+  FakeServer server;
+  server.service().FailGetStatus(
+      {grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown model group \"draft\"")});
+  auto client = Connect(server);
+  absl::StatusOr<refit::v1::GetStatusResponse> status = client->GetStatus("draft");
+  EXPECT_EQ(status.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(status.status().message(), HasSubstr("\"draft\""));
+  EXPECT_EQ(server.service().status_calls(), 1);
+}
+
+TEST(RefitClientTest, ReadTensorRejectsGapsShortAndEmptyStreams) {
+  FakeServer server;
+  auto client = Connect(server);
+  server.service().SetTensor("t", "0123456789abcdefghij-");
+  absl::StatusOr<ReadTensorResult> nope = client->ReadTensor("", "nope");
+  EXPECT_EQ(nope.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(nope.status().message(), HasSubstr("no tensor nope"));
+
+  server.service().SetReadFault(testing::FakeRefitService::ReadFault::kGap);
+  absl::StatusOr<ReadTensorResult> r = client->ReadTensor("", "t");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(r.status().message(), HasSubstr("read t: piece at offset 10, expected 5"));
+
+  server.service().SetReadFault(testing::FakeRefitService::ReadFault::kShort);
+  r = client->ReadTensor("", "t");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(r.status().message(), HasSubstr("read t: got 21 bytes, expected 22"));
+
+  server.service().SetReadFault(testing::FakeRefitService::ReadFault::kEmptyStream);
+  r = client->ReadTensor("", "t");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(r.status().message(), HasSubstr("read t: empty stream"));
+}
+
+TEST(RefitClientTest, WatchReturnsTheStreamsError) {
+  FakeServer server;
+  server.service().Fail("Watch",
+                        grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown model group \"draft\""));
+  auto client = Connect(server);
+  int events = 0;
+  absl::Status s = client->Watch("draft", [&](const refit::v1::WatchEvent&) {
+    ++events;
+    return true;
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("\"draft\""));
+  EXPECT_EQ(events, 0);
+}
+
+TEST(RefitClientTest, EveryCallToAnUnreachableDaemonIsUnavailable) {
+  ClientOptions options;
+  options.address = "unix:/nonexistent/refitd.sock";
+  options.retry.max_attempts = 2;
+  options.retry.initial_backoff = absl::Milliseconds(1);
+  options.timeout = absl::Seconds(5);
+  absl::StatusOr<std::unique_ptr<RefitClient>> created = RefitClient::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  RefitClient& client = **created;
+  std::vector<uint8_t> a = Bytes(8, 1);
+  std::vector<TensorRef> tensors = {{"a", refit::v1::DTYPE_U8, {8}, a}};
+  EXPECT_EQ(client.Push(tensors, PushOptions()).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client.Reload(refit::v1::ReloadRequest()).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client.Commit("", "r-1").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client.Abort("", "r-1", "").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client.ListTensors("", refit::v1::ListTensorsRequest::LAYOUT_KERNEL).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client.ReadTensor("", "t").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client.HealthCheck("").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client.Watch("", [](const refit::v1::WatchEvent&) { return true; }).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client.HealthWatch("", [](auto) { return true; }).code(),
+            absl::StatusCode::kUnavailable);
+}
+
 // A safetensors file written by hand: 8-byte length, JSON, data.
 std::string WriteSafetensors(const std::string& path, const std::string& header,
                              const std::string& data) {
@@ -411,6 +668,27 @@ TEST_F(PushFilesTest, MalformedFilesAreInvalidArgumentNamingTheTensor) {
             absl::StatusCode::kNotFound);
   EXPECT_EQ(ExpandSafetensorsPaths({Path("nothing-here")}).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+TEST_F(PushFilesTest, PassesOpenErrorsOnAndRefusesFilesWithoutTensors) {
+  FakeServer server;
+  auto client = Connect(server);
+  absl::StatusOr<refit::v1::RefitResult> r =
+      client->PushFiles({Path("missing.safetensors")}, PushOptions());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(r.status().message(), HasSubstr(Path("missing.safetensors")));
+
+  WriteSafetensors(Path("bad.safetensors"),
+                   R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,4]}})", "XXXX");
+  r = client->PushFiles({Path("bad.safetensors")}, PushOptions());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("tensor 'w'"));
+
+  WriteSafetensors(Path("empty.safetensors"), R"({"__metadata__":{"format":"pt"}})", "");
+  r = client->PushFiles({Path("empty.safetensors")}, PushOptions());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("no tensors"));
+  EXPECT_TRUE(server.service().pushes().empty());
 }
 
 }  // namespace

@@ -46,7 +46,10 @@ TEST(RefitctlTest, ExitCodesFollowTheStatusCode) {
   EXPECT_EQ(ExitCodeFor(absl::PermissionDeniedError("")), 4);
   EXPECT_EQ(ExitCodeFor(absl::UnauthenticatedError("")), 4);
   EXPECT_EQ(ExitCodeFor(absl::AbortedError("")), 5);
-  EXPECT_EQ(ExitCodeFor(absl::FailedPreconditionError("")), 5);
+  // Not a conflict: retrying without fixing something first cannot help.
+  EXPECT_EQ(ExitCodeFor(absl::FailedPreconditionError("")), 2);
+  EXPECT_EQ(ExitCodeFor(absl::AlreadyExistsError("")), 2);
+  EXPECT_EQ(ExitCodeFor(absl::DataLossError("")), 2);
   EXPECT_EQ(ExitCodeFor(absl::UnavailableError("")), 7);
   EXPECT_EQ(ExitCodeFor(absl::DeadlineExceededError("")), 7);
 }
@@ -57,6 +60,8 @@ TEST(RefitctlTest, HelpDocumentsCommandsAndExitCodes) {
   EXPECT_THAT(out, HasSubstr("verify FILES|DIR"));
   EXPECT_THAT(out, HasSubstr("Exit codes:"));
   EXPECT_THAT(out, HasSubstr("6  verify found mismatches"));
+  EXPECT_THAT(out, HasSubstr("5  conflict (ABORTED): another refit is active, the live version is "
+                             "not\n     --base-version"));
 }
 
 TEST(RefitctlTest, UsageErrorsExitOne) {
@@ -125,6 +130,28 @@ TEST(RefitctlTest, RefusedPushExitsFiveWithTheDaemonsMessage) {
   EXPECT_EQ(RunCtl({"--addr", server.address(), "push", dir + "/missing"}, nullptr, &err), 3);
   ::unlink((dir + "/m.safetensors").c_str());
   ::rmdir(dir.c_str());
+}
+
+TEST(RefitctlTest, CommitOfARefitStillReceivingExitsTwo) {
+  FakeServer server;
+  server.service().Fail("Commit", grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                               "refit \"r-3\" is still receiving"));
+  std::string err;
+  EXPECT_EQ(RunCtl({"--addr", server.address(), "commit", "r-3"}, nullptr, &err), 2);
+  EXPECT_THAT(err, HasSubstr("FAILED_PRECONDITION: refit \"r-3\" is still receiving"));
+}
+
+TEST(RefitctlTest, StaleBaseVersionExitsFive) {
+  FakeServer server;
+  server.service().Fail("Reload",
+                        grpc::Status(grpc::StatusCode::ABORTED,
+                                     "base version 4 is not the live version 5; re-read it"));
+  std::string err;
+  EXPECT_EQ(RunCtl({"--addr", server.address(), "reload", "--from", "/models/step-9",
+                    "--base-version", "4"},
+                   nullptr, &err),
+            5);
+  EXPECT_THAT(err, HasSubstr("ABORTED: base version 4"));
 }
 
 TEST(RefitctlTest, ReadUnknownTensorExitsThree) {

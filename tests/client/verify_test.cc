@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 #include <stdlib.h>
 
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,11 +19,13 @@
 #include "core/fixture_model.h"
 #include "core/model_layout.h"
 #include "core/refit_session.h"
+#include "core/safetensors_ingest.h"
 #include "core/safetensors.h"
 #include "core/shard_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "refit/v1/refit.grpc.pb.h"
+#include "tests/client/fake_refit_service.h"
 
 namespace refit::client {
 namespace {
@@ -211,7 +214,105 @@ TEST_P(VerifyTest, MissingConfigIsNotFound) {
   VerifyOptions options;
   options.files = Weights(2);
   options.config_path = dir_ + "/nope.json";
-  EXPECT_EQ(Verify(*client_, options).status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<VerifyReport> report = Verify(*client_, options);
+  EXPECT_EQ(report.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(report.status().message(), HasSubstr(dir_ + "/nope.json"));
+}
+
+TEST_P(VerifyTest, MissingFileIsNotFound) {
+  Load(Weights(2));
+  VerifyOptions options;
+  options.files = {dir_ + "/w2/absent.safetensors"};
+  absl::StatusOr<VerifyReport> report = Verify(*client_, options);
+  EXPECT_EQ(report.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(report.status().message(), HasSubstr(dir_ + "/w2/absent.safetensors"));
+}
+
+TEST_P(VerifyTest, NoFilesBadSchemeAndBadRankAreInvalidArgument) {
+  Load(Weights(2));
+  VerifyOptions options;
+  absl::StatusOr<VerifyReport> report = Verify(*client_, options);
+  EXPECT_EQ(report.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(report.status().message(), HasSubstr("verify: no files"));
+
+  options.files = Weights(2);
+  options.quant = "int4";
+  report = Verify(*client_, options);
+  EXPECT_EQ(report.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(report.status().message(), HasSubstr("unknown quantization scheme 'int4'"));
+
+  options.quant = "";
+  options.tp_rank = 3;
+  options.tp_size = 2;
+  report = Verify(*client_, options);
+  EXPECT_EQ(report.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(report.status().message(), HasSubstr("model layout"));
+}
+
+TEST_P(VerifyTest, UnsupportedArchitectureIsUnimplemented) {
+  Load(Weights(2));
+  const std::string config = dir_ + "/gpt2.json";
+  std::ofstream(config) << R"({"architectures": ["GPT2LMHeadModel"]})";
+  VerifyOptions options;
+  options.files = Weights(2);
+  options.config_path = config;
+  absl::StatusOr<VerifyReport> report = Verify(*client_, options);
+  EXPECT_EQ(report.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(report.status().message(), HasSubstr("GPT2LMHeadModel"));
+}
+
+TEST_P(VerifyTest, NonFiniteWeightsAreInvalidArgumentNamingTheTensor) {
+  Load(Weights(2));
+  absl::StatusOr<std::vector<core::OwnedTensor>> weights = core::MakeFixtureWeights(config_, 2);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  std::vector<core::TensorToWrite> tensors;
+  for (core::OwnedTensor& t : *weights) {
+    if (t.name == "model.layers.0.mlp.down_proj.weight") {
+      t.bytes[0] = 0xC0;  // bf16 0x7FC0: NaN
+      t.bytes[1] = 0x7F;
+    }
+    tensors.push_back({t.name, t.dtype, t.shape, t.bytes});
+  }
+  const std::string file = dir_ + "/nan.safetensors";
+  ASSERT_TRUE(core::WriteSafetensors(file, tensors).ok());
+  VerifyOptions options;
+  options.files = {file};
+  options.config_path = dir_ + "/w2/config.json";
+  absl::StatusOr<VerifyReport> report = Verify(*client_, options);
+  EXPECT_EQ(report.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(report.status().message(), HasSubstr("model.layers.0.mlp.down_proj.weight"));
+  EXPECT_THAT(report.status().message(), HasSubstr("element 0 (row 0, col 0) is nan"));
+}
+
+TEST(VerifyErrorsTest, ADaemonLayoutThatIsNotADenseDecoderIsFailedPrecondition) {
+  // The fake's checkpoint layout lists one norm: no config.json can be
+  // inferred from it.
+  testing::FakeServer server;
+  ClientOptions client_options;
+  client_options.address = server.address();
+  std::unique_ptr<RefitClient> client = *RefitClient::Create(client_options);
+  char pattern[] = "/tmp/refit_verify_test_XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string file = std::string(pattern) + "/m.safetensors";
+  ASSERT_TRUE(core::WriteSafetensors(file, {}).ok());
+  VerifyOptions options;
+  options.files = {file};
+  absl::StatusOr<VerifyReport> report = Verify(*client, options);
+  EXPECT_EQ(report.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(report.status().message(), HasSubstr("not a dense decoder"));
+  EXPECT_THAT(report.status().message(), HasSubstr("pass --config"));
+  ::unlink(file.c_str());
+  ::rmdir(pattern);
+}
+
+TEST(VerifyErrorsTest, AnUnreachableDaemonIsUnavailable) {
+  ClientOptions client_options;
+  client_options.address = "unix:/nonexistent/refitd.sock";
+  client_options.retry.max_attempts = 1;
+  std::unique_ptr<RefitClient> client = *RefitClient::Create(client_options);
+  VerifyOptions options;
+  options.files = {"/nonexistent/m.safetensors"};
+  EXPECT_EQ(Verify(*client, options).status().code(), absl::StatusCode::kUnavailable);
 }
 
 INSTANTIATE_TEST_SUITE_P(Schemes, VerifyTest,

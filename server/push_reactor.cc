@@ -1,7 +1,7 @@
 // The Push RPC: one client stream is one refit transaction.
 //
 //   Begin          -> RefitSession::Begin (ABORTED naming the active refit,
-//                     FAILED_PRECONDITION for a base_version mismatch)
+//                     ABORTED for a base_version mismatch)
 //   Chunks*        -> RefitSession::Ingest per chunk
 //   End            -> Commit, or Prepare for COMPLETION_MODE_PREPARE (the
 //                     session then waits in the group registry for Commit/Abort)

@@ -199,9 +199,10 @@ TEST_F(RefitdE2eTest, TwoPhasePushThenCommit) {
   CommandResult commit = Ctl({"commit", prepared["refit_id"].get<std::string>()});
   ASSERT_EQ(commit.code, 0) << commit.err;
   EXPECT_EQ(StatusJson()["version"], v0 + 1);
-  // A stale base version is a conflict.
+  // A stale base version is a conflict (ABORTED): re-read, then retry.
   CommandResult stale = Ctl({"push", "--base-version", std::to_string(v0), Fixture(3)});
   EXPECT_EQ(stale.code, 5) << stale.err;
+  EXPECT_THAT(stale.err, HasSubstr("ABORTED: refit expects base version " + std::to_string(v0)));
 }
 
 TEST_F(RefitdE2eTest, ReloadFromDiskAndAbortAPreparedOne) {

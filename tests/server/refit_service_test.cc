@@ -200,14 +200,37 @@ TEST_F(RefitServiceTest, WrongShapeIsInvalidArgument) {
 }
 
 TEST_F(RefitServiceTest, IncompletePushFailsAtEndWithVersionUnchanged) {
-  std::vector<v1::PushRequest> messages = ChunkMessages(FixtureWeights(1));
-  PushOutcome push = PushMessages(stub_.get(), {BeginMessage(), messages.front(), EndMessage()});
-  EXPECT_FALSE(push.status.ok());
-  EXPECT_NE(push.status.error_code(), grpc::StatusCode::UNKNOWN);
+  // q_proj without k_proj and v_proj: the fused layer misses whole tensors,
+  // which the pusher must send (or ask to zero-fill).
+  std::vector<core::OwnedTensor> weights = FixtureWeights(1);
+  v1::PushRequest chunks;
+  AddChunk(*Find(weights, "model.layers.0.self_attn.q_proj.weight"), chunks.mutable_chunks());
+  PushOutcome push = PushMessages(stub_.get(), {BeginMessage(), chunks, EndMessage()});
+  EXPECT_EQ(push.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(push.status.error_message(), HasSubstr("layer \"model.layers.0.self_attn.qkv_proj"));
+  EXPECT_THAT(push.status.error_message(), HasSubstr("is incomplete: no bytes for"));
+  EXPECT_THAT(push.status.error_message(), HasSubstr("k_proj"));
+  EXPECT_THAT(push.status.error_message(), HasSubstr("allow_partial_layers"));
   EXPECT_EQ(Version(), 1u);
   // The slot is free again.
   EXPECT_TRUE(PushMessages(stub_.get(), FullPush(2)).status.ok());
   EXPECT_EQ(Version(), 2u);
+}
+
+TEST_F(RefitServiceTest, TensorReceivedInPartIsDataLossAtEnd) {
+  std::vector<core::OwnedTensor> weights = FixtureWeights(1);
+  const core::OwnedTensor& down = *Find(weights, "model.layers.0.mlp.down_proj.weight");
+  v1::PushRequest chunks;
+  AddChunk(down, chunks.mutable_chunks());
+  const size_t half = down.bytes.size() / 2;
+  chunks.mutable_chunks()->mutable_chunks(0)->set_data(down.bytes.data(), half);
+  PushOutcome push = PushMessages(stub_.get(), {BeginMessage(), chunks, EndMessage()});
+  EXPECT_EQ(push.status.error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_THAT(push.status.error_message(),
+              HasSubstr("tensor \"model.layers.0.mlp.down_proj.weight\" is incomplete"));
+  EXPECT_THAT(push.status.error_message(),
+              HasSubstr(absl::StrCat("received ", half, " of ", down.bytes.size(), " bytes")));
+  EXPECT_EQ(Version(), 1u);
 }
 
 TEST_F(RefitServiceTest, StreamClosedWithoutEndIsAborted) {
@@ -218,12 +241,15 @@ TEST_F(RefitServiceTest, StreamClosedWithoutEndIsAborted) {
   EXPECT_EQ(Version(), 1u);
 }
 
-TEST_F(RefitServiceTest, BaseVersionMismatchIsFailedPrecondition) {
+// A lost test-and-set: the pusher re-reads the version and retries, so the
+// code is ABORTED (retry the transaction), not FAILED_PRECONDITION.
+TEST_F(RefitServiceTest, BaseVersionMismatchIsAborted) {
   std::vector<v1::PushRequest> messages = FullPush(3);
   messages.front().mutable_begin()->mutable_options()->set_base_version(5);
   PushOutcome push = PushMessages(stub_.get(), messages);
-  EXPECT_EQ(push.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(push.status.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_THAT(push.status.error_message(), HasSubstr("base version 5"));
+  EXPECT_THAT(push.status.error_message(), HasSubstr("serves version 1"));
   messages.front().mutable_begin()->mutable_options()->set_base_version(1);
   EXPECT_TRUE(PushMessages(stub_.get(), messages).status.ok());
 }

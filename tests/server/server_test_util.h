@@ -18,6 +18,7 @@
 #include "core/fixture_model.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "refit/v1/refit.grpc.pb.h"
+#include "server/grpc_convert.h"
 #include "server/refit_server.h"
 
 namespace refit::server::testing {
@@ -64,20 +65,6 @@ inline std::vector<core::OwnedTensor> FixtureWeights(uint64_t seed) {
   return weights.ok() ? *std::move(weights) : std::vector<core::OwnedTensor>{};
 }
 
-inline v1::DType ProtoDType(core::DType dtype) {
-  switch (dtype) {
-    case core::DType::kFloat32:
-      return v1::DTYPE_F32;
-    case core::DType::kFloat16:
-      return v1::DTYPE_F16;
-    case core::DType::kBFloat16:
-      return v1::DTYPE_BF16;
-    default:
-      ADD_FAILURE() << "fixture dtype";
-      return v1::DTYPE_UNSPECIFIED;
-  }
-}
-
 inline v1::PushRequest BeginMessage(v1::CompletionMode mode = v1::COMPLETION_MODE_COMMIT) {
   v1::PushRequest request;
   v1::RefitOptions* options = request.mutable_begin()->mutable_options();
@@ -96,7 +83,7 @@ inline v1::PushRequest EndMessage() {
 inline void AddChunk(const core::OwnedTensor& tensor, v1::Chunks* chunks) {
   v1::Chunk* chunk = chunks->add_chunks();
   chunk->set_tensor_name(tensor.name);
-  chunk->set_dtype(ProtoDType(tensor.dtype));
+  chunk->set_dtype(ToProtoDType(tensor.dtype));
   for (int64_t d : tensor.shape) chunk->add_shape(d);
   chunk->set_byte_offset(0);
   chunk->set_data(tensor.bytes.data(), tensor.bytes.size());

@@ -9,9 +9,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
+#include "core/fixture_model.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/safetensors_corpus.h"
@@ -202,6 +206,119 @@ TEST_F(SafetensorsViewTest, ExpandOfAnUnreadableDirectoryIsPermissionDenied) {
   EXPECT_EQ(files.status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_THAT(files.status().message(), HasSubstr(Path("locked")));
   ::chmod(Path("locked").c_str(), 0755);
+}
+
+TEST(SafetensorsDTypeTest, NamesAndSizesOfEveryTypeThatCanBePushed) {
+  struct Case {
+    const char* name;
+    refit::v1::DType dtype;
+    size_t bytes;
+  };
+  const Case cases[] = {
+      {"F32", refit::v1::DTYPE_F32, 4},   {"F16", refit::v1::DTYPE_F16, 2},
+      {"BF16", refit::v1::DTYPE_BF16, 2}, {"F8_E4M3", refit::v1::DTYPE_F8_E4M3, 1},
+      {"I64", refit::v1::DTYPE_I64, 8},   {"I32", refit::v1::DTYPE_I32, 4},
+      {"U8", refit::v1::DTYPE_U8, 1},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(DTypeFromSafetensorsName(c.name), c.dtype) << c.name;
+    EXPECT_EQ(SafetensorsNameOf(c.dtype), c.name);
+    EXPECT_EQ(DTypeBytes(c.dtype), c.bytes) << c.name;
+  }
+}
+
+TEST(SafetensorsDTypeTest, TypesRefitCannotCarryAreUnspecified) {
+  // Real safetensors dtypes refit.v1 has no enum for, and misspellings (the
+  // format's names are upper case).
+  for (const char* name : {"F64", "F8_E5M2", "I8", "I16", "U16", "BOOL", "bf16", "f32", ""}) {
+    EXPECT_EQ(DTypeFromSafetensorsName(name), refit::v1::DTYPE_UNSPECIFIED) << name;
+  }
+  EXPECT_EQ(SafetensorsNameOf(refit::v1::DTYPE_UNSPECIFIED), "");
+  EXPECT_EQ(DTypeBytes(refit::v1::DTYPE_UNSPECIFIED), 0u);
+}
+
+TEST_F(SafetensorsViewTest, ReportsNameDTypeShapeAndTheBytesOfEachTensor) {
+  const std::string path =
+      Write("m.safetensors",
+            SafetensorsImage(R"({"w":{"dtype":"I32","shape":[2,3],"data_offsets":[0,24]},)"
+                             R"("s":{"dtype":"F8_E4M3","shape":[],"data_offsets":[24,25]}})",
+                             "0123456789abcdefghijklmnZ"));
+  absl::StatusOr<std::unique_ptr<SafetensorsView>> view = SafetensorsView::Open(path);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ((*view)->path(), path);
+  ASSERT_EQ((*view)->tensors().size(), 2u);
+  const SafetensorsTensor& w = (*view)->tensors()[0];
+  EXPECT_EQ(w.name, "w");
+  EXPECT_EQ(w.dtype_name, "I32");
+  EXPECT_EQ(w.dtype, refit::v1::DTYPE_I32);
+  EXPECT_THAT(w.shape, ElementsAre(2, 3));
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(w.data.data()), w.data.size()),
+            "0123456789abcdefghijklmn");
+  const SafetensorsTensor& scalar = (*view)->tensors()[1];
+  EXPECT_EQ(scalar.name, "s");
+  EXPECT_EQ(scalar.dtype, refit::v1::DTYPE_F8_E4M3);
+  EXPECT_TRUE(scalar.shape.empty());
+  ASSERT_EQ(scalar.data.size(), 1u);
+  EXPECT_EQ(scalar.data[0], 'Z');
+}
+
+TEST_F(SafetensorsViewTest, HeaderOnlyFileHasNoTensors) {
+  const std::string path = Write("empty.safetensors", SafetensorsImage("{}", ""));
+  absl::StatusOr<std::unique_ptr<SafetensorsView>> view = SafetensorsView::Open(path);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_TRUE((*view)->tensors().empty());
+}
+
+TEST_F(SafetensorsViewTest, TruncatedFileIsInvalidArgumentNamingTheTensor) {
+  const std::string whole =
+      SafetensorsImage(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                       std::string(16, '\x02'));
+  // Cut inside b's bytes, as an interrupted copy leaves a file.
+  const std::string path = Write("cut.safetensors", whole.substr(0, whole.size() - 3));
+  absl::StatusOr<std::unique_ptr<SafetensorsView>> view = SafetensorsView::Open(path);
+  EXPECT_EQ(view.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(view.status().message(), HasSubstr(path + ": "));
+  EXPECT_THAT(view.status().message(),
+              HasSubstr("tensor 'b': data_offsets [8, 16) outside the data section of 13 bytes"));
+
+  // Cut inside the header: its length prefix runs past the end.
+  const std::string header_cut = Write("header-cut.safetensors", whole.substr(0, 20));
+  view = SafetensorsView::Open(header_cut);
+  EXPECT_EQ(view.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(view.status().message(), HasSubstr(header_cut + ": "));
+  EXPECT_THAT(view.status().message(), HasSubstr("exceeds the file size 20"));
+}
+
+TEST_F(SafetensorsViewTest, ReadsTheFilesCoreWritesTensorForTensor) {
+  const core::ModelConfig config = core::FixtureConfig();
+  const std::string out = Path("fixture");
+  ASSERT_TRUE(core::WriteFixtureModel(out, config, /*seed=*/3, /*num_files=*/2).ok());
+  absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths({out});
+  ASSERT_TRUE(files.ok()) << files.status();
+  ASSERT_EQ(files->size(), 2u);
+  absl::StatusOr<std::vector<core::OwnedTensor>> weights = core::MakeFixtureWeights(config, 3);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  std::map<std::string, const core::OwnedTensor*> expected;
+  for (const core::OwnedTensor& t : *weights) expected[t.name] = &t;
+
+  size_t seen = 0;
+  for (const std::string& file : *files) {
+    absl::StatusOr<std::unique_ptr<SafetensorsView>> view = SafetensorsView::Open(file);
+    ASSERT_TRUE(view.ok()) << view.status();
+    for (const SafetensorsTensor& t : (*view)->tensors()) {
+      SCOPED_TRACE(t.name);
+      auto it = expected.find(t.name);
+      ASSERT_NE(it, expected.end());
+      const core::OwnedTensor& want = *it->second;
+      EXPECT_EQ(t.dtype_name, core::DTypeName(want.dtype));
+      EXPECT_EQ(t.shape, want.shape);
+      ASSERT_EQ(t.data.size(), want.bytes.size());
+      EXPECT_TRUE(std::equal(t.data.begin(), t.data.end(), want.bytes.begin()));
+      ++seen;
+    }
+  }
+  EXPECT_EQ(seen, expected.size());
 }
 
 }  // namespace

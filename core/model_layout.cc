@@ -16,8 +16,8 @@
 namespace refit::core {
 namespace {
 
-// vLLM pads vocab-parallel embeddings to a multiple of 64 rows per rank, so
-// that every rank's shard has the same, aligned shape.
+// vLLM pads the vocabulary of vocab-parallel embeddings to a multiple of 64
+// and then divides the padded rows evenly among the TP ranks.
 constexpr int64_t kVocabPadMultiple = 64;
 // Block-quantization tile (DeepSeek-style 128x128).
 constexpr int64_t kQuantBlock = 128;
@@ -160,6 +160,12 @@ class LayoutBuilder {
       return Invalid(absl::StrCat("tp_size ", tp_, " does not divide intermediate_size ",
                                   c.intermediate_size));
     }
+    const int64_t vocab_padded = RoundUp(c.vocab_size, kVocabPadMultiple);
+    if (vocab_padded % tp_ != 0) {
+      return Invalid(absl::StrCat("tp_size ", tp_, " does not divide the padded vocabulary ",
+                                  vocab_padded, " (vocab_size ", c.vocab_size,
+                                  " rounded up to a multiple of ", kVocabPadMultiple, ")"));
+    }
     if (c.num_kv_heads % tp_ != 0 && tp_ % c.num_kv_heads != 0) {
       return Invalid(absl::StrCat("num_key_value_heads ", c.num_kv_heads, " and tp_size ", tp_,
                                   ": one must be a multiple of the other"));
@@ -167,7 +173,7 @@ class LayoutBuilder {
     return absl::OkStatus();
   }
 
-  std::shared_ptr<const ModelLayout> Build() {
+  absl::StatusOr<std::shared_ptr<const ModelLayout>> Build() {
     const ModelConfig& c = c_;
     const DType dt = c.dtype;
     const int64_t h = c.hidden_size;
@@ -259,15 +265,55 @@ class LayoutBuilder {
 
     ModelLayout& l = *layout_;
     for (size_t i = 0; i < l.layers_.size(); ++i) {
-      l.layer_index_[l.layers_[i].name] = static_cast<int>(i);
-      l.num_kernels_ += static_cast<int64_t>(l.layers_[i].kernels.size());
-      for (const KernelSpec& k : l.layers_[i].kernels) l.kernel_bytes_ += k.nbytes();
+      LayerSpec& layer = l.layers_[i];
+      l.layer_index_[layer.name] = static_cast<int>(i);
+      layer.first_kernel = static_cast<int>(l.num_kernels_);
+      l.num_kernels_ += static_cast<int64_t>(layer.kernels.size());
+      for (const KernelSpec& k : layer.kernels) l.kernel_bytes_ += k.nbytes();
+      if (layer.kind != LayerKind::kAttention) {
+        absl::StatusOr<std::vector<KernelPlan>> plan = PlanKernels(layer);
+        if (!plan.ok()) return plan.status();
+        layer.plan = *std::move(plan);
+      }
     }
     for (CheckpointTensor& t : ignored_) l.checkpoint_.push_back(std::move(t));
-    return layout_;
+    l.checkpoint_index_.reserve(l.checkpoint_.size());
+    for (size_t i = 0; i < l.checkpoint_.size(); ++i) {
+      l.checkpoint_index_[l.checkpoint_[i].name] = static_cast<int>(i);
+    }
+    return std::shared_ptr<const ModelLayout>(layout_);
   }
 
  private:
+  // Which param (and, for a quantized weight, which scale kernel) each kernel
+  // is made from. INTERNAL if the layer's kernels and params disagree: a
+  // layout that cannot be processed is refused before anything is served.
+  static absl::StatusOr<std::vector<KernelPlan>> PlanKernels(const LayerSpec& spec) {
+    std::vector<KernelPlan> plan(spec.kernels.size());
+    for (size_t k = 0; k < spec.kernels.size(); ++k) {
+      const KernelSpec& kernel = spec.kernels[k];
+      if (kernel.suffix == "weight_scale" || kernel.suffix == "weight_scale_inv") continue;
+      plan[k].param = spec.ParamIndex(kernel.suffix);
+      if (plan[k].param < 0) {
+        return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": kernel \"",
+                                                kernel.suffix, "\" has no source param"));
+      }
+      const ParamSpec& param = spec.params[plan[k].param];
+      if (spec.quantized && kernel.suffix == "weight") {
+        plan[k].scale = spec.KernelIndex("weight_scale");
+        if (plan[k].scale < 0) plan[k].scale = spec.KernelIndex("weight_scale_inv");
+        if (plan[k].scale < 0 || param.shape.size() != 2) {
+          return absl::InternalError(
+              absl::StrCat("layer \"", spec.name, "\": quantized weight without scale"));
+        }
+      } else if (param.nbytes() != kernel.nbytes()) {
+        return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": param \"",
+                                                param.suffix, "\" and its kernel differ in size"));
+      }
+    }
+    return plan;
+  }
+
   int AddLayer(std::string name, LayerKind kind, bool quantized) {
     LayerSpec layer;
     layer.name = std::move(name);
@@ -368,7 +414,7 @@ class LayoutBuilder {
   void AddEmbedding(std::string name, std::string checkpoint_name) {
     const int64_t v = c_.vocab_size;
     const int64_t h = c_.hidden_size;
-    const int64_t v_r = RoundUp(CeilDiv(v, tp_), kVocabPadMultiple);
+    const int64_t v_r = RoundUp(v, kVocabPadMultiple) / tp_;
     const int64_t begin = std::min(rank_ * v_r, v);
     const int64_t end = std::min((rank_ + 1) * v_r, v);
     const int layer = AddLayer(std::move(name), LayerKind::kEmbedding, false);
@@ -415,11 +461,7 @@ absl::StatusOr<std::shared_ptr<const ModelLayout>> ModelLayout::Build(const Mode
   return builder.Build();
 }
 
-NameMapper::NameMapper(std::shared_ptr<const ModelLayout> layout) : layout_(std::move(layout)) {
-  const std::vector<CheckpointTensor>& tensors = layout_->checkpoint_tensors();
-  index_.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) index_[tensors[i].name] = static_cast<int>(i);
-}
+NameMapper::NameMapper(std::shared_ptr<const ModelLayout> layout) : layout_(std::move(layout)) {}
 
 absl::StatusOr<const CheckpointTensor*> NameMapper::Lookup(absl::string_view name) const {
   absl::StatusOr<int> index = LookupIndex(name);
@@ -428,10 +470,28 @@ absl::StatusOr<const CheckpointTensor*> NameMapper::Lookup(absl::string_view nam
 }
 
 absl::StatusOr<int> NameMapper::LookupIndex(absl::string_view name) const {
-  auto it = index_.find(name);
-  if (it != index_.end()) return it->second;
+  return layout_->FindCheckpointTensor(name);
+}
 
-  const ModelConfig& c = layout_->config();
+int LayerSpec::ParamIndex(absl::string_view suffix) const {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].suffix == suffix) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int LayerSpec::KernelIndex(absl::string_view suffix) const {
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    if (kernels[i].suffix == suffix) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+absl::StatusOr<int> ModelLayout::FindCheckpointTensor(absl::string_view name) const {
+  auto it = checkpoint_index_.find(name);
+  if (it != checkpoint_index_.end()) return it->second;
+
+  const ModelConfig& c = config_;
   std::string hint;
   absl::string_view rest = name;
   int64_t layer_index = -1;

@@ -22,10 +22,13 @@
 //   weight_scale  F32 [1] (per-tensor) or [N, 1] (per-channel)
 //   weight_scale_inv  F32 [ceil(N/128), ceil(K/128)] (block), replaces weight_scale
 //   bias          checkpoint dtype [N], when the model has one
-// Embedding / lm_head: "weight" in the checkpoint dtype, [V_pad/t, H], padding
-// rows zero. Norms: "weight" [H] (or [head_dim] for Qwen3 q/k norms).
+// Embedding / lm_head: "weight" in the checkpoint dtype, [V_pad/t, H] where
+// V_pad is the vocabulary rounded up to a multiple of 64 (vLLM's
+// VocabParallelEmbedding: pad first, then divide by the TP size, which must
+// divide V_pad); rank r holds global rows [r*V_pad/t, (r+1)*V_pad/t), rows at
+// or past V zero. Norms: "weight" [H] (or [head_dim] for Qwen3 q/k norms).
 // Attention ("model.layers.i.self_attn.attn"): F32 scalars "k_scale",
-// "v_scale", "q_scale" ([] shape), set at finalize (REFERENCE.md §4).
+// "v_scale", "q_scale" ([] shape), set at finalize by ResolveAttentionScales.
 //
 // Immutable after Build; safe to share between threads.
 #ifndef REFIT_CORE_MODEL_LAYOUT_H_
@@ -79,14 +82,28 @@ struct ParamSpec {
   int64_t nbytes() const;
 };
 
+// How one kernel of a non-attention layer is made: copied from the param
+// `param` (same suffix), or, when `scale` >= 0, FP8-quantized from it with
+// the scales going to kernel `scale`. Scale kernels have param = -1: they are
+// written with their weight.
+struct KernelPlan {
+  int param = -1;
+  int scale = -1;
+};
+
 struct LayerSpec {
   std::string name;
   LayerKind kind;
   bool quantized = false;
   std::vector<ParamSpec> params;
   std::vector<KernelSpec> kernels;
-  int64_t expected_numel = 0;  // sum of params' loaded_numel (0 for attention)
+  std::vector<KernelPlan> plan;  // one per kernel; empty for attention layers
+  int first_kernel = 0;          // flattened index of kernels[0] over the layout
+  int64_t expected_numel = 0;    // sum of params' loaded_numel (0 for attention)
   int64_t param_bytes() const;   // checkpoint-format staging size
+  // Index of the param / kernel with this suffix, or -1.
+  int ParamIndex(absl::string_view suffix) const;
+  int KernelIndex(absl::string_view suffix) const;
 };
 
 // Where a checkpoint tensor's elements go. The source is viewed as a 2-D
@@ -120,8 +137,13 @@ struct CheckpointTensor {
 
 class ModelLayout {
  public:
-  // INVALID_ARGUMENT if the parallel config does not fit the model (rank out
-  // of range, heads or intermediate size not divisible by tp_size, ...).
+  // Errors:
+  //   INVALID_ARGUMENT  the parallel config does not fit the model (rank out
+  //                     of range, tp_size not dividing the heads, the
+  //                     intermediate size or the padded vocabulary, ...), a
+  //                     non-positive dimension, a checkpoint dtype that is not
+  //                     bf16/fp16/fp32
+  //   UNIMPLEMENTED     a mixture-of-experts config
   static absl::StatusOr<std::shared_ptr<const ModelLayout>> Build(const ModelConfig& config,
                                                                  ParallelConfig parallel,
                                                                  QuantScheme quant);
@@ -135,6 +157,10 @@ class ModelLayout {
   const std::vector<CheckpointTensor>& checkpoint_tensors() const { return checkpoint_; }
   // Index into layers(), or -1.
   int FindLayer(absl::string_view name) const;
+  // Index into checkpoint_tensors() of the tensor a checkpoint names `name`.
+  // NOT_FOUND naming it (with a hint when it looks like a name of another
+  // layer count or architecture).
+  absl::StatusOr<int> FindCheckpointTensor(absl::string_view name) const;
   // Kernels of all layers, flattened in layer order, and their total bytes.
   int64_t num_kernels() const { return num_kernels_; }
   int64_t kernel_bytes() const { return kernel_bytes_; }
@@ -149,6 +175,7 @@ class ModelLayout {
   std::vector<LayerSpec> layers_;
   std::vector<CheckpointTensor> checkpoint_;
   absl::flat_hash_map<std::string, int> layer_index_;
+  absl::flat_hash_map<std::string, int> checkpoint_index_;
   int64_t num_kernels_ = 0;
   int64_t kernel_bytes_ = 0;
 };
@@ -160,8 +187,8 @@ class ModelLayout {
 std::string KernelFingerprint(const std::vector<const KernelSpec*>& specs,
                               const std::vector<uint64_t>& hashes);
 
-// The attention layer's kernel scales from what a checkpoint provided
-// (REFERENCE.md §4): k and v both present -> used as they are; both missing ->
+// The attention layer's kernel scales from what a checkpoint provided, as
+// vLLM resolves them when it loads an FP8 KV cache: k and v both present -> used as they are; both missing ->
 // 1.0; one missing -> the other; q missing -> k; the legacy kv_scale stands in
 // for whichever of k / v is missing. A value that is not positive and finite
 // counts as missing (pass 0 for a scale that was not received). Shared by
@@ -175,9 +202,8 @@ struct AttentionScales {
 };
 AttentionScales ResolveAttentionScales(float k, float v, float q, float kv);
 
-// Checkpoint name -> CheckpointTensor. Names a layout does not know are
-// NOT_FOUND with the name in the message (and a hint when it looks like a
-// known name of another layer count or architecture).
+// Checkpoint name -> CheckpointTensor, for code that holds a layout by
+// shared pointer. Same errors as ModelLayout::FindCheckpointTensor.
 class NameMapper {
  public:
   explicit NameMapper(std::shared_ptr<const ModelLayout> layout);
@@ -187,7 +213,6 @@ class NameMapper {
 
  private:
   std::shared_ptr<const ModelLayout> layout_;
-  absl::flat_hash_map<std::string, int> index_;
 };
 
 }  // namespace refit::core

@@ -1,42 +1,33 @@
-// RefitSession: one refit transaction against a ShardStore.
+// RefitSession: one refit transaction against a ShardStore — the state
+// machine that drives the pipeline's components.
 //
 // Pipeline position: the server's Push handler (one stream = one session), the
-// Reload handler and first load from disk all drive the same object:
+// Reload handler and the first load from disk all drive the same object:
 //   Begin -> Ingest(chunk)* -> Prepare -> Commit      (or Abort at any point)
-// Ingest routes each chunk through NameMapper to its layer's high-precision
-// staging buffer (allocated on the layer's first chunk, in the checkpoint
-// dtype, TP slice only). When a layer's last element arrives it is processed
-// at once (FP8 quantization into staged kernel bytes) and the high-precision
-// buffer is freed. Prepare finalizes: layers that got nothing keep their old
-// values (listed in the result), attention scales are rebuilt, and any
-// checkpoint tensor that is incomplete fails the session. Commit copies the
-// staged kernels into the live tensors in place and bumps the version.
+// Ingest hands each chunk to the LayerAssembler, which stages this rank's
+// slice of it in the layer's high-precision buffers. When a layer is
+// complete, its params go to the LayerWorker (or are processed at once
+// without overlap_processing), where the LayerProcessor for the store's
+// device makes its kernels (FP8 quantization) and the high-precision buffers
+// are freed. Prepare finalizes: layers that got nothing keep their old values
+// (listed in the result), attention scales are resolved, and any checkpoint
+// tensor that is incomplete fails the session. Commit copies the staged
+// kernels into the live tensors in place through the store's RefitSlot and
+// bumps the version.
 //
 // Guarantees: nothing is visible before Commit; any error or Abort leaves the
 // live version unchanged bit for bit and frees all staging. High-precision
-// staging is bounded by RefitOptions::staging_budget_bytes
-// (RESOURCE_EXHAUSTED beyond it; the session is then aborted).
+// staging is bounded by RefitOptions::staging_budget_bytes: when a layer
+// needs more, the session first waits for the worker to finish the complete
+// layers it holds, then fails with RESOURCE_EXHAUSTED. Events reach the
+// store's listeners in order, outside the session's locks, and a session's
+// "committed" or "aborted" is delivered before its slot is released, so it
+// always precedes the next refit's "staging started".
 //
-// Errors of Ingest (the session is aborted on any of them, except where
-// noted, so that nothing is half-applied):
-//   NOT_FOUND           unknown tensor name
-//   INVALID_ARGUMENT    dtype not fp32/fp16/bf16 (or not the checkpoint's
-//                       for non-float tensors), shape differs from the
-//                       layout's, offset or size not element-aligned,
-//                       overlapping chunk, checksum mismatch, non-finite
-//                       weights under NonFinitePolicy::kReject
-//   ALREADY_EXISTS      a chunk repeats a byte range already received
-//   OUT_OF_RANGE        chunk runs past the end of the tensor
-//   RESOURCE_EXHAUSTED  staging budget exceeded, or out of device memory
-//                       while staging on a GPU
-//   FAILED_PRECONDITION the session is no longer receiving
-// Errors of Prepare: DATA_LOSS for a tensor received only in part;
-// FAILED_PRECONDITION for a layer missing whole tensors (unless
-// allow_partial_layers).
-//
-// Thread-safety: all methods may be called from any thread; calls are
-// serialized internally, and Abort may be called while another thread is in
-// Ingest (it takes effect when that call returns).
+// Thread-safety: all methods may be called from any thread. Ingest, Prepare,
+// Commit and Abort are serialized (an Abort from another thread takes effect
+// when a running call returns, at most one layer's processing later);
+// state(), progress() and abort_status() never wait for them.
 #ifndef REFIT_CORE_REFIT_SESSION_H_
 #define REFIT_CORE_REFIT_SESSION_H_
 
@@ -44,22 +35,25 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "absl/types/span.h"
-#include "core/dtype.h"
 #include "core/fp8_quantizer.h"
+#include "core/layer_assembler.h"
+#include "core/layer_processor.h"
+#include "core/layer_worker.h"
 #include "core/shard_store.h"
 
 namespace refit::core {
 
 struct RefitOptions {
   std::string refit_id;                  // generated when empty
-  std::optional<uint64_t> base_version;  // FAILED_PRECONDITION at Begin if live differs
+  std::optional<uint64_t> base_version;  // ABORTED at Begin if the live version differs
   int64_t staging_budget_bytes = int64_t{4} << 30;
   NonFinitePolicy non_finite = NonFinitePolicy::kReject;
   bool allow_partial_layers = false;  // zero-fill missing tensors (vLLM behaviour)
@@ -68,16 +62,9 @@ struct RefitOptions {
   // Ingest returns once the worker has taken a completed layer, so at most
   // one complete layer waits on the quantizer (bounded memory).
   bool overlap_processing = true;
-};
-
-// A byte range of one checkpoint tensor, as the trainer sends it.
-struct Chunk {
-  absl::string_view name;
-  DType dtype = DType::kBFloat16;
-  absl::Span<const int64_t> shape;  // the full tensor's shape
-  uint64_t offset = 0;              // byte offset within the full tensor
-  absl::Span<const uint8_t> data;
-  std::optional<uint64_t> xxh3;  // XXH3-64 of `data`, checked when present
+  // For a store on a GPU: stage and quantize on the host instead of the
+  // device (same bytes; the commit copies host to device).
+  bool host_staging = false;
 };
 
 enum class SessionState { kReceiving, kPrepared, kCommitted, kAborted };
@@ -114,12 +101,17 @@ struct RefitResult {
   int64_t peak_staging_bytes = 0;
 };
 
-class RefitSessionImpl;
-
 class RefitSession {
  public:
-  // ABORTED naming the active refit if the store has one;
-  // FAILED_PRECONDITION if options.base_version differs from the live version.
+  // Opens a refit of `store`.
+  // Errors:
+  //   INVALID_ARGUMENT  no store; a negative staging budget
+  //   ABORTED           another refit is active on the store (named), or
+  //                     options.base_version differs from the live version:
+  //                     a test-and-set that failed, so the caller re-reads
+  //                     the version and retries the whole refit
+  //   (device)          the status of setting up GPU staging (UNAVAILABLE,
+  //                     RESOURCE_EXHAUSTED, ...), naming the refit and device
   static absl::StatusOr<std::unique_ptr<RefitSession>> Begin(ShardStore* store,
                                                              RefitOptions options);
   // Aborts unless committed.
@@ -127,33 +119,113 @@ class RefitSession {
   RefitSession(const RefitSession&) = delete;
   RefitSession& operator=(const RefitSession&) = delete;
 
+  // Stages one chunk. Any error aborts the session, so that nothing is
+  // half-applied.
+  // Errors: those of LayerAssembler::Ingest (NOT_FOUND, INVALID_ARGUMENT,
+  // OUT_OF_RANGE, ALREADY_EXISTS, DATA_LOSS for a checksum mismatch,
+  // RESOURCE_EXHAUSTED for the staging budget, naming the layer and bytes);
+  // a failed layer's processing status (INVALID_ARGUMENT for non-finite
+  // weights, RESOURCE_EXHAUSTED out of device memory); after an abort, the
+  // abort's own status (ABORTED for Abort(), or the error that aborted it);
+  // FAILED_PRECONDITION once prepared or committed.
   absl::Status Ingest(const Chunk& chunk);
   // Finalizes everything; the session is then PREPARED (nothing visible yet).
-  absl::Status Prepare();
-  // Prepares if needed, then commits in place.
+  // Returns the prepared result: the live version and fingerprint (which
+  // Commit will replace), kept and partial layers, timings so far.
+  // Errors (the session aborts):
+  //   DATA_LOSS           a tensor received only in part (named, bytes)
+  //   FAILED_PRECONDITION a layer missing whole tensors (named), unless
+  //                       allow_partial_layers; or the session is not
+  //                       receiving (prepared, committed, aborted: the
+  //                       message says which and why)
+  //   and the processing errors of Ingest.
+  absl::StatusOr<RefitResult> Prepare();
+  // Prepares if needed, then commits in place: the new version and
+  // fingerprint. Errors: those of Prepare; FAILED_PRECONDITION when already
+  // committed or aborted; INTERNAL if staged sizes disagree with the store
+  // (nothing copied).
   absl::StatusOr<RefitResult> Commit();
-  // Idempotent. Frees staging and releases the store's session slot.
+  // Idempotent. Frees staging and releases the store's refit slot. The
+  // session's status becomes ABORTED with `reason`.
   void Abort(absl::string_view reason);
 
-  const std::string& refit_id() const;
+  const std::string& refit_id() const { return options_.refit_id; }
   SessionState state() const;
+  // As of the end of the last Ingest / Prepare / Commit / Abort.
   SessionProgress progress() const;
   // The reason of the abort, or OK.
   absl::Status abort_status() const;
 
  private:
-  explicit RefitSession(std::unique_ptr<RefitSessionImpl> impl);
-  std::unique_ptr<RefitSessionImpl> impl_;
-};
+  // What a call leaves to do once its locks are released: events for the
+  // store's listeners and, when the session finished, the slot to release
+  // after them.
+  struct Outbox {
+    std::vector<StoreEvent> events;
+    std::shared_ptr<RefitSlot> slot;
+    bool release = false;
+    void Deliver();
+  };
 
-// Loads a checkpoint's safetensors files through a RefitSession: the first
-// load and the daemon's Reload share every line after the reader. Tensors are
-// fed straight from the mapping in chunks of at most `chunk_bytes`.
-// `on_progress` (optional) is called after each file.
-absl::StatusOr<RefitResult> LoadSafetensors(
-    ShardStore* store, const std::vector<std::string>& files, RefitOptions options,
-    const std::function<void(const SessionProgress&)>& on_progress = nullptr,
-    bool prepare_only = false, std::unique_ptr<RefitSession>* prepared = nullptr);
+  RefitSession(ShardStore* store, RefitOptions options, std::shared_ptr<RefitSlot> slot,
+               std::unique_ptr<LayerProcessor> processor);
+
+  absl::Status IngestLocked(const Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  absl::StatusOr<RefitResult> PrepareLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  absl::StatusOr<RefitResult> CommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  absl::Status FinalizeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // Aborts with `reason` unless already finished.
+  void FailLocked(absl::Status reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // Hands a complete layer to the worker, or processes it here.
+  absl::Status ProcessCompleteLocked(int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  absl::Status ProcessHereLocked(int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  void RecordLocked(ProcessedLayer processed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  void CollectDoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // The assembler's hook before it allocates a layer's staging.
+  absl::Status ReserveStagingLocked(const LayerSpec& layer, int64_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // The one place a RefitResult is built.
+  RefitResult ResultLocked(uint64_t version, std::string fingerprint) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  void QueueEventLocked(StoreEventType type, std::string message = "")
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // Refreshes the progress snapshot and takes the outbox; every public call
+  // ends with it.
+  Outbox EndCallLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  absl::Status NotReceiving() const;
+  SessionState StateNow() const;
+  void SetState(SessionState state, absl::Status reason = absl::OkStatus());
+
+  ShardStore* const store_;
+  const ModelLayout& layout_;
+  const RefitOptions options_;
+  const absl::Time begin_time_;
+
+  // Serializes the calls that change the session; held for their whole
+  // duration, including waits for the worker. Taken before mu_.
+  absl::Mutex call_mu_;
+  std::shared_ptr<RefitSlot> slot_ ABSL_GUARDED_BY(call_mu_);
+  // Used by the worker while it processes a layer, and by calls (at Prepare)
+  // only once the worker is drained: never by two threads at once.
+  const std::unique_ptr<LayerProcessor> processor_;
+  LayerAssembler assembler_ ABSL_GUARDED_BY(call_mu_);
+  LayerWorker worker_;  // thread-safe
+  std::vector<ProcessedLayer> processed_ ABSL_GUARDED_BY(call_mu_);  // by layer; layer -1: none
+  int64_t layers_done_ ABSL_GUARDED_BY(call_mu_) = 0;
+  int64_t staged_kernel_bytes_ ABSL_GUARDED_BY(call_mu_) = 0;
+  int64_t peak_staging_bytes_ ABSL_GUARDED_BY(call_mu_) = 0;
+  std::vector<std::string> kept_layers_ ABSL_GUARDED_BY(call_mu_);
+  std::vector<std::string> partial_layers_ ABSL_GUARDED_BY(call_mu_);
+  PhaseTimings timings_ ABSL_GUARDED_BY(call_mu_);
+  absl::Time last_ingest_ ABSL_GUARDED_BY(call_mu_);
+  Outbox outbox_ ABSL_GUARDED_BY(call_mu_);
+
+  // What other threads read without waiting for a call.
+  mutable absl::Mutex mu_;
+  SessionState state_ ABSL_GUARDED_BY(mu_) = SessionState::kReceiving;
+  absl::Status abort_status_ ABSL_GUARDED_BY(mu_);
+  SessionProgress progress_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace refit::core
 

@@ -55,30 +55,14 @@ absl::StatusOr<c10::Device> ParseDevice(absl::string_view text) {
 
 }  // namespace
 
-absl::string_view StoreEventTypeName(StoreEventType type) {
-  switch (type) {
-    case StoreEventType::kStagingStarted:
-      return "staging_started";
-    case StoreEventType::kPrepared:
-      return "prepared";
-    case StoreEventType::kCommitted:
-      return "committed";
-    case StoreEventType::kAborted:
-      return "aborted";
-  }
-  return "unknown";
-}
-
 ShardStoreImpl::ShardStoreImpl(std::shared_ptr<const ModelLayout> shared_layout,
                                c10::Device dev)
-    : layout(*shared_layout), device(dev), mapper(shared_layout) {
-  layer_kernels.resize(layout.layers().size());
+    : layout(*shared_layout), device(dev) {
   for (size_t l = 0; l < layout.layers().size(); ++l) {
     for (const KernelSpec& spec : layout.layers()[l].kernels) {
       int index = static_cast<int>(specs.size());
       specs.push_back(&spec);
       kernel_layer.push_back(static_cast<int>(l));
-      layer_kernels[l].push_back(index);
       kernel_index.emplace(spec.name, index);
     }
   }
@@ -263,6 +247,10 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
 
 bool ShardStore::on_gpu() const { return impl_->device.is_cuda(); }
 
+int ShardStore::device_index() const {
+  return impl_->device.is_cuda() ? static_cast<int>(impl_->device.index()) : -1;
+}
+
 uint64_t ShardStore::version() const {
   absl::ReaderMutexLock lock(&impl_->mu);
   return impl_->version;
@@ -321,19 +309,47 @@ void ShardStore::WithReaderLock(absl::FunctionRef<void(uint64_t)> fn) const {
   fn(impl_->version);
 }
 
-absl::Status ShardStore::AcquireSession(absl::string_view refit_id) {
+absl::StatusOr<RefitSlot> ShardStore::AcquireRefitSlot(absl::string_view refit_id) {
   absl::MutexLock lock(&session_mu_);
   if (!active_session_.empty()) {
-    return absl::AbortedError(absl::StrCat("model group \"", options_.group, "\" already has an active refit \"",
-                                           active_session_, "\"; wait for it or abort it"));
+    return absl::AbortedError(absl::StrCat("model group \"", options_.group,
+                                           "\" already has an active refit \"", active_session_,
+                                           "\"; wait for it or abort it"));
   }
   active_session_ = std::string(refit_id);
-  return absl::OkStatus();
+  return RefitSlot(this, std::string(refit_id));
 }
 
-void ShardStore::ReleaseSession(absl::string_view refit_id) {
+void ShardStore::ReleaseSlot(absl::string_view refit_id) {
   absl::MutexLock lock(&session_mu_);
   if (active_session_ == refit_id) active_session_.clear();
+}
+
+RefitSlot::RefitSlot(RefitSlot&& other) noexcept
+    : store_(std::exchange(other.store_, nullptr)), refit_id_(std::move(other.refit_id_)) {}
+
+RefitSlot& RefitSlot::operator=(RefitSlot&& other) noexcept {
+  if (this != &other) {
+    Release();
+    store_ = std::exchange(other.store_, nullptr);
+    refit_id_ = std::move(other.refit_id_);
+  }
+  return *this;
+}
+
+RefitSlot::~RefitSlot() { Release(); }
+
+void RefitSlot::Release() {
+  if (store_ != nullptr) std::exchange(store_, nullptr)->ReleaseSlot(refit_id_);
+}
+
+void RefitSlot::Publish(StoreEvent event) const {
+  if (store_ != nullptr) store_->Publish(std::move(event));
+}
+
+absl::StatusOr<CommitStats> RefitSlot::Commit(const std::vector<StagedKernel>& staged) const {
+  if (store_ == nullptr) return absl::InternalError("commit through a released refit slot");
+  return store_->impl_->CommitStaged(staged);
 }
 
 std::string ShardStore::active_session() const {

@@ -13,8 +13,10 @@
 // core/shard_store_tensors.h.
 //
 // Lifecycle: Create allocates zeroed kernels, version 0 (nothing loaded).
-// Each commit increments the version. One refit session at a time holds the
-// session slot (AcquireSession). Thread-safe.
+// Each commit increments the version. One refit at a time holds the store's
+// RefitSlot (AcquireRefitSlot); only the holder can publish refit events and
+// commit, so a store's version changes only through one transaction at a time.
+// Thread-safe.
 #ifndef REFIT_CORE_SHARD_STORE_H_
 #define REFIT_CORE_SHARD_STORE_H_
 
@@ -42,7 +44,6 @@ struct ShardStoreOptions {
 };
 
 enum class StoreEventType { kStagingStarted, kPrepared, kCommitted, kAborted };
-absl::string_view StoreEventTypeName(StoreEventType type);
 
 struct StoreEvent {
   StoreEventType type;
@@ -70,7 +71,51 @@ struct CommitStats {
   int64_t bytes_copied = 0;
 };
 
+// New bytes for one live kernel, staged in host memory or, for a store on a
+// GPU, in device memory of the store's device.
+struct StagedKernel {
+  int kernel = -1;             // flattened kernel index (LayerSpec::first_kernel + k)
+  const void* data = nullptr;  // nbytes of the kernel's dtype/shape
+  bool on_device = false;      // data is a device pointer on the store's device
+  uint64_t hash = 0;           // XXH3-64 of the bytes
+};
+
+class ShardStore;
 class ShardStoreImpl;  // holds the at::Tensor objects; see shard_store_tensors.h
+
+// The right to change a store: held by one refit at a time, released when
+// destroyed. Move-only.
+class RefitSlot {
+ public:
+  RefitSlot(RefitSlot&& other) noexcept;
+  RefitSlot& operator=(RefitSlot&& other) noexcept;
+  RefitSlot(const RefitSlot&) = delete;
+  RefitSlot& operator=(const RefitSlot&) = delete;
+  ~RefitSlot();
+
+  const std::string& refit_id() const { return refit_id_; }
+  ShardStore* store() const { return store_; }
+
+  // Sends `event` to the store's listeners (group and, if unset, time filled
+  // in), on the calling thread.
+  void Publish(StoreEvent event) const;
+
+  // Copies `staged` into the live tensors in place under the writer lock and
+  // bumps the version. Errors (nothing copied, version unchanged):
+  //   INTERNAL  an entry with an invalid kernel index, a null pointer, or
+  //             device bytes for a store in host memory
+  //   (device) the CUDA error of creating the commit stream, as its code
+  absl::StatusOr<CommitStats> Commit(const std::vector<StagedKernel>& staged) const;
+
+  // Gives the slot back now (idempotent); the destructor does the same.
+  void Release();
+
+ private:
+  friend class ShardStore;
+  RefitSlot(ShardStore* store, std::string refit_id) : store_(store), refit_id_(std::move(refit_id)) {}
+  ShardStore* store_ = nullptr;
+  std::string refit_id_;
+};
 
 class ShardStore {
  public:
@@ -88,6 +133,8 @@ class ShardStore {
   const std::string& group() const { return options_.group; }
   const std::string& device() const { return options_.device; }
   bool on_gpu() const;
+  // The CUDA device index of a GPU store, -1 for host memory.
+  int device_index() const;
 
   uint64_t version() const;
   // XXH3-64 (16 hex digits) over the kernel layout and bytes of the live version.
@@ -102,9 +149,10 @@ class ShardStore {
   // Runs `fn` with the reader lock held: the live version cannot change.
   void WithReaderLock(absl::FunctionRef<void(uint64_t version)> fn) const;
 
-  // Session slot. ABORTED, naming the active refit, if one is active.
-  absl::Status AcquireSession(absl::string_view refit_id);
-  void ReleaseSession(absl::string_view refit_id);
+  // The store's refit slot for `refit_id`. ABORTED, naming the active refit,
+  // if another refit holds it.
+  absl::StatusOr<RefitSlot> AcquireRefitSlot(absl::string_view refit_id);
+  // The refit id holding the slot, or "".
   std::string active_session() const;
 
   // Events go to every listener, called outside the store's locks, on the
@@ -112,13 +160,12 @@ class ShardStore {
   using Listener = std::function<void(const StoreEvent&)>;
   int AddListener(Listener listener);
   void RemoveListener(int id);
-  void Publish(StoreEvent event);
-
-  ShardStoreImpl& impl() { return *impl_; }
-  const ShardStoreImpl& impl() const { return *impl_; }
 
  private:
+  friend class RefitSlot;
   ShardStore(std::shared_ptr<const ModelLayout> layout, ShardStoreOptions options);
+  void Publish(StoreEvent event);
+  void ReleaseSlot(absl::string_view refit_id);
 
   std::shared_ptr<const ModelLayout> layout_;
   ShardStoreOptions options_;

@@ -30,15 +30,6 @@ class DeviceEvent;  // core/cuda/device_commit.h
 }  // namespace cuda
 #endif
 
-// New bytes for one live kernel, staged in host memory (or, for GPU staging,
-// on the store's device).
-struct StagedKernel {
-  int kernel = -1;             // index into ShardStoreImpl::kernels
-  const void* data = nullptr;  // nbytes of the kernel's dtype/shape
-  bool on_device = false;      // data is a device pointer on the store's device
-  uint64_t hash = 0;           // XXH3-64 of the bytes
-};
-
 class ShardStoreImpl {
  public:
   ShardStoreImpl(std::shared_ptr<const ModelLayout> layout, c10::Device device);
@@ -60,9 +51,7 @@ class ShardStoreImpl {
   const c10::Device device;
   std::vector<const KernelSpec*> specs;  // flattened, layout order
   std::vector<int> kernel_layer;
-  std::vector<std::vector<int>> layer_kernels;  // per layer: kernel indices
   absl::flat_hash_map<std::string, int> kernel_index;
-  NameMapper mapper;
 
   mutable absl::Mutex mu;
   // The tensors themselves never change identity; their bytes change under mu.

@@ -128,7 +128,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
       if (finished_) return;
     }
     idle_deadline_ns_.store(
-        absl::ToUnixNanos(absl::Now() + service_->options().push_idle_timeout));
+        absl::ToUnixNanos(service_->clock()->Now() + service_->options().push_idle_timeout));
     service_->watchdog()->Wake();
     StartRead(&request_);
   }
@@ -221,16 +221,10 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
       c.data = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(chunk.data().data()),
                                    chunk.data().size());
       if (chunk.has_xxh3()) c.xxh3 = chunk.xxh3();
+      // After an abort from elsewhere (Abort RPC, shutdown) this is the
+      // abort's own status.
       absl::Status ingested = session_->Ingest(c);
-      if (!ingested.ok()) {
-        if (session_->state() == core::SessionState::kAborted &&
-            ingested.code() == absl::StatusCode::kFailedPrecondition) {
-          // Aborted from elsewhere (Abort RPC, shutdown): report why.
-          absl::Status why = session_->abort_status();
-          return why.ok() ? ingested : why;
-        }
-        return ingested;
-      }
+      if (!ingested.ok()) return ingested;
       service_->metrics()->AddBytesReceived(static_cast<int64_t>(chunk.data().size()));
     }
     return absl::OkStatus();
@@ -238,18 +232,11 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
 
   absl::Status HandleEnd() {
     if (prepare_only_) {
-      absl::Status prepared = session_->Prepare();
-      if (!prepared.ok()) return prepared;
+      absl::StatusOr<core::RefitResult> result = session_->Prepare();
+      if (!result.ok()) return result.status();
       group_->MarkPrepared(session_->refit_id());
-      core::SessionProgress progress = session_->progress();
-      core::RefitResult result;
-      result.refit_id = session_->refit_id();
-      result.version = group_->store()->version();
-      result.fingerprint = group_->store()->fingerprint();
-      result.bytes_received = progress.bytes_received;
-      result.peak_staging_bytes = progress.peak_staging_bytes;
-      ToProtoResult(result, v1::REFIT_STATE_PREPARED, response_->mutable_result());
-      REFIT_LOG(INFO).Field("refit_id", result.refit_id).Field("group", group_->name())
+      ToProtoResult(*result, v1::REFIT_STATE_PREPARED, response_->mutable_result());
+      REFIT_LOG(INFO).Field("refit_id", result->refit_id).Field("group", group_->name())
           << "Push prepared; waiting for Commit or Abort";
       done_ = true;
       FinishOnce(grpc::Status::OK, "prepared");

@@ -2,7 +2,7 @@
 
 namespace refit::server {
 
-IdleWatchdog::IdleWatchdog() : thread_([this] { Run(); }) {}
+IdleWatchdog::IdleWatchdog(Clock* clock) : clock_(clock), thread_([this] { Run(); }) {}
 
 IdleWatchdog::~IdleWatchdog() { Stop(); }
 
@@ -33,7 +33,7 @@ void IdleWatchdog::Stop() {
 void IdleWatchdog::Run() {
   absl::MutexLock lock(&mu_);
   while (!stop_) {
-    const absl::Time now = absl::Now();
+    const absl::Time now = clock_->Now();
     absl::Time earliest = absl::InfiniteFuture();
     std::vector<Target*> expired;
     for (Target* target : targets_) {
@@ -55,12 +55,13 @@ void IdleWatchdog::Run() {
       continue;
     }
     changed_ = false;
-    mu_.AwaitWithDeadline(absl::Condition(
-                              +[](IdleWatchdog* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                return self->stop_ || self->changed_;
-                              },
-                              this),
-                          earliest);
+    clock_->AwaitWithDeadline(&mu_,
+                              absl::Condition(
+                                  +[](IdleWatchdog* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                    return self->stop_ || self->changed_;
+                                  },
+                                  this),
+                              earliest);
   }
 }
 

@@ -8,9 +8,14 @@
 // (event fan-out, workers) holds its own, so a reactor is never deleted while
 // someone is about to call it. After Finish every Enqueue is a no-op.
 //
+// FailedWriteStream: a server-streaming reactor that finishes at once with a
+// status, for RPCs refused before any work starts.
+//
 // IdleWatchdog: one thread that calls OnIdle() on targets whose deadline has
 // passed (Push streams that went quiet), without polling: it sleeps until the
-// earliest deadline.
+// earliest deadline. Deadlines are times on the watchdog's Clock (the real
+// one in a daemon, a hand-advanced one in tests); targets compute theirs from
+// the same clock's Now().
 #ifndef REFIT_SERVER_REACTOR_UTIL_H_
 #define REFIT_SERVER_REACTOR_UTIL_H_
 
@@ -27,6 +32,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/clock.h"
 
 namespace refit::server {
 
@@ -123,6 +129,16 @@ class QueuedWriteReactor : public grpc::ServerWriteReactor<Msg> {
   bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+template <typename Msg>
+grpc::ServerWriteReactor<Msg>* FailedWriteStream(const grpc::Status& status) {
+  class Failed final : public grpc::ServerWriteReactor<Msg> {
+   public:
+    explicit Failed(const grpc::Status& status) { this->Finish(status); }
+    void OnDone() override { delete this; }
+  };
+  return new Failed(status);
+}
+
 class IdleWatchdog {
  public:
   class Target {
@@ -138,7 +154,8 @@ class IdleWatchdog {
     virtual ~Target() = default;
   };
 
-  IdleWatchdog();
+  // `clock` must outlive the watchdog.
+  explicit IdleWatchdog(Clock* clock = Clock::Real());
   ~IdleWatchdog();  // Stop()
   IdleWatchdog(const IdleWatchdog&) = delete;
   IdleWatchdog& operator=(const IdleWatchdog&) = delete;
@@ -151,6 +168,7 @@ class IdleWatchdog {
 
  private:
   void Run();
+  Clock* const clock_;
   absl::Mutex mu_;
   absl::flat_hash_set<Target*> targets_ ABSL_GUARDED_BY(mu_);
   bool changed_ ABSL_GUARDED_BY(mu_) = false;

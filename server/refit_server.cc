@@ -20,6 +20,7 @@
 #include "core/model_config.h"
 #include "core/model_layout.h"
 #include "core/refit_session.h"
+#include "core/safetensors_ingest.h"
 #include "core/runtime_info.h"
 #include "core/safetensors.h"
 #include "core/shard_store.h"

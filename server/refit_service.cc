@@ -109,12 +109,7 @@ class WatchReactor final : public QueuedWriteReactor<v1::WatchEvent>, public Eve
 
 template <typename Msg>
 grpc::ServerWriteReactor<Msg>* FailStream(const absl::Status& status) {
-  class Failed final : public grpc::ServerWriteReactor<Msg> {
-   public:
-    explicit Failed(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
-    void OnDone() override { delete this; }
-  };
-  return new Failed(status);
+  return FailedWriteStream<Msg>(ToGrpcStatus(status));
 }
 
 }  // namespace
@@ -122,7 +117,12 @@ grpc::ServerWriteReactor<Msg>* FailStream(const absl::Status& status) {
 RefitServiceImpl::RefitServiceImpl(const ServerOptions& options,
                                    const std::map<std::string, std::unique_ptr<ModelGroup>>* groups,
                                    const Authenticator* auth, Metrics* metrics)
-    : options_(options), groups_(groups), auth_(auth), metrics_(metrics) {}
+    : options_(options),
+      groups_(groups),
+      auth_(auth),
+      metrics_(metrics),
+      clock_(options.clock != nullptr ? options.clock : Clock::Real()),
+      watchdog_(clock_) {}
 
 RefitServiceImpl::~RefitServiceImpl() {
   watchdog_.Stop();
@@ -330,29 +330,12 @@ grpc::ServerUnaryReactor* RefitServiceImpl::ListTensors(grpc::CallbackServerCont
   switch (request->layout()) {
     case v1::ListTensorsRequest::LAYOUT_KERNEL:
       for (const core::KernelView& kernel : store->Kernels()) {
-        v1::TensorInfo* info = response->add_tensors();
-        info->set_name(kernel.spec->name);
-        info->set_dtype(ToProtoDType(kernel.spec->dtype));
-        for (int64_t d : kernel.spec->shape) info->add_shape(d);
-        info->set_nbytes(static_cast<uint64_t>(kernel.nbytes));
-        if (kernel.layer >= 0 && kernel.layer < static_cast<int>(layout.layers().size())) {
-          info->set_layer(layout.layers()[kernel.layer].name);
-        }
+        ToProtoTensorInfo(kernel, layout, response->add_tensors());
       }
       break;
     case v1::ListTensorsRequest::LAYOUT_CHECKPOINT:
       for (const core::CheckpointTensor& tensor : layout.checkpoint_tensors()) {
-        v1::TensorInfo* info = response->add_tensors();
-        info->set_name(tensor.name);
-        info->set_dtype(ToProtoDType(tensor.dtype));
-        for (int64_t d : tensor.shape) info->add_shape(d);
-        info->set_nbytes(static_cast<uint64_t>(tensor.nbytes()));
-        const bool ignored = tensor.use == core::CheckpointTensor::Use::kIgnored;
-        if (!ignored && tensor.layer >= 0 &&
-            tensor.layer < static_cast<int>(layout.layers().size())) {
-          info->set_layer(layout.layers()[tensor.layer].name);
-        }
-        info->set_optional(tensor.optional || ignored);
+        ToProtoTensorInfo(tensor, layout, response->add_tensors());
       }
       break;
     default:
@@ -374,14 +357,7 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
   for (const core::KernelView& kernel : store->Kernels()) {
     if (kernel.spec->name != request->name()) continue;
     known = true;
-    info.set_name(kernel.spec->name);
-    info.set_dtype(ToProtoDType(kernel.spec->dtype));
-    for (int64_t d : kernel.spec->shape) info.add_shape(d);
-    info.set_nbytes(static_cast<uint64_t>(kernel.nbytes));
-    const auto& layers = store->layout().layers();
-    if (kernel.layer >= 0 && kernel.layer < static_cast<int>(layers.size())) {
-      info.set_layer(layers[kernel.layer].name);
-    }
+    ToProtoTensorInfo(kernel, store->layout(), &info);
     break;
   }
   if (!known) {

@@ -32,6 +32,7 @@
 #include "absl/synchronization/mutex.h"
 #include "refit/v1/refit.grpc.pb.h"
 #include "server/auth.h"
+#include "server/clock.h"
 #include "server/metrics.h"
 #include "server/model_group.h"
 #include "server/reactor_util.h"
@@ -76,6 +77,8 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
   const ServerOptions& options() const { return options_; }
   Metrics* metrics() const { return metrics_; }
   IdleWatchdog* watchdog() { return &watchdog_; }
+  // The clock of the watchdog: idle deadlines are computed from its Now().
+  Clock* clock() const { return clock_; }
   // NOT_FOUND naming the group; "" is the default group.
   absl::StatusOr<ModelGroup*> FindGroup(absl::string_view name) const;
   absl::StatusOr<Principal> Authorize(const grpc::CallbackServerContext* context, Action action,
@@ -90,6 +93,7 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
   const Authenticator* auth_;
   Metrics* metrics_;
   std::atomic<bool> shutting_down_{false};
+  Clock* const clock_;
   IdleWatchdog watchdog_;
   absl::Mutex workers_mu_;
   std::vector<std::thread> workers_ ABSL_GUARDED_BY(workers_mu_);

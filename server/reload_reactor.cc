@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
-#include "core/safetensors.h"
+#include "core/safetensors_ingest.h"
 #include "server/grpc_convert.h"
 #include "server/refit_service.h"
 
@@ -107,59 +107,27 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
   }
 
   absl::Status IngestAll() {
-    const uint64_t max_chunk = static_cast<uint64_t>(service_->options().max_chunk_bytes);
-    for (const std::string& path : files_) {
-      absl::StatusOr<std::unique_ptr<core::SafetensorsFile>> file =
-          core::SafetensorsFile::Open(path);
-      if (!file.ok()) return file.status();
-      for (const core::TensorEntry& tensor : (*file)->tensors()) {
-        const uint64_t elem = core::DTypeSize(tensor.dtype);
-        uint64_t offset = 0;
-        do {
-          uint64_t n = std::min(max_chunk, tensor.nbytes - offset);
-          n -= n % elem;
-          if (n == 0 && tensor.nbytes > offset) n = std::min(elem, tensor.nbytes - offset);
-          core::Chunk chunk;
-          chunk.name = tensor.name;
-          chunk.dtype = tensor.dtype;
-          chunk.shape = tensor.shape;
-          chunk.offset = offset;
-          chunk.data = absl::MakeConstSpan(tensor.data + offset, n);
-          absl::Status ingested = session_->Ingest(chunk);
-          if (!ingested.ok()) {
-            if (session_->state() == core::SessionState::kAborted &&
-                ingested.code() == absl::StatusCode::kFailedPrecondition &&
-                !session_->abort_status().ok()) {
-              return session_->abort_status();
-            }
-            return absl::Status(ingested.code(), absl::StrCat(path, ": ", ingested.message()));
-          }
-          service_->metrics()->AddBytesReceived(static_cast<int64_t>(n));
-          offset += n;
-        } while (offset < tensor.nbytes);
-        v1::ReloadProgress progress;
-        ToProtoProgress(session_->progress(), progress.mutable_progress());
-        Enqueue(std::move(progress), /*coalesce=*/true);
-      }
-    }
-    return absl::OkStatus();
+    core::SafetensorsIngestOptions ingest;
+    ingest.chunk_bytes = static_cast<uint64_t>(service_->options().max_chunk_bytes);
+    ingest.on_tensor = [this](const core::TensorEntry& tensor) {
+      service_->metrics()->AddBytesReceived(static_cast<int64_t>(tensor.nbytes));
+      v1::ReloadProgress progress;
+      ToProtoProgress(session_->progress(), progress.mutable_progress());
+      Enqueue(std::move(progress), /*coalesce=*/true);
+      return absl::OkStatus();
+    };
+    return core::IngestSafetensors(files_, *session_, ingest);
   }
 
   absl::Status Complete() {
     v1::ReloadProgress last;
     if (options_.prepare_only) {
-      if (absl::Status s = session_->Prepare(); !s.ok()) return s;
+      absl::StatusOr<core::RefitResult> result = session_->Prepare();
+      if (!result.ok()) return result.status();
       group_->MarkPrepared(session_->refit_id());
-      core::SessionProgress progress = session_->progress();
-      core::RefitResult result;
-      result.refit_id = session_->refit_id();
-      result.version = group_->store()->version();
-      result.fingerprint = group_->store()->fingerprint();
-      result.bytes_received = progress.bytes_received;
-      result.peak_staging_bytes = progress.peak_staging_bytes;
-      ToProtoResult(result, v1::REFIT_STATE_PREPARED, last.mutable_result());
+      ToProtoResult(*result, v1::REFIT_STATE_PREPARED, last.mutable_result());
       service_->metrics()->RecordOutcome("prepared");
-      REFIT_LOG(INFO).Field("refit_id", result.refit_id) << "Reload prepared";
+      REFIT_LOG(INFO).Field("refit_id", result->refit_id) << "Reload prepared";
     } else {
       absl::StatusOr<core::RefitResult> result = session_->Commit();
       if (!result.ok()) return result.status();
@@ -190,12 +158,7 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
 
 template <typename Msg>
 grpc::ServerWriteReactor<Msg>* FailedStream(const absl::Status& status) {
-  class Failed final : public grpc::ServerWriteReactor<Msg> {
-   public:
-    explicit Failed(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
-    void OnDone() override { delete this; }
-  };
-  return new Failed(status);
+  return FailedWriteStream<Msg>(ToGrpcStatus(status));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Settings of refitd, one struct with defaults, filled from flags by main.cc
-// and directly by tests. Plain values; thread-compatible.
+// and directly by tests. Plain values (and the clock the daemon's timers
+// run on); thread-compatible.
 #ifndef REFIT_SERVER_SERVER_OPTIONS_H_
 #define REFIT_SERVER_SERVER_OPTIONS_H_
 
@@ -10,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "server/clock.h"
 
 namespace refit::server {
 
@@ -37,6 +39,10 @@ struct ServerOptions {
   int64_t read_chunk_bytes = int64_t{1} << 20;
   // A Push stream that sends nothing for this long is aborted.
   absl::Duration push_idle_timeout = absl::Seconds(60);
+  // What push_idle_timeout is measured on; not owned, must outlive the
+  // server. Tests pass a clock they advance by hand; nullptr means the real
+  // one.
+  Clock* clock = Clock::Real();
   // SIGTERM: in-flight RPCs get this long, then they are cancelled.
   absl::Duration shutdown_timeout = absl::Seconds(10);
   // Reload reads only below this directory; "" disables Reload.

@@ -51,7 +51,6 @@
 #include "core/model_layout.h"
 #include "core/refit_session.h"
 #include "core/shard_store.h"
-#include "core/shard_store_tensors.h"
 
 ABSL_FLAG(std::string, sizes, "256,1024,4096", "model sizes in MiB (bf16 checkpoint bytes)");
 ABSL_FLAG(int, reps, 3, "repetitions of each scaling refit (interleaved by size)");
@@ -207,7 +206,7 @@ RefitRun RunRefit(Model& m, bool commit, bool measure_memory, int64_t staging_bu
     if (!s.ok()) Die(s, "Ingest");
   }
   const double t1 = NowSeconds();
-  absl::Status prepared = (*session)->Prepare();
+  absl::Status prepared = (*session)->Prepare().status();
   if (!prepared.ok()) Die(prepared, "Prepare");
   const double t2 = NowSeconds();
   if (commit) {
@@ -243,7 +242,10 @@ double MemcpyChunks(const Model& m, std::vector<uint8_t>& dst) {
 }
 
 void RunCommit(Model& m, int reps, std::vector<Figure>& figures, nlohmann::json& series) {
-  core::ShardStoreImpl& impl = m.store->impl();
+  // The bench holds the store's refit slot, as a session does, and commits
+  // through it.
+  absl::StatusOr<core::RefitSlot> slot = m.store->AcquireRefitSlot("bench-commit");
+  if (!slot.ok()) Die(slot.status(), "AcquireRefitSlot");
   std::vector<core::KernelView> views = m.store->Kernels();
   // Staged bytes: random, touched, one buffer per kernel (as a session holds them).
   std::vector<std::vector<uint8_t>> buffers(views.size());
@@ -264,7 +266,7 @@ void RunCommit(Model& m, int reps, std::vector<Figure>& figures, nlohmann::json&
   std::vector<double> pause, wall, copy;
   auto run_commit = [&] {
     const double t0 = NowSeconds();
-    absl::StatusOr<core::CommitStats> stats = impl.CommitStaged(staged);
+    absl::StatusOr<core::CommitStats> stats = slot->Commit(staged);
     const double t1 = NowSeconds();
     if (!stats.ok()) Die(stats.status(), "CommitStaged");
     pause.push_back(absl::ToDoubleSeconds(stats->pause));

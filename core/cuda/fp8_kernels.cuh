@@ -47,7 +47,6 @@ struct ErrorRecord {
   uint32_t unused;
 };
 
-
 inline constexpr int kThreads = 256;
 inline constexpr int kIndexBits = 40;
 inline constexpr unsigned long long kIndexMask = (1ull << kIndexBits) - 1;
@@ -79,8 +78,8 @@ struct alignas(16) Vec16 {
 };
 
 struct ErrorSink {
-  ErrorRecord* record;  // unused unless rejecting
-  unsigned long long seq_key;                   // job sequence << kIndexBits
+  ErrorRecord* record;         // unused unless rejecting
+  unsigned long long seq_key;  // job sequence << kIndexBits
   __device__ __forceinline__ void Record(int64_t index) const {
     atomicMin(&record->first_bad, seq_key | static_cast<unsigned long long>(index));
   }
@@ -104,7 +103,8 @@ __device__ __forceinline__ void Observe(float x, int64_t index, uint32_t& amax,
 // Max over the block; every thread gets the result. blockDim.x == kThreads.
 __device__ __forceinline__ uint32_t BlockMax(uint32_t v) {
   __shared__ uint32_t warp_max[kThreads / 32];
-  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   if (lane == 0) warp_max[warp] = v;
@@ -150,7 +150,8 @@ __device__ __forceinline__ bool UseHw(bool hw_enabled, const Fp8Scale& scale) {
 __device__ __forceinline__ uint32_t QuantizePairHw(float x0, float x1, const Fp8Scale& scale,
                                                    bool vllm) {
   if (vllm && (!IsFiniteBits(FloatBits(x0)) || !IsFiniteBits(FloatBits(x1)) || scale.s == 0.0f)) {
-    return QuantizeValue(x0, scale, true) | (static_cast<uint32_t>(QuantizeValue(x1, scale, true)) << 8);
+    return QuantizeValue(x0, scale, true) |
+           (static_cast<uint32_t>(QuantizeValue(x1, scale, true)) << 8);
   }
   return HwCvt2(x0 * scale.inv, x1 * scale.inv);
 }
@@ -161,7 +162,7 @@ __device__ __forceinline__ void QuantizeVec(const Vec16<T>& v, const Fp8Scale& s
   constexpr int kN = Vec16<T>::kN;
   uint32_t words[kN / 4];
   if (hw) {
-REFIT_UNROLL
+    REFIT_UNROLL
     for (int w = 0; w < kN / 4; ++w) {
       const uint32_t lo = QuantizePairHw(ToFloat(v.v[4 * w]), ToFloat(v.v[4 * w + 1]), scale, vllm);
       const uint32_t hi =
@@ -169,12 +170,13 @@ REFIT_UNROLL
       words[w] = lo | (hi << 16);
     }
   } else {
-REFIT_UNROLL
+    REFIT_UNROLL
     for (int w = 0; w < kN / 4; ++w) {
       uint32_t word = 0;
-REFIT_UNROLL
+      REFIT_UNROLL
       for (int k = 0; k < 4; ++k) {
-        word |= static_cast<uint32_t>(QuantizeValue(ToFloat(v.v[4 * w + k]), scale, vllm)) << (8 * k);
+        word |= static_cast<uint32_t>(QuantizeValue(ToFloat(v.v[4 * w + k]), scale, vllm))
+                << (8 * k);
       }
       words[w] = word;
     }
@@ -202,15 +204,15 @@ __global__ void __launch_bounds__(kThreads)
     const auto* vsrc = reinterpret_cast<const Vec16<T>*>(src);
     for (int64_t base = tid; base < nvec; base += kUnroll * stride) {
       Vec16<T> v[kUnroll];
-REFIT_UNROLL
+      REFIT_UNROLL
       for (int u = 0; u < kUnroll; ++u) {
         if (base + u * stride < nvec) v[u] = vsrc[base + u * stride];
       }
-REFIT_UNROLL
+      REFIT_UNROLL
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + u * stride;
         if (i < nvec) {
-REFIT_UNROLL
+          REFIT_UNROLL
           for (int k = 0; k < kN; ++k) Observe<kReject>(ToFloat(v[u].v[k]), i * kN + k, amax, sink);
         }
       }
@@ -245,11 +247,11 @@ __global__ void __launch_bounds__(kThreads)
     const auto* vsrc = reinterpret_cast<const Vec16<T>*>(src);
     for (int64_t base = tid; base < nvec; base += kUnroll * stride) {
       Vec16<T> v[kUnroll];
-REFIT_UNROLL
+      REFIT_UNROLL
       for (int u = 0; u < kUnroll; ++u) {
         if (base + u * stride < nvec) v[u] = vsrc[base + u * stride];
       }
-REFIT_UNROLL
+      REFIT_UNROLL
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + u * stride;
         if (i < nvec) QuantizeVec(v[u], q_scale, vllm, hw, out + i * kN);
@@ -280,8 +282,9 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t amax = 0;
   for (int64_t i = threadIdx.x; i < nvec; i += kThreads) {
     const Vec16<T> v = vsrc[i];
-REFIT_UNROLL
-    for (int k = 0; k < kN; ++k) Observe<kReject>(ToFloat(v.v[k]), row_start + i * kN + k, amax, sink);
+    REFIT_UNROLL
+    for (int k = 0; k < kN; ++k)
+      Observe<kReject>(ToFloat(v.v[k]), row_start + i * kN + k, amax, sink);
   }
   for (int64_t c = tail_start + threadIdx.x; c < cols; c += kThreads) {
     Observe<kReject>(ToFloat(rsrc[c]), row_start + c, amax, sink);
@@ -324,7 +327,7 @@ __global__ void __launch_bounds__(kThreads)
     if (vec) {
       const int64_t index = (r0 + r) * cols + c0 + static_cast<int64_t>(c) * kN;
       const Vec16<T> v = *reinterpret_cast<const Vec16<T>*>(src + index);
-REFIT_UNROLL
+      REFIT_UNROLL
       for (int k = 0; k < kN; ++k) Observe<kReject>(ToFloat(v.v[k]), index + k, amax, sink);
     } else {
       const int64_t index = (r0 + r) * cols + c0 + c;
@@ -341,8 +344,7 @@ REFIT_UNROLL
     const int c = t - r * per_row;
     if (vec) {
       const int64_t index = (r0 + r) * cols + c0 + static_cast<int64_t>(c) * kN;
-      QuantizeVec(*reinterpret_cast<const Vec16<T>*>(src + index), q_scale, vllm, hw,
-                  out + index);
+      QuantizeVec(*reinterpret_cast<const Vec16<T>*>(src + index), q_scale, vllm, hw, out + index);
     } else {
       const int64_t index = (r0 + r) * cols + c0 + c;
       out[index] = QuantizeValue(ToFloat(src[index]), q_scale, vllm);

@@ -149,15 +149,25 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     refit::v1::WatchEvent event;
     event.set_type(refit::v1::WatchEvent::TYPE_SNAPSHOT);
     event.set_version(7);
-    writer->Write(event);
-    // Then one event every few milliseconds until the client goes away.
-    for (uint64_t v = 8; !context->IsCancelled(); ++v) {
+    if (!writer->Write(event)) return grpc::Status::OK;
+    // Then versions 8, 9 and 10 committed. The stream stays open, like the
+    // daemon's, until the server stops (Stop); a client that cancels has its
+    // call ended by gRPC at once.
+    for (uint64_t v = 8; v <= 10; ++v) {
       event.set_type(refit::v1::WatchEvent::TYPE_COMMITTED);
       event.set_version(v);
-      if (!writer->Write(event)) break;
-      absl::SleepFor(absl::Milliseconds(5));
+      if (!writer->Write(event)) return grpc::Status::OK;
     }
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&stopping_));
     return grpc::Status::OK;
+  }
+
+  // Ends the streams that stay open until the server stops (Watch). Called
+  // before grpc::Server::Shutdown, which waits for every handler to return.
+  void Stop() {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
   }
 
   // How ReadTensor breaks its stream: versions 7 then 8, a missing second
@@ -246,6 +256,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
   std::string last_authorization_ ABSL_GUARDED_BY(mu_);
   std::string tensor_name_ ABSL_GUARDED_BY(mu_);
   std::string tensor_bytes_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   ReadFault read_fault_ ABSL_GUARDED_BY(mu_) = ReadFault::kNone;
   std::map<std::string, grpc::Status> failures_ ABSL_GUARDED_BY(mu_);
   bool reload_without_result_ ABSL_GUARDED_BY(mu_) = false;
@@ -263,7 +274,10 @@ class FakeServer {
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();
   }
-  ~FakeServer() { server_->Shutdown(absl::ToChronoTime(absl::Now())); }
+  ~FakeServer() {
+    service_.Stop();
+    server_->Shutdown(absl::ToChronoTime(absl::Now()));
+  }
 
   FakeRefitService& service() { return service_; }
   grpc::Server& server() { return *server_; }

@@ -304,8 +304,8 @@ CpuResult CpuQuantize(const at::Tensor& src, DType dtype, QuantScheme scheme,
   Fp8QuantizeOptions options;
   options.scheme = scheme;
   options.non_finite = policy;
-  out.status = QuantizeFp8(src.data_ptr(), dtype, rows, cols, options, out.q.data(),
-                           out.scales.data(), "w");
+  out.status =
+      QuantizeFp8(src.data_ptr(), dtype, rows, cols, options, out.q.data(), out.scales.data(), "w");
   return out;
 }
 
@@ -361,8 +361,8 @@ TEST(Fp8KernelsSimTest, MatchCpuOnOddShapesThroughVectorAndScalarPaths) {
           ExpectSame(cpu, sim, Name(dtype, scheme, src, hw));
         }
         // Misaligned source and output: the scalar paths.
-        const Result scalar = Simulate(src, dtype, scheme, NonFinitePolicy::kReject, true,
-                                       DTypeSize(dtype), 1);
+        const Result scalar =
+            Simulate(src, dtype, scheme, NonFinitePolicy::kReject, true, DTypeSize(dtype), 1);
         ExpectSame(cpu, scalar, Name(dtype, scheme, src, true, ", misaligned"));
       }
     }

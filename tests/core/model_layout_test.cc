@@ -145,7 +145,8 @@ TEST_P(ModelLayoutTpTest, SlicesReassembleTheFullCheckpoint) {
   const bool replicated = tp > c.num_kv_heads;
   const int64_t nkv_r = replicated ? 1 : c.num_kv_heads / tp;
   const int64_t i_r = c.intermediate_size / tp;
-  const int64_t v_r = ((c.vocab_size + tp - 1) / tp + 63) / 64 * 64;
+  // vLLM's VocabParallelEmbedding: pad the vocabulary to 64, then divide.
+  const int64_t v_r = (c.vocab_size + 63) / 64 * 64 / tp;
 
   for (int64_t r = 0; r < tp; ++r) {
     const RankBuffers& b = ranks[r];
@@ -484,6 +485,93 @@ TEST(ModelLayoutTest, RejectsParallelConfigsThatDoNotFit) {
   auto moe_layout = ModelLayout::Build(moe, {0, 1}, QuantScheme::kPerTensor);
   EXPECT_EQ(moe_layout.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(moe_layout.status().message()), HasSubstr("mixture-of-experts"));
+}
+
+// vLLM pads the vocabulary to a multiple of 64 and then divides it by the TP
+// size: rank r holds global rows [r * V_pad / t, (r + 1) * V_pad / t), the
+// rows at or past V zero.
+class VocabParallelTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t>> {};
+
+TEST_P(VocabParallelTest, RanksHoldVllmsPaddedRows) {
+  const auto [vocab, tp] = GetParam();
+  ModelConfig c = MakeConfig(Architecture::kLlama, 8, 8, vocab);
+  const int64_t padded = (vocab + 63) / 64 * 64;
+  const int64_t rows = padded / tp;
+  int64_t covered = 0;
+  for (int64_t rank = 0; rank < tp; ++rank) {
+    std::shared_ptr<const ModelLayout> layout = BuildOrDie(c, rank, tp);
+    ASSERT_NE(layout, nullptr);
+    for (const char* name : {"model.embed_tokens", "lm_head"}) {
+      const LayerSpec& layer = layout->layers()[layout->FindLayer(name)];
+      EXPECT_EQ(layer.kernels[0].shape, (std::vector<int64_t>{rows, c.hidden_size})) << name;
+      EXPECT_EQ(layer.params[0].shape, (std::vector<int64_t>{rows, c.hidden_size})) << name;
+      const int target = *layout->FindCheckpointTensor(absl::StrCat(name, ".weight"));
+      const SliceSpec& slice = layout->checkpoint_tensors()[target].slice;
+      const int64_t begin = std::min(rank * rows, vocab);
+      const int64_t end = std::min((rank + 1) * rows, vocab);
+      EXPECT_EQ(slice.src_row, begin) << name << " rank " << rank;
+      EXPECT_EQ(slice.num_rows, end - begin) << name << " rank " << rank;
+      EXPECT_EQ(slice.dst_row, 0);
+      EXPECT_EQ(layer.params[0].loaded_numel, (end - begin) * c.hidden_size);
+    }
+    covered += std::min((rank + 1) * rows, vocab) - std::min(rank * rows, vocab);
+  }
+  EXPECT_EQ(covered, vocab);
+}
+
+INSTANTIATE_TEST_SUITE_P(VocabSizes, VocabParallelTest,
+                         ::testing::Combine(::testing::Values<int64_t>(1000, 1100, 32000, 151936),
+                                            ::testing::Values<int64_t>(1, 2, 4, 8)));
+
+TEST(ModelLayoutTest, VocabOf1100AtTp4Has288RowsPerRank) {
+  // 1100 pads to 1152; 1152 / 4 = 288 (not round_up(ceil(1100 / 4), 64) = 320).
+  ModelConfig c = MakeConfig(Architecture::kLlama, 8, 8, 1100);
+  std::shared_ptr<const ModelLayout> layout = BuildOrDie(c, 3, 4);
+  ASSERT_NE(layout, nullptr);
+  const LayerSpec& embed = layout->layers()[layout->FindLayer("model.embed_tokens")];
+  EXPECT_EQ(embed.kernels[0].shape[0], 288);
+  const int target = *layout->FindCheckpointTensor("model.embed_tokens.weight");
+  EXPECT_EQ(layout->checkpoint_tensors()[target].slice.src_row, 864);
+  EXPECT_EQ(layout->checkpoint_tensors()[target].slice.num_rows, 1100 - 864);
+}
+
+TEST(ModelLayoutTest, RejectsTpThatDoesNotDivideThePaddedVocabulary) {
+  // 6 heads and intermediate 96 divide by 3; the padded vocabulary 64 does not.
+  ModelConfig c = MakeConfig(Architecture::kLlama, 6, 6, 50);
+  absl::StatusOr<std::shared_ptr<const ModelLayout>> layout =
+      ModelLayout::Build(c, {0, 3}, QuantScheme::kPerTensor);
+  EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(layout.status().message(), HasSubstr("tp_size 3 does not divide the padded vocabulary 64"));
+  EXPECT_THAT(layout.status().message(), HasSubstr("vocab_size 50"));
+}
+
+TEST(ModelLayoutTest, PlansEveryKernelOnce) {
+  std::shared_ptr<const ModelLayout> layout =
+      BuildOrDie(MakeConfig(Architecture::kQwen2, 4, 2, 256), 0, 1);
+  ASSERT_NE(layout, nullptr);
+  int flat = 0;
+  for (const LayerSpec& layer : layout->layers()) {
+    EXPECT_EQ(layer.first_kernel, flat) << layer.name;
+    flat += static_cast<int>(layer.kernels.size());
+    if (layer.kind == LayerKind::kAttention) {
+      EXPECT_TRUE(layer.plan.empty());
+      continue;
+    }
+    ASSERT_EQ(layer.plan.size(), layer.kernels.size()) << layer.name;
+    for (size_t k = 0; k < layer.kernels.size(); ++k) {
+      const KernelPlan& plan = layer.plan[k];
+      const std::string& suffix = layer.kernels[k].suffix;
+      if (suffix == "weight_scale" || suffix == "weight_scale_inv") {
+        EXPECT_EQ(plan.param, -1);
+        continue;
+      }
+      ASSERT_GE(plan.param, 0) << layer.kernels[k].name;
+      EXPECT_EQ(layer.params[plan.param].suffix, suffix);
+      const bool quantized = layer.quantized && suffix == "weight";
+      EXPECT_EQ(plan.scale >= 0, quantized) << layer.kernels[k].name;
+    }
+  }
+  EXPECT_EQ(flat, layout->num_kernels());
 }
 
 TEST(NameMapperTest, ReportsUnknownNamesWithHints) {

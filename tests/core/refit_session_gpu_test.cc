@@ -123,11 +123,11 @@ TEST_P(RefitSessionGpuTest, ShuffledChunksGiveTheCpuBytesWithAndWithoutOverlap) 
 }
 
 TEST_P(RefitSessionGpuTest, HostStagingGivesTheSameBytes) {
-  // REFIT_HOST_STAGING keeps the old path (CPU quantizer, host-to-device
+  // host_staging keeps the host path (CPU quantizer, host-to-device
   // commit); both must agree.
-  setenv("REFIT_HOST_STAGING", "1", 1);
-  absl::StatusOr<RefitResult> host = PushAll(*gpu_, v2_);
-  unsetenv("REFIT_HOST_STAGING");
+  RefitOptions host_staging;
+  host_staging.host_staging = true;
+  absl::StatusOr<RefitResult> host = PushAll(*gpu_, v2_, host_staging);
   ASSERT_TRUE(host.ok()) << host.status();
   std::map<std::string, std::string> host_bytes = Snapshot(*gpu_);
   absl::StatusOr<RefitResult> device = PushAll(*gpu_, v2_);

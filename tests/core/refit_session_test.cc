@@ -1,5 +1,7 @@
 #include "core/refit_session.h"
 
+#include "core/safetensors_ingest.h"
+
 #include <ATen/ATen.h>
 
 #include <atomic>
@@ -223,8 +225,10 @@ TEST_F(RefitSessionTest, AbortMidwayChangesNothing) {
   session->Abort("midway");
   EXPECT_EQ(session->progress().staging_bytes, 0);
   EXPECT_EQ(session->progress().staged_kernel_bytes, 0);
-  EXPECT_EQ(session->Ingest(ToChunk({&v2_.back(), 0, v2_.back().bytes.size()})).code(),
-            absl::StatusCode::kFailedPrecondition);
+  // After an abort from elsewhere, Ingest says why the refit ended.
+  absl::Status late = session->Ingest(ToChunk({&v2_.back(), 0, v2_.back().bytes.size()}));
+  EXPECT_EQ(late.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(late.message(), HasSubstr("midway"));
   ExpectUnchanged();
 }
 
@@ -259,7 +263,7 @@ TEST_F(RefitSessionTest, WorkerErrorsSurfaceAndAbort) {
       break;
     }
   }
-  if (first_error.ok()) first_error = session->Prepare();
+  if (first_error.ok()) first_error = session->Prepare().status();
   EXPECT_EQ(first_error.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(first_error.message(), HasSubstr("model.layers.0.mlp.down_proj"));
   EXPECT_EQ(session->state(), SessionState::kAborted);
@@ -521,8 +525,10 @@ TEST_F(RefitSessionTest, RejectsStaleBaseVersion) {
   RefitOptions options;
   options.base_version = 7;
   absl::StatusOr<std::unique_ptr<RefitSession>> s = RefitSession::Begin(store_.get(), options);
-  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(s.status().message(), HasSubstr("7"));
+  // A failed test-and-set: the caller re-reads the version and retries.
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(s.status().message(), HasSubstr("expects base version 7"));
+  EXPECT_THAT(s.status().message(), HasSubstr("serves version 1"));
   options.base_version = 1;
   EXPECT_TRUE(RefitSession::Begin(store_.get(), options).ok());
 }
@@ -577,36 +583,75 @@ TEST_F(RefitSessionTest, BrokenSafetensorsChangeNothing) {
 }
 
 TEST_F(RefitSessionTest, ReadersSeeOneVersionAtATime) {
-  // Two versions with known per-kernel bytes; a reader that holds the reader
-  // lock must always see all kernels of one of them.
+  // Two versions with known kernel bytes: odd versions hold v1_'s kernels,
+  // even ones v2_'s. A reader that holds the reader lock must see every
+  // kernel of the version it was handed, also while commits run.
   std::unique_ptr<ShardStore> other = MakeStore(config_);
   ASSERT_TRUE(PushAll(*other, v2_).ok());
-  std::map<std::string, std::string> a = live_, b = Snapshot(*other);
-  ShardStoreImpl& impl = store_->impl();
+  const std::map<std::string, std::string> odd = live_, even = Snapshot(*other);
+  const std::vector<KernelView> kernels = store_->Kernels();
+  ASSERT_FALSE(kernels.empty());
+
+  // Odd while a Commit call runs: a read overlapped a commit if it began
+  // during one or if a commit began or ended while it ran.
+  std::atomic<uint64_t> commit_phase{0};
+  absl::Mutex mu;
+  int reads = 0, overlapped = 0, torn = 0;  // guarded by mu
   std::atomic<bool> stop{false};
-  std::atomic<int> mixed{0}, reads{0};
   std::thread reader([&] {
     while (!stop.load()) {
-      store_->WithReaderLock([&](uint64_t) {
-        int matches_a = 0, matches_b = 0;
-        for (size_t i = 0; i < impl.specs.size(); ++i) {
-          const std::string& name = impl.specs[i]->name;
-          std::string bytes(static_cast<const char*>(impl.kernels[i].data_ptr()),
-                            impl.specs[i]->nbytes());
-          matches_a += bytes == a[name];
-          matches_b += bytes == b[name];
+      const uint64_t before = commit_phase.load();
+      bool one_version = true;
+      store_->WithReaderLock([&](uint64_t version) {
+        const std::map<std::string, std::string>& expected = version % 2 == 1 ? odd : even;
+        for (const KernelView& k : kernels) {
+          const std::string& want = expected.at(k.spec->name);
+          one_version &= want.compare(0, std::string::npos, static_cast<const char*>(k.data),
+                                      static_cast<size_t>(k.nbytes)) == 0;
         }
-        int n = static_cast<int>(impl.specs.size());
-        if (matches_a != n && matches_b != n) ++mixed;
       });
+      const uint64_t after = commit_phase.load();
+      absl::MutexLock lock(&mu);
       ++reads;
+      if (!one_version) ++torn;
+      if (before % 2 == 1 || after != before) ++overlapped;
     }
   });
-  for (int i = 0; i < 6; ++i) ASSERT_TRUE(PushAll(*store_, i % 2 == 0 ? v2_ : v1_).ok());
-  while (reads.load() < 3) std::this_thread::yield();
-  stop = true;
-  reader.join();
-  EXPECT_EQ(mixed.load(), 0);
+  struct StopReader {
+    std::atomic<bool>* stop;
+    std::thread* thread;
+    ~StopReader() {
+      stop->store(true);
+      thread->join();
+    }
+  } stop_reader{&stop, &reader};
+
+  // Commit until a few reads overlapped a commit. Before each commit the
+  // reader finishes one more read, so it is running when the commit starts;
+  // the bound on commits only matters if it never gets a core.
+  constexpr int kOverlaps = 3;
+  constexpr int kMaxCommits = 1000;
+  int commits = 0;
+  for (; commits < kMaxCommits; ++commits) {
+    {
+      absl::MutexLock lock(&mu);
+      if (overlapped >= kOverlaps) break;
+      const int done = reads;
+      auto read_again = [&reads, done]() { return reads > done; };
+      mu.Await(absl::Condition(&read_again));
+    }
+    absl::StatusOr<std::unique_ptr<RefitSession>> session = RefitSession::Begin(store_.get(), {});
+    ASSERT_TRUE(session.ok()) << session.status();
+    ASSERT_TRUE(IngestAll(**session, commits % 2 == 0 ? v2_ : v1_).ok());
+    commit_phase.fetch_add(1);
+    absl::StatusOr<RefitResult> result = (*session)->Commit();
+    commit_phase.fetch_add(1);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->version, static_cast<uint64_t>(commits) + 2);
+  }
+  absl::MutexLock lock(&mu);
+  EXPECT_GT(overlapped, 0) << reads << " reads during " << commits << " commits";
+  EXPECT_EQ(torn, 0) << torn << " of " << reads << " reads mixed two versions";
 }
 
 TEST_F(RefitSessionTest, PublishesEventsInOrder) {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "client/refit_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -41,6 +42,7 @@ class RefitdE2eTest : public ::testing::Test {
   }
 
   void TearDown() override {
+    watch_.reset();
     children_.clear();  // SIGKILLs whatever still runs
     daemon_.reset();
     if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
@@ -61,18 +63,16 @@ class RefitdE2eTest : public ::testing::Test {
     daemon_ = Child::Start(argv, Path("refitd.out"), daemon_log_);
     ASSERT_NE(daemon_, nullptr);
     if (!wait_ready) return;
-    ASSERT_TRUE(WaitFor([&] {
-      if (!daemon_->running()) return true;
-      return absl::StrContains(daemon_->Stderr(), "ready");
-    })) << "refitd never logged readiness";
+    const bool ready = daemon_->AwaitStderr("ready");
+    ASSERT_TRUE(ready || !daemon_->running()) << "refitd never logged readiness";
     ASSERT_TRUE(daemon_->running()) << "refitd exited:\n" << daemon_->Stderr();
   }
 
   // The address refitd logged for a TCP listener or the metrics endpoint.
   std::string LoggedAddress(const std::string& message) {
     std::string found;
-    WaitFor([&] {
-      for (absl::string_view line : absl::StrSplit(daemon_->Stderr(), '\n')) {
+    daemon_->AwaitOutput([&](const std::string&, const std::string& err) {
+      for (absl::string_view line : absl::StrSplit(err, '\n')) {
         if (!absl::StrContains(line, message)) continue;
         std::smatch m;
         std::string l(line);
@@ -130,22 +130,33 @@ class RefitdE2eTest : public ::testing::Test {
   }
 
   // Starts a trainer that stops halfway through its push, and waits until the
-  // daemon shows its refit as active. Returns the refit id.
+  // daemon shows its refit as active. Returns the refit id. watch_, opened
+  // before the push, then carries the refit's later events (aborted,
+  // committed).
   std::string StartStalledPush(const std::string& weights, const std::string& token = "") {
+    watch_ = WatchStream::Open(socket_, token);
+    EXPECT_NE(watch_, nullptr) << "no Watch stream on " << socket_;
+    if (watch_ == nullptr) return "";
     std::vector<std::string> argv = {TestBinPath("e2e_stalled_pusher"), socket_, weights};
     if (!token.empty()) argv.push_back(token);
     pusher_ = Child::Start(argv, Path("pusher.out"), Path("pusher.err"), /*stdin_pipe=*/true);
-    EXPECT_TRUE(WaitFor([&] { return absl::StrContains(pusher_->Stdout(), "stalled"); }))
-        << pusher_->Stderr();
-    std::string refit_id;
+    EXPECT_TRUE(pusher_->AwaitStdout("stalled")) << pusher_->Stderr();
+    std::optional<v1::WatchEvent> started = watch_->Next(v1::WatchEvent::TYPE_STAGING_STARTED);
+    EXPECT_TRUE(started.has_value()) << "the stalled push never showed up as the active refit";
+    if (!started.has_value()) return "";
+    // Begin announces staging_started a moment before the daemon files the
+    // refit where GetStatus, Abort and shutdown find it; tests that stop the
+    // daemon next need it filed. The first answer almost always shows it;
+    // asking again covers a daemon thread preempted in between.
     auto client = Client();
-    EXPECT_TRUE(WaitFor([&] {
+    std::string active;
+    for (int attempt = 0; attempt < 1000 && active != started->refit_id(); ++attempt) {
       auto status = client->GetStatus();
-      if (!status.ok() || !status->has_active_refit()) return false;
-      refit_id = status->active_refit().refit_id();
-      return true;
-    })) << "the stalled push never showed up as the active refit";
-    return refit_id;
+      if (status.ok()) active = status->active_refit().refit_id();
+    }
+    EXPECT_EQ(active, started->refit_id())
+        << "the stalled push never showed up as the active refit";
+    return started->refit_id();
   }
 
   std::string dir_;
@@ -155,6 +166,7 @@ class RefitdE2eTest : public ::testing::Test {
   int commands_ = 0;
   std::unique_ptr<Child> daemon_;
   std::unique_ptr<Child> pusher_;
+  std::unique_ptr<WatchStream> watch_;  // opened by StartStalledPush
   std::vector<std::unique_ptr<Child>> children_;
 };
 
@@ -235,16 +247,19 @@ TEST_F(RefitdE2eTest, ReloadFromDiskAndAbortAPreparedOne) {
 TEST_F(RefitdE2eTest, KilledPusherLeavesTheVersionAndTheNextPushSucceeds) {
   StartDaemon();
   nlohmann::json before = StatusJson();
-  StartStalledPush(Fixture(2));
+  const std::string id = StartStalledPush(Fixture(2));
   pusher_->Signal(SIGKILL);
   ASSERT_FALSE(pusher_->Wait().has_value());
   EXPECT_TRUE(pusher_->KilledBySignal(SIGKILL));
 
+  // The daemon notices the dropped stream and aborts the refit.
+  std::optional<v1::WatchEvent> aborted = watch_->Next(v1::WatchEvent::TYPE_ABORTED);
+  ASSERT_TRUE(aborted.has_value()) << "the killed push's refit stayed active";
+  EXPECT_EQ(aborted->refit_id(), id);
   auto client = Client();
-  EXPECT_TRUE(WaitFor([&] {
-    auto status = client->GetStatus();
-    return status.ok() && !status->has_active_refit();
-  })) << "the killed push's refit stayed active";
+  auto status = client->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_FALSE(status->has_active_refit()) << "the killed push's refit stayed active";
   nlohmann::json after = StatusJson();
   EXPECT_EQ(after["version"], before["version"]);
   EXPECT_EQ(after["fingerprint"], before["fingerprint"]);
@@ -295,6 +310,24 @@ TEST_F(RefitdE2eTest, SigtermDuringPushAbortsItAndExitsZero) {
   EXPECT_THAT(log, HasSubstr(absl::StrCat("version=", v0, " ")));
   EXPECT_THAT(log, ::testing::Not(HasSubstr(absl::StrCat("version=", v0 + 1))));
   EXPECT_THAT(log, HasSubstr(active));
+}
+
+TEST_F(RefitdE2eTest, IdlePushIsAbortedAfterTheRealTimeout) {
+  // The real clock with a short timeout: here the flag itself is under test
+  // (in-process tests run the same watchdog on a fake clock).
+  StartDaemon({"--push-idle-timeout=1s"});
+  const uint64_t v0 = StatusJson()["version"];
+  pusher_ = Child::Start({TestBinPath("e2e_stalled_pusher"), socket_, Fixture(2)},
+                         Path("pusher.out"), Path("pusher.err"), /*stdin_pipe=*/true);
+  ASSERT_TRUE(pusher_->AwaitStdout("stalled")) << pusher_->Stderr();
+  pusher_->WriteStdin("finish\n");  // send nothing more; wait for the verdict
+  ASSERT_EQ(pusher_->Wait(), 0) << pusher_->Stderr();
+  EXPECT_THAT(pusher_->Stdout(), HasSubstr("status DEADLINE_EXCEEDED"));
+  EXPECT_THAT(pusher_->Stdout(), HasSubstr("no message for 1s (--push-idle-timeout)"));
+  EXPECT_EQ(StatusJson()["version"], v0);
+  CommandResult push = Ctl({"push", Fixture(3)});
+  EXPECT_EQ(push.code, 0) << push.err;
+  EXPECT_EQ(StatusJson()["version"], v0 + 1);
 }
 
 TEST_F(RefitdE2eTest, AuthMatrix) {
@@ -393,11 +426,12 @@ TEST_F(TlsE2eTest, TlsAndMutualTls) {
 TEST_F(RefitdE2eTest, LivenessAndReadinessTransitions) {
   StartDaemon({"--shutdown-timeout=3s"}, /*wait_ready=*/false);
   auto client = Client();
-  // Liveness comes first; readiness follows once the first version is loaded.
-  ASSERT_TRUE(WaitFor([&] {
-    auto live = client->HealthCheck("");
-    return live.ok() && *live == HealthCheckResponse::SERVING;
-  }));
+  // Liveness comes first (the daemon serves gRPC once it logs its address);
+  // readiness follows once the first version is loaded.
+  ASSERT_TRUE(daemon_->AwaitStderr("refitd listening")) << daemon_->Stderr();
+  auto live = client->HealthCheck("");
+  ASSERT_TRUE(live.ok()) << live.status();
+  ASSERT_EQ(*live, HealthCheckResponse::SERVING);
   std::vector<HealthCheckResponse::ServingStatus> seen;
   absl::Status watched = client->HealthWatch(client::kReadinessService, [&](auto status) {
     seen.push_back(status);
@@ -416,18 +450,19 @@ TEST_F(RefitdE2eTest, LivenessAndReadinessTransitions) {
   // SIGTERM: a watcher sees NOT_SERVING before the daemon goes away.
   absl::Mutex mu;
   std::vector<HealthCheckResponse::ServingStatus> during_shutdown;
+  absl::Notification joined;  // the watcher has its first answer
   std::thread watcher([&] {
     auto c = Client();
     c->HealthWatch(client::kReadinessService, [&](auto status) {
-       absl::MutexLock lock(&mu);
-       during_shutdown.push_back(status);
+       {
+         absl::MutexLock lock(&mu);
+         during_shutdown.push_back(status);
+       }
+       if (!joined.HasBeenNotified()) joined.Notify();
        return status != HealthCheckResponse::NOT_SERVING;
      }).IgnoreError();
   });
-  ASSERT_TRUE(WaitFor([&] {  // the watcher has joined the stream
-    absl::MutexLock lock(&mu);
-    return !during_shutdown.empty();
-  }));
+  ASSERT_TRUE(joined.WaitForNotificationWithTimeout(absl::Seconds(60)));
   daemon_->Signal(SIGTERM);
   pusher_->WriteStdin("finish\n");  // let its stream end now, not at the shutdown bound
   watcher.join();
@@ -520,7 +555,7 @@ TEST_F(RefitdE2eTest, ReadAndTensorsAndWatch) {
   std::vector<std::string> argv = {BinPath("refitctl"), "--addr=" + socket_, "watch", "--json",
                                    "--count=4"};
   auto watch = Child::Start(argv, Path("watch.out"), Path("watch.err"));
-  ASSERT_TRUE(WaitFor([&] { return absl::StrContains(watch->Stdout(), "snapshot"); }));
+  ASSERT_TRUE(watch->AwaitStdout("snapshot")) << watch->Stderr();
   ASSERT_EQ(Ctl({"push", Fixture(2)}).code, 0);
   ASSERT_EQ(watch->Wait(), 0) << watch->Stderr();
   std::string out = watch->Stdout();

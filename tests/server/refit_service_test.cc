@@ -11,9 +11,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "core/fp8_quantizer.h"
 #include "core/safetensors.h"
 #include "tests/server/server_test_util.h"
+#include "tests/testing/fake_clock.h"
 
 namespace refit::server {
 namespace {
@@ -31,6 +33,7 @@ using ::refit::server::testing::ReadTensorBytes;
 using ::refit::server::testing::Status;
 using ::refit::server::testing::TestOptions;
 using ::refit::server::testing::WatchStream;
+using ::refit::testing::FakeClock;
 using ::testing::HasSubstr;
 
 class RefitServiceTest : public ::testing::Test {
@@ -58,6 +61,8 @@ class RefitServiceTest : public ::testing::Test {
   }
 
   std::string dir_ = MakeTempDir();
+  // For servers started with options.clock = &clock_; outlives them.
+  FakeClock clock_;
   std::unique_ptr<RefitServer> server_;
   std::unique_ptr<v1::RefitService::Stub> stub_;
 };
@@ -340,20 +345,63 @@ TEST_F(RefitServiceTest, ClientCancelMidStreamAbortsAndNextPushWorks) {
   EXPECT_EQ(Version(), 2u);
 }
 
+// The idle tests run the daemon on a FakeClock: the timeout fires when the
+// test moves the time past it, never because the machine was slow, and the
+// test does not sleep for it.
 TEST_F(RefitServiceTest, IdlePushIsAbortedWithDeadlineExceeded) {
   ServerOptions options = TestOptions(dir_);
-  options.push_idle_timeout = absl::Milliseconds(100);
+  options.push_idle_timeout = absl::Seconds(60);
+  options.clock = &clock_;
   StartServer(options);
+  WatchStream watch(stub_.get());
   grpc::ClientContext context;
   v1::PushResponse response;
   auto writer = stub_->Push(&context, &response);
   ASSERT_TRUE(writer->Write(BeginMessage()));
-  // Send nothing more; the daemon ends the stream.
+  const std::string id = watch.Next(v1::WatchEvent::TYPE_STAGING_STARTED).refit_id();
+  // Send nothing more. The idle timer is armed for the timeout after Begin;
+  // one step of the clock to that deadline ends the stream.
+  ASSERT_TRUE(clock_.AwaitWaiter(clock_.Now() + absl::Seconds(60)));
+  clock_.AdvanceTime(absl::Seconds(60));
   grpc::Status status = writer->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
-  EXPECT_THAT(status.error_message(), HasSubstr("--push-idle-timeout"));
+  EXPECT_THAT(status.error_message(),
+              HasSubstr(absl::StrCat("refit \"", id,
+                                     "\" aborted: no message for 1m (--push-idle-timeout)")));
+  const v1::WatchEvent aborted = watch.Next(v1::WatchEvent::TYPE_ABORTED);
+  EXPECT_EQ(aborted.refit_id(), id);
+  EXPECT_THAT(aborted.message(), HasSubstr("no message for 1m"));
   EXPECT_EQ(Version(), 1u);
   EXPECT_TRUE(PushMessages(stub_.get(), FullPush(6)).status.ok());
+}
+
+TEST_F(RefitServiceTest, IdleTimerRestartsWithEveryMessage) {
+  ServerOptions options = TestOptions(dir_);
+  options.push_idle_timeout = absl::Seconds(60);
+  options.clock = &clock_;
+  StartServer(options);
+  WatchStream watch(stub_.get());
+  grpc::ClientContext context;
+  v1::PushResponse response;
+  auto writer = stub_->Push(&context, &response);
+  ASSERT_TRUE(writer->Write(BeginMessage()));
+  watch.Next(v1::WatchEvent::TYPE_STAGING_STARTED);
+  const absl::Time begun = clock_.Now();
+  ASSERT_TRUE(clock_.AwaitWaiter(begun + absl::Seconds(60)));
+  clock_.AdvanceTime(absl::Seconds(40));
+  for (const v1::PushRequest& chunk : ChunkMessages(FixtureWeights(9))) {
+    ASSERT_TRUE(writer->Write(chunk));
+  }
+  // The chunks re-armed the timer from the time they arrived.
+  ASSERT_TRUE(clock_.AwaitWaiter(begun + absl::Seconds(100)));
+  // 80 s after Begin but 40 s after the last chunk: still within the timeout.
+  clock_.AdvanceTime(absl::Seconds(40));
+  ASSERT_TRUE(writer->Write(EndMessage()));
+  writer->WritesDone();
+  grpc::Status status = writer->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.result().state(), v1::REFIT_STATE_COMMITTED);
+  EXPECT_EQ(Version(), 2u);
 }
 
 TEST_F(RefitServiceTest, PrepareThenCommit) {

@@ -1,0 +1,82 @@
+// The host LayerProcessor: FP8 quantization on the CPU (QuantizeFp8), every
+// kernel in host memory. Used for stores in host memory, and for GPU stores
+// with LayerProcessorOptions::host_staging (the commit then copies host to
+// device).
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "core/fp8_quantizer.h"
+#include "core/layer_processor.h"
+
+namespace refit::core {
+namespace {
+
+class HostLayerProcessor final : public LayerProcessor {
+ public:
+  HostLayerProcessor(const ModelLayout& layout, LayerProcessorOptions options)
+      : LayerProcessor(layout, options) {}
+
+  bool on_device() const override { return false; }
+
+ private:
+  class HostBuild final : public LayerBuild {
+   public:
+    HostBuild(const HostLayerProcessor& processor, const LayerSpec& spec)
+        : processor_(processor), spec_(spec), kernels_(spec.kernels.size()) {}
+
+    absl::Status Quantize(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols, int k,
+                          int s) override {
+      const KernelSpec& weight = spec_.kernels[k];
+      absl::StatusOr<StagingBuffer> q = StagingBuffer::HostUninitialized(weight.nbytes(), weight.name);
+      if (!q.ok()) return q.status();
+      absl::StatusOr<StagingBuffer> scales =
+          StagingBuffer::HostUninitialized(spec_.kernels[s].nbytes(), weight.name);
+      if (!scales.ok()) return scales.status();
+      Fp8QuantizeOptions qopts;
+      qopts.scheme = processor_.layout_.quant();
+      qopts.non_finite = processor_.options_.non_finite;
+      qopts.num_threads = processor_.options_.quantize_threads;
+      absl::Status quantized =
+          QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, q->data(),
+                      reinterpret_cast<float*>(scales->data()), weight.name);
+      if (!quantized.ok()) return quantized;
+      kernels_[k] = *std::move(q);
+      kernels_[s] = *std::move(scales);
+      return absl::OkStatus();
+    }
+
+    absl::Status Keep(int k, StagingBuffer bytes) override {
+      kernels_[k] = std::move(bytes);
+      return absl::OkStatus();
+    }
+
+    absl::StatusOr<ProcessedLayer> Finish() override {
+      ProcessedLayer out;
+      out.hashes.reserve(kernels_.size());
+      for (const StagingBuffer& kernel : kernels_) {
+        out.hashes.push_back(HashBytes(kernel.data(), kernel.size()));
+      }
+      out.kernels = std::move(kernels_);
+      return out;
+    }
+
+   private:
+    const HostLayerProcessor& processor_;
+    const LayerSpec& spec_;
+    std::vector<StagingBuffer> kernels_;
+  };
+
+  absl::StatusOr<std::unique_ptr<LayerBuild>> Start(const LayerSpec& spec) override {
+    return std::make_unique<HostBuild>(*this, spec);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<LayerProcessor> CreateHostLayerProcessor(const ModelLayout& layout,
+                                                         LayerProcessorOptions options) {
+  return std::make_unique<HostLayerProcessor>(layout, options);
+}
+
+}  // namespace refit::core

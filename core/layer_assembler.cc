@@ -1,0 +1,250 @@
+#include "core/layer_assembler.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace refit::core {
+namespace {
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// Columns of the 2-D view a SliceSpec uses: [n] -> [n, 1], [] -> [1, 1],
+// [a, b, ...] -> [a, b*...].
+int64_t ViewCols(absl::Span<const int64_t> shape) {
+  if (shape.size() < 2) return 1;
+  int64_t cols = 1;
+  for (size_t i = 1; i < shape.size(); ++i) cols *= shape[i];
+  return cols;
+}
+
+}  // namespace
+
+LayerAssembler::LayerAssembler(const ModelLayout& layout, Options options, ReserveFn reserve)
+    : layout_(layout),
+      options_(options),
+      reserve_(std::move(reserve)),
+      tensors_(layout.checkpoint_tensors().size()),
+      layers_(layout.layers().size()) {
+  for (const LayerSpec& layer : layout_.layers()) {
+    if (layer.kind != LayerKind::kAttention) elements_expected_ += layer.expected_numel;
+  }
+}
+
+absl::Status LayerAssembler::Validate(const Chunk& chunk, const CheckpointTensor& ct) const {
+  if (!IsHighPrecisionFloat(chunk.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor \"", ct.name, "\": dtype ", DTypeName(chunk.dtype),
+        " is not accepted; send F32, F16 or BF16 (checkpoint dtype ", DTypeName(ct.dtype), ")"));
+  }
+  if (!std::equal(chunk.shape.begin(), chunk.shape.end(), ct.shape.begin(), ct.shape.end())) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", ct.name, "\": shape ",
+                                                   ShapeString(chunk.shape),
+                                                   " does not match the model's ",
+                                                   ShapeString(ct.shape)));
+  }
+  const TensorState& ts = tensors_[&ct - layout_.checkpoint_tensors().data()];
+  if (ts.seen && ts.dtype != chunk.dtype) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor \"", ct.name, "\": chunk dtype ", DTypeName(chunk.dtype),
+                     " differs from its earlier chunks' ", DTypeName(ts.dtype)));
+  }
+  const uint64_t elem = DTypeSize(chunk.dtype);
+  if (chunk.offset % elem != 0 || chunk.data.size() % elem != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor \"", ct.name, "\": chunk at byte ", chunk.offset, " of ", chunk.data.size(),
+        " bytes is not aligned to whole ", DTypeName(chunk.dtype), " elements"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> LayerAssembler::Ingest(const Chunk& chunk) {
+  absl::StatusOr<int> index = layout_.FindCheckpointTensor(chunk.name);
+  if (!index.ok()) return index.status();
+  const CheckpointTensor& ct = layout_.checkpoint_tensors()[*index];
+  if (absl::Status valid = Validate(chunk, ct); !valid.ok()) return valid;
+  TensorState& ts = tensors_[*index];
+  const uint64_t elem = DTypeSize(chunk.dtype);
+  if (!ts.seen) ts.ranges = ByteRangeSet(static_cast<uint64_t>(ct.numel()) * elem);
+  const uint64_t begin = chunk.offset;
+  const uint64_t size = chunk.data.size();
+  if (absl::Status added = ts.ranges.Add(begin, size, ct.name); !added.ok()) return added;
+  ts.seen = true;
+  ts.dtype = chunk.dtype;
+  bytes_received_ += static_cast<int64_t>(size);
+
+  const bool scatter = ct.use != CheckpointTensor::Use::kIgnored && size > 0;
+  int completed = -1;
+  if (!chunk.xxh3.has_value()) {
+    if (!scatter) return -1;
+    absl::Status s =
+        Scatter(ct, chunk.dtype, chunk.data.data(), begin / elem, (begin + size) / elem, &completed);
+    if (!s.ok()) return s;
+    return completed;
+  }
+  // Checksum and copy in cache-sized blocks: each block is hashed and then
+  // scattered while it is still in cache, one pass over memory instead of
+  // two. A mismatch found at the end fails the chunk; what was scattered
+  // lives only in staging, and the session aborts, so nothing sees it.
+  constexpr uint64_t kBlockBytes = uint64_t{256} << 10;
+  const uint64_t block = std::max<uint64_t>(elem, kBlockBytes - kBlockBytes % elem);
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(),
+                                                                        XXH3_freeState);
+  XXH3_64bits_reset(state.get());
+  for (uint64_t off = 0; off < size; off += block) {
+    const uint64_t n = std::min(block, size - off);
+    XXH3_64bits_update(state.get(), chunk.data.data() + off, n);
+    if (!scatter) continue;
+    absl::Status s = Scatter(ct, chunk.dtype, chunk.data.data() + off, (begin + off) / elem,
+                             (begin + off + n) / elem, &completed);
+    if (!s.ok()) return s;
+  }
+  if (XXH3_64bits_digest(state.get()) != *chunk.xxh3) {
+    return absl::DataLossError(absl::StrCat("tensor \"", ct.name,
+                                            "\": checksum mismatch in chunk bytes [", begin, ", ",
+                                            begin + size, ")"));
+  }
+  return completed;
+}
+
+absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, const uint8_t* data,
+                                     uint64_t e0, uint64_t e1, int* completed) {
+  const LayerSpec& spec = layout_.layers()[ct.layer];
+  LayerState& layer = layers_[ct.layer];
+  const ParamSpec& param = spec.params[ct.param];
+  const SliceSpec& slice = ct.slice;
+  const int64_t cols = ViewCols(ct.shape);
+  const int64_t elem_in = static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t elem_out = static_cast<int64_t>(DTypeSize(param.dtype));
+  const int64_t first = static_cast<int64_t>(e0);
+  const int64_t last = static_cast<int64_t>(e1);
+
+  const int64_t row_first = std::max(first / cols, slice.src_row);
+  const int64_t row_last = std::min((last - 1) / cols + 1, slice.src_row + slice.num_rows);
+  // A taken layer had every element of its slice; the range check already
+  // refused anything overlapping those, so the rest is other ranks'.
+  if (row_first >= row_last || layer.taken) return absl::OkStatus();
+  // The columns of row r that [e0, e1) covers, clipped to the slice.
+  auto span_of = [&](int64_t r, int64_t* a, int64_t* b) {
+    *a = std::max(std::max(first, r * cols) - r * cols, slice.src_col);
+    *b = std::min(std::min(last, (r + 1) * cols) - r * cols, slice.src_col + slice.num_cols);
+  };
+  if (slice.src_col > 0 || slice.num_cols < cols) {
+    // Column slice: skip chunks that lie wholly in other ranks' columns
+    // without allocating staging for them.
+    bool touches = false;
+    for (int64_t r = row_first; r < row_last && !touches; ++r) {
+      int64_t a, b;
+      span_of(r, &a, &b);
+      touches = a < b;
+    }
+    if (!touches) return absl::OkStatus();
+  }
+  if (layer.params.empty()) {
+    if (absl::Status s = EnsureStaging(ct.layer); !s.ok()) return s;
+  }
+  uint8_t* dst_base = layer.params[ct.param].data();
+  int64_t contributed = 0;
+  for (int64_t r = row_first; r < row_last; ++r) {
+    int64_t a, b;
+    span_of(r, &a, &b);
+    if (a >= b) continue;
+    const int64_t dst_index =
+        (slice.dst_row + (r - slice.src_row)) * slice.num_cols + (a - slice.src_col);
+    const uint8_t* src = data + ((r * cols + a) - first) * elem_in;
+    absl::Status converted = ConvertFloats(src, dtype, dst_base + dst_index * elem_out,
+                                           param.dtype, static_cast<size_t>(b - a));
+    if (!converted.ok()) return converted;
+    contributed += b - a;
+  }
+  layer.loaded += contributed;
+  elements_loaded_ += contributed;
+  if (contributed > 0 && spec.kind != LayerKind::kAttention &&
+      layer.loaded == spec.expected_numel) {
+    *completed = ct.layer;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerAssembler::EnsureStaging(int l) {
+  LayerState& layer = layers_[l];
+  if (!layer.params.empty() || layer.taken) return absl::OkStatus();
+  const LayerSpec& spec = layout_.layers()[l];
+  const int64_t bytes = spec.param_bytes();
+  if (reserve_) {
+    if (absl::Status s = reserve_(spec, bytes); !s.ok()) return s;
+  }
+  std::vector<StagingBuffer> params;
+  params.reserve(spec.params.size());
+  for (const ParamSpec& param : spec.params) {
+    // Zeros matter where elements may never be written: padding rows,
+    // zero-filled partial layers, attention scales that may not come.
+    const bool zero = param.loaded_numel < param.numel() || options_.zero_fill ||
+                      spec.kind == LayerKind::kAttention;
+    absl::StatusOr<StagingBuffer> buffer =
+        zero ? StagingBuffer::HostZeroed(param.nbytes(), spec.name)
+             : StagingBuffer::HostUninitialized(param.nbytes(), spec.name);
+    if (!buffer.ok()) return buffer.status();
+    params.push_back(*std::move(buffer));
+  }
+  layer.params = std::move(params);
+  layer.param_bytes = bytes;
+  staging_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+std::vector<StagingBuffer> LayerAssembler::TakeParams(int l) {
+  LayerState& layer = layers_[l];
+  layer.taken = true;
+  staging_bytes_ -= layer.param_bytes;
+  layer.param_bytes = 0;
+  return std::exchange(layer.params, {});
+}
+
+absl::Status LayerAssembler::CheckTensorsComplete() const {
+  const std::vector<CheckpointTensor>& cts = layout_.checkpoint_tensors();
+  for (size_t i = 0; i < cts.size(); ++i) {
+    const TensorState& ts = tensors_[i];
+    if (!ts.seen || ts.ranges.complete()) continue;
+    // A tensor received only in part is truncated data, never padding.
+    return absl::DataLossError(absl::StrCat("tensor \"", cts[i].name, "\" is incomplete: received ",
+                                            ts.ranges.received(), " of ", ts.ranges.size(),
+                                            " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> LayerAssembler::MissingTensors(int l) const {
+  std::vector<std::string> missing;
+  const std::vector<CheckpointTensor>& cts = layout_.checkpoint_tensors();
+  for (size_t i = 0; i < cts.size(); ++i) {
+    if (cts[i].use == CheckpointTensor::Use::kTarget && cts[i].layer == l && !cts[i].optional &&
+        !tensors_[i].seen && cts[i].slice.numel() > 0) {
+      missing.push_back(cts[i].name);
+    }
+  }
+  return missing;
+}
+
+int64_t LayerAssembler::layers_in_flight() const {
+  int64_t n = 0;
+  for (const LayerState& layer : layers_) n += layer.params.empty() ? 0 : 1;
+  return n;
+}
+
+void LayerAssembler::Clear() {
+  tensors_.clear();
+  tensors_.shrink_to_fit();
+  layers_.clear();
+  layers_.shrink_to_fit();
+  staging_bytes_ = 0;
+}
+
+}  // namespace refit::core

@@ -1,0 +1,143 @@
+// LayerAssembler: checkpoint chunks -> this rank's slice -> each layer's
+// high-precision staging.
+//
+// Pipeline position: the first step of a refit. RefitSession hands it every
+// chunk a trainer (or a safetensors file) sends. It validates the chunk
+// against the layout (name, dtype, shape, alignment, bounds, repeats,
+// checksum), copies the part of it that lies in this rank's TP slice into the
+// layer's param buffer (converting to the checkpoint dtype), and counts the
+// elements each layer has. When a layer's last element arrives, Ingest says
+// so; the session then takes the layer's params (TakeParams) and processes
+// them. At Prepare it tells which tensors arrived in part and which whole
+// tensors a started layer lacks.
+//
+// Memory: a layer's params are allocated on the first chunk that touches
+// this rank's slice of it, after the `reserve` hook has agreed to the bytes
+// (the session's staging budget and backpressure), and are freed or handed
+// on by TakeParams.
+//
+// Lifecycle: one per refit session; Clear() frees everything.
+// Thread-compatible: the session serializes all calls.
+#ifndef REFIT_CORE_LAYER_ASSEMBLER_H_
+#define REFIT_CORE_LAYER_ASSEMBLER_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "core/byte_range_set.h"
+#include "core/dtype.h"
+#include "core/model_layout.h"
+#include "core/staging_buffer.h"
+
+namespace refit::core {
+
+// A byte range of one checkpoint tensor, as the trainer sends it.
+struct Chunk {
+  absl::string_view name;
+  DType dtype = DType::kBFloat16;
+  absl::Span<const int64_t> shape;  // the full tensor's shape
+  uint64_t offset = 0;              // byte offset within the full tensor
+  absl::Span<const uint8_t> data;
+  std::optional<uint64_t> xxh3;  // XXH3-64 of `data`, checked when present
+};
+
+class LayerAssembler {
+ public:
+  struct Options {
+    // Zero every param buffer, so that tensors that never arrive read as
+    // zeros (RefitOptions::allow_partial_layers).
+    bool zero_fill = false;
+  };
+  // Asked before a layer's staging is allocated; a non-OK status refuses the
+  // allocation and is what Ingest returns. May block (backpressure).
+  using ReserveFn = std::function<absl::Status(const LayerSpec& layer, int64_t bytes)>;
+
+  LayerAssembler(const ModelLayout& layout, Options options, ReserveFn reserve);
+  LayerAssembler(const LayerAssembler&) = delete;
+  LayerAssembler& operator=(const LayerAssembler&) = delete;
+
+  // Validates `chunk`, records its range and copies its part of this rank's
+  // slice into staging. Returns the index of the layer this chunk completed,
+  // or -1. Attention layers (optional scales) never complete here: they are
+  // processed at Prepare.
+  // Errors (the chunk's range is then recorded or not, but the session
+  // aborts on any error, so nothing partial is ever used):
+  //   NOT_FOUND           unknown tensor name
+  //   INVALID_ARGUMENT    dtype not F32/F16/BF16, dtype differing from the
+  //                       tensor's earlier chunks, shape differing from the
+  //                       layout's, offset or size not element-aligned,
+  //                       overlapping an earlier chunk
+  //   OUT_OF_RANGE        the chunk runs past the end of the tensor
+  //   ALREADY_EXISTS      the chunk repeats a byte range already received
+  //   DATA_LOSS           the chunk's XXH3-64 differs from `xxh3`
+  //   RESOURCE_EXHAUSTED  what the reserve hook returns, or host memory
+  //                       exhausted while allocating staging
+  absl::StatusOr<int> Ingest(const Chunk& chunk);
+
+  // Allocates layer `l`'s staging if it has none (zeroed where elements may
+  // never be written). Errors: as the reserve hook / allocation above.
+  absl::Status EnsureStaging(int l);
+  // Hands layer `l`'s params on for processing; later chunks of it are
+  // accepted and ignored (the range check refuses anything overlapping what
+  // it had, so they are other ranks' bytes).
+  std::vector<StagingBuffer> TakeParams(int l);
+
+  // DATA_LOSS naming the first tensor received only in part.
+  absl::Status CheckTensorsComplete() const;
+  // Checkpoint tensors of layer `l` of which nothing arrived (optional ones
+  // and those with nothing on this rank excluded).
+  std::vector<std::string> MissingTensors(int l) const;
+
+  bool taken(int l) const { return layers_[l].taken; }
+  int64_t loaded(int l) const { return layers_[l].loaded; }
+  // Layers with staging that were not yet taken.
+  int64_t layers_in_flight() const;
+  // Param bytes held by layers not yet taken.
+  int64_t staging_bytes() const { return staging_bytes_; }
+  int64_t bytes_received() const { return bytes_received_; }
+  int64_t elements_loaded() const { return elements_loaded_; }
+  int64_t elements_expected() const { return elements_expected_; }
+
+  // Frees all staging and forgets everything received.
+  void Clear();
+
+ private:
+  struct TensorState {
+    ByteRangeSet ranges;
+    bool seen = false;
+    DType dtype = DType::kBFloat16;  // of the first chunk; later chunks must match
+  };
+  struct LayerState {
+    int64_t loaded = 0;
+    bool taken = false;
+    std::vector<StagingBuffer> params;  // allocated on the first chunk
+    int64_t param_bytes = 0;
+  };
+
+  absl::Status Validate(const Chunk& chunk, const CheckpointTensor& ct) const;
+  // Copies elements [e0, e1) of `ct` that lie in its slice. Sets *completed
+  // when the layer has all its elements.
+  absl::Status Scatter(const CheckpointTensor& ct, DType dtype, const uint8_t* data, uint64_t e0,
+                       uint64_t e1, int* completed);
+
+  const ModelLayout& layout_;
+  const Options options_;
+  const ReserveFn reserve_;
+  std::vector<TensorState> tensors_;
+  std::vector<LayerState> layers_;
+  int64_t staging_bytes_ = 0;
+  int64_t bytes_received_ = 0;
+  int64_t elements_loaded_ = 0;
+  int64_t elements_expected_ = 0;
+};
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_LAYER_ASSEMBLER_H_

@@ -1,0 +1,124 @@
+#include "core/layer_processor.h"
+
+#include <xxhash.h>
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/dtype.h"
+#include "core/shard_store.h"
+
+#ifdef REFIT_WITH_CUDA
+#include "core/cuda/cuda_layer_processor.h"
+#endif
+
+namespace refit::core {
+namespace {
+
+// The attention layer's kernels: float scalars resolved from the scales the
+// checkpoint provided (a zero-filled param reads as "not received").
+absl::Status KeepAttentionScales(const LayerSpec& spec, const std::vector<StagingBuffer>& params,
+                                 std::vector<StagingBuffer>& kernels) {
+  auto received = [&](absl::string_view suffix) -> float {
+    const int p = spec.ParamIndex(suffix);
+    if (p < 0 || params.empty() || params[p].empty()) return 0.0f;
+    return LoadAsFloat(params[p].data(), spec.params[p].dtype, 0);
+  };
+  const AttentionScales scales = ResolveAttentionScales(
+      received("k_scale"), received("v_scale"), received("q_scale"), received("kv_scale"));
+  for (size_t i = 0; i < spec.kernels.size(); ++i) {
+    const KernelSpec& kernel = spec.kernels[i];
+    absl::StatusOr<StagingBuffer> buffer = StagingBuffer::HostZeroed(kernel.nbytes(), kernel.name);
+    if (!buffer.ok()) return buffer.status();
+    if (kernel.nbytes() == static_cast<int64_t>(sizeof(float))) {
+      const float value = scales.ForKernel(kernel.suffix);
+      std::memcpy(buffer->data(), &value, sizeof(float));
+    }
+    kernels[i] = *std::move(buffer);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+uint64_t HashBytes(const void* data, int64_t size) {
+  return XXH3_64bits(data, static_cast<size_t>(size));
+}
+
+absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<StagingBuffer> params) {
+  const absl::Time start = absl::Now();
+  const LayerSpec& spec = layout_.layers()[l];
+  absl::StatusOr<std::unique_ptr<LayerBuild>> build = Start(spec);
+  if (!build.ok()) return build.status();
+  if (spec.kind == LayerKind::kAttention) {
+    std::vector<StagingBuffer> kernels(spec.kernels.size());
+    if (absl::Status s = KeepAttentionScales(spec, params, kernels); !s.ok()) return s;
+    for (size_t k = 0; k < kernels.size(); ++k) {
+      if (absl::Status s = (*build)->Keep(static_cast<int>(k), std::move(kernels[k])); !s.ok()) {
+        return s;
+      }
+    }
+  } else {
+    for (size_t k = 0; k < spec.kernels.size(); ++k) {
+      const KernelPlan& plan = spec.plan[k];
+      if (plan.param < 0) continue;  // a scale, written with its weight
+      const ParamSpec& param = spec.params[plan.param];
+      if (plan.scale < 0) {
+        // Kept in the checkpoint dtype: the param buffer becomes the kernel.
+        absl::Status kept = (*build)->Keep(static_cast<int>(k), std::move(params[plan.param]));
+        if (!kept.ok()) return kept;
+        continue;
+      }
+      const int64_t rows = param.shape[0];
+      const int64_t cols = param.shape[1];
+      const KernelSpec& weight = spec.kernels[k];
+      const KernelSpec& scale = spec.kernels[plan.scale];
+      // Quantizers write exactly these sizes: check them before they do.
+      if (weight.nbytes() != rows * cols ||
+          scale.nbytes() !=
+              Fp8NumScales(layout_.quant(), rows, cols) * static_cast<int64_t>(sizeof(float))) {
+        return absl::InternalError(absl::StrCat("kernel \"", weight.name,
+                                                "\": FP8 kernel or scale sizes do not match [",
+                                                rows, ", ", cols, "]"));
+      }
+      absl::Status quantized = (*build)->Quantize(std::move(params[plan.param]), param.dtype, rows,
+                                                  cols, static_cast<int>(k), plan.scale);
+      if (!quantized.ok()) return quantized;
+    }
+  }
+  params.clear();
+  absl::StatusOr<ProcessedLayer> out = (*build)->Finish();
+  if (!out.ok()) return out.status();
+  // Processing must reproduce the first load's exact sizes, or nothing commits.
+  if (out->kernels.size() != spec.kernels.size() || out->hashes.size() != spec.kernels.size()) {
+    return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": ", out->kernels.size(),
+                                            " kernels made, layout has ", spec.kernels.size()));
+  }
+  for (size_t k = 0; k < spec.kernels.size(); ++k) {
+    if (out->kernels[k].size() != spec.kernels[k].nbytes()) {
+      return absl::InternalError(absl::StrCat("kernel \"", spec.kernels[k].name, "\": staged ",
+                                              out->kernels[k].size(), " bytes, live tensor has ",
+                                              spec.kernels[k].nbytes()));
+    }
+  }
+  out->layer = l;
+  out->took = absl::Now() - start;
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<LayerProcessor>> CreateLayerProcessor(
+    const ShardStore& store, LayerProcessorOptions options) {
+  if (store.on_gpu() && !options.host_staging) {
+#ifdef REFIT_WITH_CUDA
+    return cuda::CreateCudaLayerProcessor(store.layout(), store.device_index(), options);
+#else
+    return absl::UnavailableError(absl::StrCat("store on ", store.device(),
+                                               ": refitd was built without CUDA"));
+#endif
+  }
+  return CreateHostLayerProcessor(store.layout(), options);
+}
+
+}  // namespace refit::core

@@ -1,0 +1,118 @@
+// LayerProcessor: turns one complete layer's high-precision params into the
+// kernel bytes engines read (FP8 weights and scales, kept bf16 tensors,
+// attention scales), staged for commit, with the XXH3-64 of each kernel.
+//
+// Pipeline position: after LayerAssembler (a layer is complete) and before
+// commit. The layer worker calls Process for layers completed while chunks
+// still arrive; the session calls it at Prepare for the rest (attention
+// scales, zero-filled partial layers).
+//
+// How a layer's kernels are made is the same everywhere — the layout's
+// KernelPlan says which param each kernel comes from and which weights are
+// quantized, and attention scales follow ResolveAttentionScales — so this
+// class walks the plan once (Process) and an implementation only says where
+// the bytes go: the host processor quantizes on the CPU into host buffers;
+// the CUDA processor (core/cuda/cuda_layer_processor.h) uploads, quantizes on
+// the store's GPU and leaves every kernel in device memory. Both give the
+// same bytes.
+//
+// Lifecycle: one per refit session, chosen at session creation from the
+// store's device (CreateLayerProcessor). Thread-compatible: one Process call
+// at a time (the worker, or the session once the worker is drained).
+#ifndef REFIT_CORE_LAYER_PROCESSOR_H_
+#define REFIT_CORE_LAYER_PROCESSOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "core/fp8_quantizer.h"
+#include "core/model_layout.h"
+#include "core/staging_buffer.h"
+
+namespace refit::core {
+
+class ShardStore;
+
+// One processed layer: its kernels in layer order, ready for commit.
+struct ProcessedLayer {
+  int layer = -1;
+  std::vector<StagingBuffer> kernels;  // sizes equal the layout's kernels
+  std::vector<uint64_t> hashes;        // XXH3-64 of each kernel's bytes
+  absl::Duration took;
+};
+
+struct LayerProcessorOptions {
+  NonFinitePolicy non_finite = NonFinitePolicy::kReject;
+  int quantize_threads = 0;  // host quantizer threads; 0 = its default
+  // A store on a GPU normally stages and quantizes on the device. With this
+  // set it uses the host path (CPU quantizer, host-to-device commit): the
+  // same bytes, for diagnosis or when device memory is short.
+  bool host_staging = false;
+};
+
+class LayerProcessor {
+ public:
+  virtual ~LayerProcessor() = default;
+  LayerProcessor(const LayerProcessor&) = delete;
+  LayerProcessor& operator=(const LayerProcessor&) = delete;
+
+  // Makes layer `l`'s kernels from `params` (its buffers as LayerSpec::params
+  // lists them, filled by the assembler). `params` is consumed.
+  // Errors:
+  //   INVALID_ARGUMENT    non-finite weights under NonFinitePolicy::kReject,
+  //                       naming the tensor
+  //   RESOURCE_EXHAUSTED  out of host or device memory for the kernels
+  //   INTERNAL            kernel sizes that differ from the layout's (a bug:
+  //                       nothing is committed)
+  //   (CUDA processor) the CUDA error of an upload, launch or sync
+  absl::StatusOr<ProcessedLayer> Process(int l, std::vector<StagingBuffer> params);
+
+  // Whether kernels end up in device memory.
+  virtual bool on_device() const = 0;
+
+ protected:
+  LayerProcessor(const ModelLayout& layout, LayerProcessorOptions options)
+      : layout_(layout), options_(options) {}
+
+  // The bytes of one layer as they are made. Process calls Quantize or Keep
+  // once for every kernel (a quantized weight's call covers its scales),
+  // then Finish.
+  class LayerBuild {
+   public:
+    virtual ~LayerBuild() = default;
+    // Quantizes `src` ([rows, cols] of `src_dtype`) into kernel `k` (FP8)
+    // and its scales into kernel `s`; sizes were checked against the layout.
+    virtual absl::Status Quantize(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols,
+                                  int k, int s) = 0;
+    // Host bytes that become kernel `k` as they are.
+    virtual absl::Status Keep(int k, StagingBuffer bytes) = 0;
+    // Waits for the layer's work; returns its kernels and their hashes.
+    virtual absl::StatusOr<ProcessedLayer> Finish() = 0;
+  };
+  virtual absl::StatusOr<std::unique_ptr<LayerBuild>> Start(const LayerSpec& spec) = 0;
+
+  const ModelLayout& layout_;
+  const LayerProcessorOptions options_;
+};
+
+// The processor for a session on `store`: the CUDA processor for a store on
+// a GPU (unless options.host_staging), the host processor otherwise.
+// Errors: the device's status when the GPU cannot be used (UNAVAILABLE, ...);
+// RESOURCE_EXHAUSTED when its pinned staging cannot be allocated.
+absl::StatusOr<std::unique_ptr<LayerProcessor>> CreateLayerProcessor(
+    const ShardStore& store, LayerProcessorOptions options);
+
+// The host processor alone (CPU quantizer, host buffers).
+std::unique_ptr<LayerProcessor> CreateHostLayerProcessor(const ModelLayout& layout,
+                                                         LayerProcessorOptions options);
+
+// XXH3-64 of `size` bytes of host memory.
+uint64_t HashBytes(const void* data, int64_t size);
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_LAYER_PROCESSOR_H_

@@ -1,0 +1,63 @@
+// StagingBuffer: bytes a refit holds before commit — a layer's high-precision
+// params while it is assembled, and the kernels made from them until they are
+// copied into the live tensors.
+//
+// Pipeline position: LayerAssembler allocates host buffers for params;
+// LayerProcessor turns them into kernel buffers, in host memory (host
+// processor) or in device memory (the CUDA processor in core/cuda/, which
+// makes device buffers through the same type with a release function of its
+// own); RefitSession commits them and drops them.
+//
+// Lifecycle: move-only; the memory is released when the buffer is destroyed
+// or assigned over. Thread-compatible: one owner at a time.
+#ifndef REFIT_CORE_STAGING_BUFFER_H_
+#define REFIT_CORE_STAGING_BUFFER_H_
+
+#include <cstdint>
+#include <functional>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace refit::core {
+
+class StagingBuffer {
+ public:
+  StagingBuffer() = default;
+  // Wraps memory released by `release` (called once, when the buffer goes).
+  StagingBuffer(void* data, int64_t size, bool on_device, std::function<void()> release);
+  StagingBuffer(StagingBuffer&& other) noexcept;
+  StagingBuffer& operator=(StagingBuffer&& other) noexcept;
+  StagingBuffer(const StagingBuffer&) = delete;
+  StagingBuffer& operator=(const StagingBuffer&) = delete;
+  ~StagingBuffer();
+
+  // Host memory of `size` bytes, all zero. Large buffers get lazily zeroed
+  // pages from calloc rather than a memset pass.
+  // Errors: RESOURCE_EXHAUSTED naming `what` when the allocation fails;
+  // INVALID_ARGUMENT for a negative size.
+  static absl::StatusOr<StagingBuffer> HostZeroed(int64_t size, absl::string_view what);
+  // Host memory of `size` bytes, contents undefined: for buffers written in
+  // full before anyone reads them (no zeroing pass, no zero-page faults).
+  // Errors as HostZeroed.
+  static absl::StatusOr<StagingBuffer> HostUninitialized(int64_t size, absl::string_view what);
+
+  // Null for an empty buffer (size 0).
+  uint8_t* data() const { return static_cast<uint8_t*>(data_); }
+  int64_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  // Device memory (of the store's GPU) rather than host memory.
+  bool on_device() const { return on_device_; }
+
+ private:
+  void Reset();
+
+  void* data_ = nullptr;
+  int64_t size_ = 0;
+  bool on_device_ = false;
+  std::function<void()> release_;
+};
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_STAGING_BUFFER_H_

@@ -1,9 +1,39 @@
 #!/usr/bin/env bash
-# The one test command: installs what is missing, builds, runs every test.
-# GPU tests (CTest label "gpu") skip themselves when no GPU is present.
+# The one test command (what CI runs), in this order:
+#   1. setup          installs what is missing (scripts/setup.sh)
+#   2. build          everything, with CUDA when nvcc is there (scripts/build.sh)
+#   3. format         clang-format check of the tracked sources (scripts/format-check.sh)
+#   4. thread safety  clang -Wthread-safety over core/ and server/ (scripts/thread-safety.sh)
+#   5. tests          ctest; GPU tests (label "gpu") skip themselves without a GPU
+# A failed setup or build stops the run; a failed format or thread-safety check
+# does not stop the tests, but fails the run. Extra arguments go to ctest.
+# Environment: BUILD_DIR (default build), JOBS (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-scripts/build.sh
-BUILD_DIR=${BUILD_DIR:-build}
-ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 300 "$@"
+export BUILD_DIR=${BUILD_DIR:-build}
+
+steps=()
+failed=0
+run_step() {
+  local name=$1 t0 rc=0
+  shift
+  printf '\n== test.sh: %s\n' "$name"
+  t0=$(date +%s)
+  "$@" || rc=$?
+  steps+=("$(printf '%-14s %-6s %4ss' "$name" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" \
+    $(($(date +%s) - t0)))")
+  [ $rc -eq 0 ] || failed=1
+  return $rc
+}
+summary() {
+  printf '\n== test.sh summary (%s)\n' "$BUILD_DIR"
+  printf '  %s\n' "${steps[@]}"
+}
+
+run_step setup scripts/setup.sh || { summary; exit 1; }
+run_step build scripts/build.sh || { summary; exit 1; }
+run_step format scripts/format-check.sh || true
+run_step thread-safety scripts/thread-safety.sh || true
+run_step tests ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 300 "$@" || true
+summary
+exit $failed

@@ -128,13 +128,11 @@ for rel, other, err in parse_errors:
     print('\n'.join('  ' + o for o in other[:10]))
 summary = (f'{len(units)} translation units, {len(findings)} thread-safety diagnostics, '
            f'{len(parse_errors)} units clang could not parse, {elapsed:.0f} s')
-if parse_errors:
+if findings or parse_errors:
     print(f'\nthread-safety: FAILED: {summary}')
-    sys.exit(2)
-if findings:
-    print(f'\nthread-safety: FAILED: {summary}')
-    print('Fix: take the mutex (absl::MutexLock) where the field is touched, or annotate the '
-          'function ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) so its callers must hold it.')
-    sys.exit(1)
+    if findings:
+        print('Fix: take the mutex (absl::MutexLock) where the field is touched, or annotate the '
+              'function ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) so its callers must hold it.')
+    sys.exit(2 if parse_errors else 1)
 print(f'thread-safety: ok: {summary}')
 EOF

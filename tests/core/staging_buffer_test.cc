@@ -1,0 +1,209 @@
+#include "core/staging_buffer.h"
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace refit::core {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+std::string Message(const absl::Status& status) { return std::string(status.message()); }
+
+// A buffer over `storage` whose release function counts its calls.
+StagingBuffer Counted(uint8_t* storage, int64_t size, int* releases, bool on_device = false) {
+  return StagingBuffer(storage, size, on_device, [releases] { ++*releases; });
+}
+
+bool AllZero(const StagingBuffer& buffer) {
+  for (int64_t i = 0; i < buffer.size(); ++i) {
+    if (buffer.data()[i] != 0) return false;
+  }
+  return true;
+}
+
+TEST(StagingBufferTest, HostZeroedIsZeroAndHasItsSize) {
+  absl::StatusOr<StagingBuffer> buffer = StagingBuffer::HostZeroed(4096, "layer 0 params");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_EQ(buffer->size(), 4096);
+  EXPECT_FALSE(buffer->empty());
+  EXPECT_FALSE(buffer->on_device());
+  ASSERT_NE(buffer->data(), nullptr);
+  EXPECT_TRUE(AllZero(*buffer));
+}
+
+TEST(StagingBufferTest, LargeHostZeroedIsZero) {
+  // Large enough that calloc hands out fresh pages instead of clearing.
+  constexpr int64_t kSize = int64_t{8} << 20;
+  absl::StatusOr<StagingBuffer> buffer = StagingBuffer::HostZeroed(kSize, "embed_tokens");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_EQ(buffer->size(), kSize);
+  EXPECT_TRUE(AllZero(*buffer));
+}
+
+TEST(StagingBufferTest, HostUninitializedHasItsSizeAndIsWritable) {
+  absl::StatusOr<StagingBuffer> buffer = StagingBuffer::HostUninitialized(1000, "kernel");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_EQ(buffer->size(), 1000);
+  EXPECT_FALSE(buffer->empty());
+  EXPECT_FALSE(buffer->on_device());
+  ASSERT_NE(buffer->data(), nullptr);
+  std::memset(buffer->data(), 0xab, 1000);
+  EXPECT_EQ(buffer->data()[0], 0xab);
+  EXPECT_EQ(buffer->data()[999], 0xab);
+}
+
+TEST(StagingBufferTest, EmptyBuffersHaveNoData) {
+  StagingBuffer by_default;
+  EXPECT_EQ(by_default.data(), nullptr);
+  EXPECT_EQ(by_default.size(), 0);
+  EXPECT_TRUE(by_default.empty());
+  EXPECT_FALSE(by_default.on_device());
+
+  absl::StatusOr<StagingBuffer> zeroed = StagingBuffer::HostZeroed(0, "empty");
+  ASSERT_TRUE(zeroed.ok()) << zeroed.status();
+  EXPECT_EQ(zeroed->data(), nullptr);
+  EXPECT_EQ(zeroed->size(), 0);
+  EXPECT_TRUE(zeroed->empty());
+
+  absl::StatusOr<StagingBuffer> uninitialized = StagingBuffer::HostUninitialized(0, "empty");
+  ASSERT_TRUE(uninitialized.ok()) << uninitialized.status();
+  EXPECT_EQ(uninitialized->data(), nullptr);
+  EXPECT_EQ(uninitialized->size(), 0);
+  EXPECT_TRUE(uninitialized->empty());
+}
+
+TEST(StagingBufferTest, RefusesNegativeSizeAsInvalidArgument) {
+  absl::StatusOr<StagingBuffer> zeroed = StagingBuffer::HostZeroed(-1, "layer 3 params");
+  EXPECT_EQ(zeroed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(zeroed.status()),
+              AllOf(HasSubstr("negative"), HasSubstr("-1"), HasSubstr("layer 3 params")));
+
+  absl::StatusOr<StagingBuffer> uninitialized =
+      StagingBuffer::HostUninitialized(std::numeric_limits<int64_t>::min(), "layer 4 kernels");
+  EXPECT_EQ(uninitialized.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(uninitialized.status()),
+              AllOf(HasSubstr("negative"), HasSubstr("layer 4 kernels")));
+}
+
+TEST(StagingBufferTest, ImpossibleSizeIsResourceExhaustedNamingWhat) {
+  // 4 EiB: more than any address space holds, so the allocation fails
+  // however much memory the machine has.
+  constexpr int64_t kImpossible = int64_t{1} << 62;
+  absl::StatusOr<StagingBuffer> zeroed = StagingBuffer::HostZeroed(kImpossible, "lm_head");
+  EXPECT_EQ(zeroed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(Message(zeroed.status()),
+              AllOf(HasSubstr("lm_head"), HasSubstr(std::to_string(kImpossible))));
+
+  absl::StatusOr<StagingBuffer> uninitialized =
+      StagingBuffer::HostUninitialized(std::numeric_limits<int64_t>::max(), "layer 7 kernels");
+  EXPECT_EQ(uninitialized.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(Message(uninitialized.status()), HasSubstr("layer 7 kernels"));
+}
+
+TEST(StagingBufferTest, WrappedMemoryIsReleasedOnceOnDestruction) {
+  uint8_t storage[16] = {};
+  int releases = 0;
+  {
+    StagingBuffer buffer = Counted(storage, sizeof storage, &releases, /*on_device=*/true);
+    EXPECT_EQ(buffer.data(), storage);
+    EXPECT_EQ(buffer.size(), 16);
+    EXPECT_TRUE(buffer.on_device());
+    EXPECT_EQ(releases, 0);
+  }
+  EXPECT_EQ(releases, 1);
+}
+
+TEST(StagingBufferTest, MoveConstructionTransfersOwnership) {
+  uint8_t storage[16] = {};
+  int releases = 0;
+  StagingBuffer source = Counted(storage, sizeof storage, &releases, /*on_device=*/true);
+  {
+    StagingBuffer target(std::move(source));
+    EXPECT_EQ(target.data(), storage);
+    EXPECT_EQ(target.size(), 16);
+    EXPECT_TRUE(target.on_device());
+    // The moved-from buffer is empty and owns nothing.
+    EXPECT_EQ(source.data(), nullptr);  // NOLINT(bugprone-use-after-move)
+    EXPECT_EQ(source.size(), 0);
+    EXPECT_TRUE(source.empty());
+    EXPECT_FALSE(source.on_device());
+    EXPECT_EQ(releases, 0);
+  }
+  EXPECT_EQ(releases, 1);
+  source = StagingBuffer();  // destroying or reassigning the husk releases nothing
+  EXPECT_EQ(releases, 1);
+}
+
+TEST(StagingBufferTest, MoveAssignmentTransfersOwnership) {
+  uint8_t storage[16] = {};
+  int releases = 0;
+  StagingBuffer source = Counted(storage, sizeof storage, &releases);
+  {
+    StagingBuffer target;
+    target = std::move(source);
+    EXPECT_EQ(target.data(), storage);
+    EXPECT_EQ(target.size(), 16);
+    EXPECT_EQ(source.data(), nullptr);  // NOLINT(bugprone-use-after-move)
+    EXPECT_EQ(source.size(), 0);
+    EXPECT_EQ(releases, 0);
+  }
+  EXPECT_EQ(releases, 1);
+}
+
+TEST(StagingBufferTest, MoveAssignmentOverAFullBufferReleasesTheOldMemoryOnce) {
+  uint8_t old_storage[8] = {};
+  uint8_t new_storage[32] = {};
+  int old_releases = 0;
+  int new_releases = 0;
+  {
+    StagingBuffer target = Counted(old_storage, sizeof old_storage, &old_releases);
+    StagingBuffer source =
+        Counted(new_storage, sizeof new_storage, &new_releases, /*on_device=*/true);
+    target = std::move(source);
+    EXPECT_EQ(old_releases, 1);
+    EXPECT_EQ(new_releases, 0);
+    EXPECT_EQ(target.data(), new_storage);
+    EXPECT_EQ(target.size(), 32);
+    EXPECT_TRUE(target.on_device());
+  }
+  EXPECT_EQ(old_releases, 1);
+  EXPECT_EQ(new_releases, 1);
+}
+
+TEST(StagingBufferTest, SelfMoveAssignmentKeepsTheMemory) {
+  uint8_t storage[16] = {};
+  int releases = 0;
+  {
+    StagingBuffer buffer = Counted(storage, sizeof storage, &releases);
+    StagingBuffer& alias = buffer;
+    buffer = std::move(alias);
+    EXPECT_EQ(releases, 0);
+    EXPECT_EQ(buffer.data(), storage);
+    EXPECT_EQ(buffer.size(), 16);
+  }
+  EXPECT_EQ(releases, 1);
+}
+
+TEST(StagingBufferTest, MovedHostBufferKeepsItsBytes) {
+  absl::StatusOr<StagingBuffer> made = StagingBuffer::HostUninitialized(64, "w");
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::memset(made->data(), 0x5a, 64);
+  uint8_t* data = made->data();
+  StagingBuffer moved = *std::move(made);
+  EXPECT_EQ(moved.data(), data);
+  EXPECT_EQ(moved.size(), 64);
+  EXPECT_EQ(moved.data()[63], 0x5a);
+}
+
+}  // namespace
+}  // namespace refit::core

@@ -213,7 +213,11 @@ absl::Status RefitSession::IngestLocked(const Chunk& chunk) {
   if (status.ok()) {
     absl::StatusOr<int> completed = assembler_.Ingest(chunk);
     status = completed.status();
-    if (status.ok() && *completed >= 0) status = ProcessCompleteLocked(*completed);
+    if (status.ok() && *completed >= 0) {
+      // Observers see the chunk counted while its layer is processed.
+      RefreshProgressLocked();
+      status = ProcessCompleteLocked(*completed);
+    }
   }
   last_ingest_ = absl::Now();
   if (!status.ok()) FailLocked(status);
@@ -414,6 +418,15 @@ void RefitSession::QueueEventLocked(StoreEventType type, std::string message) {
 }
 
 RefitSession::Outbox RefitSession::EndCallLocked() {
+  RefreshProgressLocked();
+  Outbox out = std::move(outbox_);
+  outbox_ = Outbox();
+  out.slot = slot_;
+  if (out.release) slot_.reset();
+  return out;
+}
+
+void RefitSession::RefreshProgressLocked() {
   SessionProgress p;
   p.refit_id = options_.refit_id;
   p.layers_total = static_cast<int64_t>(layout_.layers().size());
@@ -429,11 +442,6 @@ RefitSession::Outbox RefitSession::EndCallLocked() {
     p.state = state_;
     progress_ = std::move(p);
   }
-  Outbox out = std::move(outbox_);
-  outbox_ = Outbox();
-  out.slot = slot_;
-  if (out.release) slot_.reset();
-  return out;
 }
 
 }  // namespace refit::core

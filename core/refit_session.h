@@ -151,7 +151,8 @@ class RefitSession {
 
   const std::string& refit_id() const { return options_.refit_id; }
   SessionState state() const;
-  // As of the end of the last Ingest / Prepare / Commit / Abort.
+  // As of the end of the last Ingest / Prepare / Commit / Abort (and of the
+  // last chunk accepted, while its layer is processed). Never waits.
   SessionProgress progress() const;
   // The reason of the abort, or OK.
   absl::Status abort_status() const;
@@ -192,6 +193,7 @@ class RefitSession {
   // Refreshes the progress snapshot and takes the outbox; every public call
   // ends with it.
   Outbox EndCallLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  void RefreshProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   absl::Status NotReceiving() const;
   SessionState StateNow() const;
   void SetState(SessionState state, absl::Status reason = absl::OkStatus());

@@ -43,6 +43,10 @@ ABSL_FLAG(std::string, quant, "per-tensor",
 ABSL_FLAG(std::string, staging_budget, "4GiB",
           "Bound on a refit's high-precision staging memory (bytes; K/M/G/T suffixes, binary). "
           "A refit that needs more fails with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(bool, host_staging, false,
+          "With --device cuda:N: stage and quantize refits in host memory (CPU quantizer, "
+          "host-to-device commit) instead of on the GPU. Same bytes; for diagnosis or when "
+          "device memory is short.");
 ABSL_FLAG(std::string, max_chunk_bytes, "64MiB",
           "Largest chunk payload in one Push message (K/M/G suffixes); gRPC's receive limit is "
           "this plus 1 MiB.");
@@ -154,6 +158,7 @@ int main(int argc, char** argv) {
       refit::server::ParseByteSize(absl::GetFlag(FLAGS_staging_budget));
   if (!budget.ok()) return UsageError(budget.status());
   options.staging_budget_bytes = *budget;
+  options.host_staging = absl::GetFlag(FLAGS_host_staging);
   absl::StatusOr<int64_t> max_chunk =
       refit::server::ParseByteSize(absl::GetFlag(FLAGS_max_chunk_bytes));
   if (!max_chunk.ok()) return UsageError(max_chunk.status());

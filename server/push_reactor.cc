@@ -162,6 +162,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     absl::StatusOr<ConvertedRefitOptions> options =
         FromProtoRefitOptions(begin.options(), service_->options().staging_budget_bytes);
     if (!options.ok()) return options.status();
+    options->core.host_staging = service_->options().host_staging;
     absl::StatusOr<std::unique_ptr<core::RefitSession>> session =
         core::RefitSession::Begin((*group)->store(), options->core);
     if (!session.ok()) {

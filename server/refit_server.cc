@@ -237,6 +237,7 @@ absl::Status RefitServer::LoadInitialModel() {
   ModelGroup* group = default_group();
   core::RefitOptions options;
   options.staging_budget_bytes = options_.staging_budget_bytes;
+  options.host_staging = options_.host_staging;
   REFIT_LOG(INFO)
           .Field("group", group->name())
           .Field("model", options_.model)

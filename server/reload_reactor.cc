@@ -175,6 +175,7 @@ grpc::ServerWriteReactor<v1::ReloadProgress>* NewReloadReactor(
   absl::StatusOr<ConvertedRefitOptions> options =
       FromProtoRefitOptions(request->options(), service->options().staging_budget_bytes);
   if (!options.ok()) return FailedStream<Fail>(options.status());
+  options->core.host_staging = service->options().host_staging;
   absl::StatusOr<std::vector<std::string>> files =
       ResolveReloadPath(service->options().reload_root, request->path());
   if (!files.ok()) {

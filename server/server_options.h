@@ -30,6 +30,8 @@ struct ServerOptions {
   std::string device = "cpu";
   std::string quant = "per-tensor";  // per-tensor | per-channel | block | none
   int64_t staging_budget_bytes = int64_t{4} << 30;
+  // GPU stores: stage and quantize refits on the host (--host-staging).
+  bool host_staging = false;
   // Largest chunk payload of one Push message; gRPC's receive limit is this
   // plus kMessageHeadroomBytes.
   int64_t max_chunk_bytes = int64_t{64} << 20;

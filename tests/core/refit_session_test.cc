@@ -666,6 +666,63 @@ TEST_F(RefitSessionTest, PublishesEventsInOrder) {
                                              StoreEventType::kStagingStarted, StoreEventType::kAborted));
 }
 
+TEST_F(RefitSessionTest, FinishEventsAreDeliveredBeforeTheSlotIsReleased) {
+  // A refit's "committed" / "aborted" reaches listeners while its slot is
+  // still held, so no next refit can begin (and announce "staging started")
+  // before every listener has seen the end of this one.
+  struct Seen {
+    StoreEventType type;
+    std::string holder;      // the store's active refit at delivery
+    absl::StatusCode begin;  // what a Begin at that moment got
+  };
+  std::vector<Seen> seen;
+  int id = store_->AddListener([&](const StoreEvent& e) {
+    if (e.type != StoreEventType::kCommitted && e.type != StoreEventType::kAborted) return;
+    absl::StatusOr<std::unique_ptr<RefitSession>> next = RefitSession::Begin(store_.get(), {});
+    seen.push_back({e.type, store_->active_session(), next.status().code()});
+  });
+  RefitOptions options;
+  options.refit_id = "first";
+  ASSERT_TRUE(PushAll(*store_, v2_, options).ok());
+  {
+    RefitOptions second;
+    second.refit_id = "second";
+    std::unique_ptr<RefitSession> s = RefitSession::Begin(store_.get(), second).value();
+    s->Abort("x");
+  }
+  store_->RemoveListener(id);
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0].type, StoreEventType::kCommitted);
+  EXPECT_EQ(seen[0].holder, "first");
+  EXPECT_EQ(seen[0].begin, absl::StatusCode::kAborted);
+  EXPECT_EQ(seen[1].type, StoreEventType::kAborted);
+  EXPECT_EQ(seen[1].holder, "second");
+  EXPECT_EQ(seen[1].begin, absl::StatusCode::kAborted);
+  // And once the calls returned, the slot is free.
+  EXPECT_EQ(store_->active_session(), "");
+  EXPECT_TRUE(RefitSession::Begin(store_.get(), {}).ok());
+}
+
+TEST_F(RefitSessionTest, ProgressNeverWaitsForARunningCall) {
+  // A listener runs on the committing thread after the call's locks are
+  // released: progress() and state() answer from there.
+  SessionState state_at_commit = SessionState::kReceiving;
+  int64_t layers_at_commit = -1;
+  RefitSession* current = nullptr;
+  int id = store_->AddListener([&](const StoreEvent& e) {
+    if (e.type != StoreEventType::kCommitted || current == nullptr) return;
+    state_at_commit = current->state();
+    layers_at_commit = current->progress().layers_done;
+  });
+  std::unique_ptr<RefitSession> session = Begin();
+  current = session.get();
+  for (const OwnedTensor& t : v2_) ASSERT_TRUE(session->Ingest(ToChunk({&t, 0, t.bytes.size()})).ok());
+  ASSERT_TRUE(session->Commit().ok());
+  store_->RemoveListener(id);
+  EXPECT_EQ(state_at_commit, SessionState::kCommitted);
+  EXPECT_EQ(layers_at_commit, static_cast<int64_t>(store_->layout().layers().size()));
+}
+
 // ---- Tensor parallelism: the ranks' slices put back together equal the full tensors.
 
 class TensorParallelTest : public ::testing::TestWithParam<int> {};

@@ -1,0 +1,350 @@
+#include "core/layer_processor.h"
+
+#include <xxhash.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/fixture_model.h"
+#include "core/fp8_quantizer.h"
+#include "core/model_layout.h"
+#include "core/shard_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/refit_helpers.h"
+
+namespace refit::core {
+namespace {
+
+using ::refit::testing::MakeStore;
+using ::testing::HasSubstr;
+
+std::shared_ptr<const ModelLayout> Layout(const ModelConfig& config, QuantScheme quant) {
+  absl::StatusOr<std::shared_ptr<const ModelLayout>> layout =
+      ModelLayout::Build(config, ParallelConfig{}, quant);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  return layout.ok() ? *std::move(layout) : nullptr;
+}
+
+// The fixture model with biases on every attention projection, so that
+// linear layers have a kept bias kernel beside the quantized weight.
+ModelConfig BiasedConfig() {
+  ModelConfig config = FixtureConfig();
+  config.attention_bias = true;
+  return config;
+}
+
+std::string Str(const StagingBuffer& b) {
+  return std::string(reinterpret_cast<const char*>(b.data()), static_cast<size_t>(b.size()));
+}
+
+// A layer's params filled with N(0, 0.05) values in each param's dtype, and
+// a copy of their bytes to compute expectations from.
+struct Params {
+  std::vector<StagingBuffer> buffers;
+  std::vector<std::string> bytes;
+};
+
+Params RandomParams(const LayerSpec& spec, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.05f);
+  Params out;
+  for (const ParamSpec& param : spec.params) {
+    std::vector<float> values(static_cast<size_t>(param.numel()));
+    for (float& v : values) v = normal(rng);
+    absl::StatusOr<StagingBuffer> buffer = StagingBuffer::HostUninitialized(param.nbytes(), "test");
+    EXPECT_TRUE(buffer.ok()) << buffer.status();
+    EXPECT_TRUE(
+        ConvertFloats(values.data(), DType::kFloat32, buffer->data(), param.dtype, values.size())
+            .ok());
+    out.bytes.push_back(Str(*buffer));
+    out.buffers.push_back(*std::move(buffer));
+  }
+  return out;
+}
+
+// QuantizeFp8 on the same input: the FP8 bytes and the scale bytes.
+std::pair<std::string, std::string> Reference(const std::string& src, DType dtype, int64_t rows,
+                                              int64_t cols, QuantScheme scheme,
+                                              absl::string_view name) {
+  std::string q(static_cast<size_t>(rows * cols), '\0');
+  std::vector<float> scales(static_cast<size_t>(Fp8NumScales(scheme, rows, cols)));
+  Fp8QuantizeOptions options;
+  options.scheme = scheme;
+  absl::Status s = QuantizeFp8(src.data(), dtype, rows, cols, options,
+                               reinterpret_cast<uint8_t*>(q.data()), scales.data(), name);
+  EXPECT_TRUE(s.ok()) << s;
+  return {q, std::string(reinterpret_cast<const char*>(scales.data()), scales.size() * 4)};
+}
+
+std::unique_ptr<LayerProcessor> Host(const ModelLayout& layout,
+                                     NonFinitePolicy policy = NonFinitePolicy::kReject) {
+  LayerProcessorOptions options;
+  options.non_finite = policy;
+  return CreateHostLayerProcessor(layout, options);
+}
+
+StagingBuffer Scalar(float value) {
+  absl::StatusOr<StagingBuffer> b = StagingBuffer::HostUninitialized(4, "scale");
+  EXPECT_TRUE(b.ok());
+  std::memcpy(b->data(), &value, 4);
+  return *std::move(b);
+}
+
+float FloatOf(const StagingBuffer& b) {
+  float f = 0;
+  EXPECT_EQ(b.size(), 4);
+  std::memcpy(&f, b.data(), 4);
+  return f;
+}
+
+class LayerProcessorSchemeTest : public ::testing::TestWithParam<QuantScheme> {};
+
+TEST_P(LayerProcessorSchemeTest, LinearKernelsEqualQuantizeFp8OfTheParams) {
+  const QuantScheme scheme = GetParam();
+  std::shared_ptr<const ModelLayout> layout = Layout(BiasedConfig(), scheme);
+  ASSERT_NE(layout, nullptr);
+  std::unique_ptr<LayerProcessor> processor = Host(*layout);
+  int linear = 0;
+  for (size_t l = 0; l < layout->layers().size(); ++l) {
+    const LayerSpec& spec = layout->layers()[l];
+    if (spec.kind != LayerKind::kLinear) continue;
+    SCOPED_TRACE(spec.name);
+    ++linear;
+    Params params = RandomParams(spec, 100 + l);
+    absl::StatusOr<ProcessedLayer> out =
+        processor->Process(static_cast<int>(l), std::move(params.buffers));
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->layer, static_cast<int>(l));
+    ASSERT_EQ(out->kernels.size(), spec.kernels.size());
+
+    const int w = spec.KernelIndex("weight");
+    const int s =
+        spec.KernelIndex(scheme == QuantScheme::kBlock128 ? "weight_scale_inv" : "weight_scale");
+    ASSERT_GE(w, 0);
+    ASSERT_GE(s, 0);
+    const ParamSpec& weight = spec.params[spec.ParamIndex("weight")];
+    const auto [q, scales] =
+        Reference(params.bytes[spec.ParamIndex("weight")], weight.dtype, weight.shape[0],
+                  weight.shape[1], scheme, spec.kernels[w].name);
+    EXPECT_TRUE(Str(out->kernels[w]) == q) << "FP8 weight bytes differ";
+    EXPECT_TRUE(Str(out->kernels[s]) == scales) << "scale bytes differ";
+    EXPECT_EQ(out->kernels[s].size(), Fp8NumScales(scheme, weight.shape[0], weight.shape[1]) * 4);
+
+    const int b = spec.KernelIndex("bias");
+    if (b >= 0) {
+      EXPECT_TRUE(Str(out->kernels[b]) == params.bytes[spec.ParamIndex("bias")]) << "bias";
+    }
+  }
+  // Per layer: qkv, o, gate_up, down.
+  EXPECT_EQ(linear, 4 * layout->config().num_layers);
+}
+
+INSTANTIATE_TEST_SUITE_P(Schemes, LayerProcessorSchemeTest,
+                         ::testing::Values(QuantScheme::kPerTensor, QuantScheme::kPerChannel,
+                                           QuantScheme::kBlock128),
+                         [](const ::testing::TestParamInfo<QuantScheme>& info) {
+                           switch (info.param) {
+                             case QuantScheme::kPerTensor:
+                               return std::string("PerTensor");
+                             case QuantScheme::kPerChannel:
+                               return std::string("PerChannel");
+                             default:
+                               return std::string("Block");
+                           }
+                         });
+
+TEST(LayerProcessorTest, KeptKernelsEqualTheParamsByteForByte) {
+  std::shared_ptr<const ModelLayout> layout = Layout(BiasedConfig(), QuantScheme::kPerTensor);
+  ASSERT_NE(layout, nullptr);
+  std::unique_ptr<LayerProcessor> processor = Host(*layout);
+  int checked = 0;
+  for (absl::string_view name : {"model.embed_tokens", "model.layers.0.input_layernorm",
+                                 "model.layers.1.post_attention_layernorm", "model.norm", "lm_head",
+                                 "model.layers.0.self_attn.o_proj"}) {
+    SCOPED_TRACE(name);
+    const int l = layout->FindLayer(name);
+    ASSERT_GE(l, 0);
+    const LayerSpec& spec = layout->layers()[l];
+    Params params = RandomParams(spec, l);
+    absl::StatusOr<ProcessedLayer> out = processor->Process(l, std::move(params.buffers));
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t k = 0; k < spec.kernels.size(); ++k) {
+      const KernelPlan& plan = spec.plan[k];
+      if (plan.param < 0 || plan.scale >= 0) continue;  // scales and FP8 weights
+      EXPECT_TRUE(Str(out->kernels[k]) == params.bytes[plan.param]) << spec.kernels[k].name;
+      ++checked;
+    }
+  }
+  // embed, 3 norms, lm_head, o_proj's bias.
+  EXPECT_EQ(checked, 6);
+}
+
+TEST(LayerProcessorTest, UnquantizedWeightIsKeptAsIs) {
+  std::shared_ptr<const ModelLayout> layout = Layout(FixtureConfig(), QuantScheme::kNone);
+  ASSERT_NE(layout, nullptr);
+  const int l = layout->FindLayer("model.layers.0.mlp.down_proj");
+  const LayerSpec& spec = layout->layers()[l];
+  ASSERT_EQ(spec.kernels.size(), 1u);
+  Params params = RandomParams(spec, 5);
+  absl::StatusOr<ProcessedLayer> out = Host(*layout)->Process(l, std::move(params.buffers));
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(spec.kernels[0].dtype, DType::kBFloat16);
+  EXPECT_TRUE(Str(out->kernels[0]) == params.bytes[0]);
+}
+
+TEST(LayerProcessorTest, HashesAreXxh3OfTheReturnedKernels) {
+  std::shared_ptr<const ModelLayout> layout = Layout(BiasedConfig(), QuantScheme::kBlock128);
+  ASSERT_NE(layout, nullptr);
+  std::unique_ptr<LayerProcessor> processor = Host(*layout);
+  for (size_t l = 0; l < layout->layers().size(); ++l) {
+    const LayerSpec& spec = layout->layers()[l];
+    SCOPED_TRACE(spec.name);
+    absl::StatusOr<ProcessedLayer> out =
+        processor->Process(static_cast<int>(l), RandomParams(spec, l).buffers);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_EQ(out->hashes.size(), spec.kernels.size());
+    ASSERT_EQ(out->kernels.size(), spec.kernels.size());
+    for (size_t k = 0; k < spec.kernels.size(); ++k) {
+      const StagingBuffer& kernel = out->kernels[k];
+      EXPECT_EQ(kernel.size(), spec.kernels[k].nbytes()) << spec.kernels[k].name;
+      EXPECT_FALSE(kernel.on_device());
+      EXPECT_EQ(out->hashes[k], HashBytes(kernel.data(), kernel.size())) << spec.kernels[k].name;
+      EXPECT_EQ(out->hashes[k], XXH3_64bits(kernel.data(), static_cast<size_t>(kernel.size())))
+          << spec.kernels[k].name;
+    }
+  }
+}
+
+struct ScalesCase {
+  const char* label;
+  float k, v, q, kv;  // received; 0 = not received
+  float want_k, want_v, want_q;
+};
+
+class LayerProcessorAttentionTest : public ::testing::TestWithParam<ScalesCase> {};
+
+TEST_P(LayerProcessorAttentionTest, ScalesFollowResolveAttentionScales) {
+  const ScalesCase& c = GetParam();
+  std::shared_ptr<const ModelLayout> layout = Layout(FixtureConfig(), QuantScheme::kPerTensor);
+  ASSERT_NE(layout, nullptr);
+  const int l = layout->FindLayer("model.layers.1.self_attn.attn");
+  const LayerSpec& spec = layout->layers()[l];
+  std::vector<StagingBuffer> params(spec.params.size());
+  params[spec.ParamIndex("k_scale")] = Scalar(c.k);
+  params[spec.ParamIndex("v_scale")] = Scalar(c.v);
+  params[spec.ParamIndex("q_scale")] = Scalar(c.q);
+  params[spec.ParamIndex("kv_scale")] = Scalar(c.kv);
+  absl::StatusOr<ProcessedLayer> out = Host(*layout)->Process(l, std::move(params));
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_EQ(out->kernels.size(), 3u);
+  const AttentionScales resolved = ResolveAttentionScales(c.k, c.v, c.q, c.kv);
+  EXPECT_EQ(FloatOf(out->kernels[spec.KernelIndex("k_scale")]), c.want_k);
+  EXPECT_EQ(FloatOf(out->kernels[spec.KernelIndex("v_scale")]), c.want_v);
+  EXPECT_EQ(FloatOf(out->kernels[spec.KernelIndex("q_scale")]), c.want_q);
+  for (size_t k = 0; k < spec.kernels.size(); ++k) {
+    EXPECT_EQ(FloatOf(out->kernels[k]), resolved.ForKernel(spec.kernels[k].suffix))
+        << spec.kernels[k].name;
+    EXPECT_EQ(out->hashes[k], HashBytes(out->kernels[k].data(), 4));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, LayerProcessorAttentionTest,
+    ::testing::Values(ScalesCase{"KAndV", 0.5f, 0.25f, 0.0f, 0.0f, 0.5f, 0.25f, 0.5f},
+                      ScalesCase{"KVAndQ", 0.5f, 0.25f, 2.0f, 0.0f, 0.5f, 0.25f, 2.0f},
+                      ScalesCase{"None", 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.0f, 1.0f},
+                      ScalesCase{"OnlyKvScale", 0.0f, 0.0f, 0.0f, 0.125f, 0.125f, 0.125f, 0.125f},
+                      ScalesCase{"OnlyV", 0.0f, 3.0f, 0.0f, 0.0f, 3.0f, 3.0f, 3.0f},
+                      ScalesCase{"NegativeKIsMissing", -1.0f, 0.75f, 0.0f, 0.0f, 0.75f, 0.75f,
+                                 0.75f}),
+    [](const ::testing::TestParamInfo<ScalesCase>& info) { return std::string(info.param.label); });
+
+TEST(LayerProcessorTest, AttentionLayerWithoutParamsGetsUnitScales) {
+  std::shared_ptr<const ModelLayout> layout = Layout(FixtureConfig(), QuantScheme::kPerTensor);
+  ASSERT_NE(layout, nullptr);
+  const int l = layout->FindLayer("model.layers.0.self_attn.attn");
+  absl::StatusOr<ProcessedLayer> out = Host(*layout)->Process(l, {});
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_EQ(out->kernels.size(), 3u);
+  for (const StagingBuffer& kernel : out->kernels) EXPECT_EQ(FloatOf(kernel), 1.0f);
+}
+
+TEST(LayerProcessorTest, NonFiniteWeightUnderRejectIsInvalidArgumentNamingTheTensor) {
+  std::shared_ptr<const ModelLayout> layout = Layout(FixtureConfig(), QuantScheme::kPerChannel);
+  ASSERT_NE(layout, nullptr);
+  const int l = layout->FindLayer("model.layers.1.mlp.gate_up_proj");
+  const LayerSpec& spec = layout->layers()[l];
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    SCOPED_TRACE(bad);
+    Params params = RandomParams(spec, 9);
+    const float value = bad;
+    ASSERT_TRUE(ConvertFloats(&value, DType::kFloat32, params.buffers[0].data() + 2 * 1000,
+                              DType::kBFloat16, 1)
+                    .ok());
+    absl::StatusOr<ProcessedLayer> out = Host(*layout)->Process(l, std::move(params.buffers));
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(out.status().message(), HasSubstr("model.layers.1.mlp.gate_up_proj.weight"));
+
+    // The vLLM-compatible policy quantizes the same input.
+    Params again = RandomParams(spec, 9);
+    ASSERT_TRUE(ConvertFloats(&value, DType::kFloat32, again.buffers[0].data() + 2 * 1000,
+                              DType::kBFloat16, 1)
+                    .ok());
+    absl::StatusOr<ProcessedLayer> vllm =
+        Host(*layout, NonFinitePolicy::kVllmCompatible)->Process(l, std::move(again.buffers));
+    EXPECT_TRUE(vllm.ok()) << vllm.status();
+  }
+}
+
+TEST(LayerProcessorTest, KeptParamOfTheWrongSizeIsInternal) {
+  std::shared_ptr<const ModelLayout> layout = Layout(FixtureConfig(), QuantScheme::kPerTensor);
+  ASSERT_NE(layout, nullptr);
+  const int l = layout->FindLayer("model.norm");
+  std::vector<StagingBuffer> params;
+  params.push_back(*StagingBuffer::HostZeroed(10, "short"));
+  absl::StatusOr<ProcessedLayer> out = Host(*layout)->Process(l, std::move(params));
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(out.status().message(), HasSubstr("model.norm.weight"));
+  EXPECT_THAT(out.status().message(), HasSubstr("staged 10 bytes, live tensor has 256"));
+}
+
+TEST(LayerProcessorTest, HostProcessorIsNotOnDevice) {
+  std::shared_ptr<const ModelLayout> layout = Layout(FixtureConfig(), QuantScheme::kPerTensor);
+  ASSERT_NE(layout, nullptr);
+  EXPECT_FALSE(Host(*layout)->on_device());
+}
+
+TEST(LayerProcessorTest, CpuStoreGetsTheHostProcessor) {
+  std::unique_ptr<ShardStore> store = MakeStore(FixtureConfig());
+  ASSERT_NE(store, nullptr);
+  ASSERT_FALSE(store->on_gpu());
+  absl::StatusOr<std::unique_ptr<LayerProcessor>> processor =
+      CreateLayerProcessor(*store, LayerProcessorOptions{});
+  ASSERT_TRUE(processor.ok()) << processor.status();
+  EXPECT_FALSE((*processor)->on_device());
+  std::unique_ptr<LayerProcessor> host = Host(store->layout());
+  EXPECT_TRUE(typeid(**processor) == typeid(*host));
+
+  const int l = store->layout().FindLayer("model.layers.0.self_attn.qkv_proj");
+  const LayerSpec& spec = store->layout().layers()[l];
+  absl::StatusOr<ProcessedLayer> a = (*processor)->Process(l, RandomParams(spec, 3).buffers);
+  absl::StatusOr<ProcessedLayer> b = host->Process(l, RandomParams(spec, 3).buffers);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->hashes, b->hashes);
+}
+
+}  // namespace
+}  // namespace refit::core

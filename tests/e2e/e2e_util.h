@@ -19,6 +19,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -238,8 +239,10 @@ class Child {
 };
 
 // A Watch stream on refitd, opened before the action it observes: Next
-// blocks for the next event of a type. The stream has a deadline, so an
-// event that never comes fails the wait instead of hanging the test.
+// blocks for the next event of a type. A thread reads the stream all along,
+// as a real watcher does (a client that stopped reading would hold up the
+// daemon's shutdown until --shutdown-timeout). The stream has a deadline, so
+// an event that never comes fails the wait instead of hanging the test.
 class WatchStream {
  public:
   // nullptr if the stream does not deliver its snapshot.
@@ -254,17 +257,20 @@ class WatchStream {
     stream->reader_ = stream->stub_->Watch(&stream->context_, refit::v1::WatchRequest());
     if (!stream->reader_->Read(&stream->snapshot_) ||
         stream->snapshot_.type() != refit::v1::WatchEvent::TYPE_SNAPSHOT) {
+      stream->context_.TryCancel();
+      refit::v1::WatchEvent ignored;
+      while (stream->reader_->Read(&ignored)) {
+      }
+      stream->reader_->Finish().IgnoreError();
       return nullptr;
     }
+    stream->thread_ = std::thread([self = stream.get()] { self->ReadAll(); });
     return stream;
   }
 
   ~WatchStream() {
     context_.TryCancel();
-    refit::v1::WatchEvent ignored;
-    while (reader_->Read(&ignored)) {
-    }
-    reader_->Finish().IgnoreError();
+    thread_.join();
   }
 
   const refit::v1::WatchEvent& snapshot() const { return snapshot_; }
@@ -272,19 +278,41 @@ class WatchStream {
   // The next event of `type` (earlier ones of other types are skipped);
   // nullopt if the stream ends first.
   std::optional<refit::v1::WatchEvent> Next(refit::v1::WatchEvent::Type type) {
-    refit::v1::WatchEvent event;
-    while (reader_->Read(&event)) {
+    absl::MutexLock lock(&mu_);
+    for (;;) {
+      mu_.Await(absl::Condition(this, &WatchStream::HasEventOrEnded));
+      if (events_.empty()) return std::nullopt;
+      refit::v1::WatchEvent event = std::move(events_.front());
+      events_.pop_front();
       if (event.type() == type) return event;
     }
-    return std::nullopt;
   }
 
  private:
   WatchStream() = default;
+
+  void ReadAll() {
+    refit::v1::WatchEvent event;
+    while (reader_->Read(&event)) {
+      absl::MutexLock lock(&mu_);
+      events_.push_back(event);
+    }
+    reader_->Finish().IgnoreError();
+    absl::MutexLock lock(&mu_);
+    ended_ = true;
+  }
+  bool HasEventOrEnded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return ended_ || !events_.empty();
+  }
+
   std::unique_ptr<refit::v1::RefitService::Stub> stub_;
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReader<refit::v1::WatchEvent>> reader_;
   refit::v1::WatchEvent snapshot_;
+  std::thread thread_;
+  absl::Mutex mu_;
+  std::deque<refit::v1::WatchEvent> events_ ABSL_GUARDED_BY(mu_);
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 struct CommandResult {

@@ -68,9 +68,12 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
                       refit::v1::CommitResponse* response) override {
     if (std::optional<grpc::Status> failure = Failure("Commit")) return *failure;
     if (hang_commit()) {
-      // The sync API has no cancellation callback to wait on.
-      while (!context->IsCancelled()) absl::SleepFor(absl::Milliseconds(1));
-      return grpc::Status(grpc::StatusCode::CANCELLED, "Commit: the client went away");
+      // The sync API has no cancellation callback to wait on, and the client
+      // sees its own deadline whatever the handler does: hold the call until
+      // the server stops (Stop).
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(&stopping_));
+      return grpc::Status(grpc::StatusCode::CANCELLED, "Commit: the server is stopping");
     }
     *response->mutable_result() = push_result_;
     response->mutable_result()->set_refit_id(request->refit_id());
@@ -163,8 +166,9 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     return grpc::Status::OK;
   }
 
-  // Ends the streams that stay open until the server stops (Watch). Called
-  // before grpc::Server::Shutdown, which waits for every handler to return.
+  // Ends the calls that are held until the server stops (Watch, a hanging
+  // Commit). Called before grpc::Server::Shutdown, which waits for every
+  // handler to return.
   void Stop() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "refit/v1/refit.grpc.pb.h"
 #include "tests/server/server_test_util.h"
+#include "tests/testing/fake_clock.h"
 
 namespace refit::server {
 namespace {
@@ -320,6 +321,24 @@ TEST(IdleWatchdogTest, WakeMakesItSeeADeadlineThatMovedEarlier) {
   watchdog.Remove(&quiet);
   watchdog.Stop();
   watchdog.Stop();  // idempotent; the destructor stops again
+}
+
+TEST(IdleWatchdogTest, FiresWhenItsClockReachesTheDeadline) {
+  ::refit::testing::FakeClock clock;
+  IdleWatchdog watchdog(&clock);
+  FakeTarget target;
+  const absl::Time deadline = clock.Now() + absl::Seconds(10);
+  target.set_deadline(deadline);
+  watchdog.Add(&target);
+  // The watchdog sleeps on its clock until the deadline, not on real time.
+  ASSERT_TRUE(clock.AwaitWaiter(deadline, kLimit));
+  clock.AdvanceTime(absl::Seconds(9));
+  EXPECT_FALSE(target.idle().HasBeenNotified());  // a step short of it wakes nothing
+  clock.AdvanceTime(absl::Seconds(1));
+  EXPECT_TRUE(target.idle().WaitForNotificationWithTimeout(kLimit));
+  watchdog.Remove(&target);
+  watchdog.Stop();
+  EXPECT_EQ(target.refs(), 0);
 }
 
 }  // namespace

@@ -16,13 +16,20 @@ struct DTypeInfo {
 };
 
 constexpr DTypeInfo kDTypes[] = {
-    {DType::kBool, "BOOL", 1},        {DType::kUInt8, "U8", 1},
-    {DType::kInt8, "I8", 1},          {DType::kInt16, "I16", 2},
-    {DType::kUInt16, "U16", 2},       {DType::kInt32, "I32", 4},
-    {DType::kUInt32, "U32", 4},       {DType::kInt64, "I64", 8},
-    {DType::kUInt64, "U64", 8},       {DType::kFloat8E4M3, "F8_E4M3", 1},
-    {DType::kFloat8E5M2, "F8_E5M2", 1}, {DType::kFloat16, "F16", 2},
-    {DType::kBFloat16, "BF16", 2},    {DType::kFloat32, "F32", 4},
+    {DType::kBool, "BOOL", 1},
+    {DType::kUInt8, "U8", 1},
+    {DType::kInt8, "I8", 1},
+    {DType::kInt16, "I16", 2},
+    {DType::kUInt16, "U16", 2},
+    {DType::kInt32, "I32", 4},
+    {DType::kUInt32, "U32", 4},
+    {DType::kInt64, "I64", 8},
+    {DType::kUInt64, "U64", 8},
+    {DType::kFloat8E4M3, "F8_E4M3", 1},
+    {DType::kFloat8E5M2, "F8_E5M2", 1},
+    {DType::kFloat16, "F16", 2},
+    {DType::kBFloat16, "BF16", 2},
+    {DType::kFloat32, "F32", 4},
     {DType::kFloat64, "F64", 8},
 };
 
@@ -70,8 +77,8 @@ bool IsHighPrecisionFloat(DType dtype) {
 absl::Status ConvertFloats(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                            size_t count) {
   if (!IsHighPrecisionFloat(src_dtype) || !IsHighPrecisionFloat(dst_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot convert ", DTypeName(src_dtype),
-                                                   " to ", DTypeName(dst_dtype),
+    return absl::InvalidArgumentError(absl::StrCat("cannot convert ", DTypeName(src_dtype), " to ",
+                                                   DTypeName(dst_dtype),
                                                    ": only F32, F16 and BF16 convert"));
   }
   if (src_dtype == dst_dtype) {

@@ -28,7 +28,8 @@ class HostLayerProcessor final : public LayerProcessor {
     absl::Status Quantize(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols, int k,
                           int s) override {
       const KernelSpec& weight = spec_.kernels[k];
-      absl::StatusOr<StagingBuffer> q = StagingBuffer::HostUninitialized(weight.nbytes(), weight.name);
+      absl::StatusOr<StagingBuffer> q =
+          StagingBuffer::HostUninitialized(weight.nbytes(), weight.name);
       if (!q.ok()) return q.status();
       absl::StatusOr<StagingBuffer> scales =
           StagingBuffer::HostUninitialized(spec_.kernels[s].nbytes(), weight.name);
@@ -37,9 +38,8 @@ class HostLayerProcessor final : public LayerProcessor {
       qopts.scheme = processor_.layout_.quant();
       qopts.non_finite = processor_.options_.non_finite;
       qopts.num_threads = processor_.options_.quantize_threads;
-      absl::Status quantized =
-          QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, q->data(),
-                      reinterpret_cast<float*>(scales->data()), weight.name);
+      absl::Status quantized = QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, q->data(),
+                                           reinterpret_cast<float*>(scales->data()), weight.name);
       if (!quantized.ok()) return quantized;
       kernels_[k] = *std::move(q);
       kernels_[s] = *std::move(scales);

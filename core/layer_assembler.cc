@@ -45,10 +45,9 @@ absl::Status LayerAssembler::Validate(const Chunk& chunk, const CheckpointTensor
         " is not accepted; send F32, F16 or BF16 (checkpoint dtype ", DTypeName(ct.dtype), ")"));
   }
   if (!std::equal(chunk.shape.begin(), chunk.shape.end(), ct.shape.begin(), ct.shape.end())) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor \"", ct.name, "\": shape ",
-                                                   ShapeString(chunk.shape),
-                                                   " does not match the model's ",
-                                                   ShapeString(ct.shape)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor \"", ct.name, "\": shape ", ShapeString(chunk.shape),
+                     " does not match the model's ", ShapeString(ct.shape)));
   }
   const TensorState& ts = tensors_[&ct - layout_.checkpoint_tensors().data()];
   if (ts.seen && ts.dtype != chunk.dtype) {
@@ -84,8 +83,8 @@ absl::StatusOr<int> LayerAssembler::Ingest(const Chunk& chunk) {
   int completed = -1;
   if (!chunk.xxh3.has_value()) {
     if (!scatter) return -1;
-    absl::Status s =
-        Scatter(ct, chunk.dtype, chunk.data.data(), begin / elem, (begin + size) / elem, &completed);
+    absl::Status s = Scatter(ct, chunk.dtype, chunk.data.data(), begin / elem,
+                             (begin + size) / elem, &completed);
     if (!s.ok()) return s;
     return completed;
   }
@@ -159,8 +158,8 @@ absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, co
     const int64_t dst_index =
         (slice.dst_row + (r - slice.src_row)) * slice.num_cols + (a - slice.src_col);
     const uint8_t* src = data + ((r * cols + a) - first) * elem_in;
-    absl::Status converted = ConvertFloats(src, dtype, dst_base + dst_index * elem_out,
-                                           param.dtype, static_cast<size_t>(b - a));
+    absl::Status converted = ConvertFloats(src, dtype, dst_base + dst_index * elem_out, param.dtype,
+                                           static_cast<size_t>(b - a));
     if (!converted.ok()) return converted;
     contributed += b - a;
   }

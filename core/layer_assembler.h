@@ -105,7 +105,9 @@ class LayerAssembler {
   int64_t elements_loaded() const { return elements_loaded_; }
   int64_t elements_expected() const { return elements_expected_; }
 
-  // Frees all staging and forgets everything received.
+  // Frees all staging and what was recorded per tensor and layer, at the
+  // end of a refit. Afterwards only the counters (bytes_received,
+  // elements_loaded, staging_bytes) may be read.
   void Clear();
 
  private:

@@ -26,8 +26,8 @@ absl::Status KeepAttentionScales(const LayerSpec& spec, const std::vector<Stagin
     if (p < 0 || params.empty() || params[p].empty()) return 0.0f;
     return LoadAsFloat(params[p].data(), spec.params[p].dtype, 0);
   };
-  const AttentionScales scales = ResolveAttentionScales(
-      received("k_scale"), received("v_scale"), received("q_scale"), received("kv_scale"));
+  const AttentionScales scales = ResolveAttentionScales(received("k_scale"), received("v_scale"),
+                                                        received("q_scale"), received("kv_scale"));
   for (size_t i = 0; i < spec.kernels.size(); ++i) {
     const KernelSpec& kernel = spec.kernels[i];
     absl::StatusOr<StagingBuffer> buffer = StagingBuffer::HostZeroed(kernel.nbytes(), kernel.name);
@@ -50,6 +50,21 @@ uint64_t HashBytes(const void* data, int64_t size) {
 absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<StagingBuffer> params) {
   const absl::Time start = absl::Now();
   const LayerSpec& spec = layout_.layers()[l];
+  // The assembler hands over exactly the layer's params; anything else is a
+  // bug that must not reach a quantizer reading `rows * cols` elements.
+  if (!params.empty() || spec.kind != LayerKind::kAttention) {
+    if (params.size() != spec.params.size()) {
+      return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": ", params.size(),
+                                              " param buffers, layout has ", spec.params.size()));
+    }
+    for (size_t p = 0; p < params.size(); ++p) {
+      if (params[p].size() != spec.params[p].nbytes()) {
+        return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": param \"",
+                                                spec.params[p].suffix, "\" has ", params[p].size(),
+                                                " bytes, layout has ", spec.params[p].nbytes()));
+      }
+    }
+  }
   absl::StatusOr<std::unique_ptr<LayerBuild>> build = Start(spec);
   if (!build.ok()) return build.status();
   if (spec.kind == LayerKind::kAttention) {
@@ -114,8 +129,8 @@ absl::StatusOr<std::unique_ptr<LayerProcessor>> CreateLayerProcessor(
 #ifdef REFIT_WITH_CUDA
     return cuda::CreateCudaLayerProcessor(store.layout(), store.device_index(), options);
 #else
-    return absl::UnavailableError(absl::StrCat("store on ", store.device(),
-                                               ": refitd was built without CUDA"));
+    return absl::UnavailableError(
+        absl::StrCat("store on ", store.device(), ": refitd was built without CUDA"));
 #endif
   }
   return CreateHostLayerProcessor(store.layout(), options);

@@ -103,8 +103,8 @@ class LayerProcessor {
 // a GPU (unless options.host_staging), the host processor otherwise.
 // Errors: the device's status when the GPU cannot be used (UNAVAILABLE, ...);
 // RESOURCE_EXHAUSTED when its pinned staging cannot be allocated.
-absl::StatusOr<std::unique_ptr<LayerProcessor>> CreateLayerProcessor(
-    const ShardStore& store, LayerProcessorOptions options);
+absl::StatusOr<std::unique_ptr<LayerProcessor>> CreateLayerProcessor(const ShardStore& store,
+                                                                     LayerProcessorOptions options);
 
 // The host processor alone (CPU quantizer, host buffers).
 std::unique_ptr<LayerProcessor> CreateHostLayerProcessor(const ModelLayout& layout,

@@ -50,16 +50,21 @@ int64_t LayerWorker::held_bytes() const {
 
 void LayerWorker::Stop() {
   std::thread thread;
+  std::deque<Job> dropped;
+  std::vector<ProcessedLayer> uncollected;
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
-    pending_.clear();
+    dropped = std::exchange(pending_, {});
     auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_; };
     mu_.Await(absl::Condition(&idle));
     held_bytes_ = 0;
-    done_.clear();
+    uncollected = std::exchange(done_, {});
     thread = std::move(thread_);
   }
+  // Staging is freed outside the lock (device buffers call the runtime).
+  dropped.clear();
+  uncollected.clear();
   if (thread.joinable()) thread.join();
 }
 
@@ -73,6 +78,10 @@ void LayerWorker::Loop() {
     pending_.pop_front();
     if (!status_.ok()) {  // drop work after the first failure
       held_bytes_ -= job.bytes;
+      // Freeing staging may call into the device runtime: not under the lock.
+      mu_.Unlock();
+      job.params.clear();
+      mu_.Lock();
       continue;
     }
     busy_ = true;
@@ -83,7 +92,10 @@ void LayerWorker::Loop() {
     mu_.Lock();
     busy_ = false;
     held_bytes_ -= job.bytes;
-    if (stop_) break;
+    if (stop_) {
+      mu_.Unlock();
+      return;  // `processed` is freed after the unlock
+    }
     if (!processed.ok()) {
       status_ = processed.status();
     } else {

@@ -58,8 +58,9 @@ class LayerWorker {
   absl::Status status() const;
   // Staging bytes of submitted layers not yet processed (queued or in flight).
   int64_t held_bytes() const;
-  // Drops queued layers, waits for the one in flight (its result is dropped
-  // too) and joins the thread. Idempotent.
+  // Drops queued layers, waits for the one in flight and joins the thread;
+  // results not yet taken (TakeDone) and the in-flight one are dropped too.
+  // Idempotent.
   void Stop();
 
  private:

@@ -307,8 +307,8 @@ class LayoutBuilder {
               absl::StrCat("layer \"", spec.name, "\": quantized weight without scale"));
         }
       } else if (param.nbytes() != kernel.nbytes()) {
-        return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": param \"",
-                                                param.suffix, "\" and its kernel differ in size"));
+        return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": param \"", param.suffix,
+                                                "\" and its kernel differ in size"));
       }
     }
     return plan;

@@ -37,8 +37,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -48,7 +48,8 @@
 namespace refit::core {
 
 enum class QuantScheme { kNone, kPerTensor, kPerChannel, kBlock128 };
-absl::string_view QuantSchemeName(QuantScheme scheme);  // "none", "per-tensor", "per-channel", "block"
+absl::string_view QuantSchemeName(
+    QuantScheme scheme);  // "none", "per-tensor", "per-channel", "block"
 absl::StatusOr<QuantScheme> ParseQuantScheme(absl::string_view name);
 
 struct ParallelConfig {
@@ -145,8 +146,8 @@ class ModelLayout {
   //                     bf16/fp16/fp32
   //   UNIMPLEMENTED     a mixture-of-experts config
   static absl::StatusOr<std::shared_ptr<const ModelLayout>> Build(const ModelConfig& config,
-                                                                 ParallelConfig parallel,
-                                                                 QuantScheme quant);
+                                                                  ParallelConfig parallel,
+                                                                  QuantScheme quant);
 
   const ModelConfig& config() const { return config_; }
   const ParallelConfig& parallel() const { return parallel_; }
@@ -188,11 +189,11 @@ std::string KernelFingerprint(const std::vector<const KernelSpec*>& specs,
                               const std::vector<uint64_t>& hashes);
 
 // The attention layer's kernel scales from what a checkpoint provided, as
-// vLLM resolves them when it loads an FP8 KV cache: k and v both present -> used as they are; both missing ->
-// 1.0; one missing -> the other; q missing -> k; the legacy kv_scale stands in
-// for whichever of k / v is missing. A value that is not positive and finite
-// counts as missing (pass 0 for a scale that was not received). Shared by
-// RefitSession and `refitctl verify`, which must agree byte for byte.
+// vLLM resolves them when it loads an FP8 KV cache: k and v both present -> used as they are; both
+// missing -> 1.0; one missing -> the other; q missing -> k; the legacy kv_scale stands in for
+// whichever of k / v is missing. A value that is not positive and finite counts as missing (pass 0
+// for a scale that was not received). Shared by RefitSession and `refitctl verify`, which must
+// agree byte for byte.
 struct AttentionScales {
   float k = 1.0f;
   float v = 1.0f;

@@ -50,18 +50,17 @@ absl::StatusOr<std::unique_ptr<RefitSession>> RefitSession::Begin(ShardStore* st
   if (store == nullptr) return absl::InvalidArgumentError("RefitSession needs a store");
   if (options.refit_id.empty()) options.refit_id = NewRefitId();
   if (options.staging_budget_bytes < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("staging_budget_bytes must not be negative, got ",
-                                                   options.staging_budget_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "staging_budget_bytes must not be negative, got ", options.staging_budget_bytes));
   }
   absl::StatusOr<RefitSlot> slot = store->AcquireRefitSlot(options.refit_id);
   if (!slot.ok()) return slot.status();
   // Holding the slot, nothing else can commit: the check below stays true
   // for the whole refit.
   if (options.base_version.has_value() && *options.base_version != store->version()) {
-    return absl::AbortedError(absl::StrCat("refit expects base version ", *options.base_version,
-                                           " but model group \"", store->group(),
-                                           "\" serves version ", store->version(),
-                                           "; read the live version and retry"));
+    return absl::AbortedError(absl::StrCat(
+        "refit expects base version ", *options.base_version, " but model group \"", store->group(),
+        "\" serves version ", store->version(), "; read the live version and retry"));
   }
   LayerProcessorOptions processing;
   processing.non_finite = options.non_finite;
@@ -92,8 +91,7 @@ absl::StatusOr<std::unique_ptr<RefitSession>> RefitSession::Begin(ShardStore* st
   return session;
 }
 
-RefitSession::RefitSession(ShardStore* store, RefitOptions options,
-                           std::shared_ptr<RefitSlot> slot,
+RefitSession::RefitSession(ShardStore* store, RefitOptions options, std::shared_ptr<RefitSlot> slot,
                            std::unique_ptr<LayerProcessor> processor)
     : store_(store),
       layout_(store->layout()),
@@ -119,8 +117,8 @@ RefitSession::~RefitSession() {
   Outbox out;
   {
     absl::MutexLock lock(&call_mu_);
-    FailLocked(absl::AbortedError(
-        absl::StrCat("refit \"", options_.refit_id, "\" aborted: session destroyed before commit")));
+    FailLocked(absl::AbortedError(absl::StrCat("refit \"", options_.refit_id,
+                                               "\" aborted: session destroyed before commit")));
     out = EndCallLocked();
   }
   out.Deliver();
@@ -167,8 +165,8 @@ void RefitSession::Abort(absl::string_view reason) {
   Outbox out;
   {
     absl::MutexLock lock(&call_mu_);
-    FailLocked(absl::AbortedError(
-        absl::StrCat("refit \"", options_.refit_id, "\" aborted: ", reason)));
+    FailLocked(
+        absl::AbortedError(absl::StrCat("refit \"", options_.refit_id, "\" aborted: ", reason)));
     out = EndCallLocked();
   }
   out.Deliver();
@@ -199,9 +197,9 @@ void RefitSession::SetState(SessionState state, absl::Status reason) {
 
 absl::Status RefitSession::NotReceiving() const {
   absl::MutexLock lock(&mu_);
-  return absl::FailedPreconditionError(absl::StrCat(
-      "refit \"", options_.refit_id, "\" is ", SessionStateName(state_),
-      abort_status_.ok() ? "" : absl::StrCat(" (", abort_status_.message(), ")")));
+  return absl::FailedPreconditionError(
+      absl::StrCat("refit \"", options_.refit_id, "\" is ", SessionStateName(state_),
+                   abort_status_.ok() ? "" : absl::StrCat(" (", abort_status_.message(), ")")));
 }
 
 absl::Status RefitSession::IngestLocked(const Chunk& chunk) {
@@ -265,11 +263,11 @@ absl::Status RefitSession::ReserveStagingLocked(const LayerSpec& layer, int64_t 
     held = assembler_.staging_bytes() + worker_.held_bytes();
   }
   if (held + bytes > budget) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "staging budget exceeded: layer \"", layer.name, "\" needs ", bytes,
-        " bytes of high-precision staging, ", held, " bytes are held by ",
-        assembler_.layers_in_flight(), " incomplete layer(s), budget ", budget,
-        " bytes; send tensors layer by layer or raise the budget"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("staging budget exceeded: layer \"", layer.name, "\" needs ", bytes,
+                     " bytes of high-precision staging, ", held, " bytes are held by ",
+                     assembler_.layers_in_flight(), " incomplete layer(s), budget ", budget,
+                     " bytes; send tensors layer by layer or raise the budget"));
   }
   peak_staging_bytes_ = std::max(peak_staging_bytes_, held + bytes);
   return absl::OkStatus();

@@ -211,7 +211,7 @@ class RefitSession {
   // only once the worker is drained: never by two threads at once.
   const std::unique_ptr<LayerProcessor> processor_;
   LayerAssembler assembler_ ABSL_GUARDED_BY(call_mu_);
-  LayerWorker worker_;  // thread-safe
+  LayerWorker worker_;                                               // thread-safe
   std::vector<ProcessedLayer> processed_ ABSL_GUARDED_BY(call_mu_);  // by layer; layer -1: none
   int64_t layers_done_ ABSL_GUARDED_BY(call_mu_) = 0;
   int64_t staged_kernel_bytes_ ABSL_GUARDED_BY(call_mu_) = 0;

@@ -1,8 +1,8 @@
 #include "core/safetensors.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -209,8 +209,8 @@ absl::Status ParseEntry(absl::string_view label, const std::string& name, const 
   }
   if (end - begin != nbytes) {
     return Invalid(label, where, "\"data_offsets\" [", begin, ", ", end, "] hold ", end - begin,
-                   " bytes but shape ", FormatShape(entry->shape), " of ",
-                   DTypeName(entry->dtype), " needs ", nbytes);
+                   " bytes but shape ", FormatShape(entry->shape), " of ", DTypeName(entry->dtype),
+                   " needs ", nbytes);
   }
   if (end > data_size) {
     return Invalid(label, where, "\"data_offsets\" [", begin, ", ", end,
@@ -299,8 +299,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   return file;
 }
 
-absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(
-    absl::string_view bytes, std::string label) {
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(absl::string_view bytes,
+                                                                            std::string label) {
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = std::move(label);
   file->owned_ = std::string(bytes);
@@ -331,12 +331,12 @@ absl::Status SafetensorsFile::Parse() {
     header_len |= uint64_t{base_[i]} << (8 * i);
   }
   if (header_len > kMaxHeaderBytes) {
-    return Invalid(label, "header length ", header_len, " exceeds the limit of ",
-                   kMaxHeaderBytes, " bytes");
+    return Invalid(label, "header length ", header_len, " exceeds the limit of ", kMaxHeaderBytes,
+                   " bytes");
   }
   if (header_len > size_ - kLengthPrefixBytes) {
-    return Invalid(label, "header length ", header_len, " runs past the end of the file (",
-                   size_, " bytes)");
+    return Invalid(label, "header length ", header_len, " runs past the end of the file (", size_,
+                   " bytes)");
   }
   const char* header_begin = reinterpret_cast<const char*>(base_ + kLengthPrefixBytes);
   const char* header_end = header_begin + header_len;
@@ -385,8 +385,8 @@ absl::Status SafetensorsFile::Parse() {
     const TensorEntry& cur = tensors[i];
     if (cur.offset < prev.offset + prev.nbytes) {
       return Invalid(label, "tensors ", Quote(prev.name), " [", prev.offset, ", ",
-                     prev.offset + prev.nbytes, "] and ", Quote(cur.name), " [", cur.offset,
-                     ", ", cur.offset + cur.nbytes, "] overlap in \"data_offsets\"");
+                     prev.offset + prev.nbytes, "] and ", Quote(cur.name), " [", cur.offset, ", ",
+                     cur.offset + cur.nbytes, "] overlap in \"data_offsets\"");
     }
   }
   tensors_ = std::move(tensors);
@@ -419,17 +419,16 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorTo
     for (int64_t dim : t.shape) {
       if (dim < 0 || __builtin_mul_overflow(numel, static_cast<uint64_t>(dim), &numel)) {
         return absl::InvalidArgumentError(absl::StrCat(path, ": tensor ", Quote(t.name),
-                                                       ": invalid shape ",
-                                                       FormatShape(t.shape)));
+                                                       ": invalid shape ", FormatShape(t.shape)));
       }
     }
     uint64_t nbytes = 0;
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(DTypeSize(t.dtype)), &nbytes) ||
         nbytes != t.data.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": tensor ", Quote(t.name), ": shape ", FormatShape(t.shape), " of ",
-          DTypeName(t.dtype), " needs ", numel * DTypeSize(t.dtype), " bytes but ",
-          t.data.size(), " were given"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor ", Quote(t.name), ": shape ", FormatShape(t.shape), " of ",
+                       DTypeName(t.dtype), " needs ", numel * DTypeSize(t.dtype), " bytes but ",
+                       t.data.size(), " were given"));
     }
     nlohmann::ordered_json entry = nlohmann::ordered_json::object();
     entry["dtype"] = std::string(DTypeName(t.dtype));
@@ -460,14 +459,13 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorTo
   const std::string tmp_path = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
   int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
-    return absl::InternalError(
-        absl::StrCat(tmp_path, ": cannot create: ", std::strerror(errno)));
+    return absl::InternalError(absl::StrCat(tmp_path, ": cannot create: ", std::strerror(errno)));
   }
   FdCloser closer(fd);
   absl::Status status = WriteAll(fd, prefix, sizeof(prefix), tmp_path);
   if (status.ok()) {
-    status = WriteAll(fd, reinterpret_cast<const uint8_t*>(header_text.data()),
-                      header_text.size(), tmp_path);
+    status = WriteAll(fd, reinterpret_cast<const uint8_t*>(header_text.data()), header_text.size(),
+                      tmp_path);
   }
   for (const TensorToWrite& t : tensors) {
     if (!status.ok()) break;

@@ -55,8 +55,7 @@ absl::StatusOr<c10::Device> ParseDevice(absl::string_view text) {
 
 }  // namespace
 
-ShardStoreImpl::ShardStoreImpl(std::shared_ptr<const ModelLayout> shared_layout,
-                               c10::Device dev)
+ShardStoreImpl::ShardStoreImpl(std::shared_ptr<const ModelLayout> shared_layout, c10::Device dev)
     : layout(*shared_layout), device(dev) {
   for (size_t l = 0; l < layout.layers().size(); ++l) {
     for (const KernelSpec& spec : layout.layers()[l].kernels) {
@@ -79,9 +78,9 @@ absl::Status ShardStoreImpl::Allocate() {
     }
   } catch (const c10::Error& e) {
     kernels.clear();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate ", layout.kernel_bytes(), " bytes of kernel tensors on ",
-                     device.str(), ": ", e.what_without_backtrace()));
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", layout.kernel_bytes(),
+                                                     " bytes of kernel tensors on ", device.str(),
+                                                     ": ", e.what_without_backtrace()));
   }
   absl::MutexLock lock(&mu);
   hashes = std::move(zero_hashes);
@@ -226,15 +225,15 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
     int count = 0;
 #endif
     if (device->index() >= count) {
-      return absl::UnavailableError(absl::StrCat(
-          "device ", device->str(), " is not available: this process sees ", count,
-          " CUDA device(s)",
+      return absl::UnavailableError(absl::StrCat("device ", device->str(),
+                                                 " is not available: this process sees ", count,
+                                                 " CUDA device(s)",
 #ifdef REFIT_WITH_CUDA
-          ""
+                                                 ""
 #else
-          " (built without REFIT_WITH_CUDA)"
+                                                 " (built without REFIT_WITH_CUDA)"
 #endif
-          ));
+                                                 ));
     }
   }
   options.device = device->str();

@@ -24,8 +24,8 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
@@ -112,7 +112,8 @@ class RefitSlot {
 
  private:
   friend class ShardStore;
-  RefitSlot(ShardStore* store, std::string refit_id) : store_(store), refit_id_(std::move(refit_id)) {}
+  RefitSlot(ShardStore* store, std::string refit_id)
+      : store_(store), refit_id_(std::move(refit_id)) {}
   ShardStore* store_ = nullptr;
   std::string refit_id_;
 };

@@ -11,12 +11,11 @@ namespace {
 
 absl::StatusOr<StagingBuffer> AllocateHost(int64_t size, absl::string_view what, bool zero) {
   if (size < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("negative staging size ", size, " for ", what));
+    return absl::InvalidArgumentError(absl::StrCat("negative staging size ", size, " for ", what));
   }
   if (size == 0) return StagingBuffer();
-  void* data = zero ? std::calloc(static_cast<size_t>(size), 1)
-                    : std::malloc(static_cast<size_t>(size));
+  void* data =
+      zero ? std::calloc(static_cast<size_t>(size), 1) : std::malloc(static_cast<size_t>(size));
   if (data == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", size, " bytes of staging for ", what));

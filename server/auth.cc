@@ -92,9 +92,9 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromText(absl::str
         absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
     if (fields.empty()) continue;
     if (fields.size() < 2 || fields.size() > 3) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          source, ":", line_number, ": expected \"TOKEN ROLE [NAME]\", got ", fields.size(),
-          " field(s)"));
+      return absl::InvalidArgumentError(absl::StrCat(source, ":", line_number,
+                                                     ": expected \"TOKEN ROLE [NAME]\", got ",
+                                                     fields.size(), " field(s)"));
     }
     absl::StatusOr<Role> role = ParseRole(fields[1]);
     if (!role.ok()) {
@@ -147,8 +147,8 @@ absl::StatusOr<Principal> Authenticator::Authorize(const std::optional<std::stri
             .Field("caller", principal.name)
             .Field("role", RoleName(principal.role))
         << "refused: role may not " << ActionName(action);
-    return absl::PermissionDeniedError(absl::StrCat(method, ": role ", RoleName(principal.role),
-                                                    " may not ", ActionName(action)));
+    return absl::PermissionDeniedError(
+        absl::StrCat(method, ": role ", RoleName(principal.role), " may not ", ActionName(action)));
   }
   return principal;
 }
@@ -163,10 +163,9 @@ absl::Status Authenticator::CheckOwner(const Principal& caller, absl::string_vie
           .Field("method", method)
           .Field("caller", caller.name)
       << "refused: refit belongs to " << owner;
-  return absl::PermissionDeniedError(absl::StrCat(method, ": refit ", refit_id,
-                                                  " was started by another client; a ",
-                                                  RoleName(caller.role),
-                                                  " may only finish its own refits"));
+  return absl::PermissionDeniedError(
+      absl::StrCat(method, ": refit ", refit_id, " was started by another client; a ",
+                   RoleName(caller.role), " may only finish its own refits"));
 }
 
 }  // namespace refit::server

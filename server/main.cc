@@ -3,8 +3,8 @@
 //
 // Flag names are spelled with dashes (--tp-rank); the underscore spelling
 // (--tp_rank) is accepted too.
-#include <signal.h>
 #include <pthread.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -90,8 +90,7 @@ void PrintHelp() {
   for (const auto& [name, flag] : absl::GetAllFlags()) {
     if (IsOurFlag(*flag)) flags.push_back(flag);
   }
-  std::sort(flags.begin(), flags.end(),
-            [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
   for (absl::CommandLineFlag* flag : flags) {
     absl::StrAppend(&out, "  --", absl::StrReplaceAll(flag->Name(), {{"_", "-"}}), " (default: \"",
                     flag->DefaultValue(), "\")\n      ", flag->Help(), "\n");
@@ -139,8 +138,8 @@ int main(int argc, char** argv) {
   std::vector<char*> args;
   for (std::string& arg : normalized) args.push_back(arg.data());
   args.push_back(nullptr);
-  std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(normalized.size()),
-                                                         args.data());
+  std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(normalized.size()), args.data());
   if (positional.size() > 1) {
     std::cerr << "refitd: unexpected argument \"" << positional[1] << "\" (see --help)\n";
     return 2;
@@ -189,7 +188,8 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  REFIT_LOG(INFO).Field("torch", refit::core::TorchVersion())
+  REFIT_LOG(INFO)
+          .Field("torch", refit::core::TorchVersion())
           .Field("cuda_devices", absl::StrCat(refit::core::CudaDeviceCount()))
       << "refitd starting";
   absl::StatusOr<std::unique_ptr<refit::server::RefitServer>> server =
@@ -200,8 +200,7 @@ int main(int argc, char** argv) {
   }
   int signal_number = 0;
   sigwait(&signals, &signal_number);
-  REFIT_LOG(INFO).Field("signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT")
-      << "stopping";
+  REFIT_LOG(INFO).Field("signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT") << "stopping";
   (*server)->Shutdown();
   (*server)->Wait();
   server->reset();

@@ -85,8 +85,7 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
       "# HELP refitd_staging_bytes High-precision staging held by the active refit.\n"
       "# TYPE refitd_staging_bytes gauge\n";
   for (const GroupGauges& g : groups) {
-    absl::StrAppend(&out, "refitd_staging_bytes{group=\"", g.group, "\"} ", g.staging_bytes,
-                    "\n");
+    absl::StrAppend(&out, "refitd_staging_bytes{group=\"", g.group, "\"} ", g.staging_bytes, "\n");
   }
   out +=
       "# HELP refitd_last_commit_pause_seconds Readers' pause during the last commit.\n"
@@ -111,10 +110,10 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   if (host.empty()) host = "0.0.0.0";
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
   server->http_ = std::make_unique<httplib::Server>();
-  server->http_->Get("/metrics", [render = std::move(render)](const httplib::Request&,
-                                                             httplib::Response& res) {
-    res.set_content(render(), "text/plain; version=0.0.4; charset=utf-8");
-  });
+  server->http_->Get("/metrics",
+                     [render = std::move(render)](const httplib::Request&, httplib::Response& res) {
+                       res.set_content(render(), "text/plain; version=0.0.4; charset=utf-8");
+                     });
   if (port == 0) {
     port = server->http_->bind_to_any_port(host);
     if (port < 0) port = -1;
@@ -134,7 +133,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   });
   // stop() is a no-op until the accept loop runs; wait for it so that the
   // destructor can always end the thread.
-  while (!http->is_running() && !ended->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (!http->is_running() && !ended->load())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   return server;
 }
 

@@ -46,8 +46,8 @@ struct GroupGauges {
 
 class Metrics {
  public:
-  static constexpr std::array<double, 14> kBuckets = {
-      0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
+  static constexpr std::array<double, 14> kBuckets = {0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5,
+                                                      1,     2.5,   5,    10,   30,  60,   300};
 
   void RecordOutcome(absl::string_view outcome);
   void AddBytesReceived(int64_t bytes);

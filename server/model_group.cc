@@ -103,8 +103,7 @@ absl::StatusOr<ModelGroup::Found> ModelGroup::Find(absl::string_view refit_id) c
   if (id.empty()) {
     id = store_->active_session();
     if (id.empty()) {
-      return absl::NotFoundError(
-          absl::StrCat("model group \"", name(), "\" has no active refit"));
+      return absl::NotFoundError(absl::StrCat("model group \"", name(), "\" has no active refit"));
     }
   }
   absl::MutexLock lock(&mu_);

@@ -20,9 +20,9 @@
 #include "core/model_config.h"
 #include "core/model_layout.h"
 #include "core/refit_session.h"
-#include "core/safetensors_ingest.h"
 #include "core/runtime_info.h"
 #include "core/safetensors.h"
+#include "core/safetensors_ingest.h"
 #include "core/shard_store.h"
 
 namespace refit::server {
@@ -96,7 +96,8 @@ absl::Status RefitServer::BuildModel() {
   core::ModelConfig config;
   if (options_.model == "demo") {
     const char* tmp = getenv("TMPDIR");
-    std::string pattern = absl::StrCat(tmp != nullptr && *tmp ? tmp : "/tmp", "/refitd-demo-XXXXXX");
+    std::string pattern =
+        absl::StrCat(tmp != nullptr && *tmp ? tmp : "/tmp", "/refitd-demo-XXXXXX");
     if (mkdtemp(pattern.data()) == nullptr) {
       return absl::InternalError(absl::StrCat("cannot create a temp dir from ", pattern));
     }
@@ -188,8 +189,8 @@ absl::Status RefitServer::StartGrpc() {
   builder.RegisterService(health_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ",
-                                               absl::StrJoin(options_.listen, ", ")));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", absl::StrJoin(options_.listen, ", ")));
   }
   for (size_t i = 0; i < options_.listen.size(); ++i) {
     const std::string& address = options_.listen[i];
@@ -226,8 +227,8 @@ absl::Status RefitServer::StartGrpc() {
       return http.status();
     }
     metrics_http_ = std::move(*http);
-    REFIT_LOG(INFO).Field("address", absl::StrCat(metrics_http_->host(), ":",
-                                                  metrics_http_->port()))
+    REFIT_LOG(INFO).Field("address",
+                          absl::StrCat(metrics_http_->host(), ":", metrics_http_->port()))
         << "metrics at /metrics";
   }
   return absl::OkStatus();

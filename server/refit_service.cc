@@ -176,8 +176,7 @@ void RefitServiceImpl::BeginShutdown() {
         metrics_->RecordOutcome("aborted");
       }
     }
-    group->CloseSubscribers(
-        grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is shutting down"));
+    group->CloseSubscribers(grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is shutting down"));
   }
 }
 
@@ -257,10 +256,9 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* c
       absl::StrCat("Abort by ", caller->name,
                    request->reason().empty() ? "" : absl::StrCat(": ", request->reason()));
   if (found->driver) {
-    found->driver.get()->Cancel(
-        grpc::Status(grpc::StatusCode::ABORTED,
-                     absl::StrCat("refit \"", id, "\" aborted: ", reason)),
-        reason);
+    found->driver.get()->Cancel(grpc::Status(grpc::StatusCode::ABORTED,
+                                             absl::StrCat("refit \"", id, "\" aborted: ", reason)),
+                                reason);
   } else {
     absl::StatusOr<RefitEntry> entry = (*group)->TakePrepared(id);
     if (!entry.ok()) return Reply(context, entry.status());
@@ -313,7 +311,8 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   model->set_num_kernel_tensors(static_cast<uint32_t>(layout.num_kernels()));
   model->set_kernel_bytes(static_cast<uint64_t>(layout.kernel_bytes()));
   response->set_last_commit_unix_seconds(UnixSecondsOf(store->last_commit_time()));
-  response->set_server_version(absl::StrCat(kServerVersion, " (LibTorch ", core::TorchVersion(), ")"));
+  response->set_server_version(
+      absl::StrCat(kServerVersion, " (LibTorch ", core::TorchVersion(), ")"));
   return Reply(context, absl::OkStatus());
 }
 
@@ -361,9 +360,9 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
     break;
   }
   if (!known) {
-    return FailStream<v1::ReadTensorResponse>(absl::NotFoundError(absl::StrCat(
-        "model group \"", (*group)->name(), "\" has no kernel tensor \"", request->name(),
-        "\" (ListTensors with LAYOUT_KERNEL lists them)")));
+    return FailStream<v1::ReadTensorResponse>(absl::NotFoundError(
+        absl::StrCat("model group \"", (*group)->name(), "\" has no kernel tensor \"",
+                     request->name(), "\" (ListTensors with LAYOUT_KERNEL lists them)")));
   }
   std::string bytes;
   uint64_t version = 0;
@@ -371,8 +370,8 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
   if (!read.ok()) return FailStream<v1::ReadTensorResponse>(read);
   size_t chunk = static_cast<size_t>(options_.read_chunk_bytes);
   if (request->max_chunk_bytes() > 0) {
-    chunk = std::min<size_t>(request->max_chunk_bytes(),
-                             static_cast<size_t>(options_.max_chunk_bytes));
+    chunk =
+        std::min<size_t>(request->max_chunk_bytes(), static_cast<size_t>(options_.max_chunk_bytes));
   }
   return new ReadTensorReactor(std::move(info), version, std::move(bytes), chunk);
 }
@@ -423,14 +422,13 @@ absl::StatusOr<std::vector<std::string>> ResolveReloadPath(const std::string& ro
     if (realpath(parent.c_str(), resolved_parent) != nullptr && under_root(resolved_parent)) {
       return absl::NotFoundError(absl::StrCat("Reload: path ", path, " does not exist"));
     }
-    return absl::PermissionDeniedError(absl::StrCat(
-        "Reload: path ", path, " is outside the reload root ", root_str));
+    return absl::PermissionDeniedError(
+        absl::StrCat("Reload: path ", path, " is outside the reload root ", root_str));
   }
   const std::string path_str(resolved);
   if (!under_root(path_str)) {
-    return absl::PermissionDeniedError(absl::StrCat("Reload: path ", path, " resolves to ",
-                                                    path_str, ", outside the reload root ",
-                                                    root_str));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "Reload: path ", path, " resolves to ", path_str, ", outside the reload root ", root_str));
   }
   struct stat st;
   if (stat(resolved, &st) != 0) {

@@ -103,9 +103,9 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
 grpc::ServerReadReactor<v1::PushRequest>* NewPushReactor(RefitServiceImpl* service,
                                                          grpc::CallbackServerContext* context,
                                                          v1::PushResponse* response);
-grpc::ServerWriteReactor<v1::ReloadProgress>* NewReloadReactor(
-    RefitServiceImpl* service, grpc::CallbackServerContext* context,
-    const v1::ReloadRequest* request);
+grpc::ServerWriteReactor<v1::ReloadProgress>* NewReloadReactor(RefitServiceImpl* service,
+                                                               grpc::CallbackServerContext* context,
+                                                               const v1::ReloadRequest* request);
 
 // Resolves `path` (a directory or a .safetensors file) under `root` with
 // realpath. PERMISSION_DENIED outside the root (or without one), NOT_FOUND if

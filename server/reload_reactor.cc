@@ -163,9 +163,9 @@ grpc::ServerWriteReactor<Msg>* FailedStream(const absl::Status& status) {
 
 }  // namespace
 
-grpc::ServerWriteReactor<v1::ReloadProgress>* NewReloadReactor(
-    RefitServiceImpl* service, grpc::CallbackServerContext* context,
-    const v1::ReloadRequest* request) {
+grpc::ServerWriteReactor<v1::ReloadProgress>* NewReloadReactor(RefitServiceImpl* service,
+                                                               grpc::CallbackServerContext* context,
+                                                               const v1::ReloadRequest* request) {
   using Fail = v1::ReloadProgress;
   absl::StatusOr<Principal> caller = service->Authorize(context, Action::kReload, "Reload");
   if (!caller.ok()) return FailedStream<Fail>(caller.status());

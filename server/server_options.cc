@@ -57,8 +57,8 @@ absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
   } else if (unit == "t" || unit == "tib" || unit == "tb") {
     shift = 40;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("byte size \"", text, "\": unknown unit \"",
-                                                   unit, "\" (use K, M, G or T)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte size \"", text, "\": unknown unit \"", unit, "\" (use K, M, G or T)"));
   }
   if (value > (std::numeric_limits<int64_t>::max() >> shift)) {
     return absl::InvalidArgumentError(absl::StrCat("byte size \"", text, "\" is too large"));

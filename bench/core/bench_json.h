@@ -24,8 +24,7 @@
 namespace refit::bench {
 
 inline double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 inline double Median(std::vector<double> v) {
@@ -79,8 +78,8 @@ inline nlohmann::json ToJson(const Figure& f) {
   j["unit"] = f.unit;
   j["reference_name"] = f.reference_name;
   j["reference_value"] = f.reference_value;
-  double ratio = f.ratio.has_value() ? *f.ratio
-                                     : (f.reference_value != 0 ? f.value / f.reference_value : 0);
+  double ratio =
+      f.ratio.has_value() ? *f.ratio : (f.reference_value != 0 ? f.value / f.reference_value : 0);
   j["ratio"] = ratio;
   j["target"] = f.target.empty() ? nlohmann::json(nullptr) : nlohmann::json(f.target);
   j["met"] = f.met.has_value() ? nlohmann::json(*f.met) : nlohmann::json(nullptr);

@@ -193,7 +193,8 @@ RefitRun RunRefit(Model& m, bool commit, bool measure_memory, int64_t staging_bu
   RefitOptions options;
   if (staging_budget > 0) options.staging_budget_bytes = staging_budget;
   const double t0 = NowSeconds();
-  absl::StatusOr<std::unique_ptr<RefitSession>> session = RefitSession::Begin(m.store.get(), options);
+  absl::StatusOr<std::unique_ptr<RefitSession>> session =
+      RefitSession::Begin(m.store.get(), options);
   if (!session.ok()) Die(session.status(), "Begin");
   for (const PlannedChunk& p : m.chunks) {
     Chunk c;
@@ -333,19 +334,16 @@ void RunAssembler(Model& none_model, Model& fp8_model, int reps, std::vector<Fig
   figures.push_back(MakeFigure("assembler Ingest+Prepare, quant none (" + fp8_model.label + ")",
                                none_gbps, "GB/s", "memcpy of the same chunk bytes", copy_gbps,
                                none_gbps / copy_gbps, ""));
-  figures.push_back(MakeFigure(
-      "assembler Ingest+Prepare, FP8 per-tensor (" + fp8_model.label + ")", fp8_gbps, "GB/s",
-      "memcpy of the same chunk bytes", copy_gbps, fp8_gbps / copy_gbps, "",
-      absl::StrCat("Ingest calls alone: ", fp8_ingest_gbps, " GB/s (quantization overlaps on the "
-                   "worker)")));
-  series["assembler"] = {{"bytes", bytes},
-                         {"memcpy_s", t_copy},
-                         {"none_s", t_none},
-                         {"none_ingest_s", t_none_ingest},
-                         {"fp8_s", t_fp8},
-                         {"fp8_ingest_s", t_fp8_ingest},
-                         {"memcpy_gbps", copy_gbps},
-                         {"none_gbps", none_gbps},
+  figures.push_back(MakeFigure("assembler Ingest+Prepare, FP8 per-tensor (" + fp8_model.label + ")",
+                               fp8_gbps, "GB/s", "memcpy of the same chunk bytes", copy_gbps,
+                               fp8_gbps / copy_gbps, "",
+                               absl::StrCat("Ingest calls alone: ", fp8_ingest_gbps,
+                                            " GB/s (quantization overlaps on the "
+                                            "worker)")));
+  series["assembler"] = {{"bytes", bytes},           {"memcpy_s", t_copy},
+                         {"none_s", t_none},         {"none_ingest_s", t_none_ingest},
+                         {"fp8_s", t_fp8},           {"fp8_ingest_s", t_fp8_ingest},
+                         {"memcpy_gbps", copy_gbps}, {"none_gbps", none_gbps},
                          {"fp8_gbps", fp8_gbps}};
 }
 
@@ -413,11 +411,11 @@ void RunScaling(std::vector<Model>& models, int reps, int64_t chunk_bytes,
                         {"max_layer_param_bytes", layout.max_layer_param_bytes()}});
     }
     for (size_t i = 0; i < n; ++i) {
-      Figure f = MakeFigure(
-          "in-process refit time per GiB, " + what + ", " + models[i].label + " model", per_gib[i],
-          "s/GiB", "mean over sizes", mean, per_gib[i] / mean, "",
-          absl::StrCat(points[i]["layers"].get<int64_t>(), " layers, median ",
-                       points[i]["median_total_s"].get<double>(), " s"));
+      Figure f =
+          MakeFigure("in-process refit time per GiB, " + what + ", " + models[i].label + " model",
+                     per_gib[i], "s/GiB", "mean over sizes", mean, per_gib[i] / mean, "",
+                     absl::StrCat(points[i]["layers"].get<int64_t>(), " layers, median ",
+                                  points[i]["median_total_s"].get<double>(), " s"));
       f.target = "within +-15% of the mean";
       f.met = std::abs(per_gib[i] / mean - 1.0) <= 0.15;
       figures.push_back(f);
@@ -427,14 +425,14 @@ void RunScaling(std::vector<Model>& models, int reps, int64_t chunk_bytes,
       const double bound = static_cast<double>(layout.kernel_bytes() +
                                                2 * layout.max_layer_param_bytes() + chunk_bytes);
       const double peak = static_cast<double>(mem[i].peak_rss - mem[i].idle_rss);
-      figures.push_back(MakeFigure(
-          "in-process refit peak extra RSS, " + what + ", " + models[i].label + " model",
-          peak / kMiB, "MiB", "kernel + 2 x largest layer + chunk", bound / kMiB, peak / bound,
-          "<= 1.0",
-          absl::StrCat("kernel ", layout.kernel_bytes() / kMiB, " MiB, largest layer ",
-                       layout.max_layer_param_bytes() / kMiB, " MiB, chunk ", chunk_bytes / kMiB,
-                       " MiB; session peak staging ", mem[i].result.peak_staging_bytes / kMiB,
-                       " MiB")));
+      figures.push_back(
+          MakeFigure("in-process refit peak extra RSS, " + what + ", " + models[i].label + " model",
+                     peak / kMiB, "MiB", "kernel + 2 x largest layer + chunk", bound / kMiB,
+                     peak / bound, "<= 1.0",
+                     absl::StrCat("kernel ", layout.kernel_bytes() / kMiB, " MiB, largest layer ",
+                                  layout.max_layer_param_bytes() / kMiB, " MiB, chunk ",
+                                  chunk_bytes / kMiB, " MiB; session peak staging ",
+                                  mem[i].result.peak_staging_bytes / kMiB, " MiB")));
     }
     variants[variant] = points;
   }

@@ -116,8 +116,7 @@ int Run() {
     }
     std::memcpy(addr.sun_path, raw.c_str(), raw.size() + 1);
     ::unlink(raw.c_str());
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        ::listen(fd, 4) != 0) {
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 4) != 0) {
       std::fprintf(stderr, "refit_bench_sink: cannot listen on %s: %s\n", raw.c_str(),
                    std::strerror(errno));
       return 1;

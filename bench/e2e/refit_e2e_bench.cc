@@ -42,8 +42,8 @@
 #include <fstream>
 #include <iterator>
 #include <map>
-#include <sstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -64,14 +64,16 @@ ABSL_FLAG(std::string, refitd, "build-bench/bin/refitd", "the daemon binary");
 ABSL_FLAG(std::string, sink, "build-bench/bench/refit_bench_sink", "the reference sink binary");
 ABSL_FLAG(std::string, model_dir, "", "checkpoint directory (config.json + *.safetensors)");
 ABSL_FLAG(std::string, workdir, "", "sockets and logs (default /tmp/refit-e2e-<pid>)");
-ABSL_FLAG(std::string, shm_dir, "", "tmpfs directory for the Reload reference "
-                                    "(default /dev/shm/refit-e2e-<pid>)");
+ABSL_FLAG(std::string, shm_dir, "",
+          "tmpfs directory for the Reload reference "
+          "(default /dev/shm/refit-e2e-<pid>)");
 ABSL_FLAG(int, reps, 3, "repetitions");
 ABSL_FLAG(int64_t, chunk_bytes, int64_t{32} << 20,
           "bytes per message (the client library's default bucket)");
 ABSL_FLAG(int, startup_timeout_s, 180, "how long to wait for the daemons to become ready");
-ABSL_FLAG(bool, tight_budget, true,
-          "also run refitd C (per-tensor, --staging-budget = 2 x the largest layer) and push to it");
+ABSL_FLAG(
+    bool, tight_budget, true,
+    "also run refitd C (per-tensor, --staging-budget = 2 x the largest layer) and push to it");
 
 namespace refit::bench {
 namespace {
@@ -336,8 +338,7 @@ PushRun Push(RefitClient& c, pid_t pid, const HostModel& m, bool checksums, bool
   options.checksums = checksums;
   options.bucket_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_bytes));
   options.max_chunk_bytes = options.bucket_bytes;
-  options.completion =
-      prepare_only ? rv1::COMPLETION_MODE_PREPARE : rv1::COMPLETION_MODE_COMMIT;
+  options.completion = prepare_only ? rv1::COMPLETION_MODE_PREPARE : rv1::COMPLETION_MODE_COMMIT;
   options.label = "refit_e2e_bench";
   const double t0 = NowSeconds();
   absl::StatusOr<rv1::RefitResult> result = c.Push(m.tensors, options);
@@ -397,18 +398,18 @@ int Run() {
   const std::string sock_raw = workdir + "/raw.sock";
   const std::string refitd = absl::GetFlag(FLAGS_refitd);
   const std::string max_chunk = std::to_string(std::max<size_t>(chunk, size_t{64} << 20));
-  pid_t pid_a = Spawn({refitd, "--model=" + model_dir, "--listen=unix:" + sock_a,
-                       "--quant=per-tensor", "--reload-root=" + shm,
-                       "--max-chunk-bytes=" + max_chunk},
-                      workdir + "/refitd-a.log");
+  pid_t pid_a =
+      Spawn({refitd, "--model=" + model_dir, "--listen=unix:" + sock_a, "--quant=per-tensor",
+             "--reload-root=" + shm, "--max-chunk-bytes=" + max_chunk},
+            workdir + "/refitd-a.log");
   pid_t pid_b = Spawn({refitd, "--model=" + model_dir, "--listen=unix:" + sock_b, "--quant=none",
                        "--max-chunk-bytes=" + max_chunk},
                       workdir + "/refitd-b.log");
   const std::string sink_limit = std::to_string(std::stoll(max_chunk) + (int64_t{1} << 20));
-  pid_t pid_sink = Spawn({absl::GetFlag(FLAGS_sink), "--grpc=unix:" + sock_bare,
-                          "--raw=" + sock_raw, "--chunk_bytes=" + std::to_string(chunk),
-                          "--max_message_bytes=" + sink_limit},
-                         workdir + "/sink.log");
+  pid_t pid_sink =
+      Spawn({absl::GetFlag(FLAGS_sink), "--grpc=unix:" + sock_bare, "--raw=" + sock_raw,
+             "--chunk_bytes=" + std::to_string(chunk), "--max_message_bytes=" + sink_limit},
+            workdir + "/sink.log");
   std::atexit(StopAll);
   std::fprintf(stderr, "refit_e2e_bench: loading %s\n", model_dir.c_str());
   HostModel model = LoadModel(model_dir);
@@ -429,7 +430,8 @@ int Run() {
       a->ListTensors("", rv1::ListTensorsRequest::LAYOUT_CHECKPOINT);
   if (!listed.ok()) Die(listed.status().ToString());
   std::map<std::string, int64_t> layer_bytes;
-  for (const rv1::TensorInfo& t : listed->tensors()) layer_bytes[t.layer()] += static_cast<int64_t>(t.nbytes());
+  for (const rv1::TensorInfo& t : listed->tensors())
+    layer_bytes[t.layer()] += static_cast<int64_t>(t.nbytes());
   int64_t largest_layer = 0;
   for (const auto& [name, bytes] : layer_bytes) largest_layer = std::max(largest_layer, bytes);
 
@@ -439,10 +441,10 @@ int Run() {
   pid_t pid_c = -1;
   std::unique_ptr<RefitClient> c;
   if (tight) {
-    pid_c = Spawn({refitd, "--model=" + model_dir, "--listen=unix:" + sock_c, "--quant=per-tensor",
-                   "--max-chunk-bytes=" + max_chunk,
-                   "--staging-budget=" + std::to_string(2 * largest_layer)},
-                  workdir + "/refitd-c.log");
+    pid_c = Spawn(
+        {refitd, "--model=" + model_dir, "--listen=unix:" + sock_c, "--quant=per-tensor",
+         "--max-chunk-bytes=" + max_chunk, "--staging-budget=" + std::to_string(2 * largest_layer)},
+        workdir + "/refitd-c.log");
     c = Connect(sock_c);
     WaitReady(*c, pid_c, "refitd C", workdir + "/refitd-c.log");
   }
@@ -465,9 +467,9 @@ int Run() {
     for (size_t k = 0; k < order.size(); ++k) {
       const std::string& what = order[(k + static_cast<size_t>(r)) % order.size()];
       const pid_t server = what == "raw" || what == "bare" ? pid_sink
-                           : what == "ingest"               ? pid_b
-                           : what == "push_tight"           ? pid_c
-                                                            : pid_a;
+                           : what == "ingest"              ? pid_b
+                           : what == "push_tight"          ? pid_c
+                                                           : pid_a;
       const double server_cpu0 = ProcCpuSeconds(server);
       const double client_cpu0 = SelfCpuSeconds();
       if (what == "raw") {
@@ -516,16 +518,16 @@ int Run() {
                                gbps("push"), "GB/s", "bare gRPC client stream, same bytes & chunks",
                                gbps("bare"), gbps("push") / gbps("bare"), ">= 0.9",
                                absl::StrCat("push ", cpu("push"), "; bare ", cpu("bare"))));
-  figures.push_back(MakeFigure("Push, ingest only (quant none, prepare, checksums), " + size,
-                               gbps("ingest"), "GB/s", "bare gRPC client stream, same bytes & chunks",
-                               gbps("bare"), gbps("ingest") / gbps("bare"), ">= 0.9",
-                               absl::StrCat("ingest ", cpu("ingest"), "; bare ", cpu("bare"))));
+  figures.push_back(MakeFigure(
+      "Push, ingest only (quant none, prepare, checksums), " + size, gbps("ingest"), "GB/s",
+      "bare gRPC client stream, same bytes & chunks", gbps("bare"), gbps("ingest") / gbps("bare"),
+      ">= 0.9", absl::StrCat("ingest ", cpu("ingest"), "; bare ", cpu("bare"))));
   figures.push_back(MakeFigure("Push, full refit without checksums, " + size, gbps("push_nocs"),
-                               "GB/s", "bare gRPC client stream, same bytes & chunks",
-                               gbps("bare"), gbps("push_nocs") / gbps("bare"), ""));
+                               "GB/s", "bare gRPC client stream, same bytes & chunks", gbps("bare"),
+                               gbps("push_nocs") / gbps("bare"), ""));
   figures.push_back(MakeFigure("bare gRPC client stream, " + size, gbps("bare"), "GB/s",
-                               "raw Unix socket (ceiling)", gbps("raw"),
-                               gbps("bare") / gbps("raw"), ""));
+                               "raw Unix socket (ceiling)", gbps("raw"), gbps("bare") / gbps("raw"),
+                               ""));
   figures.push_back(MakeFigure("end-to-end refit over Push, " + size, gbps("push"), "GB/s",
                                "ingest-only Push (quant none, prepare)", gbps("ingest"),
                                gbps("push") / gbps("ingest"), ">= 0.8",
@@ -536,8 +538,9 @@ int Run() {
     for (const char* k : {"ingest", "push"}) {
       const double v = Median(server_cpu[k]) / gib;
       figures.push_back(MakeFigure(
-          absl::StrCat("receiver CPU per GiB, ", k == std::string("push") ? "refitd full refit Push"
-                                                                           : "refitd ingest-only Push"),
+          absl::StrCat("receiver CPU per GiB, ", k == std::string("push")
+                                                     ? "refitd full refit Push"
+                                                     : "refitd ingest-only Push"),
           v, "CPU s/GiB", "bare gRPC sink", bare_cpu, v / bare_cpu, "",
           "user + system time of the receiving process over the call (robust to other load)"));
     }
@@ -577,14 +580,13 @@ int Run() {
                                  "ingest-only Push (quant none, prepare)", gbps("ingest"),
                                  gbps("push_tight") / gbps("ingest"), ">= 0.8"));
     const double peak_tight = *std::max_element(extra_rss_tight.begin(), extra_rss_tight.end());
-    figures.push_back(MakeFigure("refitd peak RSS over idle RSS during Push, " + budget + ", " +
-                                     size,
-                                 peak_tight / kMiB, "MiB", "kernel + 2 x largest layer + chunk budget",
-                                 bound / kMiB, peak_tight / bound, "<= 1.0"));
+    figures.push_back(
+        MakeFigure("refitd peak RSS over idle RSS during Push, " + budget + ", " + size,
+                   peak_tight / kMiB, "MiB", "kernel + 2 x largest layer + chunk budget",
+                   bound / kMiB, peak_tight / bound, "<= 1.0"));
     double staging_tight = 0;
     for (const PushRun& run : pushes_tight) {
-      staging_tight =
-          std::max(staging_tight, static_cast<double>(run.result.peak_staging_bytes()));
+      staging_tight = std::max(staging_tight, static_cast<double>(run.result.peak_staging_bytes()));
     }
     figures.push_back(MakeFigure(
         "refit extra memory by session accounting, " + budget + ", " + size,
@@ -593,9 +595,8 @@ int Run() {
         absl::StrCat("peak high-precision staging ", staging_tight / kMiB, " MiB")));
   }
   figures.push_back(MakeFigure(
-      "Push, whole call, " + size, Median(t["push"]), "s",
-      "write safetensors to /dev/shm + Reload", Median(t["reload"]),
-      Median(t["push"]) / Median(t["reload"]), "",
+      "Push, whole call, " + size, Median(t["push"]), "s", "write safetensors to /dev/shm + Reload",
+      Median(t["reload"]), Median(t["push"]) / Median(t["reload"]), "",
       absl::StrCat("write ", Median(reload_write), " s + Reload ", Median(reload_rpc), " s")));
 
   nlohmann::json series;

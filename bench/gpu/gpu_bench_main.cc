@@ -33,8 +33,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "core/cuda/cuda_device.h"
@@ -61,23 +61,23 @@ namespace {
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-#define BENCH_CHECK_CUDA(expr)                                                          \
-  do {                                                                                  \
-    const cudaError_t _e = (expr);                                                      \
-    if (_e != cudaSuccess) {                                                            \
+#define BENCH_CHECK_CUDA(expr)                                                             \
+  do {                                                                                     \
+    const cudaError_t _e = (expr);                                                         \
+    if (_e != cudaSuccess) {                                                               \
       std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(_e), __FILE__, \
-                   __LINE__, #expr);                                                    \
-      std::exit(2);                                                                     \
-    }                                                                                   \
+                   __LINE__, #expr);                                                       \
+      std::exit(2);                                                                        \
+    }                                                                                      \
   } while (0)
 
-#define BENCH_CHECK_OK(expr)                                                                \
-  do {                                                                                      \
-    const absl::Status _s = (expr);                                                         \
-    if (!_s.ok()) {                                                                         \
+#define BENCH_CHECK_OK(expr)                                                                   \
+  do {                                                                                         \
+    const absl::Status _s = (expr);                                                            \
+    if (!_s.ok()) {                                                                            \
       std::fprintf(stderr, "error at %s:%d: %s\n", __FILE__, __LINE__, _s.ToString().c_str()); \
-      std::exit(2);                                                                         \
-    }                                                                                       \
+      std::exit(2);                                                                            \
+    }                                                                                          \
   } while (0)
 
 template <typename T>
@@ -210,9 +210,8 @@ Json BenchQuantize(int device, bool quick, std::vector<Row>& rows) {
     Fp8QuantizeOptions options;
     options.scheme = cs.scheme;
     options.non_finite = NonFinitePolicy::kReject;
-    const double t_quant = TimeOnDevice(stream, 20, [&] {
-      BENCH_CHECK_OK(quantizer->Enqueue(job, options, stream));
-    });
+    const double t_quant =
+        TimeOnDevice(stream, 20, [&] { BENCH_CHECK_OK(quantizer->Enqueue(job, options, stream)); });
     BENCH_CHECK_OK(quantizer->Sync(stream));  // and no non-finite input was seen
     const double ratio = t_copy / t_quant;
     const std::string name =
@@ -224,21 +223,21 @@ Json BenchQuantize(int device, bool quick, std::vector<Row>& rows) {
                     absl::StrFormat("copy %.0f GB/s", Gbps(src_bytes, t_copy)),
                     absl::StrFormat("%.2f", ratio),
                     cs.integer_conversion ? "(fallback, info)" : ">= 0.70", pass});
-    out.push_back({{"dtype", std::string(DTypeName(cs.dtype))},
-                   {"scheme", std::string(QuantSchemeName(cs.scheme))},
-                   {"rows", r},
-                   {"cols", c},
-                   {"source_bytes", src_bytes},
-                   {"quantize_s", t_quant},
-                   {"copy_s", t_copy},
-                   {"quantize_gbps", Gbps(src_bytes, t_quant)},
-                   {"copy_gbps", Gbps(src_bytes, t_copy)},
-                   {"hardware_conversion", quantizer->hardware_conversion()},
-                   {"hardware_conversion_mismatches",
-                    quantizer->HardwareConversionMismatchesForTesting()},
-                   {"fraction_of_copy", ratio},
-                   {"target", cs.integer_conversion ? "info" : ">= 0.7"},
-                   {"pass", pass}});
+    out.push_back(
+        {{"dtype", std::string(DTypeName(cs.dtype))},
+         {"scheme", std::string(QuantSchemeName(cs.scheme))},
+         {"rows", r},
+         {"cols", c},
+         {"source_bytes", src_bytes},
+         {"quantize_s", t_quant},
+         {"copy_s", t_copy},
+         {"quantize_gbps", Gbps(src_bytes, t_quant)},
+         {"copy_gbps", Gbps(src_bytes, t_copy)},
+         {"hardware_conversion", quantizer->hardware_conversion()},
+         {"hardware_conversion_mismatches", quantizer->HardwareConversionMismatchesForTesting()},
+         {"fraction_of_copy", ratio},
+         {"target", cs.integer_conversion ? "info" : ">= 0.7"},
+         {"pass", pass}});
   }
   cudaStreamDestroy(stream);
   return out;
@@ -291,18 +290,22 @@ Json BenchIngest(int device, bool quick, int64_t chunk_bytes, int buffers, std::
   const double t_plain = plain[plain.size() / 2];
   const double t_pool = pooled[pooled.size() / 2];
   const double ratio = t_plain / t_pool;
-  rows.push_back({absl::StrFormat("ingest H2D via pinned pool (%d x %d MiB)", buffers,
-                                  chunk_bytes >> 20),
-                  absl::StrFormat("%.1f GB/s", Gbps(total, t_pool)),
-                  absl::StrFormat("pinned copy %.1f GB/s", Gbps(total, t_plain)),
-                  absl::StrFormat("%.2f", ratio), ">= 0.80", ratio >= 0.8});
+  rows.push_back(
+      {absl::StrFormat("ingest H2D via pinned pool (%d x %d MiB)", buffers, chunk_bytes >> 20),
+       absl::StrFormat("%.1f GB/s", Gbps(total, t_pool)),
+       absl::StrFormat("pinned copy %.1f GB/s", Gbps(total, t_plain)),
+       absl::StrFormat("%.2f", ratio), ">= 0.80", ratio >= 0.8});
   cudaStreamDestroy(stream);
   cudaFreeHost(pinned);
-  return {{"bytes", total},          {"chunk_bytes", chunk_bytes},
-          {"buffers", buffers},      {"pool_s", t_pool},
-          {"plain_pinned_s", t_plain}, {"pool_gbps", Gbps(total, t_pool)},
+  return {{"bytes", total},
+          {"chunk_bytes", chunk_bytes},
+          {"buffers", buffers},
+          {"pool_s", t_pool},
+          {"plain_pinned_s", t_plain},
+          {"pool_gbps", Gbps(total, t_pool)},
           {"plain_pinned_gbps", Gbps(total, t_plain)},
-          {"fraction_of_plain", ratio}, {"target", ">= 0.8"},
+          {"fraction_of_plain", ratio},
+          {"target", ">= 0.8"},
           {"pass", ratio >= 0.8}};
 }
 
@@ -316,8 +319,8 @@ struct Tensor {
 
 // Llama-like linear weights (bf16) for `hidden` until `bytes` is reached.
 std::vector<Tensor> SyntheticModel(int64_t bytes, int64_t hidden) {
-  const int64_t heads_dim = hidden;            // q
-  const int64_t kv_dim = hidden / 4;           // k, v (GQA 4:1)
+  const int64_t heads_dim = hidden;             // q
+  const int64_t kv_dim = hidden / 4;            // k, v (GQA 4:1)
   const int64_t intermediate = hidden * 7 / 2;  // 14336 for 4096
   std::vector<Tensor> tensors;
   int64_t total = 0;
@@ -342,8 +345,8 @@ std::vector<Tensor> SyntheticModel(int64_t bytes, int64_t hidden) {
 
 Json BenchCommit(int device, bool quick, int64_t hidden, std::vector<Row>& rows) {
   // One commit of a model's FP8 kernels: a weight and a scale per tensor.
-  const std::vector<Tensor> tensors = SyntheticModel(quick ? (int64_t{256} << 20) : (int64_t{8} << 30),
-                                                     quick ? 1024 : hidden);
+  const std::vector<Tensor> tensors =
+      SyntheticModel(quick ? (int64_t{256} << 20) : (int64_t{8} << 30), quick ? 1024 : hidden);
   int64_t total = 0;
   for (const Tensor& t : tensors) total += t.rows * t.cols + 4;
   DeviceBuffer live(static_cast<size_t>(total)), staged(static_cast<size_t>(total));
@@ -363,9 +366,8 @@ Json BenchCommit(int device, bool quick, int64_t hidden, std::vector<Row>& rows)
     BENCH_CHECK_CUDA(cudaMemcpyAsync(live.ptr, staged.ptr, static_cast<size_t>(total),
                                      cudaMemcpyDeviceToDevice, stream));
   });
-  const double t_commit = TimeOnDevice(stream, 10, [&] {
-    BENCH_CHECK_OK(EnqueueDeviceCopies(copies, stream, done.get()));
-  });
+  const double t_commit = TimeOnDevice(
+      stream, 10, [&] { BENCH_CHECK_OK(EnqueueDeviceCopies(copies, stream, done.get())); });
   // Host-side view: enqueue to event complete, what a reader waits.
   std::vector<double> waits;
   for (int i = 0; i < 5; ++i) {
@@ -405,7 +407,8 @@ void ParallelMemcpy(uint8_t* dst, const uint8_t* src, int64_t n, int threads) {
   for (int t = 1; t < threads; ++t) {
     const int64_t b = t * per;
     const int64_t e = std::min(n, b + per);
-    if (b < e) workers.emplace_back([=] { std::memcpy(dst + b, src + b, static_cast<size_t>(e - b)); });
+    if (b < e)
+      workers.emplace_back([=] { std::memcpy(dst + b, src + b, static_cast<size_t>(e - b)); });
   }
   std::memcpy(dst, src, static_cast<size_t>(std::min(n, per)));
   for (std::thread& w : workers) w.join();
@@ -444,7 +447,8 @@ Json BenchRefit(int device, int64_t model_bytes, int64_t hidden, int64_t chunk_b
   BENCH_CHECK_CUDA(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
   BENCH_CHECK_CUDA(cudaStreamCreateWithFlags(&commit, cudaStreamNonBlocking));
   cudaEvent_t hp_free[2];
-  for (cudaEvent_t& e : hp_free) BENCH_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  for (cudaEvent_t& e : hp_free)
+    BENCH_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   auto copy_stream = static_cast<cudaStream_t>(pool->copy_stream());
 
   auto run = [&](bool process) {
@@ -462,8 +466,8 @@ Json BenchRefit(int device, int64_t model_bytes, int64_t hidden, int64_t chunk_b
         const int64_t n = std::min(chunk_bytes, bytes - off);
         PinnedStagingPool::Lease lease = ValueOrDie(pool->Acquire());
         ParallelMemcpy(lease.data(), src + off, n, fill_threads);
-        BENCH_CHECK_OK(pool->CopyToDevice(std::move(lease), dst.get() + off, n,
-                                          process ? compute : nullptr));
+        BENCH_CHECK_OK(
+            pool->CopyToDevice(std::move(lease), dst.get() + off, n, process ? compute : nullptr));
       }
       src += bytes;
       if (process) {
@@ -637,8 +641,7 @@ int Main() {
   result["refit"] = refits;
 
   bool all_pass = true;
-  std::printf("\n%-52s %-22s %-24s %-7s %s\n", "measure", "value", "reference", "ratio",
-              "target");
+  std::printf("\n%-52s %-22s %-24s %-7s %s\n", "measure", "value", "reference", "ratio", "target");
   for (const Row& row : rows) {
     std::printf("%-52s %-22s %-24s %-7s %s%s\n", row.name.c_str(), row.value.c_str(),
                 row.reference.c_str(), row.ratio.c_str(), row.target.c_str(),

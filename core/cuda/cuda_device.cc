@@ -55,8 +55,8 @@ absl::Status CheckCudaDevice(int device) {
   const cudaError_t error = cudaGetDeviceCount(&count);
   if (error != cudaSuccess) {
     cudaGetLastError();
-    return absl::UnavailableError(absl::StrCat("CUDA device ", device, " is not usable: ",
-                                               cudaGetErrorName(error), " (",
+    return absl::UnavailableError(absl::StrCat("CUDA device ", device,
+                                               " is not usable: ", cudaGetErrorName(error), " (",
                                                cudaGetErrorString(error), ")"));
   }
   if (device < 0 || device >= count) {

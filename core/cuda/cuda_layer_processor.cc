@@ -30,9 +30,8 @@ constexpr int kPinnedBuffers = 4;
 absl::StatusOr<StagingBuffer> AllocateDevice(int device, int64_t size, absl::string_view what) {
   if (size == 0) return StagingBuffer();
   try {
-    at::Tensor tensor = at::empty(
-        {size}, at::TensorOptions().dtype(at::kByte).device(
-                    c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))));
+    at::Tensor tensor = at::empty({size}, at::TensorOptions().dtype(at::kByte).device(c10::Device(
+                                              c10::kCUDA, static_cast<c10::DeviceIndex>(device))));
     void* data = tensor.data_ptr();
     return StagingBuffer(data, size, /*on_device=*/true,
                          [tensor = std::move(tensor)]() mutable { tensor.reset(); });

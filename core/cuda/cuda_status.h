@@ -36,11 +36,10 @@ class ScopedCudaDevice {
 
 }  // namespace refit::core::cuda
 
-#define REFIT_CUDA_RETURN_IF_ERROR(expr, what)                          \
-  do {                                                                  \
-    absl::Status _refit_cuda_status = ::refit::core::cuda::CudaStatus( \
-        (expr), (what));                                                \
-    if (!_refit_cuda_status.ok()) return _refit_cuda_status;           \
+#define REFIT_CUDA_RETURN_IF_ERROR(expr, what)                                         \
+  do {                                                                                 \
+    absl::Status _refit_cuda_status = ::refit::core::cuda::CudaStatus((expr), (what)); \
+    if (!_refit_cuda_status.ok()) return _refit_cuda_status;                           \
   } while (0)
 
 #endif  // REFIT_CORE_CUDA_CUDA_STATUS_H_

@@ -39,9 +39,9 @@ absl::Status DeviceEvent::Wait() const {
 }
 
 absl::Status DeviceEvent::MakeStreamWait(void* stream) const {
-  return CudaStatus(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                        static_cast<cudaEvent_t>(event_), 0),
-                    "ordering a stream after a commit event");
+  return CudaStatus(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_), 0),
+      "ordering a stream after a commit event");
 }
 
 absl::StatusOr<bool> DeviceEvent::IsComplete() const {
@@ -57,9 +57,9 @@ absl::Status EnqueueDeviceCopies(absl::Span<const DeviceCopy> copies, void* stre
   for (size_t i = 0; i < copies.size(); ++i) {
     const DeviceCopy& copy = copies[i];
     if (copy.bytes < 0 || (copy.bytes > 0 && (copy.dst == nullptr || copy.src == nullptr))) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "device commit: copy %d of %d is invalid (%d bytes, dst %p, src %p)", i,
-          copies.size(), copy.bytes, copy.dst, copy.src));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("device commit: copy %d of %d is invalid (%d bytes, dst %p, src %p)", i,
+                          copies.size(), copy.bytes, copy.dst, copy.src));
     }
   }
   const cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
@@ -71,8 +71,7 @@ absl::Status EnqueueDeviceCopies(absl::Span<const DeviceCopy> copies, void* stre
     REFIT_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(copy.dst, copy.src, static_cast<size_t>(copy.bytes), cudaMemcpyDefault,
                         cuda_stream),
-        absl::StrFormat("device commit: copy %d of %d (%d bytes)", i, copies.size(),
-                        copy.bytes));
+        absl::StrFormat("device commit: copy %d of %d (%d bytes)", i, copies.size(), copy.bytes));
   }
   if (done != nullptr) return done->Record(stream);
   return absl::OkStatus();

@@ -129,8 +129,7 @@ class Fp8CudaQuantizer {
   Fp8CudaQuantizer(int device, int num_sms, bool hw_conversion, int64_t hw_mismatches);
   absl::StatusOr<StreamState*> GetStreamState(void* stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A record reset (in `stream` order) for the next jobs of `stream`.
-  absl::StatusOr<DeviceErrorRecord*> AcquireRecord(void* stream)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<DeviceErrorRecord*> AcquireRecord(void* stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int device_;
   const int num_sms_;

@@ -62,8 +62,8 @@ absl::Status LaunchJob(const Fp8CudaJob& job, QuantScheme scheme, bool vllm, Err
         AmaxFlatKernel<T, kReject><<<blocks, kThreads, 0, stream>>>(
             src, n, aligned, reinterpret_cast<uint32_t*>(job.out_scales), sink);
         PerTensorScaleKernel<<<1, 1, 0, stream>>>(job.out_scales);
-        ConvertFlatKernel<T><<<blocks, kThreads, 0, stream>>>(src, n, aligned, job.out_scales,
-                                                              job.out_q, vllm, hw);
+        ConvertFlatKernel<T>
+            <<<blocks, kThreads, 0, stream>>>(src, n, aligned, job.out_scales, job.out_q, vllm, hw);
       }
       break;
     }
@@ -79,9 +79,8 @@ absl::Status LaunchJob(const Fp8CudaJob& job, QuantScheme scheme, bool vllm, Err
       const bool vec = aligned && job.cols % kN == 0;
       const dim3 grid(static_cast<unsigned>((job.cols + 127) / 128),
                       static_cast<unsigned>((job.rows + 127) / 128));
-      Block128Kernel<T, kReject><<<grid, kThreads, 0, stream>>>(src, job.rows, job.cols, vec,
-                                                               job.out_q, job.out_scales, sink,
-                                                               vllm, hw);
+      Block128Kernel<T, kReject><<<grid, kThreads, 0, stream>>>(
+          src, job.rows, job.cols, vec, job.out_q, job.out_scales, sink, vllm, hw);
       break;
     }
     case QuantScheme::kNone:
@@ -115,7 +114,8 @@ absl::StatusOr<int64_t> HwConversionMismatches(int device, int num_sms) {
   REFIT_CUDA_RETURN_IF_ERROR(cudaMalloc(&count, sizeof(*count)), "cudaMalloc(conversion check)");
   unsigned long long host = 0;
   const absl::Status status = [&] {
-    REFIT_CUDA_RETURN_IF_ERROR(cudaMemset(count, 0, sizeof(*count)), "cudaMemset(conversion check)");
+    REFIT_CUDA_RETURN_IF_ERROR(cudaMemset(count, 0, sizeof(*count)),
+                               "cudaMemset(conversion check)");
     HwConversionCheckKernel<<<num_sms * 8, kThreads>>>(count);
     REFIT_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launching the conversion check");
     return CudaStatus(cudaMemcpy(&host, count, sizeof(host), cudaMemcpyDeviceToHost),
@@ -129,9 +129,7 @@ absl::StatusOr<int64_t> HwConversionMismatches(int device, int num_sms) {
 
 }  // namespace
 
-int64_t Fp8CudaQuantizer::HardwareConversionMismatchesForTesting() const {
-  return hw_mismatches_;
-}
+int64_t Fp8CudaQuantizer::HardwareConversionMismatchesForTesting() const { return hw_mismatches_; }
 
 Fp8CudaQuantizer::Fp8CudaQuantizer(int device, int num_sms, bool hw_conversion,
                                    int64_t hw_mismatches)
@@ -166,8 +164,7 @@ absl::StatusOr<std::unique_ptr<Fp8CudaQuantizer>> Fp8CudaQuantizer::Create(
     mismatches = *checked;
     hw = mismatches == 0;  // bit-identity first: fall back if anything differs
   }
-  return std::unique_ptr<Fp8CudaQuantizer>(
-      new Fp8CudaQuantizer(device, num_sms, hw, mismatches));
+  return std::unique_ptr<Fp8CudaQuantizer>(new Fp8CudaQuantizer(device, num_sms, hw, mismatches));
 }
 
 Fp8CudaQuantizer::~Fp8CudaQuantizer() {
@@ -179,8 +176,7 @@ Fp8CudaQuantizer::~Fp8CudaQuantizer() {
   for (DeviceErrorRecord* record : free_records_) cudaFree(record);
 }
 
-absl::StatusOr<Fp8CudaQuantizer::DeviceErrorRecord*> Fp8CudaQuantizer::AcquireRecord(
-    void* stream) {
+absl::StatusOr<Fp8CudaQuantizer::DeviceErrorRecord*> Fp8CudaQuantizer::AcquireRecord(void* stream) {
   DeviceErrorRecord* record = nullptr;
   if (!free_records_.empty()) {
     record = free_records_.back();
@@ -191,10 +187,9 @@ absl::StatusOr<Fp8CudaQuantizer::DeviceErrorRecord*> Fp8CudaQuantizer::AcquireRe
                                "cudaMalloc(FP8 error record)");
   }
   // Reset in stream order: every job enqueued after this sees a clean record.
-  const absl::Status status =
-      CudaStatus(cudaMemsetAsync(record, 0xFF, sizeof(DeviceErrorRecord),
-                                 static_cast<cudaStream_t>(stream)),
-                 "cudaMemsetAsync(FP8 error record)");
+  const absl::Status status = CudaStatus(
+      cudaMemsetAsync(record, 0xFF, sizeof(DeviceErrorRecord), static_cast<cudaStream_t>(stream)),
+      "cudaMemsetAsync(FP8 error record)");
   if (!status.ok()) {
     free_records_.push_back(record);
     return status;
@@ -272,14 +267,14 @@ absl::Status Fp8CudaQuantizer::Enqueue(const Fp8CudaJob& job, const Fp8QuantizeO
   const absl::Status status = [&] {
     switch (job.src_dtype) {
       case DType::kFloat32:
-        return Dispatch<float>(job, options.scheme, options.non_finite, sink, cuda_stream,
-                               num_sms_, hw_conversion_, seq);
+        return Dispatch<float>(job, options.scheme, options.non_finite, sink, cuda_stream, num_sms_,
+                               hw_conversion_, seq);
       case DType::kBFloat16:
-        return Dispatch<Bf16>(job, options.scheme, options.non_finite, sink, cuda_stream,
-                              num_sms_, hw_conversion_, seq);
+        return Dispatch<Bf16>(job, options.scheme, options.non_finite, sink, cuda_stream, num_sms_,
+                              hw_conversion_, seq);
       default:
-        return Dispatch<Fp16>(job, options.scheme, options.non_finite, sink, cuda_stream,
-                              num_sms_, hw_conversion_, seq);
+        return Dispatch<Fp16>(job, options.scheme, options.non_finite, sink, cuda_stream, num_sms_,
+                              hw_conversion_, seq);
     }
   }();
   if (!status.ok()) return status;

@@ -129,9 +129,8 @@ absl::StatusOr<PinnedStagingPool::Lease> PinnedStagingPool::Acquire() {
   }
   if (must_wait) {
     // Outside the lock: other threads may acquire other buffers meanwhile.
-    absl::Status status =
-        CudaStatus(cudaEventSynchronize(static_cast<cudaEvent_t>(event)),
-                   "waiting for a staging copy");
+    absl::Status status = CudaStatus(cudaEventSynchronize(static_cast<cudaEvent_t>(event)),
+                                     "waiting for a staging copy");
     absl::MutexLock lock(&mu_);
     if (!status.ok()) {
       buffers_[index].state = BufferState::kInFlight;
@@ -170,10 +169,10 @@ absl::Status PinnedStagingPool::CopyToDevice(Lease lease, void* device_dst, int6
   // The lease owns the buffer exclusively, so these enqueue calls (which do
   // not wait for the device) need no lock.
   const cudaStream_t stream = static_cast<cudaStream_t>(copy_stream_);
-  absl::Status status = CudaStatus(
-      cudaMemcpyAsync(device_dst, lease.data_, static_cast<size_t>(bytes),
-                      cudaMemcpyHostToDevice, stream),
-      absl::StrFormat("staging copy of %d bytes to the device", bytes));
+  absl::Status status =
+      CudaStatus(cudaMemcpyAsync(device_dst, lease.data_, static_cast<size_t>(bytes),
+                                 cudaMemcpyHostToDevice, stream),
+                 absl::StrFormat("staging copy of %d bytes to the device", bytes));
   if (status.ok()) {
     status = CudaStatus(cudaEventRecord(static_cast<cudaEvent_t>(event), stream),
                         "recording a staging event");

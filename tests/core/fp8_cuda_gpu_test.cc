@@ -90,8 +90,8 @@ Quantized CpuQuantize(const at::Tensor& src, DType dtype, QuantScheme scheme,
   Fp8QuantizeOptions options;
   options.scheme = scheme;
   options.non_finite = policy;
-  out.status = QuantizeFp8(src.data_ptr(), dtype, rows, cols, options, out.q.data(),
-                           out.scales.data(), "w");
+  out.status =
+      QuantizeFp8(src.data_ptr(), dtype, rows, cols, options, out.q.data(), out.scales.data(), "w");
   return out;
 }
 
@@ -239,8 +239,8 @@ TEST(Fp8CudaMathTest, ConversionMatchesCpuAcrossTheFloatRange) {
   for (uint32_t bits = 0; bits < 0x43F00000u; bits += 97) {
     for (uint32_t sign : {0u, 0x80000000u}) {
       const float x = m::BitsToFloat(bits | sign);
-      ASSERT_EQ(m::Fp8E4M3FromFloat(x), Fp8E4M3FromFloat(x)) << "float bits 0x" << std::hex
-                                                              << (bits | sign);
+      ASSERT_EQ(m::Fp8E4M3FromFloat(x), Fp8E4M3FromFloat(x))
+          << "float bits 0x" << std::hex << (bits | sign);
     }
   }
   for (int code = 0; code < 0x7E; ++code) {
@@ -271,7 +271,8 @@ TEST(Fp8CudaMathTest, KernelAlgorithmMatchesCpuQuantizer) {
     for (QuantScheme scheme : kSchemes) {
       for (NonFinitePolicy policy : kPolicies) {
         std::vector<at::Tensor> inputs;
-        for (auto [rows, cols] : kShapes) inputs.push_back(RandomWeights(rows, cols, dtype, ++seed));
+        for (auto [rows, cols] : kShapes)
+          inputs.push_back(RandomWeights(rows, cols, dtype, ++seed));
         for (at::Tensor& edge : EdgeCases(dtype, /*non_finite=*/true)) inputs.push_back(edge);
         for (const at::Tensor& src : inputs) {
           const std::string what = CaseName(dtype, scheme, policy, src.size(0), src.size(1));
@@ -308,7 +309,8 @@ using cuda::PinnedStagingPool;
   } while (0)
 
 at::Tensor DeviceBytes(int64_t n) {
-  return at::zeros({std::max<int64_t>(n, 1)}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+  return at::zeros({std::max<int64_t>(n, 1)},
+                   at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
 }
 
 // Runs the GPU quantizer on `src` (copied to the device at `src_offset`
@@ -322,8 +324,7 @@ Quantized GpuQuantize(Fp8CudaQuantizer& quantizer, const at::Tensor& src, DType 
   const int64_t nbytes = src.numel() * static_cast<int64_t>(src.element_size());
   at::Tensor dev_src = DeviceBytes(nbytes + src_offset);
   if (nbytes > 0) {
-    dev_src.narrow(0, src_offset, nbytes)
-        .copy_(at::from_blob(src.data_ptr(), {nbytes}, at::kByte));
+    dev_src.narrow(0, src_offset, nbytes).copy_(at::from_blob(src.data_ptr(), {nbytes}, at::kByte));
   }
   at::Tensor dev_q = DeviceBytes(rows * cols + out_offset);
   const int64_t num_scales = Fp8NumScales(scheme, rows, cols);
@@ -369,7 +370,7 @@ class Fp8CudaGpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
     REFIT_SKIP_WITHOUT_GPU();
-    absl::StatusOr<std::unique_ptr<Fp8CudaQuantizer>> quantizer = Fp8CudaQuantizer::Create(0);
+    absl::StatusOr<std::unique_ptr<Fp8CudaQuantizer> > quantizer = Fp8CudaQuantizer::Create(0);
     ASSERT_TRUE(quantizer.ok()) << quantizer.status();
     quantizer_ = std::move(*quantizer);
     cuda::Fp8CudaQuantizerOptions software;
@@ -379,7 +380,7 @@ class Fp8CudaGpuTest : public ::testing::Test {
     software_ = std::move(*quantizer);
   }
   // Both conversion paths must give the CPU's bytes.
-  std::vector<std::pair<const char*, Fp8CudaQuantizer*>> Quantizers() {
+  std::vector<std::pair<const char*, Fp8CudaQuantizer*> > Quantizers() {
     return {{"hardware conversion", quantizer_.get()}, {"integer conversion", software_.get()}};
   }
   std::unique_ptr<Fp8CudaQuantizer> quantizer_;
@@ -471,14 +472,13 @@ TEST_F(Fp8CudaGpuTest, MisalignedBuffersTakeTheScalarPathWithSameBytes) {
       const Quantized cpu = CpuQuantize(src, dtype, scheme, NonFinitePolicy::kReject);
       const int64_t esize = static_cast<int64_t>(DTypeSize(dtype));
       for (auto [path, quantizer] : Quantizers()) {
-        const Quantized gpu =
-            GpuQuantize(*quantizer, src, dtype, scheme, NonFinitePolicy::kReject,
-                        /*src_offset=*/esize, /*out_offset=*/1);
+        const Quantized gpu = GpuQuantize(*quantizer, src, dtype, scheme, NonFinitePolicy::kReject,
+                                          /*src_offset=*/esize, /*out_offset=*/1);
         ASSERT_TRUE(gpu.status.ok()) << what << ", " << path << ": " << gpu.status;
         ExpectSameBytes(cpu, gpu, absl::StrCat(what, ", ", path));
         // Aligned source, misaligned output: vector loads, scalar path.
-        const Quantized half = GpuQuantize(*quantizer, src, dtype, scheme,
-                                           NonFinitePolicy::kReject, 0, /*out_offset=*/3);
+        const Quantized half = GpuQuantize(*quantizer, src, dtype, scheme, NonFinitePolicy::kReject,
+                                           0, /*out_offset=*/3);
         ASSERT_TRUE(half.status.ok()) << half.status;
         ExpectSameBytes(cpu, half, absl::StrCat(what, ", ", path, ", output offset 3"));
       }
@@ -506,7 +506,8 @@ TEST_F(Fp8CudaGpuTest, RejectsNonFiniteInputWithTheCpuMessage) {
       for (const at::Tensor& src : EdgeCases(dtype, /*non_finite=*/true)) {
         const Quantized cpu = CpuQuantize(src, dtype, scheme, NonFinitePolicy::kReject);
         if (cpu.status.ok()) continue;
-        const Quantized gpu = GpuQuantize(*quantizer_, src, dtype, scheme, NonFinitePolicy::kReject);
+        const Quantized gpu =
+            GpuQuantize(*quantizer_, src, dtype, scheme, NonFinitePolicy::kReject);
         EXPECT_EQ(gpu.status.code(), absl::StatusCode::kInvalidArgument);
         // Same first element, same words: callers cannot tell the paths apart.
         EXPECT_EQ(gpu.status.message(), cpu.status.message())
@@ -575,7 +576,7 @@ TEST_F(PinnedStagingGpuTest, RoundTripsMoreChunksThanBuffers) {
   PinnedStagingOptions options;
   options.buffer_bytes = 1 << 20;
   options.num_buffers = 3;
-  absl::StatusOr<std::unique_ptr<PinnedStagingPool>> pool = PinnedStagingPool::Create(options);
+  absl::StatusOr<std::unique_ptr<PinnedStagingPool> > pool = PinnedStagingPool::Create(options);
   ASSERT_TRUE(pool.ok()) << pool.status();
   EXPECT_EQ((*pool)->pinned_bytes(), 3 << 20);
 
@@ -612,7 +613,7 @@ TEST_F(PinnedStagingGpuTest, DroppedLeaseReturnsItsBuffer) {
   PinnedStagingOptions options;
   options.buffer_bytes = 4096;
   options.num_buffers = 1;
-  absl::StatusOr<std::unique_ptr<PinnedStagingPool>> pool = PinnedStagingPool::Create(options);
+  absl::StatusOr<std::unique_ptr<PinnedStagingPool> > pool = PinnedStagingPool::Create(options);
   ASSERT_TRUE(pool.ok()) << pool.status();
   for (int i = 0; i < 3; ++i) {
     absl::StatusOr<PinnedStagingPool::Lease> lease = (*pool)->Acquire();
@@ -626,7 +627,7 @@ TEST_F(PinnedStagingGpuTest, RejectsOversizedCopyAndKeepsTheBuffer) {
   PinnedStagingOptions options;
   options.buffer_bytes = 4096;
   options.num_buffers = 1;
-  absl::StatusOr<std::unique_ptr<PinnedStagingPool>> pool = PinnedStagingPool::Create(options);
+  absl::StatusOr<std::unique_ptr<PinnedStagingPool> > pool = PinnedStagingPool::Create(options);
   ASSERT_TRUE(pool.ok()) << pool.status();
   at::Tensor device = DeviceBytes(8192);
   absl::StatusOr<PinnedStagingPool::Lease> lease = (*pool)->Acquire();
@@ -655,7 +656,7 @@ TEST_F(DeviceCommitGpuTest, CopiesInPlaceAndSignalsTheEvent) {
   }
   std::vector<void*> pointers_before;
   for (const at::Tensor& t : live) pointers_before.push_back(t.data_ptr());
-  absl::StatusOr<std::unique_ptr<DeviceEvent>> done = DeviceEvent::Create(0);
+  absl::StatusOr<std::unique_ptr<DeviceEvent> > done = DeviceEvent::Create(0);
   ASSERT_TRUE(done.ok()) << done.status();
   ASSERT_TRUE(EnqueueDeviceCopies(copies, nullptr, done->get()).ok());
   ASSERT_TRUE((*done)->Wait().ok());

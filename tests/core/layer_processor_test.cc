@@ -315,9 +315,24 @@ TEST(LayerProcessorTest, KeptParamOfTheWrongSizeIsInternal) {
   std::vector<StagingBuffer> params;
   params.push_back(*StagingBuffer::HostZeroed(10, "short"));
   absl::StatusOr<ProcessedLayer> out = Host(*layout)->Process(l, std::move(params));
+  // Refused before anything reads it.
   EXPECT_EQ(out.status().code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(out.status().message(), HasSubstr("model.norm.weight"));
-  EXPECT_THAT(out.status().message(), HasSubstr("staged 10 bytes, live tensor has 256"));
+  EXPECT_THAT(out.status().message(), HasSubstr("model.norm"));
+  EXPECT_THAT(out.status().message(), HasSubstr("param \"weight\" has 10 bytes, layout has 256"));
+}
+
+TEST(LayerProcessorTest, MissingOrShortParamsOfAQuantizedLayerAreInternal) {
+  std::shared_ptr<const ModelLayout> layout = Layout(FixtureConfig(), QuantScheme::kPerTensor);
+  ASSERT_NE(layout, nullptr);
+  const int l = layout->FindLayer("model.layers.0.mlp.down_proj");
+  absl::StatusOr<ProcessedLayer> none = Host(*layout)->Process(l, {});
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(none.status().message(), HasSubstr("0 param buffers, layout has 1"));
+  std::vector<StagingBuffer> params;
+  params.push_back(*StagingBuffer::HostZeroed(16, "short"));
+  absl::StatusOr<ProcessedLayer> shorter = Host(*layout)->Process(l, std::move(params));
+  EXPECT_EQ(shorter.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(shorter.status().message(), HasSubstr("has 16 bytes"));
 }
 
 TEST(LayerProcessorTest, HostProcessorIsNotOnDevice) {

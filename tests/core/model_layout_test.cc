@@ -541,7 +541,8 @@ TEST(ModelLayoutTest, RejectsTpThatDoesNotDivideThePaddedVocabulary) {
   absl::StatusOr<std::shared_ptr<const ModelLayout>> layout =
       ModelLayout::Build(c, {0, 3}, QuantScheme::kPerTensor);
   EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(layout.status().message(), HasSubstr("tp_size 3 does not divide the padded vocabulary 64"));
+  EXPECT_THAT(layout.status().message(),
+              HasSubstr("tp_size 3 does not divide the padded vocabulary 64"));
   EXPECT_THAT(layout.status().message(), HasSubstr("vocab_size 50"));
 }
 

@@ -4,9 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <stdlib.h>
 #include <atomic>
 #include <cstdio>
-#include <stdlib.h>
 #include <fstream>
 #include <thread>
 
@@ -134,7 +134,8 @@ TEST_F(RefitSessionTest, KernelsKeepTheirDataPointersAcrossCommits) {
   ASSERT_TRUE(PushAll(*store_, v1_).ok());
   std::vector<KernelView> after = store_->Kernels();
   ASSERT_EQ(after.size(), before.size());
-  for (size_t i = 0; i < after.size(); ++i) EXPECT_EQ(after[i].data, before[i]) << after[i].spec->name;
+  for (size_t i = 0; i < after.size(); ++i)
+    EXPECT_EQ(after[i].data, before[i]) << after[i].spec->name;
   EXPECT_EQ(store_->version(), 3u);
   EXPECT_EQ(store_->fingerprint(), fingerprint_);  // same weights as version 1
 }
@@ -155,7 +156,8 @@ TEST_F(RefitSessionTest, QuantizedKernelEqualsQuantizerOnTheFusedWeight) {
                           q.data(), &scale, "qkv")
                   .ok());
   std::string live_q, live_s;
-  ASSERT_TRUE(store_->ReadKernel("model.layers.0.self_attn.qkv_proj.weight", &live_q, nullptr).ok());
+  ASSERT_TRUE(
+      store_->ReadKernel("model.layers.0.self_attn.qkv_proj.weight", &live_q, nullptr).ok());
   ASSERT_TRUE(
       store_->ReadKernel("model.layers.0.self_attn.qkv_proj.weight_scale", &live_s, nullptr).ok());
   ASSERT_EQ(live_q.size(), q.size());
@@ -188,9 +190,9 @@ TEST_F(RefitSessionTest, ConvertsFp32AndFp16InputToTheCheckpointDtype) {
   std::vector<OwnedTensor> as_f32 = v2_;
   for (OwnedTensor& t : as_f32) {
     std::vector<uint8_t> f32(t.bytes.size() * 2);
-    ASSERT_TRUE(ConvertFloats(t.bytes.data(), t.dtype, f32.data(), DType::kFloat32,
-                              t.bytes.size() / 2)
-                    .ok());
+    ASSERT_TRUE(
+        ConvertFloats(t.bytes.data(), t.dtype, f32.data(), DType::kFloat32, t.bytes.size() / 2)
+            .ok());
     t.bytes = std::move(f32);
     t.dtype = DType::kFloat32;
   }
@@ -310,11 +312,14 @@ TEST_F(RefitSessionTest, LayersWithoutWeightsKeepTheirValuesAndAreListed) {
   }
   absl::StatusOr<RefitResult> result = PushAll(*store_, partial);
   ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_THAT(result->kept_layers, ::testing::UnorderedElementsAre("model.layers.1.mlp.gate_up_proj",
-                                                                   "model.layers.1.mlp.down_proj"));
+  EXPECT_THAT(result->kept_layers,
+              ::testing::UnorderedElementsAre("model.layers.1.mlp.gate_up_proj",
+                                              "model.layers.1.mlp.down_proj"));
   std::map<std::string, std::string> now = Snapshot(*store_);
-  EXPECT_EQ(now["model.layers.1.mlp.down_proj.weight"], live_["model.layers.1.mlp.down_proj.weight"]);
-  EXPECT_NE(now["model.layers.0.mlp.down_proj.weight"], live_["model.layers.0.mlp.down_proj.weight"]);
+  EXPECT_EQ(now["model.layers.1.mlp.down_proj.weight"],
+            live_["model.layers.1.mlp.down_proj.weight"]);
+  EXPECT_NE(now["model.layers.0.mlp.down_proj.weight"],
+            live_["model.layers.0.mlp.down_proj.weight"]);
 }
 
 TEST_F(RefitSessionTest, LayerMissingATensorFailsUnlessPartialIsAllowed) {
@@ -499,8 +504,8 @@ TEST(RefitSessionChecksumTest, ChecksummedChunksOfManyBlocksGiveTheSameResult) {
 TEST_F(RefitSessionTest, RejectsTensorStillIncompleteAtTheEnd) {
   std::unique_ptr<RefitSession> session = Begin();
   for (const OwnedTensor& t : v2_) {
-    uint64_t size = t.name == "model.layers.1.mlp.down_proj.weight" ? t.bytes.size() - 8
-                                                                     : t.bytes.size();
+    uint64_t size =
+        t.name == "model.layers.1.mlp.down_proj.weight" ? t.bytes.size() - 8 : t.bytes.size();
     ASSERT_TRUE(session->Ingest(ToChunk({&t, 0, size})).ok());
   }
   absl::StatusOr<RefitResult> result = session->Commit();
@@ -661,9 +666,10 @@ TEST_F(RefitSessionTest, PublishesEventsInOrder) {
   std::unique_ptr<RefitSession> s = Begin();
   s->Abort("x");
   store_->RemoveListener(id);
-  EXPECT_THAT(events, ::testing::ElementsAre(StoreEventType::kStagingStarted, StoreEventType::kPrepared,
-                                             StoreEventType::kCommitted,
-                                             StoreEventType::kStagingStarted, StoreEventType::kAborted));
+  EXPECT_THAT(events,
+              ::testing::ElementsAre(StoreEventType::kStagingStarted, StoreEventType::kPrepared,
+                                     StoreEventType::kCommitted, StoreEventType::kStagingStarted,
+                                     StoreEventType::kAborted));
 }
 
 TEST_F(RefitSessionTest, FinishEventsAreDeliveredBeforeTheSlotIsReleased) {
@@ -716,7 +722,8 @@ TEST_F(RefitSessionTest, ProgressNeverWaitsForARunningCall) {
   });
   std::unique_ptr<RefitSession> session = Begin();
   current = session.get();
-  for (const OwnedTensor& t : v2_) ASSERT_TRUE(session->Ingest(ToChunk({&t, 0, t.bytes.size()})).ok());
+  for (const OwnedTensor& t : v2_)
+    ASSERT_TRUE(session->Ingest(ToChunk({&t, 0, t.bytes.size()})).ok());
   ASSERT_TRUE(session->Commit().ok());
   store_->RemoveListener(id);
   EXPECT_EQ(state_at_commit, SessionState::kCommitted);

@@ -308,8 +308,8 @@ TEST_F(TlsTest, ServerTls) {
   grpc::Status status = GetStatusOver(**server, /*client_cert=*/false);
   EXPECT_TRUE(status.ok()) << status.error_message();
   // A plaintext client cannot talk to it.
-  auto plain = v1::RefitService::NewStub(grpc::CreateChannel(
-      (*server)->bound_addresses().front(), grpc::InsecureChannelCredentials()));
+  auto plain = v1::RefitService::NewStub(grpc::CreateChannel((*server)->bound_addresses().front(),
+                                                             grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
   v1::GetStatusResponse response;

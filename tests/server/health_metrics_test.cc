@@ -173,7 +173,8 @@ TEST(MetricsTest, ScrapeReportsRefitsBytesPhasesAndGauges) {
   ASSERT_GT((*server)->metrics_port(), 0);
   auto stub = v1::RefitService::NewStub(testing::Connect(**server));
 
-  std::map<std::string, double> before = ParseMetrics(HttpGet((*server)->metrics_port(), "/metrics"));
+  std::map<std::string, double> before =
+      ParseMetrics(HttpGet((*server)->metrics_port(), "/metrics"));
   EXPECT_EQ(before["refitd_refits_total{outcome=\"committed\"}"], 1);  // the first load
   EXPECT_EQ(before["refitd_version{group=\"target\"}"], 1);
   EXPECT_EQ(before["refitd_bytes_received_total"], 0);
@@ -185,7 +186,8 @@ TEST(MetricsTest, ScrapeReportsRefitsBytesPhasesAndGauges) {
   std::vector<v1::PushRequest> incomplete = {BeginMessage(), ChunkMessages(FixtureWeights(4))[0]};
   EXPECT_EQ(PushMessages(stub.get(), incomplete).status.error_code(), grpc::StatusCode::ABORTED);
 
-  std::map<std::string, double> after = ParseMetrics(HttpGet((*server)->metrics_port(), "/metrics"));
+  std::map<std::string, double> after =
+      ParseMetrics(HttpGet((*server)->metrics_port(), "/metrics"));
   EXPECT_EQ(after["refitd_refits_total{outcome=\"committed\"}"], 2);
   EXPECT_EQ(after["refitd_refits_total{outcome=\"aborted\"}"], 1);
   EXPECT_EQ(after["refitd_refits_total{outcome=\"failed\"}"], 0);

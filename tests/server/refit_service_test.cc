@@ -179,7 +179,9 @@ TEST_F(RefitServiceTest, UnspecifiedDTypeIsInvalidArgumentAndAborts) {
 
 TEST_F(RefitServiceTest, UnknownTensorIsNotFoundAndVersionUnchanged) {
   const std::string fingerprint = Status(stub_.get()).fingerprint();
-  core::OwnedTensor bogus{"model.layers.0.mlp.nonexistent.weight", core::DType::kBFloat16, {4},
+  core::OwnedTensor bogus{"model.layers.0.mlp.nonexistent.weight",
+                          core::DType::kBFloat16,
+                          {4},
                           std::vector<uint8_t>(8)};
   v1::PushRequest chunks;
   AddChunk(bogus, chunks.mutable_chunks());
@@ -291,7 +293,9 @@ TEST_F(RefitServiceTest, MessageBeyondGrpcLimitIsResourceExhausted) {
   StartServer(options);
   // 2 MiB of payload in one message (the tensor's own size does not matter:
   // gRPC refuses the message before the daemon looks at it).
-  core::OwnedTensor big{"model.embed_tokens.weight", core::DType::kBFloat16, {1000, 128},
+  core::OwnedTensor big{"model.embed_tokens.weight",
+                        core::DType::kBFloat16,
+                        {1000, 128},
                         std::vector<uint8_t>(2 << 20)};
   v1::PushRequest chunks;
   AddChunk(big, chunks.mutable_chunks());

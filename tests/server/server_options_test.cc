@@ -82,18 +82,17 @@ TEST(AuthenticatorTest, RoleMatrix) {
     bool allowed;
   };
   const Case cases[] = {
-      {"t", Action::kPush, true},     {"t", Action::kFinish, true},
+      {"t", Action::kPush, true},      {"t", Action::kFinish, true},
       {"t", Action::kAbortAny, false}, {"t", Action::kReload, false},
-      {"t", Action::kRead, false},    {"o", Action::kPush, true},
-      {"o", Action::kFinish, true},   {"o", Action::kAbortAny, true},
-      {"o", Action::kReload, true},   {"o", Action::kRead, true},
-      {"r", Action::kPush, false},    {"r", Action::kFinish, false},
+      {"t", Action::kRead, false},     {"o", Action::kPush, true},
+      {"o", Action::kFinish, true},    {"o", Action::kAbortAny, true},
+      {"o", Action::kReload, true},    {"o", Action::kRead, true},
+      {"r", Action::kPush, false},     {"r", Action::kFinish, false},
       {"r", Action::kAbortAny, false}, {"r", Action::kReload, false},
       {"r", Action::kRead, true},
   };
   for (const Case& c : cases) {
-    absl::Status status =
-        auth->Authorize(absl::StrCat("Bearer ", c.token), c.action, "M").status();
+    absl::Status status = auth->Authorize(absl::StrCat("Bearer ", c.token), c.action, "M").status();
     if (c.allowed) {
       EXPECT_TRUE(status.ok()) << c.token << " " << static_cast<int>(c.action);
     } else {

@@ -54,8 +54,7 @@ inline ServerOptions TestOptions(const std::string& dir) {
 }
 
 inline std::shared_ptr<grpc::Channel> Connect(const RefitServer& server) {
-  return grpc::CreateChannel(server.bound_addresses().front(),
-                             grpc::InsecureChannelCredentials());
+  return grpc::CreateChannel(server.bound_addresses().front(), grpc::InsecureChannelCredentials());
 }
 
 inline std::vector<core::OwnedTensor> FixtureWeights(uint64_t seed) {

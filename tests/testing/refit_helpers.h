@@ -19,10 +19,9 @@
 
 namespace refit::testing {
 
-inline std::unique_ptr<core::ShardStore> MakeStore(const core::ModelConfig& config,
-                                                   core::ParallelConfig parallel = {},
-                                                   core::QuantScheme quant =
-                                                       core::QuantScheme::kPerTensor) {
+inline std::unique_ptr<core::ShardStore> MakeStore(
+    const core::ModelConfig& config, core::ParallelConfig parallel = {},
+    core::QuantScheme quant = core::QuantScheme::kPerTensor) {
   absl::StatusOr<std::shared_ptr<const core::ModelLayout>> layout =
       core::ModelLayout::Build(config, parallel, quant);
   if (!layout.ok()) return nullptr;
@@ -79,8 +78,8 @@ inline absl::Status IngestAll(core::RefitSession& session,
 }
 
 inline absl::StatusOr<core::RefitResult> PushAll(core::ShardStore& store,
-                                                const std::vector<core::OwnedTensor>& tensors,
-                                                core::RefitOptions options = {}) {
+                                                 const std::vector<core::OwnedTensor>& tensors,
+                                                 core::RefitOptions options = {}) {
   absl::StatusOr<std::unique_ptr<core::RefitSession>> session =
       core::RefitSession::Begin(&store, std::move(options));
   if (!session.ok()) return session.status();

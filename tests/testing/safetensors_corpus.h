@@ -51,16 +51,14 @@ struct MalformedSafetensors {
 inline std::vector<MalformedSafetensors> MalformedSafetensorsCorpus() {
   const std::string data16(16, '\x01');
   auto tensor = [&](absl::string_view name, absl::string_view body) {
-    return SafetensorsImage(std::string("{\"") + std::string(name) + "\":" + std::string(body) +
-                                "}",
-                            data16);
+    return SafetensorsImage(
+        std::string("{\"") + std::string(name) + "\":" + std::string(body) + "}", data16);
   };
   return {
       {"short_file", "abc", "shorter than the 8-byte header length"},
       {"length_past_eof", SafetensorsImageWithLength(1000, "{}"),
        "header length 1000 runs past the end of the file"},
-      {"length_over_cap", SafetensorsImageWithLength(uint64_t{1} << 62, "{}"),
-       "exceeds the limit"},
+      {"length_over_cap", SafetensorsImageWithLength(uint64_t{1} << 62, "{}"), "exceeds the limit"},
       {"not_json", SafetensorsImage("{\"w\": {\"dtype\": ", data16), "not valid JSON"},
       {"json_array", SafetensorsImage("[1, 2]", data16), "not a JSON object (got array)"},
       {"entry_not_object", tensor("w", "5"), "tensor \"w\": entry must be an object"},
@@ -79,8 +77,7 @@ inline std::vector<MalformedSafetensors> MalformedSafetensorsCorpus() {
       {"fractional_dim", tensor("w", R"({"dtype":"F32","shape":[2.5],"data_offsets":[0,8]})"),
        "tensor \"w\": \"shape\" [2.5]: dimension 0 is 2.5"},
       {"overflowing_shape",
-       tensor("w",
-              R"({"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8]})"),
+       tensor("w", R"({"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8]})"),
        "tensor \"w\": \"shape\" [4294967296,4294967296,16] overflows"},
       {"overflowing_bytes",
        tensor("w", R"({"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]})"),
@@ -92,8 +89,7 @@ inline std::vector<MalformedSafetensors> MalformedSafetensorsCorpus() {
        "tensor \"w\": missing \"data_offsets\""},
       {"offsets_wrong_length", tensor("w", R"({"dtype":"F32","shape":[2],"data_offsets":[0]})"),
        "tensor \"w\": \"data_offsets\" must be [begin, end]"},
-      {"offsets_not_integers",
-       tensor("w", R"({"dtype":"F32","shape":[2],"data_offsets":["0",8]})"),
+      {"offsets_not_integers", tensor("w", R"({"dtype":"F32","shape":[2],"data_offsets":["0",8]})"),
        "tensor \"w\": \"data_offsets\" must be [begin, end]"},
       {"end_before_begin", tensor("w", R"({"dtype":"F32","shape":[0],"data_offsets":[8,4]})"),
        "tensor \"w\": \"data_offsets\" [8, 4] end before begin"},

@@ -361,11 +361,17 @@ TEST_F(RefitServiceTest, IdlePushIsAbortedWithDeadlineExceeded) {
   grpc::ClientContext context;
   v1::PushResponse response;
   auto writer = stub_->Push(&context, &response);
+  // The stream's timer is armed when it opens; move the clock one second so
+  // that the timer armed after Begin has a deadline of its own to wait for
+  // (the staging_started event can reach us before the reactor re-arms).
+  const absl::Time opened = clock_.Now();
+  ASSERT_TRUE(clock_.AwaitWaiter(opened + absl::Seconds(60)));
+  clock_.AdvanceTime(absl::Seconds(1));
   ASSERT_TRUE(writer->Write(BeginMessage()));
   const std::string id = watch.Next(v1::WatchEvent::TYPE_STAGING_STARTED).refit_id();
   // Send nothing more. The idle timer is armed for the timeout after Begin;
   // one step of the clock to that deadline ends the stream.
-  ASSERT_TRUE(clock_.AwaitWaiter(clock_.Now() + absl::Seconds(60)));
+  ASSERT_TRUE(clock_.AwaitWaiter(opened + absl::Seconds(61)));
   clock_.AdvanceTime(absl::Seconds(60));
   grpc::Status status = writer->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
@@ -388,6 +394,9 @@ TEST_F(RefitServiceTest, IdleTimerRestartsWithEveryMessage) {
   grpc::ClientContext context;
   v1::PushResponse response;
   auto writer = stub_->Push(&context, &response);
+  // As above: a distinct deadline for the timer armed after Begin.
+  ASSERT_TRUE(clock_.AwaitWaiter(clock_.Now() + absl::Seconds(60)));
+  clock_.AdvanceTime(absl::Seconds(1));
   ASSERT_TRUE(writer->Write(BeginMessage()));
   watch.Next(v1::WatchEvent::TYPE_STAGING_STARTED);
   const absl::Time begun = clock_.Now();

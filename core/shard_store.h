@@ -1,7 +1,7 @@
 // ShardStore: owns the live kernel tensors of one model group on one device.
 //
 // Pipeline position: the end of a refit. RefitSession stages new kernel bytes
-// and hands them to CommitStaged, which copies them into the live tensors in
+// and commits them through its RefitSlot, which copies them into the live tensors in
 // place (data pointers never change, so engines holding raw pointers stay
 // valid) and bumps the version. Readers (ReadKernel, engines attached through
 // the server) see version N or N+1, never a mix: commit holds the writer side
@@ -120,9 +120,10 @@ class RefitSlot {
 
 class ShardStore {
  public:
-  // INVALID_ARGUMENT for a malformed device string; UNAVAILABLE if the device
-  // is a GPU this process cannot use; RESOURCE_EXHAUSTED if the kernels do
-  // not fit.
+  // Errors:
+  //   INVALID_ARGUMENT    no layout; a malformed device string
+  //   UNAVAILABLE         the device is a GPU this process cannot use
+  //   RESOURCE_EXHAUSTED  the kernels do not fit
   static absl::StatusOr<std::unique_ptr<ShardStore>> Create(
       std::shared_ptr<const ModelLayout> layout, ShardStoreOptions options);
   ~ShardStore();
@@ -145,7 +146,9 @@ class ShardStore {
   // Kernels in layout order (flattened over layers).
   std::vector<KernelView> Kernels() const;
   // Copies kernel `name` to host memory under the reader lock, so the bytes
-  // and *version belong to one version. NOT_FOUND for unknown names.
+  // and *version belong to one version.
+  // Errors: NOT_FOUND for unknown names; INTERNAL if copying a GPU kernel
+  // back fails.
   absl::Status ReadKernel(absl::string_view name, std::string* out, uint64_t* version) const;
   // Runs `fn` with the reader lock held: the live version cannot change.
   void WithReaderLock(absl::FunctionRef<void(uint64_t version)> fn) const;

@@ -42,4 +42,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$req_sha" ] || \
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r scripts/requirements.txt
   echo "$req_sha" > "$stamp"
 fi
+# The Python client, editable; its gRPC stubs are generated from the proto at
+# install time, so a change of the proto or of the package's build files
+# reinstalls it.
+client_stamp="$VENV/.refit-client.sha"
+client_sha=$(cat client/python/pyproject.toml client/python/setup.py proto/refit/v1/refit.proto |
+  sha256sum | cut -d' ' -f1)
+if [ "$(cat "$client_stamp" 2>/dev/null)" != "$client_sha" ] || \
+   ! "$VENV/bin/python" -c "import refit_client._proto.refit_pb2" 2>/dev/null; then
+  echo "setup: installing the Python client (client/python, editable) into $VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation \
+    --no-deps -e client/python
+  echo "$client_sha" > "$client_stamp"
+fi
 echo "setup: ready (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"

@@ -5,6 +5,9 @@
 #   3. format         clang-format check of the tracked sources (scripts/format-check.sh)
 #   4. thread safety  clang -Wthread-safety over core/ and server/ (scripts/thread-safety.sh)
 #   5. tests          ctest; GPU tests (label "gpu") skip themselves without a GPU
+#   6. python         pytest of the Python client (client/python/tests) against
+#                     real refitd processes from $BUILD_DIR; its CUDA test skips
+#                     without a GPU
 # A failed setup or build stops the run; a failed format or thread-safety check
 # does not stop the tests, but fails the run. Extra arguments go to ctest.
 # Environment: BUILD_DIR (default build), JOBS (default 2).
@@ -28,12 +31,31 @@ run_step() {
 summary() {
   printf '\n== test.sh summary (%s)\n' "$BUILD_DIR"
   printf '  %s\n' "${steps[@]}"
+  # The runners' own closing lines, so neither scrolls out of sight.
+  local f
+  for f in ctest pytest; do
+    [ -f "$BUILD_DIR/$f.log" ] && printf '  %-7s %s\n' "$f:" \
+      "$(grep -E '(tests passed|[0-9]+ (passed|failed)|no tests ran)' "$BUILD_DIR/$f.log" | tail -1)"
+  done
+  return 0
+}
+# Runs a test runner with its output also kept in $BUILD_DIR/NAME.log.
+logged() {
+  local name=$1
+  shift
+  "$@" 2>&1 | tee "$BUILD_DIR/$name.log"
+  return "${PIPESTATUS[0]}"
 }
 
+rm -f "$BUILD_DIR/ctest.log" "$BUILD_DIR/pytest.log"
 run_step setup scripts/setup.sh || { summary; exit 1; }
 run_step build scripts/build.sh || { summary; exit 1; }
 run_step format scripts/format-check.sh || true
 run_step thread-safety scripts/thread-safety.sh || true
-run_step tests ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 300 "$@" || true
+run_step tests logged ctest ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 300 "$@" || true
+# pytest exits 5 when it collected no test. That is a failure here too: the
+# suite always has tests, so none collected means they were lost.
+run_step python logged pytest env REFIT_BUILD_DIR="$BUILD_DIR" .venv/bin/python -m pytest client/python/tests -q \
+  -p no:cacheprovider || true
 summary
 exit $failed

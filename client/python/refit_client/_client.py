@@ -1,0 +1,890 @@
+"""RefitClient: the Python trainer client of refitd (refit.v1 over gRPC)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import pathlib
+import threading
+import time
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Union
+
+import grpc
+import numpy as np
+import xxhash
+
+from . import _health, _tensors
+from ._proto import refit_pb2 as pb
+from ._proto import refit_pb2_grpc as pb_grpc
+from .errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    RefitError,
+    Unavailable,
+    error_for,
+    from_rpc_error,
+)
+from .types import (
+    AbortResult,
+    ActiveRefit,
+    Health,
+    MemoryUsage,
+    ModelSummary,
+    PhaseTimings,
+    PushProgress,
+    RefitResult,
+    ReloadProgress,
+    Status,
+    TensorInfo,
+    WatchEvent,
+)
+
+__all__ = ["RefitClient", "Refit", "Tls", "EventStream"]
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_BUCKET_BYTES = 16 << 20
+DEFAULT_TIMEOUT = 30.0
+_MAX_MESSAGE_BYTES = 256 << 20
+# Messages a refit may have queued for gRPC's sender: bounds the client's
+# memory to about (depth + 1) buckets whatever the model's size.
+_QUEUE_DEPTH = 2
+# How long an abandoned refit() waits for the daemon to confirm the abort
+# before it cancels the call instead.
+_ABANDON_WAIT_SECONDS = 10.0
+
+_DTYPE_NAMES = {
+    pb.DTYPE_F32: "fp32",
+    pb.DTYPE_F16: "fp16",
+    pb.DTYPE_BF16: "bf16",
+    pb.DTYPE_F8_E4M3: "fp8_e4m3",
+    pb.DTYPE_I64: "i64",
+    pb.DTYPE_I32: "i32",
+    pb.DTYPE_U8: "u8",
+}
+_PUSH_DTYPES = {"fp32": pb.DTYPE_F32, "fp16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
+assert all(_tensors.PUSH_DTYPES[k] == v for k, v in _PUSH_DTYPES.items())
+_NUMPY_DTYPES = {
+    "fp32": np.float32,
+    "fp16": np.float16,
+    "bf16": np.uint16,  # numpy has no bfloat16: the raw bits
+    "fp8_e4m3": np.uint8,  # the raw bits
+    "i64": np.int64,
+    "i32": np.int32,
+    "u8": np.uint8,
+}
+_TORCH_DTYPES = {
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "fp8_e4m3": "float8_e4m3fn",
+    "i64": "int64",
+    "i32": "int32",
+    "u8": "uint8",
+}
+_NON_FINITE = {
+    "reject": pb.NON_FINITE_POLICY_REJECT,
+    "vllm": pb.NON_FINITE_POLICY_VLLM_COMPATIBLE,
+}
+_LAYOUTS = {
+    "kernel": pb.ListTensorsRequest.LAYOUT_KERNEL,
+    "checkpoint": pb.ListTensorsRequest.LAYOUT_CHECKPOINT,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tls:
+    """TLS settings. With no CA file the system roots verify the daemon;
+    cert_file + key_file present a client certificate (mutual TLS);
+    server_name overrides the name checked in the daemon's certificate."""
+
+    ca_file: Optional[str] = None
+    cert_file: Optional[str] = None
+    key_file: Optional[str] = None
+    server_name: Optional[str] = None
+
+
+def _read_file(path: str, what: str) -> bytes:
+    try:
+        return pathlib.Path(path).read_bytes()
+    except PermissionError as e:
+        raise error_for(grpc.StatusCode.PERMISSION_DENIED, f"cannot read {what} file {path}: {e}")
+    except OSError as e:
+        raise error_for(grpc.StatusCode.NOT_FOUND, f"cannot read {what} file {path}: {e}")
+
+
+def _state_name(value: int) -> str:
+    return pb.RefitState.Name(value).replace("REFIT_STATE_", "")
+
+
+def _result(msg: Any) -> RefitResult:
+    t = msg.timings
+    return RefitResult(
+        refit_id=msg.refit_id,
+        state=_state_name(msg.state),
+        version=msg.version,
+        fingerprint=msg.fingerprint,
+        kept_layers=tuple(msg.kept_layers),
+        partial_layers=tuple(msg.partial_layers),
+        timings=PhaseTimings(
+            t.receive_seconds, t.quantize_seconds, t.finalize_seconds, t.commit_seconds
+        ),
+        bytes_received=msg.bytes_received,
+        peak_staging_bytes=msg.peak_staging_bytes,
+    )
+
+
+def _progress_fields(p: Any) -> dict:
+    return dict(
+        refit_id=p.refit_id,
+        state=_state_name(p.state),
+        bytes_received=p.bytes_received,
+        elements_loaded=p.elements_loaded,
+        elements_expected=p.elements_expected,
+        layers_done=p.layers_done,
+        layers_total=p.layers_total,
+        staging_bytes=p.staging_bytes,
+    )
+
+
+def _tensor_info(t: Any) -> TensorInfo:
+    return TensorInfo(
+        name=t.name,
+        dtype=_DTYPE_NAMES.get(t.dtype, "unspecified"),
+        shape=tuple(t.shape),
+        nbytes=t.nbytes,
+        layer=t.layer,
+        optional=t.optional,
+    )
+
+
+def _options(
+    prepare: bool,
+    base_version: Optional[int],
+    label: Optional[str],
+    non_finite: str,
+    allow_partial_layers: bool,
+) -> Any:
+    if non_finite not in _NON_FINITE:
+        raise InvalidArgument(f"non_finite must be one of {sorted(_NON_FINITE)}, got {non_finite!r}")
+    options = pb.RefitOptions(
+        # Every enum is set explicitly: the daemon rejects X_UNSPECIFIED.
+        completion=pb.COMPLETION_MODE_PREPARE if prepare else pb.COMPLETION_MODE_COMMIT,
+        non_finite=_NON_FINITE[non_finite],
+        allow_partial_layers=allow_partial_layers,
+        label=label or "",
+    )
+    if base_version is not None:
+        options.base_version = base_version
+    return options
+
+
+class _Pipe:
+    """A bounded queue between the thread that sends and gRPC's thread that
+    consumes the request iterator. put() blocks while the queue is full (the
+    daemon sets the pace) and returns False once the call has ended."""
+
+    def __init__(self, depth: int) -> None:
+        self._cv = threading.Condition()
+        self._items: Deque[Any] = collections.deque()
+        self._depth = depth
+        self._finished = False  # no more items: the iterator ends when drained
+        self._closed = False  # the call ended: drop everything
+
+    def put(self, item: Any) -> bool:
+        with self._cv:
+            while len(self._items) >= self._depth and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                return False
+            self._items.append(item)
+            self._cv.notify_all()
+            return True
+
+    def finish(self, drop_queued: bool = False) -> None:
+        with self._cv:
+            if drop_queued:
+                self._items.clear()
+            self._finished = True
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._items.clear()
+            self._cv.notify_all()
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            with self._cv:
+                while not self._items and not self._finished and not self._closed:
+                    self._cv.wait()
+                if self._closed or not self._items:
+                    return
+                item = self._items.popleft()
+                self._cv.notify_all()
+            yield item
+
+
+class Refit:
+    """One refit transaction being streamed; made by RefitClient.refit().
+
+    send() tensors one by one (any order, each at most once); leaving the
+    ``with`` block normally sends End and waits for the daemon's answer
+    (``result``). An exception inside the block abandons the refit: the
+    daemon aborts it and the live version stays what it was. Not
+    thread-safe: one thread sends.
+    """
+
+    def __init__(
+        self,
+        client: "RefitClient",
+        begin: Any,
+        *,
+        chunk_bytes: int,
+        bucket_bytes: int,
+        checksums: bool,
+        progress: Optional[Callable[[PushProgress], None]],
+        tensors_total: Optional[int],
+        timeout: Optional[float],
+    ) -> None:
+        if chunk_bytes <= 0 or bucket_bytes <= 0:
+            raise InvalidArgument("push: chunk_bytes and bucket_bytes must be positive")
+        self._client = client
+        self._chunk_bytes = chunk_bytes
+        self._bucket_bytes = bucket_bytes
+        self._checksums = checksums
+        self._progress = progress
+        self._tensors_total = tensors_total
+        self._start = time.monotonic()
+        self._bytes_sent = 0
+        self._tensors_done = 0
+        self._messages_sent = 0
+        self._bucket = pb.PushRequest()
+        self._bucket_fill = 0
+        self._ended = False
+        self.result: Optional[RefitResult] = None
+        self._pipe = _Pipe(_QUEUE_DEPTH)
+        self._pipe.put(pb.PushRequest(begin=begin))
+        self._call = client._stub.Push.future(
+            iter(self._pipe), timeout=timeout, metadata=client._metadata
+        )
+        self._call.add_done_callback(lambda _: self._pipe.close())
+
+    def __enter__(self) -> "Refit":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abandon()
+        return False
+
+    def _raise_call_error(self) -> None:
+        """The call has ended early: raise why (the daemon's status)."""
+        try:
+            self._call.result()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, f"push to {self._client.address}") from None
+        raise RefitError("push: the daemon answered before End")
+
+    def _write(self, request: Any) -> None:
+        if not self._pipe.put(request):
+            self._raise_call_error()
+
+    def _flush(self) -> None:
+        if self._bucket_fill == 0 and not self._bucket.chunks.chunks:
+            return
+        bucket, self._bucket = self._bucket, pb.PushRequest()
+        self._write(bucket)
+        self._bytes_sent += self._bucket_fill
+        self._bucket_fill = 0
+        self._messages_sent += 1
+        if self._progress is not None:
+            self._progress(
+                PushProgress(
+                    bytes_sent=self._bytes_sent,
+                    tensors_done=self._tensors_done,
+                    messages_sent=self._messages_sent,
+                    elapsed_seconds=time.monotonic() - self._start,
+                    tensors_total=self._tensors_total,
+                )
+            )
+
+    def send(self, name: str, tensor: Any, dtype: Any = None) -> None:
+        """Streams one tensor: a torch tensor (CPU or CUDA, any strides; CUDA
+        bytes are copied to the host one chunk at a time), a numpy array, or
+        TensorData (e.g. bf16(array)). ``dtype`` ("bf16", "fp16", "fp32")
+        converts a torch tensor, or names what a numpy array holds.
+
+        Raises InvalidArgument for a tensor that cannot be sent (nothing of
+        it is sent), or the daemon's error if it has already ended the refit.
+        """
+        if self._ended:
+            raise InvalidArgument("push: send() after the refit ended")
+        self._send_source(_tensors.to_source(name, tensor, dtype))
+
+    def _send_source(self, src: _tensors.Source) -> None:
+        item = src.itemsize
+        cap = max(self._chunk_bytes // item, 1) * item
+        dtype = _PUSH_DTYPES[src.dtype]
+        offset = 0
+        while True:
+            room = max(self._bucket_bytes - self._bucket_fill, 0)
+            if self._bucket_fill == 0:
+                room = max(room, item)
+            piece = min(src.nbytes - offset, cap, room)
+            piece -= piece % item
+            if piece == 0 and offset < src.nbytes:
+                self._flush()  # not one element fits: send the bucket, start anew
+                continue
+            data = src.read(offset, piece)
+            chunk = self._bucket.chunks.chunks.add()
+            chunk.tensor_name = src.name
+            chunk.dtype = dtype
+            chunk.shape.extend(src.shape)
+            chunk.byte_offset = offset
+            chunk.data = data
+            if self._checksums:
+                chunk.xxh3 = xxhash.xxh3_64_intdigest(data)
+            offset += piece
+            self._bucket_fill += piece
+            if self._bucket_fill >= self._bucket_bytes:
+                self._flush()
+            # A zero-sized tensor still sends one (empty) chunk.
+            if offset >= src.nbytes:
+                break
+        self._tensors_done += 1
+
+    def finish(self) -> RefitResult:
+        """Sends End and returns the daemon's result (the with block calls it)."""
+        if self.result is not None:
+            return self.result
+        if self._ended:
+            raise InvalidArgument("push: the refit was abandoned")
+        self._ended = True
+        try:
+            if self._tensors_done == 0:
+                raise InvalidArgument("push: no tensors")
+            self._flush()
+            self._write(pb.PushRequest(end=pb.End()))
+        except BaseException:
+            self._abandon_call()
+            raise
+        self._pipe.finish()
+        try:
+            response = self._call.result()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, f"push to {self._client.address}") from None
+        self.result = _result(response.result)
+        return self.result
+
+    def abandon(self) -> None:
+        """Ends the stream without End: the daemon aborts the refit. Waits
+        (briefly) for its answer, so the model group is free again on return."""
+        if self._ended and self._call.done():
+            return
+        self._ended = True
+        self._abandon_call()
+
+    def _abandon_call(self) -> None:
+        # Half-closing without End makes the daemon abort the refit and answer
+        # ABORTED once the group is free; cancel only if that answer is slow.
+        self._pipe.finish(drop_queued=True)
+        try:
+            self._call.exception(timeout=_ABANDON_WAIT_SECONDS)
+        except grpc.FutureTimeoutError:
+            self._call.cancel()
+        except grpc.FutureCancelledError:
+            pass
+
+
+class EventStream:
+    """Iterator of WatchEvent (the first is a snapshot of the current state).
+    cancel() (or leaving a ``with`` block) ends it; iteration then stops."""
+
+    def __init__(self, call: Any, address: str) -> None:
+        self._call = call
+        self._address = address
+        self._cancelled = False
+
+    def __iter__(self) -> "EventStream":
+        return self
+
+    def __next__(self) -> WatchEvent:
+        try:
+            e = next(self._call)
+        except grpc.RpcError as err:
+            if self._cancelled and err.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise from_rpc_error(err, f"watch on {self._address}") from None
+        return WatchEvent(
+            type=pb.WatchEvent.Type.Name(e.type).replace("TYPE_", ""),
+            model_group=e.model_group,
+            refit_id=e.refit_id,
+            version=e.version,
+            fingerprint=e.fingerprint,
+            message=e.message,
+            unix_seconds=e.unix_seconds,
+        )
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> "EventStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cancel()
+
+
+class RefitClient:
+    """Client of one refitd daemon.
+
+    ``address`` is "host:port" or "unix:/path" (as refitctl's --addr).
+    ``token`` (or the first line of ``token_file``) is sent as a bearer token
+    on every call but health. ``tls`` is a Tls (or True: TLS with the system
+    roots). ``timeout`` is the deadline, in seconds, of each read-only and
+    unary call (status, tensors, read, health, commit, abort); pushes and
+    reloads have none unless given one per call.
+
+    Read-only calls wait for the daemon to be reachable (wait_for_ready) up
+    to their deadline, so they ride out a daemon restart; an unreachable
+    daemon is Unavailable when the deadline passes. A push is never retried:
+    if its answer is lost the refit may still have committed (check
+    status(), or push with base_version).
+
+    The channel connects lazily: constructing a client never fails on an
+    unreachable daemon. Thread-safe; use as a context manager or call
+    close().
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: Optional[str] = None,
+        token_file: Optional[str] = None,
+        tls: Union[Tls, bool, None] = None,
+        *,
+        timeout: Optional[float] = DEFAULT_TIMEOUT,
+    ) -> None:
+        if not address:
+            raise InvalidArgument("empty daemon address")
+        if token is not None and token_file is not None:
+            raise InvalidArgument("give token or token_file, not both")
+        if token_file is not None:
+            lines = _read_file(token_file, "token").decode().splitlines()
+            token = lines[0].strip() if lines else ""
+        self.address = address
+        self.timeout = timeout
+        self._metadata: Tuple[Tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+        options: List[Tuple[str, Any]] = [
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            # Fail fast on a dead daemon, and find a restarted one quickly.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if tls:
+            t = tls if isinstance(tls, Tls) else Tls()
+            if (t.cert_file is None) != (t.key_file is None):
+                raise InvalidArgument("a client certificate needs both cert_file and key_file")
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read_file(t.ca_file, "TLS CA") if t.ca_file else None,
+                private_key=_read_file(t.key_file, "TLS key") if t.key_file else None,
+                certificate_chain=_read_file(t.cert_file, "TLS certificate")
+                if t.cert_file
+                else None,
+            )
+            if t.server_name:
+                options.append(("grpc.ssl_target_name_override", t.server_name))
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.RefitServiceStub(self._channel)
+        self._health_check = self._channel.unary_unary(
+            _health.CHECK_METHOD,
+            request_serializer=_health.encode_request,
+            response_deserializer=_health.decode_response,
+        )
+        self._health_watch = self._channel.unary_stream(
+            _health.WATCH_METHOD,
+            request_serializer=_health.encode_request,
+            response_deserializer=_health.decode_response,
+        )
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> "RefitClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- helpers -------------------------------------------------------------
+
+    def _deadline(self, timeout: Optional[float]) -> Optional[float]:
+        return self.timeout if timeout is None else timeout
+
+    def _read_error(self, e: grpc.RpcError, what: str, timeout: Optional[float]) -> RefitError:
+        """A read-only call's error. Such calls wait for the daemon to become
+        reachable, so an unreachable one ends in DEADLINE_EXCEEDED; a probe
+        that does not wait tells that apart, and the caller gets Unavailable
+        with the connection error, which is what it acts on."""
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            try:
+                self._health_check(_health.LIVENESS_SERVICE, timeout=1.0, wait_for_ready=False)
+            except grpc.RpcError as probe:
+                if probe.code() == grpc.StatusCode.UNAVAILABLE:
+                    return Unavailable(
+                        f"{what}: refitd at {self.address} unreachable within {timeout}s: "
+                        f"{probe.details()}"
+                    )
+        return from_rpc_error(e, f"{what} from {self.address}")
+
+    def _unary_read(self, method: Any, request: Any, what: str, timeout: Optional[float]) -> Any:
+        deadline = self._deadline(timeout)
+        try:
+            return method(
+                request, timeout=deadline, metadata=self._metadata, wait_for_ready=True
+            )
+        except grpc.RpcError as e:
+            raise self._read_error(e, what, deadline) from None
+
+    # -- refits ----------------------------------------------------------------
+
+    def refit(
+        self,
+        *,
+        prepare: bool = False,
+        base_version: Optional[int] = None,
+        label: Optional[str] = None,
+        group: str = "",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        checksums: bool = True,
+        non_finite: str = "reject",
+        allow_partial_layers: bool = False,
+        progress: Optional[Callable[[PushProgress], None]] = None,
+        timeout: Optional[float] = None,
+        _tensors_total: Optional[int] = None,
+    ) -> Refit:
+        """Starts one refit to stream tensor by tensor::
+
+            with client.refit(label="step 7") as r:
+                for name, t in model.state_dict().items():
+                    r.send(name, t)
+            print(r.result.version)
+
+        An exception inside the block abandons the refit (the daemon aborts
+        it; the live version is unchanged) and propagates. Options as push().
+        """
+        begin = pb.Begin(
+            model_group=group,
+            options=_options(prepare, base_version, label, non_finite, allow_partial_layers),
+        )
+        return Refit(
+            self,
+            begin,
+            chunk_bytes=chunk_bytes,
+            bucket_bytes=bucket_bytes,
+            checksums=checksums,
+            progress=progress,
+            tensors_total=_tensors_total,
+            timeout=timeout,
+        )
+
+    def push(
+        self,
+        tensors: _tensors.TensorsArg,
+        *,
+        prepare: bool = False,
+        base_version: Optional[int] = None,
+        label: Optional[str] = None,
+        group: str = "",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        checksums: bool = True,
+        non_finite: str = "reject",
+        allow_partial_layers: bool = False,
+        progress: Optional[Callable[[PushProgress], None]] = None,
+        timeout: Optional[float] = None,
+    ) -> RefitResult:
+        """Pushes tensors as one refit transaction and returns its result.
+
+        ``tensors``: a mapping name -> tensor (a state_dict) or an iterable
+        of (name, tensor) or (name, tensor, dtype); read lazily, so a
+        generator streams a model without holding it. Tensors: torch (CPU or
+        CUDA, any strides), numpy float32/float16, bf16 bits as
+        (name, uint16_array, "bf16") or bf16(array).
+
+        ``prepare``: stop at PREPARED (result.state), then commit() or
+        abort(). ``base_version``: refuse unless the live version is this
+        (StaleBaseVersion). ``chunk_bytes``: largest chunk of one tensor;
+        ``bucket_bytes``: tensor bytes per gRPC message. Every chunk carries
+        its XXH3-64 unless ``checksums=False``. ``non_finite``: "reject" or
+        "vllm". ``progress`` is called with a PushProgress after every
+        message. ``timeout``: deadline of the whole push (none by default).
+
+        Never retried. Raises: InvalidArgument (a tensor this client cannot
+        send, or one the daemon refuses), RefitConflict (another refit is
+        active), StaleBaseVersion, NotFound (unknown tensor or group),
+        ChecksumMismatch (DATA_LOSS), FailedPrecondition (a layer missing
+        tensors), ResourceExhausted, PermissionDenied, DeadlineExceeded,
+        Unavailable (unreachable, or the answer was lost: check status()).
+        """
+        r = self.refit(
+            prepare=prepare,
+            base_version=base_version,
+            label=label,
+            group=group,
+            chunk_bytes=chunk_bytes,
+            bucket_bytes=bucket_bytes,
+            checksums=checksums,
+            non_finite=non_finite,
+            allow_partial_layers=allow_partial_layers,
+            progress=progress,
+            timeout=timeout,
+            _tensors_total=_tensors.count(tensors),
+        )
+        with r:
+            for src in _tensors.iter_sources(tensors):
+                r._send_source(src)
+        assert r.result is not None
+        return r.result
+
+    def reload(
+        self,
+        path: str,
+        progress: Optional[Callable[[ReloadProgress], None]] = None,
+        *,
+        prepare: bool = False,
+        base_version: Optional[int] = None,
+        label: Optional[str] = None,
+        group: str = "",
+        non_finite: str = "reject",
+        allow_partial_layers: bool = False,
+        timeout: Optional[float] = None,
+    ) -> RefitResult:
+        """The daemon reloads safetensors from ``path`` (a directory or file
+        under its --reload-root) as one refit; ``progress`` gets a
+        ReloadProgress after every tensor. Never retried.
+        Raises PermissionDenied (outside the root, no root, not operator),
+        NotFound, InvalidArgument, and push()'s errors."""
+        request = pb.ReloadRequest(
+            model_group=group,
+            path=path,
+            options=_options(prepare, base_version, label, non_finite, allow_partial_layers),
+        )
+        result = None
+        try:
+            for message in self._stub.Reload(request, timeout=timeout, metadata=self._metadata):
+                if message.HasField("progress"):
+                    if progress is not None:
+                        progress(ReloadProgress(**_progress_fields(message.progress)))
+                elif message.HasField("result"):
+                    result = _result(message.result)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, f"reload on {self.address}") from None
+        if result is None:
+            raise error_for(grpc.StatusCode.DATA_LOSS, "reload: the stream ended without a result")
+        return result
+
+    def commit(self, refit_id: str, *, group: str = "", timeout: Optional[float] = None) -> RefitResult:
+        """Commits a refit pushed with prepare=True. Never retried.
+        Raises NotFound (unknown refit), FailedPrecondition (still receiving),
+        PermissionDenied (another trainer's refit), Unavailable."""
+        try:
+            response = self._stub.Commit(
+                pb.CommitRequest(model_group=group, refit_id=refit_id),
+                timeout=self._deadline(timeout),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, f"commit on {self.address}") from None
+        return _result(response.result)
+
+    def abort(
+        self, refit_id: str = "", reason: str = "", *, group: str = "", timeout: Optional[float] = None
+    ) -> AbortResult:
+        """Aborts a prepared or running refit; an empty refit_id means what
+        AbortRequest.refit_id "" means to the daemon (see the proto).
+        Raises NotFound, PermissionDenied, Unavailable."""
+        try:
+            response = self._stub.Abort(
+                pb.AbortRequest(model_group=group, refit_id=refit_id, reason=reason),
+                timeout=self._deadline(timeout),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, f"abort on {self.address}") from None
+        return AbortResult(refit_id=response.refit_id, version=response.version)
+
+    # -- read-only ---------------------------------------------------------------
+
+    def status(self, *, group: str = "", timeout: Optional[float] = None) -> Status:
+        """The served version, fingerprint, active refit, memory and model."""
+        r = self._unary_read(
+            self._stub.GetStatus, pb.GetStatusRequest(model_group=group), "status", timeout
+        )
+        m, mem = r.model, r.memory
+        return Status(
+            model_group=r.model_group,
+            version=r.version,
+            fingerprint=r.fingerprint,
+            device=r.device,
+            ready=r.ready,
+            active_refit=ActiveRefit(**_progress_fields(r.active_refit))
+            if r.HasField("active_refit")
+            else None,
+            memory=MemoryUsage(
+                mem.kernel_bytes,
+                mem.staging_bytes,
+                mem.peak_staging_bytes,
+                mem.staging_budget_bytes,
+                mem.resident_bytes,
+            ),
+            model=ModelSummary(
+                m.architecture,
+                m.num_layers,
+                m.tp_rank,
+                m.tp_size,
+                m.quantization,
+                m.checkpoint_dtype,
+                m.num_kernel_tensors,
+                m.kernel_bytes,
+            ),
+            last_commit_unix_seconds=r.last_commit_unix_seconds,
+            server_version=r.server_version,
+        )
+
+    def tensors(
+        self, layout: str = "kernel", *, group: str = "", timeout: Optional[float] = None
+    ) -> List[TensorInfo]:
+        """The kernel tensors the daemon serves (layout="kernel") or the
+        checkpoint tensors a trainer pushes (layout="checkpoint")."""
+        if layout not in _LAYOUTS:
+            raise InvalidArgument(f"layout must be 'kernel' or 'checkpoint', got {layout!r}")
+        r = self._unary_read(
+            self._stub.ListTensors,
+            pb.ListTensorsRequest(model_group=group, layout=_LAYOUTS[layout]),
+            "tensors",
+            timeout,
+        )
+        return [_tensor_info(t) for t in r.tensors]
+
+    def read_raw(
+        self, name: str, *, group: str = "", timeout: Optional[float] = None
+    ) -> Tuple[TensorInfo, int, bytes]:
+        """A live kernel tensor's bytes, all of one version:
+        (info, version, data). Raises NotFound (unknown tensor) and
+        ChecksumMismatch (DATA_LOSS) when the stream is inconsistent."""
+        deadline = self._deadline(timeout)
+        request = pb.ReadTensorRequest(model_group=group, name=name)
+        info = None
+        version = 0
+        parts: List[bytes] = []
+        size = 0
+        try:
+            for m in self._stub.ReadTensor(
+                request, timeout=deadline, metadata=self._metadata, wait_for_ready=True
+            ):
+                if info is None:
+                    info, version = m.info, m.version
+                elif m.version != version:
+                    raise error_for(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"read {name}: stream mixes versions {version} and {m.version}",
+                    )
+                if m.byte_offset != size:
+                    raise error_for(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"read {name}: piece at offset {m.byte_offset}, expected {size}",
+                    )
+                parts.append(m.data)
+                size += len(m.data)
+        except grpc.RpcError as e:
+            raise self._read_error(e, f"read {name}", deadline) from None
+        if info is None:
+            raise error_for(grpc.StatusCode.DATA_LOSS, f"read {name}: empty stream")
+        if size != info.nbytes:
+            raise error_for(
+                grpc.StatusCode.DATA_LOSS, f"read {name}: got {size} bytes, expected {info.nbytes}"
+            )
+        return _tensor_info(info), version, b"".join(parts)
+
+    def read(
+        self, name: str, as_: str = "numpy", *, group: str = "", timeout: Optional[float] = None
+    ) -> Any:
+        """A live kernel tensor, shaped: as a numpy array (bf16 and FP8 as
+        their raw bits, uint16 / uint8) or, with as_="torch", a torch tensor
+        (FP8 as torch.float8_e4m3fn, bf16 as torch.bfloat16)."""
+        if as_ not in ("numpy", "torch"):
+            raise InvalidArgument(f"as_ must be 'numpy' or 'torch', got {as_!r}")
+        info, _, data = self.read_raw(name, group=group, timeout=timeout)
+        if as_ == "torch":
+            import torch
+
+            dtype = getattr(torch, _TORCH_DTYPES[info.dtype])
+            if not data:
+                return torch.empty(info.shape, dtype=dtype)
+            return torch.frombuffer(bytearray(data), dtype=dtype).reshape(info.shape)
+        return np.frombuffer(data, dtype=_NUMPY_DTYPES[info.dtype]).reshape(info.shape)
+
+    def watch(self, *, group: str = "") -> EventStream:
+        """Refit events until cancelled; the first is a SNAPSHOT. No deadline."""
+        call = self._stub.Watch(pb.WatchRequest(model_group=group), metadata=self._metadata)
+        return EventStream(call, self.address)
+
+    def health(self, *, timeout: Optional[float] = None) -> Health:
+        """grpc.health.v1 Check of "" (live) and refit.v1.RefitService (ready).
+        Sends no token. Raises Unavailable when unreachable by the deadline."""
+        deadline = self._deadline(timeout)
+        out = []
+        for service in (_health.LIVENESS_SERVICE, _health.READINESS_SERVICE):
+            try:
+                out.append(self._health_check(service, timeout=deadline, wait_for_ready=True))
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    out.append("SERVICE_UNKNOWN")
+                else:
+                    raise self._read_error(e, "health", deadline) from None
+        return Health(live=out[0], ready=out[1])
+
+    def wait_until_ready(self, timeout: float = 60.0) -> Health:
+        """Blocks until the daemon is reachable and ready (version 1 loaded),
+        following its readiness with a health Watch; rides out a daemon that
+        is still starting or restarting. Raises DeadlineExceeded when it is
+        not ready within ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        last = "UNKNOWN"
+        while True:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                break
+            call = self._health_watch(
+                _health.READINESS_SERVICE, timeout=remaining, wait_for_ready=True
+            )
+            try:
+                for status in call:
+                    last = status
+                    if status == "SERVING":
+                        call.cancel()
+                        return Health(live="SERVING", ready="SERVING")
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    break
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_rpc_error(e, f"health watch on {self.address}") from None
+                # UNAVAILABLE: the daemon went away (e.g. restarting); the next
+                # call waits for it to come back.
+        raise DeadlineExceeded(
+            f"refitd at {self.address} not ready within {timeout}s "
+            f"(last readiness {last})"
+        )

@@ -12,7 +12,11 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "client/safetensors_view.h"
 
 namespace refit::client {
@@ -41,6 +45,61 @@ std::chrono::system_clock::time_point Deadline(absl::Duration timeout) {
   return absl::ToChronoTime(absl::Now() + timeout);
 }
 
+// One "host", "host:port" or "[v6]:port" of a target.
+absl::Status CheckHostPort(absl::string_view target, absl::string_view address) {
+  absl::string_view port;
+  if (absl::StartsWith(target, "[")) {
+    const size_t close = target.find(']');
+    if (close == absl::string_view::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("daemon address \"", address, "\": unclosed '['"));
+    }
+    if (close + 1 == target.size()) return absl::OkStatus();  // default port
+    if (target[close + 1] != ':') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("daemon address \"", address, "\": expected [ipv6]:port"));
+    }
+    port = target.substr(close + 2);
+  } else {
+    const size_t colon = target.find(':');
+    // No port (the default), or a bare IPv6 address.
+    if (colon == absl::string_view::npos || target.rfind(':') != colon) return absl::OkStatus();
+    port = target.substr(colon + 1);
+  }
+  int value = -1;
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      !absl::SimpleAtoi(port, &value) || value > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("daemon address \"", address, "\": port \"",
+                                                   port, "\" is not a number in 0..65535"));
+  }
+  return absl::OkStatus();
+}
+
+// gRPC takes "host:500510" as port 500510 mod 65536; refuse it instead.
+absl::Status ValidateAddress(absl::string_view address) {
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:") ||
+      absl::StartsWith(address, "vsock:")) {
+    return absl::OkStatus();
+  }
+  absl::string_view rest = address;
+  if (absl::ConsumePrefix(&rest, "dns:")) {
+    // dns:host:port, dns:///host:port, dns://authority/host:port
+    if (absl::ConsumePrefix(&rest, "//")) {
+      const size_t slash = rest.find('/');
+      rest = slash == absl::string_view::npos ? absl::string_view() : rest.substr(slash + 1);
+    }
+    return CheckHostPort(rest, address);
+  }
+  if (absl::ConsumePrefix(&rest, "ipv4:") || absl::ConsumePrefix(&rest, "ipv6:")) {
+    for (absl::string_view one : absl::StrSplit(rest, ',')) {
+      if (absl::Status s = CheckHostPort(one, address); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  return CheckHostPort(rest, address);
+}
+
 }  // namespace
 
 uint64_t ChunkChecksum(absl::Span<const uint8_t> data) {
@@ -54,6 +113,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 absl::StatusOr<std::unique_ptr<RefitClient>> RefitClient::Create(ClientOptions options) {
   if (options.address.empty()) return absl::InvalidArgumentError("empty daemon address");
+  if (absl::Status s = ValidateAddress(options.address); !s.ok()) return s;
   std::shared_ptr<grpc::ChannelCredentials> creds;
   const bool tls = options.tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
                    !options.tls_key_file.empty();
@@ -98,7 +158,9 @@ RefitClient::RefitClient(std::shared_ptr<grpc::Channel> channel, ClientOptions o
       stub_(refit::v1::RefitService::NewStub(channel_)),
       health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
 
-void RefitClient::PrepareContext(grpc::ClientContext* context, bool with_token) const {
+void RefitClient::PrepareContext(grpc::ClientContext* context, bool with_token,
+                                 bool read_only) const {
+  if (read_only && options_.wait_for_ready) context->set_wait_for_ready(true);
   if (with_token && !options_.token.empty()) {
     context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
   }
@@ -303,7 +365,7 @@ absl::StatusOr<refit::v1::GetStatusResponse> RefitClient::GetStatus(
   refit::v1::GetStatusResponse response;
   absl::Status status = RetryReadOnly([&] {
     grpc::ClientContext context;
-    PrepareContext(&context, /*with_token=*/true);
+    PrepareContext(&context, /*with_token=*/true, /*read_only=*/true);
     response.Clear();
     return FromGrpcStatus(stub_->GetStatus(&context, request, &response));
   });
@@ -319,7 +381,7 @@ absl::StatusOr<refit::v1::ListTensorsResponse> RefitClient::ListTensors(
   refit::v1::ListTensorsResponse response;
   absl::Status status = RetryReadOnly([&] {
     grpc::ClientContext context;
-    PrepareContext(&context, /*with_token=*/true);
+    PrepareContext(&context, /*with_token=*/true, /*read_only=*/true);
     response.Clear();
     return FromGrpcStatus(stub_->ListTensors(&context, request, &response));
   });
@@ -337,7 +399,7 @@ absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& mode
   ReadTensorResult result;
   absl::Status status = RetryReadOnly([&]() -> absl::Status {
     grpc::ClientContext context;
-    PrepareContext(&context, /*with_token=*/true);
+    PrepareContext(&context, /*with_token=*/true, /*read_only=*/true);
     result = ReadTensorResult();
     std::unique_ptr<grpc::ClientReader<refit::v1::ReadTensorResponse>> reader =
         stub_->ReadTensor(&context, request);
@@ -379,11 +441,14 @@ absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& mode
 }
 
 absl::Status RefitClient::Watch(const std::string& model_group,
-                                const std::function<bool(const refit::v1::WatchEvent&)>& on_event) {
+                                const std::function<bool(const refit::v1::WatchEvent&)>& on_event,
+                                absl::Time deadline) {
   grpc::ClientContext context;
-  PrepareContext(&context, /*with_token=*/true);
-  // A watch runs until stopped; the call timeout does not apply.
-  context.set_deadline(std::chrono::system_clock::time_point::max());
+  PrepareContext(&context, /*with_token=*/true, /*read_only=*/true);
+  // A watch runs until stopped or `deadline`; the call timeout does not apply.
+  context.set_deadline(deadline == absl::InfiniteFuture()
+                           ? std::chrono::system_clock::time_point::max()
+                           : absl::ToChronoTime(deadline));
   refit::v1::WatchRequest request;
   request.set_model_group(model_group);
   std::unique_ptr<grpc::ClientReader<refit::v1::WatchEvent>> reader =
@@ -406,12 +471,64 @@ absl::StatusOr<HealthCheckResponse::ServingStatus> RefitClient::HealthCheck(
   HealthCheckResponse response;
   absl::Status status = RetryReadOnly([&] {
     grpc::ClientContext context;
-    PrepareContext(&context, /*with_token=*/false);
+    PrepareContext(&context, /*with_token=*/false, /*read_only=*/true);
     response.Clear();
     return FromGrpcStatus(health_stub_->Check(&context, request, &response));
   });
   if (!status.ok()) return status;
   return response.status();
+}
+
+absl::Status RefitClient::WaitUntilServing(absl::Time deadline) {
+  std::string last = "unreachable";
+  for (;;) {
+    HealthCheckRequest request;
+    request.set_service(kReadinessService);
+    bool ready = false;
+    grpc::Status status;
+    {
+      grpc::ClientContext context;
+      context.set_wait_for_ready(true);
+      context.set_deadline(absl::ToChronoTime(deadline));
+      std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> reader =
+          health_stub_->Watch(&context, request);
+      HealthCheckResponse response;
+      while (reader->Read(&response)) {
+        last = HealthCheckResponse::ServingStatus_Name(response.status());
+        if (response.status() == HealthCheckResponse::SERVING) {
+          ready = true;
+          context.TryCancel();
+          break;
+        }
+      }
+      status = reader->Finish();
+    }
+    if (ready) {
+      grpc::ClientContext context;
+      context.set_wait_for_ready(true);
+      context.set_deadline(absl::ToChronoTime(deadline));
+      request.set_service("");
+      HealthCheckResponse response;
+      status = health_stub_->Check(&context, request, &response);
+      if (status.ok() && response.status() == HealthCheckResponse::SERVING) {
+        return absl::OkStatus();
+      }
+      if (status.ok()) last = "live " + HealthCheckResponse::ServingStatus_Name(response.status());
+    }
+    const grpc::StatusCode code = status.error_code();
+    if (code == grpc::StatusCode::NOT_FOUND || code == grpc::StatusCode::UNIMPLEMENTED) {
+      return FromGrpcStatus(status);
+    }
+    // The stream ended without SERVING: the daemon went away (it is
+    // restarting, or shutting down) or the deadline passed. Look again a
+    // little later, until the deadline.
+    const absl::Time now = absl::Now();
+    if (code == grpc::StatusCode::DEADLINE_EXCEEDED || now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          options_.address, " was not SERVING by the deadline (last seen: ", last, ")"));
+    }
+    absl::SleepFor(std::min(absl::Milliseconds(100), deadline - now));
+  }
 }
 
 absl::Status RefitClient::HealthWatch(

@@ -71,6 +71,13 @@ struct ClientOptions {
   // Deadline of unary calls and of each streaming call as a whole;
   // infinite means none.
   absl::Duration timeout = absl::InfiniteDuration();
+  // Read-only calls (GetStatus, ListTensors, ReadTensor, HealthCheck, Watch)
+  // wait for a daemon that cannot be reached yet (still starting, or
+  // restarting) instead of failing at once with UNAVAILABLE: gRPC's
+  // wait_for_ready, bounded by the call's deadline (`timeout`; with an
+  // infinite timeout a call waits for as long as the daemon stays away).
+  // Never for Push, Reload, Commit or Abort. refitctl turns it on.
+  bool wait_for_ready = false;
   // gRPC message limits of the channel (both directions).
   int max_message_bytes = 256 << 20;
   RetryPolicy retry;
@@ -190,23 +197,24 @@ class RefitClient {
   absl::StatusOr<refit::v1::RefitResult> Reload(
       const refit::v1::ReloadRequest& request,
       const std::function<void(const refit::v1::Progress&)>& on_progress = nullptr);
-  // Commits a refit pushed with COMPLETION_MODE_PREPARE. Never retried.
+  // Commits a refit pushed with COMPLETION_MODE_PREPARE; "" = the caller's
+  // own active refit (a trainer's own, any for an operator). Never retried.
   // Errors (the daemon's):
-  //   NOT_FOUND           unknown model group or refit id
+  //   NOT_FOUND           unknown model group or refit id; for "", no active
+  //                       refit of the caller's
   //   FAILED_PRECONDITION the refit is still receiving (not PREPARED yet)
-  //   INVALID_ARGUMENT    empty refit id
   //   PERMISSION_DENIED   a trainer committing another trainer's refit
   //   UNAVAILABLE         unreachable, or shutting down
   //   UNAUTHENTICATED     missing or unknown token
   absl::StatusOr<refit::v1::RefitResult> Commit(const std::string& model_group,
                                                 const std::string& refit_id);
-  // Aborts a prepared or running refit; "" = whatever is active (operator
-  // only). Never retried.
+  // Aborts a prepared or running refit; "" = the caller's own active refit
+  // (a trainer's own, any for an operator). Never retried.
   // Errors (the daemon's):
-  //   NOT_FOUND           unknown model group or refit id; no active refit
-  //                       for ""
-  //   PERMISSION_DENIED   a trainer aborting another trainer's refit, or ""
-  //                       without the operator role
+  //   NOT_FOUND           unknown model group or refit id; for "", no active
+  //                       refit of the caller's
+  //   PERMISSION_DENIED   a trainer aborting another trainer's refit, or a
+  //                       reader
   //   UNAVAILABLE         unreachable
   //   UNAUTHENTICATED     missing or unknown token
   absl::StatusOr<refit::v1::AbortResponse> Abort(const std::string& model_group,
@@ -237,13 +245,16 @@ class RefitClient {
                                               uint32_t max_chunk_bytes = 0);
 
   // Calls `on_event` for every event (the first is a snapshot) until it
-  // returns false or the stream ends. Returns OK when the callback stopped
-  // it, otherwise the stream's status. Not retried; options().timeout does
-  // not apply.
-  // Errors: NOT_FOUND (unknown model group), UNAVAILABLE (unreachable, or the
-  // daemon shut down while watching), UNAUTHENTICATED / PERMISSION_DENIED.
+  // returns false, the stream ends or `deadline` passes. Returns OK when the
+  // callback stopped it, otherwise the stream's status. Not retried;
+  // options().timeout does not apply (a watch runs until stopped), the
+  // deadline does.
+  // Errors: DEADLINE_EXCEEDED (`deadline` passed), NOT_FOUND (unknown model
+  // group), UNAVAILABLE (unreachable, or the daemon shut down while
+  // watching), UNAUTHENTICATED / PERMISSION_DENIED.
   absl::Status Watch(const std::string& model_group,
-                     const std::function<bool(const refit::v1::WatchEvent&)>& on_event);
+                     const std::function<bool(const refit::v1::WatchEvent&)>& on_event,
+                     absl::Time deadline = absl::InfiniteFuture());
 
   // grpc.health.v1 Check ("" = liveness, kReadinessService = readiness).
   // Sends no token. Retried on UNAVAILABLE.
@@ -253,6 +264,17 @@ class RefitClient {
   //   DEADLINE_EXCEEDED   options().timeout passed
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> HealthCheck(
       const std::string& service);
+  // Blocks until liveness ("") and readiness (kReadinessService) are both
+  // SERVING, waiting for a daemon that cannot be reached yet and following
+  // readiness with a health Watch (through a restart, too), or until
+  // `deadline`. For scripts and init systems that start refitd and then use
+  // it. Sends no token.
+  // Errors:
+  //   DEADLINE_EXCEEDED   not SERVING by `deadline`; the message says what
+  //                       was seen last (unreachable, NOT_SERVING)
+  //   NOT_FOUND           the daemon does not know the readiness service
+  //   UNIMPLEMENTED       the server has no health service
+  absl::Status WaitUntilServing(absl::Time deadline);
   // grpc.health.v1 Watch; same contract as Watch. An unknown service is not
   // an error: it is reported as SERVICE_UNKNOWN until the daemon learns it.
   // Errors: UNAVAILABLE (unreachable, or the daemon shut down).
@@ -262,7 +284,9 @@ class RefitClient {
 
  private:
   RefitClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
-  void PrepareContext(class grpc::ClientContext* context, bool with_token) const;
+  // `read_only` calls wait for the daemon when options().wait_for_ready.
+  void PrepareContext(class grpc::ClientContext* context, bool with_token,
+                      bool read_only = false) const;
   // Runs `call` up to retry.max_attempts times while it returns UNAVAILABLE.
   absl::Status RetryReadOnly(const std::function<absl::Status()>& call) const;
 

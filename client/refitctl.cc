@@ -23,6 +23,7 @@
 #include "client/refit_client.h"
 #include "client/safetensors_view.h"
 #include "client/verify.h"
+#include "core/version.h"
 #include "nlohmann/json.hpp"
 
 namespace refit::client {
@@ -39,7 +40,10 @@ Commands:
   status                     served version, fingerprint, active refit, memory, model
   health                     grpc.health.v1 Check of "" (live) and "refit.v1.RefitService"
                              (ready); exits 0 only when both are SERVING
-  push FILES|DIR...          push *.safetensors as one refit (progress bar on a TTY)
+      --wait                 wait until both are SERVING (scripts, init systems): exit 0
+                             once they are, 7 when --timeout (default 60s) passes first
+  push FILES|DIR...          push *.safetensors as one refit (a progress bar on a
+                             terminal, a plain line every 2 s otherwise)
       --prepare              stop at PREPARED; flip later with `commit`
       --base-version N       refuse unless the live version is N (exit 5 if not)
       --label TEXT           label shown in the daemon's logs and events
@@ -50,8 +54,9 @@ Commands:
       --vllm-non-finite      accept NaN/Inf the way vLLM does (default: reject)
   reload --from PATH         the daemon reloads safetensors from PATH (under its root)
       --prepare, --base-version N, --label TEXT as for push
-  commit [REFIT_ID]          commit a prepared refit (default: the active one)
-  abort [REFIT_ID]           abort a prepared or running refit ("" = any; operator)
+  commit [REFIT_ID]          commit a prepared refit (default: your own active one;
+                             an operator's: whichever is active)
+  abort [REFIT_ID]           abort a prepared or running refit (default: as commit)
       --reason TEXT
   tensors                    list the kernel tensors (--checkpoint: the checkpoint
                              tensors a trainer pushes)
@@ -60,7 +65,9 @@ Commands:
                              every kernel tensor and the fingerprint with the daemon's
       --config FILE          config.json (default: beside the files)
       --quant S, --tp-rank N, --tp-size N   override the daemon's model summary
-  watch [--count N]          print refit events (staging, prepared, committed, aborted)
+  watch [--count N]          print refit events (staging, prepared, committed, aborted);
+                             with --timeout D the watch ends after D, exit 0 (a bounded
+                             watch); without it, it runs until --count or interrupted
 
 Global flags:
   --addr ADDR                daemon address: host:port or unix:/path (default 127.0.0.1:50051)
@@ -69,9 +76,13 @@ Global flags:
   --tls-ca FILE              enable TLS, verify the daemon with this CA
   --tls-cert FILE, --tls-key FILE   client certificate for mutual TLS
   --tls-server-name NAME     name to check in the daemon's certificate
-  --timeout DURATION         deadline per call, e.g. 10s, 500ms (default: none)
+  --timeout DURATION         deadline per call, e.g. 10s, 500ms. Default: 10s for status,
+                             health, tensors, read and verify, which wait up to the
+                             deadline for a daemon that is still starting; none for push,
+                             reload, commit and abort, which never wait or retry
   --json                     machine-readable output on stdout
   --help                     this text
+  --version                  refitctl's version
 
 Exit codes:
   0  ok
@@ -101,6 +112,8 @@ const std::map<std::string, FlagSpec>& KnownFlags() {
       {"timeout", {true}},
       {"json", {false}},
       {"help", {false}},
+      {"version", {false}},
+      {"wait", {false}},
       {"prepare", {false}},
       {"base-version", {true}},
       {"label", {true}},
@@ -317,6 +330,16 @@ Json ResultJson(const refit::v1::RefitResult& r) {
         {"commit_seconds", r.timings().commit_seconds()}}}};
 }
 
+// Commands whose calls cannot change the daemon: they wait for it and get a
+// deadline by default.
+bool IsReadOnly(const std::string& command) {
+  return command == "status" || command == "health" || command == "tensors" || command == "read" ||
+         command == "verify";
+}
+
+constexpr absl::Duration kDefaultReadOnlyTimeout = absl::Seconds(10);
+constexpr absl::Duration kDefaultHealthWait = absl::Seconds(60);
+
 class Refitctl {
  public:
   explicit Refitctl(CommandLine cl) : cl_(std::move(cl)), json_(cl_.Has("json")) {}
@@ -352,7 +375,15 @@ class Refitctl {
     options.tls_cert_file = cl_.Get("tls-cert");
     options.tls_key_file = cl_.Get("tls-key");
     options.tls_server_name = cl_.Get("tls-server-name");
-    if (cl_.Has("timeout")) ParseTimeout(cl_.Get("timeout"), &options.timeout);
+    if (cl_.Has("timeout")) {
+      ParseTimeout(cl_.Get("timeout"), &options.timeout);
+    } else if (IsReadOnly(cl_.command) && !cl_.Has("wait")) {
+      options.timeout = kDefaultReadOnlyTimeout;
+    }
+    // Read-only calls wait for a daemon that is still starting, up to their
+    // deadline (a shell that starts refitd in the background and then asks
+    // it something must not need a sleep in between).
+    options.wait_for_ready = true;
     absl::StatusOr<std::unique_ptr<RefitClient>> client = RefitClient::Create(options);
     if (!client.ok()) return client.status();
     client_ = *std::move(client);
@@ -436,6 +467,12 @@ class Refitctl {
   }
 
   int Health() {
+    if (cl_.Has("wait")) {
+      absl::Duration limit = kDefaultHealthWait;
+      if (cl_.Has("timeout")) ParseTimeout(cl_.Get("timeout"), &limit);
+      absl::Status serving = client_->WaitUntilServing(absl::Now() + limit);
+      if (!serving.ok()) return Fail(serving);
+    }
     auto live = client_->HealthCheck("");
     if (!live.ok()) return Fail(live.status());
     auto ready = client_->HealthCheck(kReadinessService);
@@ -502,13 +539,20 @@ class Refitctl {
     PushOptions options = MakePushOptions();
     absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths(cl_.args);
     if (!files.ok()) return Fail(files.status());
-    ProgressBar bar(stderr, !json_ && ::isatty(STDERR_FILENO));
+    ProgressBar bar = ProgressBar::ForStream(stderr, !json_);
+    std::optional<ProgressSample> last;
     options.on_progress = [&](const PushProgress& p) {
-      bar.Update(p.bytes_sent, p.bytes_total, p.elapsed);
+      ProgressSample sample;
+      sample.done = sample.bytes_done = p.bytes_sent;
+      sample.total = sample.bytes_total = p.bytes_total;
+      sample.elapsed = p.elapsed;
+      sample.detail = absl::StrCat(p.tensors_done, "/", p.tensors_total, " tensors");
+      bar.Update(sample);
+      last = std::move(sample);
     };
     absl::Time start = absl::Now();
     absl::StatusOr<refit::v1::RefitResult> result = client_->PushFiles(*files, options);
-    bar.Finish();
+    bar.Finish(result.ok() ? last : std::nullopt);
     if (!result.ok()) return Fail(result.status());
     PrintResult(*result, absl::Now() - start);
     return kExitOk;
@@ -526,34 +570,45 @@ class Refitctl {
     options->set_non_finite(push.non_finite);
     options->set_allow_partial_layers(push.allow_partial_layers);
     options->set_label(push.label);
-    const bool tty = !json_ && ::isatty(STDERR_FILENO);
+    ProgressBar bar = ProgressBar::ForStream(stderr, !json_);
     absl::Time start = absl::Now();
+    // The fraction counts tensor elements (the daemon reports no byte
+    // total); the bytes shown are the bytes read.
+    std::optional<ProgressSample> last;
+    uint32_t layers_total = 0;
     absl::StatusOr<refit::v1::RefitResult> result =
         client_->Reload(request, [&](const refit::v1::Progress& p) {
-          if (tty) {
-            std::fprintf(
-                stderr, "\r%s  %u/%u layers\x1b[K",
-                FormatProgressLine(p.elements_loaded(), p.elements_expected(), absl::Now() - start)
-                    .c_str(),
-                p.layers_done(), p.layers_total());
-          }
+          ProgressSample sample;
+          sample.done = p.elements_loaded();
+          sample.total = p.elements_expected();
+          sample.bytes_done = p.bytes_received();
+          sample.elapsed = absl::Now() - start;
+          sample.detail = absl::StrFormat("%u/%u layers", p.layers_done(), p.layers_total());
+          layers_total = p.layers_total();
+          bar.Update(sample);
+          last = std::move(sample);
         });
-    if (tty) std::fputc('\n', stderr);
+    if (result.ok() && last.has_value()) {
+      // The last layers are quantized after the last tensor arrived, so the
+      // last progress message is short of them; the result is complete.
+      // Layers that received nothing keep their values: say so.
+      last->done = last->total;
+      last->bytes_done = result->bytes_received();
+      last->elapsed = absl::Now() - start;
+      const uint32_t kept = static_cast<uint32_t>(result->kept_layers_size());
+      last->detail = absl::StrFormat("%u/%u layers", layers_total - std::min(kept, layers_total),
+                                     layers_total);
+      if (kept > 0) absl::StrAppend(&last->detail, ", ", kept, " kept old values");
+    }
+    bar.Finish(result.ok() ? last : std::nullopt);
     if (!result.ok()) return Fail(result.status());
     PrintResult(*result, absl::Now() - start);
     return kExitOk;
   }
 
   int Commit() {
-    std::string id = cl_.args.empty() ? "" : cl_.args[0];
-    if (id.empty()) {
-      auto status = client_->GetStatus(cl_.Get("group"));
-      if (!status.ok()) return Fail(status.status());
-      if (!status->has_active_refit()) {
-        return Fail(absl::NotFoundError("no active refit to commit"));
-      }
-      id = status->active_refit().refit_id();
-    }
+    // "" is resolved by the daemon: the caller's own active refit.
+    const std::string id = cl_.args.empty() ? "" : cl_.args[0];
     absl::Time start = absl::Now();
     auto result = client_->Commit(cl_.Get("group"), id);
     if (!result.ok()) return Fail(result.status());
@@ -715,7 +770,13 @@ class Refitctl {
   int Watch() {
     const uint64_t count = ParseUint(cl_, "count", 0);
     uint64_t seen = 0;
-    absl::Status status = client_->Watch(cl_.Get("group"), [&](const refit::v1::WatchEvent& e) {
+    absl::Time deadline = absl::InfiniteFuture();
+    if (cl_.Has("timeout")) {
+      absl::Duration limit;
+      ParseTimeout(cl_.Get("timeout"), &limit);
+      deadline = absl::Now() + limit;
+    }
+    auto on_event = [&](const refit::v1::WatchEvent& e) {
       if (json_) {
         std::cout << Json{{"type", EventLabel(e.type())},    {"model_group", e.model_group()},
                           {"refit_id", e.refit_id()},        {"version", e.version()},
@@ -735,7 +796,12 @@ class Refitctl {
       }
       ++seen;
       return count == 0 || seen < count;
-    });
+    };
+    absl::Status status = client_->Watch(cl_.Get("group"), on_event, deadline);
+    // --timeout bounds the watch: reaching it is the normal end.
+    if (status.code() == absl::StatusCode::kDeadlineExceeded && cl_.Has("timeout")) {
+      return kExitOk;
+    }
     if (!status.ok()) return Fail(status);
     return kExitOk;
   }
@@ -774,6 +840,10 @@ int RunRefitctl(int argc, char** argv) {
   std::string error = Parse(argc, argv, &cl);
   if (error.empty() && (cl.Has("help") || cl.command == "help")) {
     std::cout << kUsage;
+    return kExitOk;
+  }
+  if (error.empty() && (cl.Has("version") || cl.command == "version")) {
+    std::cout << "refitctl " << core::VersionString() << std::endl;
     return kExitOk;
   }
   if (error.empty()) error = CheckUsage(cl);

@@ -40,8 +40,6 @@ absl::string_view ActionName(Action action) {
       return "push";
     case Action::kFinish:
       return "commit/abort";
-    case Action::kAbortAny:
-      return "abort any refit";
     case Action::kReload:
       return "reload";
     case Action::kRead:

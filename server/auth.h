@@ -33,11 +33,10 @@ absl::string_view RoleName(Role role);
 absl::StatusOr<Role> ParseRole(absl::string_view name);
 
 enum class Action {
-  kPush,      // Push
-  kFinish,    // Commit / Abort of a named refit (trainers: their own only)
-  kAbortAny,  // Abort with an empty refit id
-  kReload,    // Reload
-  kRead,      // GetStatus, ListTensors, ReadTensor, Watch
+  kPush,    // Push
+  kFinish,  // Commit / Abort (trainers: their own refits only)
+  kReload,  // Reload
+  kRead,    // GetStatus, ListTensors, ReadTensor, Watch
 };
 
 struct Principal {

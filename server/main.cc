@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "core/log.h"
 #include "core/runtime_info.h"
+#include "core/version.h"
 #include "server/refit_server.h"
 #include "server/server_options.h"
 
@@ -77,7 +78,8 @@ constexpr char kUsage[] =
     "refitd: weight-reload daemon. Serves a model's FP8 kernel tensors and refits them from\n"
     "trainer pushes (refit.v1.RefitService over gRPC), with grpc.health.v1 and reflection.\n"
     "\n"
-    "Usage: refitd [flags]\n";
+    "Usage: refitd [flags]\n"
+    "       refitd --version\n";
 
 bool IsOurFlag(const absl::CommandLineFlag& flag) {
   return absl::StrContains(flag.Filename(), "server/main.cc");
@@ -130,6 +132,11 @@ int main(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h" || arg == "--helpfull" || arg == "-help") {
       PrintHelp();
+      return 0;
+    }
+    // Before absl's parser, whose own --version prints no version.
+    if (arg == "--version" || arg == "-version") {
+      std::cout << "refitd " << refit::core::VersionString() << std::endl;
       return 0;
     }
   }
@@ -189,6 +196,7 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   REFIT_LOG(INFO)
+          .Field("version", refit::core::VersionString())
           .Field("torch", refit::core::TorchVersion())
           .Field("cuda_devices", absl::StrCat(refit::core::CudaDeviceCount()))
       << "refitd starting";

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/log.h"
+#include "core/version.h"
 
 namespace refit::server {
 
@@ -55,11 +56,26 @@ void RenderHistogram(std::string* out, absl::string_view phase, const Metrics::H
   absl::StrAppend(out, "refitd_phase_seconds_count{phase=\"", phase, "\"} ", h.count, "\n");
 }
 
+// A label value in the text format: backslash, quote and newline escaped.
+std::string LabelValue(absl::string_view value) {
+  std::string out;
+  for (char c : value) {
+    if (c == '\\' || c == '"') out += '\\';
+    out += c == '\n' ? std::string("\\n") : std::string(1, c);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
   absl::MutexLock lock(&mu_);
   std::string out;
+  out +=
+      "# HELP refitd_build_info The refitd build: version and git description.\n"
+      "# TYPE refitd_build_info gauge\n";
+  absl::StrAppend(&out, "refitd_build_info{version=\"", LabelValue(core::Version()), "\",git=\"",
+                  LabelValue(core::GitDescribe()), "\"} 1\n");
   out += "# HELP refitd_refits_total Refits by outcome.\n# TYPE refitd_refits_total counter\n";
   for (const char* outcome : {"committed", "prepared", "aborted", "failed"}) {
     auto it = outcomes_.find(outcome);

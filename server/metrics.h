@@ -1,6 +1,8 @@
 // refitd's Prometheus metrics and the HTTP endpoint that serves them.
 //
 // Metrics (text exposition format 0.0.4):
+//   refitd_build_info{version,git}    gauge, always 1; version = the project version,
+//                                     git = `git describe` of the build ("" outside git)
 //   refitd_refits_total{outcome}      counter; outcome = committed | prepared | aborted | failed
 //                                     (a two-phase refit counts once as prepared and once
 //                                     more when it is committed or aborted)

@@ -121,6 +121,14 @@ absl::StatusOr<ModelGroup::Found> ModelGroup::Find(absl::string_view refit_id) c
   return found;
 }
 
+absl::StatusOr<ModelGroup::Found> ModelGroup::FindActive(absl::string_view owner) const {
+  absl::StatusOr<Found> found = Find("");
+  if (!found.ok() || owner.empty() || found->entry.owner == owner) return found;
+  return absl::NotFoundError(absl::StrCat("model group \"", name(), "\" has no active refit of ",
+                                          owner, " (the active refit \"", found->entry.refit_id,
+                                          "\" was started by another client)"));
+}
+
 absl::StatusOr<RefitEntry> ModelGroup::TakePrepared(absl::string_view refit_id) {
   absl::MutexLock lock(&mu_);
   auto it = refits_.find(refit_id);

@@ -109,6 +109,12 @@ class ModelGroup {
   };
   // `refit_id` "" finds the active refit. NOT_FOUND naming the id otherwise.
   absl::StatusOr<Found> Find(absl::string_view refit_id) const;
+  // The active refit if `owner` is "" (a caller who may finish any refit) or
+  // started it: what an empty refit id in Commit / Abort means, "the
+  // caller's own active refit". NOT_FOUND when the group has no active refit,
+  // or when the active one was started by someone else (its id is named, its
+  // owner is not).
+  absl::StatusOr<Found> FindActive(absl::string_view owner) const;
   // Removes a prepared refit and returns it. NOT_FOUND if unknown;
   // FAILED_PRECONDITION if it is still receiving.
   absl::StatusOr<RefitEntry> TakePrepared(absl::string_view refit_id);

@@ -68,6 +68,13 @@ absl::StatusOr<std::unique_ptr<RefitServer>> RefitServer::Start(ServerOptions op
 absl::Status RefitServer::Init() {
   options_.listen = SplitListenAddresses(options_.listen);
   if (options_.listen.empty()) return absl::InvalidArgumentError("no listen address");
+  for (const std::string& address : options_.listen) {
+    if (absl::Status s = ValidateListenAddress(address, "--listen"); !s.ok()) return s;
+  }
+  if (!options_.metrics_listen.empty()) {
+    absl::Status s = ValidateListenAddress(options_.metrics_listen, "--metrics-listen");
+    if (!s.ok()) return s;
+  }
   if (options_.max_chunk_bytes <= 0) {
     return absl::InvalidArgumentError("--max-chunk-bytes must be positive");
   }

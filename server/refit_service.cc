@@ -14,12 +14,11 @@
 #include "core/log.h"
 #include "core/runtime_info.h"
 #include "core/safetensors.h"
+#include "core/version.h"
 #include "server/grpc_convert.h"
 
 namespace refit::server {
 namespace {
-
-constexpr char kServerVersion[] = "refitd 0.1.0";
 
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -106,6 +105,15 @@ class WatchReactor final : public QueuedWriteReactor<v1::WatchEvent>, public Eve
   ModelGroup* group_;
   bool subscribed_ = true;
 };
+
+// The refit a Commit or Abort names; an empty id is the caller's own active
+// refit (any active refit for an operator, or with authentication off).
+absl::StatusOr<ModelGroup::Found> FindRefit(const ModelGroup& group, const Principal& caller,
+                                            const std::string& refit_id) {
+  if (!refit_id.empty()) return group.Find(refit_id);
+  const bool any = !caller.authenticated || caller.role == Role::kOperator;
+  return group.FindActive(any ? "" : caller.name);
+}
 
 template <typename Msg>
 grpc::ServerWriteReactor<Msg>* FailStream(const absl::Status& status) {
@@ -208,18 +216,16 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
   if (!caller.ok()) return Reply(context, caller.status());
   absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
   if (!group.ok()) return Reply(context, group.status());
-  if (request->refit_id().empty()) {
-    return Reply(context, absl::InvalidArgumentError("Commit: refit_id is empty"));
-  }
   if (absl::Status s = CheckAcceptingRefits(); !s.ok()) return Reply(context, s);
+  std::string id;
   {
-    absl::StatusOr<ModelGroup::Found> found = (*group)->Find(request->refit_id());
+    absl::StatusOr<ModelGroup::Found> found = FindRefit(**group, *caller, request->refit_id());
     if (!found.ok()) return Reply(context, found.status());
-    absl::Status owner =
-        Authenticator::CheckOwner(*caller, found->entry.owner, request->refit_id(), "Commit");
+    id = found->entry.refit_id;
+    absl::Status owner = Authenticator::CheckOwner(*caller, found->entry.owner, id, "Commit");
     if (!owner.ok()) return Reply(context, owner);
   }
-  absl::StatusOr<RefitEntry> entry = (*group)->TakePrepared(request->refit_id());
+  absl::StatusOr<RefitEntry> entry = (*group)->TakePrepared(id);
   if (!entry.ok()) return Reply(context, entry.status());
   absl::StatusOr<core::RefitResult> result = entry->session->Commit();
   if (!result.ok()) {
@@ -242,12 +248,11 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* context,
                                                   const v1::AbortRequest* request,
                                                   v1::AbortResponse* response) {
-  absl::StatusOr<Principal> caller = Authorize(
-      context, request->refit_id().empty() ? Action::kAbortAny : Action::kFinish, "Abort");
+  absl::StatusOr<Principal> caller = Authorize(context, Action::kFinish, "Abort");
   if (!caller.ok()) return Reply(context, caller.status());
   absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
   if (!group.ok()) return Reply(context, group.status());
-  absl::StatusOr<ModelGroup::Found> found = (*group)->Find(request->refit_id());
+  absl::StatusOr<ModelGroup::Found> found = FindRefit(**group, *caller, request->refit_id());
   if (!found.ok()) return Reply(context, found.status());
   const std::string& id = found->entry.refit_id;
   absl::Status owner = Authenticator::CheckOwner(*caller, found->entry.owner, id, "Abort");
@@ -312,7 +317,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   model->set_kernel_bytes(static_cast<uint64_t>(layout.kernel_bytes()));
   response->set_last_commit_unix_seconds(UnixSecondsOf(store->last_commit_time()));
   response->set_server_version(
-      absl::StrCat(kServerVersion, " (LibTorch ", core::TorchVersion(), ")"));
+      absl::StrCat("refitd ", core::VersionString(), ", LibTorch ", core::TorchVersion()));
   return Reply(context, absl::OkStatus());
 }
 

@@ -1,5 +1,6 @@
 #include "server/server_options.h"
 
+#include <algorithm>
 #include <cctype>
 #include <limits>
 
@@ -19,6 +20,38 @@ std::vector<std::string> SplitListenAddresses(const std::vector<std::string>& va
     }
   }
   return out;
+}
+
+absl::Status ValidateListenAddress(absl::string_view address, absl::string_view flag) {
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
+    return absl::OkStatus();
+  }
+  auto invalid = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " address \"", address, "\": ", why));
+  };
+  absl::string_view host = address, port;
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find(']');
+    if (close == absl::string_view::npos || address.substr(close + 1, 1) != ":") {
+      return invalid("expected [ipv6]:port");
+    }
+    host = address.substr(1, close - 1);
+    port = address.substr(close + 2);
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == absl::string_view::npos || address.find(':') != colon) {
+      return invalid("expected host:port, [ipv6]:port or unix:/path");
+    }
+    host = address.substr(0, colon);
+    port = address.substr(colon + 1);
+  }
+  int value = -1;
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      !absl::SimpleAtoi(port, &value) || value > 65535) {
+    return invalid(absl::StrCat("port \"", port, "\" is not a number in 0..65535"));
+  }
+  return absl::OkStatus();
 }
 
 bool IsLoopbackAddress(absl::string_view address) {

@@ -64,6 +64,12 @@ inline constexpr int64_t kMessageHeadroomBytes = int64_t{1} << 20;
 // Splits comma-separated entries and drops empty ones.
 std::vector<std::string> SplitListenAddresses(const std::vector<std::string>& values);
 
+// OK for "unix:/path", "unix-abstract:name" and "host:port" / "[v6]:port"
+// with a decimal port in 0..65535 (0 picks one); INVALID_ARGUMENT naming
+// `flag` and the address otherwise (gRPC itself would take port 500510 as
+// 500510 mod 65536).
+absl::Status ValidateListenAddress(absl::string_view address, absl::string_view flag);
+
 // True for unix: sockets and 127.0.0.0/8, ::1, localhost.
 bool IsLoopbackAddress(absl::string_view address);
 

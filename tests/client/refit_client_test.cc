@@ -10,8 +10,10 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/safetensors_view.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -239,6 +241,77 @@ TEST(RefitClientTest, UnreachableDaemonIsUnavailable) {
   auto client = RefitClient::Create(options);
   ASSERT_TRUE(client.ok());
   EXPECT_EQ((*client)->GetStatus().status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(RefitClientTest, WaitForReadyWaitsUntilTheDeadlineForAnAbsentDaemon) {
+  ClientOptions options;
+  options.address = "unix:/nonexistent/refitd.sock";
+  options.wait_for_ready = true;
+  options.timeout = absl::Milliseconds(300);
+  auto client = RefitClient::Create(options);
+  ASSERT_TRUE(client.ok());
+  // Waited for the daemon, then gave up at the call's deadline.
+  EXPECT_EQ((*client)->GetStatus().status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*client)->HealthCheck("").status().code(), absl::StatusCode::kDeadlineExceeded);
+  // Calls that change the daemon never wait.
+  EXPECT_EQ((*client)->Commit("", "r-1").status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(RefitClientTest, WaitUntilServingFollowsReadiness) {
+  FakeServer server;
+  auto health = server.server().GetHealthCheckService();
+  health->SetServingStatus(kReadinessService, false);
+  auto client = Connect(server);
+  absl::Status early = client->WaitUntilServing(absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(early.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(early.message(), HasSubstr("last seen: NOT_SERVING"));
+  std::thread ready([&] { health->SetServingStatus(kReadinessService, true); });
+  absl::Status waited = client->WaitUntilServing(absl::Now() + absl::Seconds(60));
+  ready.join();
+  EXPECT_TRUE(waited.ok()) << waited;
+}
+
+TEST(RefitClientTest, WaitUntilServingOfAnAbsentDaemonSaysUnreachable) {
+  ClientOptions options;
+  options.address = "unix:/nonexistent/refitd.sock";
+  auto client = RefitClient::Create(options);
+  ASSERT_TRUE(client.ok());
+  absl::Status status = (*client)->WaitUntilServing(absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(status.message(), HasSubstr("unix:/nonexistent/refitd.sock"));
+  EXPECT_THAT(status.message(), HasSubstr("last seen: unreachable"));
+}
+
+TEST(RefitClientTest, WatchEndsAtItsDeadline) {
+  FakeServer server;  // its Watch stays open after four events
+  auto client = Connect(server);
+  int events = 0;
+  absl::Status s = client->Watch(
+      "",
+      [&](const refit::v1::WatchEvent&) {
+        ++events;
+        return true;
+      },
+      absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_EQ(events, 4);
+}
+
+TEST(RefitClientTest, CreateRejectsPortsOutsideTheRange) {
+  for (const char* bad : {"127.0.0.1:500510", "localhost:65536", "dns:///localhost:70000",
+                          "[::1]:123456", "127.0.0.1:", "ipv4:127.0.0.1:1,127.0.0.1:99999"}) {
+    ClientOptions options;
+    options.address = bad;
+    absl::StatusOr<std::unique_ptr<RefitClient>> client = RefitClient::Create(options);
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(client.status().message(), HasSubstr(absl::StrCat("\"", bad, "\""))) << bad;
+  }
+  for (const char* ok : {"127.0.0.1:0", "127.0.0.1:65535", "localhost", "dns:///localhost:50051",
+                         "[::1]:50051", "unix:/tmp/x.sock", "unix-abstract:x"}) {
+    ClientOptions options;
+    options.address = ok;
+    EXPECT_TRUE(RefitClient::Create(options).ok()) << ok;
+  }
 }
 
 TEST(RefitClientTest, ReadTensorReassemblesPieces) {

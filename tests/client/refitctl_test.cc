@@ -3,15 +3,21 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "client/progress_bar.h"
 #include "client/refit_client.h"
+#include "core/version.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -177,6 +183,79 @@ TEST(RefitctlTest, UnreachableDaemonExitsSeven) {
   EXPECT_EQ(RunCtl({"--addr", "unix:/nonexistent/refitd.sock", "--timeout", "2s", "status"}), 7);
 }
 
+TEST(RefitctlTest, UnreachableDaemonWithoutATimeoutGivesUpAfterTheDefault) {
+  // Read-only commands wait for a starting daemon, but not for ever.
+  std::string err;
+  EXPECT_EQ(RunCtl({"--addr", "unix:/nonexistent/refitd.sock", "health"}, nullptr, &err), 7);
+  EXPECT_THAT(err, HasSubstr("DEADLINE_EXCEEDED"));
+}
+
+TEST(RefitctlTest, HealthWaitExitsZeroOnceServingAndSevenAfterTheTimeout) {
+  FakeServer server;
+  auto health = server.server().GetHealthCheckService();
+  health->SetServingStatus(::refit::client::kReadinessService, false);
+  std::string out, err;
+  EXPECT_EQ(
+      RunCtl({"--addr", server.address(), "health", "--wait", "--timeout", "300ms"}, &out, &err),
+      7);
+  EXPECT_THAT(err, HasSubstr("DEADLINE_EXCEEDED"));
+  EXPECT_THAT(err, HasSubstr("NOT_SERVING"));
+  std::thread ready([&] { health->SetServingStatus(::refit::client::kReadinessService, true); });
+  EXPECT_EQ(RunCtl({"--addr", server.address(), "health", "--wait", "--timeout", "60s"}, &out), 0);
+  ready.join();
+  EXPECT_THAT(out, HasSubstr("ready  SERVING"));
+  // An absent daemon: waited for, then the unavailable exit code.
+  EXPECT_EQ(
+      RunCtl({"--addr", "unix:/nonexistent/refitd.sock", "health", "--wait", "--timeout", "300ms"},
+             nullptr, &err),
+      7);
+  EXPECT_THAT(err, HasSubstr("last seen: unreachable"));
+}
+
+TEST(RefitctlTest, WatchEndsAtTheTimeoutWithExitZero) {
+  FakeServer server;  // its Watch stays open after four events
+  std::string out;
+  ASSERT_EQ(RunCtl({"--addr", server.address(), "watch", "--timeout", "300ms", "--json"}, &out), 0);
+  std::vector<std::string> lines = absl::StrSplit(absl::StripTrailingAsciiWhitespace(out), '\n');
+  EXPECT_EQ(lines.size(), 4u);
+}
+
+TEST(RefitctlTest, CommitAndAbortWithoutAnIdSendTheEmptyId) {
+  FakeServer server;
+  std::string out;
+  ASSERT_EQ(RunCtl({"--addr", server.address(), "commit", "--json"}, &out), 0);
+  EXPECT_EQ(nlohmann::json::parse(out)["refit_id"], "");
+  ASSERT_EQ(RunCtl({"--addr", server.address(), "abort", "--json"}, &out), 0);
+  EXPECT_EQ(nlohmann::json::parse(out)["refit_id"], "");
+  // The daemon resolves the id; refitctl no longer looks it up itself.
+  EXPECT_EQ(server.service().status_calls(), 0);
+}
+
+TEST(RefitctlTest, AddressWithAPortOutOfRangeIsRefused) {
+  std::string err;
+  EXPECT_EQ(RunCtl({"--addr", "127.0.0.1:500510", "status"}, nullptr, &err), 2);
+  EXPECT_THAT(err, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(err, HasSubstr("\"127.0.0.1:500510\""));
+}
+
+TEST(RefitctlTest, VersionIsTheBuildsVersion) {
+  std::string out;
+  EXPECT_EQ(RunCtl({"--version"}, &out), 0);
+  EXPECT_EQ(out, absl::StrCat("refitctl ", core::VersionString(), "\n"));
+  EXPECT_THAT(out, HasSubstr(std::string(core::Version())));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("absl")));
+}
+
+ProgressSample Sample(uint64_t done, uint64_t total, absl::Duration elapsed,
+                      std::string detail = "") {
+  ProgressSample s;
+  s.done = s.bytes_done = done;
+  s.total = s.bytes_total = total;
+  s.elapsed = elapsed;
+  s.detail = std::move(detail);
+  return s;
+}
+
 TEST(ProgressBarTest, FormatsBytesRateAndEta) {
   EXPECT_EQ(FormatBytes(512), "512 B");
   EXPECT_EQ(FormatBytes(1536), "1.5 KiB");
@@ -184,10 +263,101 @@ TEST(ProgressBarTest, FormatsBytesRateAndEta) {
   EXPECT_EQ(FormatEta(absl::Seconds(7)), "0:07");
   EXPECT_EQ(FormatEta(absl::Seconds(3723)), "1:02:03");
   EXPECT_EQ(FormatEta(absl::InfiniteDuration()), "--:--");
-  std::string line = FormatProgressLine(uint64_t{50} << 20, uint64_t{100} << 20, absl::Seconds(2),
-                                        /*bar_width=*/10);
-  EXPECT_EQ(line, "[#####-----]  50%  50.0 MiB / 100.0 MiB  25.0 MiB/s  ETA 0:02");
-  EXPECT_THAT(FormatProgressLine(0, 100, absl::ZeroDuration(), 4), HasSubstr("ETA --:--"));
+  // 80 columns: the fields take 48, the bar the rest but the last column.
+  ProgressSample half = Sample(uint64_t{50} << 20, uint64_t{100} << 20, absl::Seconds(2));
+  std::string line = FormatProgressLine(half, 80);
+  EXPECT_EQ(line, absl::StrCat("[", std::string(14, '#'), std::string(14, '-'),
+                               "]  50%  50.0 MiB / 100.0 MiB  25.0 MiB/s  ETA 0:02"));
+  EXPECT_EQ(line.size(), 79u);
+  EXPECT_EQ(PlainProgressLine(half), " 50%  50.0 MiB / 100.0 MiB  25.0 MiB/s  ETA 0:02");
+  EXPECT_THAT(FormatProgressLine(Sample(0, 100, absl::ZeroDuration()), 80), HasSubstr("ETA --:--"));
+  // A byte total that is not known shows the bytes so far.
+  ProgressSample reload = Sample(5, 10, absl::Seconds(1), "3/8 layers");
+  reload.bytes_done = 2048;
+  reload.bytes_total = 0;
+  EXPECT_EQ(PlainProgressLine(reload), " 50%  2.0 KiB  2.0 KiB/s  ETA 0:01  3/8 layers");
+}
+
+TEST(ProgressBarTest, FitsEveryTerminalWidth) {
+  const ProgressSample s =
+      Sample(uint64_t{120} << 20, uint64_t{266} << 20, absl::Seconds(3), "12/31 layers");
+  for (int columns = 1; columns <= 200; ++columns) {
+    const std::string line = FormatProgressLine(s, columns);
+    EXPECT_LE(line.size(), static_cast<size_t>(std::max(columns - 1, 1))) << columns;
+  }
+  // Wide: everything, and the bar at its widest.
+  EXPECT_THAT(FormatProgressLine(s, 200), HasSubstr(absl::StrCat("[", std::string(18, '#'))));
+  EXPECT_THAT(FormatProgressLine(s, 200), HasSubstr("12/31 layers"));
+  // 60 columns: the rate goes first, the bar stays.
+  const std::string narrow = FormatProgressLine(s, 60);
+  EXPECT_THAT(narrow, ::testing::StartsWith("["));
+  EXPECT_THAT(narrow, ::testing::Not(HasSubstr("/s")));
+  EXPECT_THAT(narrow, HasSubstr("45%"));
+  // 40 columns: the bar and the percentage are what is left.
+  EXPECT_THAT(FormatProgressLine(s, 40), ::testing::MatchesRegex("\\[#*-*\\]  45%"));
+}
+
+TEST(ProgressBarTest, TerminalColumnsComeFromColumnsWithoutATerminal) {
+  const char* saved = std::getenv("COLUMNS");
+  const std::string restore = saved != nullptr ? saved : "";
+  ::setenv("COLUMNS", "57", 1);
+  EXPECT_EQ(TerminalColumns(-1), 57);
+  ::unsetenv("COLUMNS");
+  EXPECT_EQ(TerminalColumns(-1), 80);
+  if (saved != nullptr) ::setenv("COLUMNS", restore.c_str(), 1);
+}
+
+std::string Lines(ProgressBar::Mode mode, const std::vector<ProgressSample>& samples,
+                  const std::optional<ProgressSample>& last) {
+  char* buffer = nullptr;
+  size_t size = 0;
+  std::FILE* out = ::open_memstream(&buffer, &size);
+  {
+    ProgressBar bar(out, mode, /*columns=*/60, /*plain_interval=*/absl::Seconds(2));
+    for (const ProgressSample& s : samples) bar.Update(s);
+    bar.Finish(last);
+  }
+  std::fclose(out);
+  std::string text(buffer, size);
+  std::free(buffer);
+  return text;
+}
+
+TEST(ProgressBarTest, WithoutATerminalPrintsAPlainLineEveryIntervalAndAtTheEnd) {
+  std::vector<ProgressSample> samples;
+  for (int ms = 0; ms <= 5000; ms += 250) {
+    samples.push_back(Sample(static_cast<uint64_t>(ms), 5000, absl::Milliseconds(ms)));
+  }
+  const std::string text = Lines(ProgressBar::Mode::kPlain, samples, samples.back());
+  std::vector<std::string> lines = absl::StrSplit(absl::StripTrailingAsciiWhitespace(text), '\n');
+  // At 2 s, at 4 s, and the end.
+  ASSERT_EQ(lines.size(), 3u) << text;
+  EXPECT_THAT(lines[0], ::testing::StartsWith(" 40%"));
+  EXPECT_THAT(lines[1], ::testing::StartsWith(" 80%"));
+  EXPECT_THAT(lines[2], ::testing::StartsWith("100%"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("\r")));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("[")));
+  // A failure prints no final line.
+  EXPECT_EQ(Lines(ProgressBar::Mode::kPlain, {samples[0]}, std::nullopt), "");
+  EXPECT_EQ(Lines(ProgressBar::Mode::kOff, samples, samples.back()), "");
+}
+
+TEST(ProgressBarTest, OnATerminalRedrawsInPlaceWithinTheWidth) {
+  const std::string text = Lines(
+      ProgressBar::Mode::kTerminal,
+      {Sample(0, 10, absl::ZeroDuration()), Sample(5, 10, absl::Milliseconds(50)),  // throttled
+       Sample(10, 10, absl::Milliseconds(60))},
+      Sample(10, 10, absl::Milliseconds(70), "4/4 layers"));
+  std::vector<std::string> draws = absl::StrSplit(text, '\r', absl::SkipEmpty());
+  ASSERT_EQ(draws.size(), 3u) << text;
+  EXPECT_THAT(draws[0], HasSubstr("  0%"));
+  EXPECT_THAT(draws[1], HasSubstr("100%"));
+  EXPECT_THAT(draws[2], HasSubstr("4/4 layers"));
+  EXPECT_EQ(text.back(), '\n');
+  for (std::string draw : draws) {
+    draw = draw.substr(0, draw.find("\x1b[K"));
+    EXPECT_LE(draw.size(), 59u) << draw;
+  }
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/refit_client.h"
+#include "core/version.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -355,7 +356,10 @@ TEST_F(RefitdE2eTest, AuthMatrix) {
   EXPECT_EQ(reader_push.code, 4);
   EXPECT_THAT(reader_push.err, HasSubstr("PERMISSION_DENIED"));
   EXPECT_EQ(Ctl({"reload", token("trainer"), "--from", weights}).code, 4);
-  EXPECT_EQ(Ctl({"abort", token("trainer")}).code, 4);  // abort-any is operator only
+  // Without an id, abort means the trainer's own active refit: it has none.
+  CommandResult no_refit = Ctl({"abort", token("trainer")});
+  EXPECT_EQ(no_refit.code, 3) << no_refit.err;
+  EXPECT_THAT(no_refit.err, HasSubstr("NOT_FOUND"));
   // Right role.
   EXPECT_EQ(Ctl({"status", token("reader")}).code, 0);
   EXPECT_EQ(Ctl({"tensors", token("reader")}).code, 0);
@@ -363,6 +367,20 @@ TEST_F(RefitdE2eTest, AuthMatrix) {
   EXPECT_EQ(push.code, 0) << push.err;
   EXPECT_EQ(Ctl({"verify", token("reader"), weights}).code, 0);
   EXPECT_EQ(Ctl({"push", token("operator"), Fixture(3)}).code, 0);
+  // A trainer commits and aborts its own prepared refit without naming it.
+  const uint64_t version = StatusJson("", {token("reader")})["version"];
+  CommandResult prepared = Ctl({"push", "--prepare", "--json", token("trainer"), weights});
+  ASSERT_EQ(prepared.code, 0) << prepared.err;
+  CommandResult commit = Ctl({"commit", token("trainer")});
+  EXPECT_EQ(commit.code, 0) << commit.err;
+  EXPECT_THAT(commit.out,
+              HasSubstr(nlohmann::json::parse(prepared.out)["refit_id"].get<std::string>()));
+  EXPECT_EQ(StatusJson("", {token("reader")})["version"], version + 1);
+  ASSERT_EQ(Ctl({"push", "--prepare", token("trainer"), Fixture(3)}).code, 0);
+  CommandResult abort = Ctl({"abort", token("trainer")});
+  EXPECT_EQ(abort.code, 0) << abort.err;
+  EXPECT_THAT(abort.out, HasSubstr("unchanged"));
+  EXPECT_EQ(StatusJson("", {token("reader")})["version"], version + 1);
   // Refusals are logged.
   EXPECT_THAT(daemon_->Stderr(), HasSubstr("bob"));
 }
@@ -536,6 +554,73 @@ TEST_F(RefitdE2eTest, MetricsAreScrapedAndParsed) {
         << phase;
   }
   EXPECT_TRUE(samples.count("refitd_last_commit_pause_seconds"));
+}
+
+TEST_F(RefitdE2eTest, VersionsAreTheBuildsVersion) {
+  for (const char* bin : {"refitd", "refitctl"}) {
+    auto child = Child::Start({BinPath(bin), "--version"}, Path(absl::StrCat(bin, "-version.out")),
+                              Path(absl::StrCat(bin, "-version.err")));
+    ASSERT_EQ(child->Wait(), 0) << bin << ": " << child->Stderr();
+    EXPECT_EQ(child->Stdout(), absl::StrCat(bin, " ", core::VersionString(), "\n")) << bin;
+  }
+  StartDaemon();
+  EXPECT_THAT(StatusJson()["server_version"].get<std::string>(),
+              HasSubstr(absl::StrCat("refitd ", core::VersionString())));
+}
+
+TEST_F(RefitdE2eTest, ListenPortOutOfRangeIsRefused) {
+  auto child = Child::Start({BinPath("refitd"), "--model=demo", "--listen=127.0.0.1:500510"},
+                            Path("bad-listen.out"), Path("bad-listen.err"));
+  std::optional<int> code = child->Wait();
+  ASSERT_TRUE(code.has_value());
+  EXPECT_NE(*code, 0);
+  EXPECT_THAT(child->Stderr(), HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(child->Stderr(), HasSubstr("\"127.0.0.1:500510\""));
+  CommandResult ctl = Ctl({"status"}, "127.0.0.1:500510");
+  EXPECT_EQ(ctl.code, 2) << ctl.err;
+  EXPECT_THAT(ctl.err, HasSubstr("\"127.0.0.1:500510\""));
+}
+
+TEST_F(RefitdE2eTest, ReadOnlyCommandsWaitForAStartingDaemon) {
+  // Started before the daemon: they wait for it instead of failing.
+  std::vector<std::unique_ptr<Child>> early;
+  for (const char* command : {"health", "status"}) {
+    std::vector<std::string> argv = {BinPath("refitctl"), "--addr=" + socket_, "--timeout=120s",
+                                     command};
+    if (std::string(command) == "health") argv.push_back("--wait");
+    early.push_back(Child::Start(argv, Path(absl::StrCat("early-", command, ".out")),
+                                 Path(absl::StrCat("early-", command, ".err"))));
+  }
+  StartDaemon({}, /*wait_ready=*/false);
+  for (auto& child : early) {
+    EXPECT_EQ(child->Wait(absl::Seconds(150)), 0) << child->Stderr();
+  }
+  EXPECT_THAT(early[0]->Stdout(), HasSubstr("ready  SERVING"));
+  EXPECT_THAT(early[1]->Stdout(), HasSubstr("version      1"));
+  // No daemon at all: the unavailable exit code once --timeout passes.
+  CommandResult none =
+      Ctl({"health", "--wait", "--timeout=500ms"}, "unix:" + Path("nobody-here.sock"));
+  EXPECT_EQ(none.code, 7) << none.err;
+  EXPECT_THAT(none.err, HasSubstr("DEADLINE_EXCEEDED"));
+}
+
+TEST_F(RefitdE2eTest, ReloadProgressEndsWithEveryLayerAndPlainLinesWithoutATerminal) {
+  const std::string weights = Fixture(2);
+  StartDaemon({"--reload-root=" + dir_});
+  CommandResult reload = Ctl({"reload", "--from", weights});
+  ASSERT_EQ(reload.code, 0) << reload.err;
+  // No terminal: plain lines, no carriage returns; the last one is 100% with
+  // every layer done (the fixture covers them all) and bytes, not elements.
+  EXPECT_THAT(reload.err, ::testing::Not(HasSubstr("\r")));
+  const size_t last = reload.err.rfind("100%");
+  ASSERT_NE(last, std::string::npos) << reload.err;
+  const std::string line = reload.err.substr(last, reload.err.find('\n', last) - last);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(line, m, std::regex("  ([0-9]+)/([0-9]+) layers$"))) << line;
+  EXPECT_EQ(m[1], m[2]) << line;
+  EXPECT_NE(m[1], "0") << line;
+  // Bytes read, not elements, and no "/ total" that the daemon does not report.
+  EXPECT_TRUE(std::regex_search(line, std::regex("^100%  [0-9.]+ (B|KiB|MiB|GiB)  "))) << line;
 }
 
 TEST_F(RefitdE2eTest, ReadAndTensorsAndWatch) {

@@ -180,7 +180,10 @@ TEST_F(AuthTest, TrainerPushesAndFinishesOnlyItsOwnRefits) {
   EXPECT_TRUE(PushMessages(stub_.get(), FullPush(1), alice).status.ok());
   EXPECT_EQ(Reload(alice).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(GetStatus(alice).error_code(), grpc::StatusCode::PERMISSION_DENIED);
-  EXPECT_EQ(Abort(alice, "").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  // An empty id is the caller's own active refit: alice has none.
+  grpc::Status none = Abort(alice, "");
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(none.error_message(), HasSubstr("has no active refit"));
 
   const std::string id = Prepare(alice);
   grpc::Status bob_commit = Commit(bob, id);
@@ -191,6 +194,28 @@ TEST_F(AuthTest, TrainerPushesAndFinishesOnlyItsOwnRefits) {
 
   const std::string second = Prepare(alice);
   EXPECT_TRUE(Abort(alice, second).ok());
+}
+
+TEST_F(AuthTest, EmptyRefitIdIsTheTrainersOwnActiveRefit) {
+  const std::string alice = "alice-token", bob = "bob-token";
+  const std::string id = Prepare(alice);
+  // bob's own active refit: none, whatever alice has going.
+  grpc::Status bob_commit = Commit(bob, "");
+  EXPECT_EQ(bob_commit.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(bob_commit.error_message(), HasSubstr("no active refit of bob"));
+  EXPECT_THAT(bob_commit.error_message(), HasSubstr(id));
+  EXPECT_EQ(Abort(bob, "").error_code(), grpc::StatusCode::NOT_FOUND);
+  // alice's: the prepared one, committed and then gone.
+  EXPECT_TRUE(Commit(alice, "").ok());
+  EXPECT_EQ(Commit(alice, "").error_code(), grpc::StatusCode::NOT_FOUND);
+  const std::string second = Prepare(alice);
+  grpc::ClientContext context;
+  Authorize(&context, alice);
+  v1::AbortRequest request;
+  v1::AbortResponse response;
+  ASSERT_TRUE(stub_->Abort(&context, request, &response).ok());
+  EXPECT_EQ(response.refit_id(), second);
+  EXPECT_EQ(Abort(alice, "").error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(AuthTest, OperatorMayDoEverything) {
@@ -232,6 +257,21 @@ TEST(ListenPolicyTest, NonLoopbackWithoutAuthNeedsExplicitFlag) {
   options.allow_insecure_remote = true;
   absl::StatusOr<std::unique_ptr<RefitServer>> allowed = RefitServer::Create(options);
   EXPECT_TRUE(allowed.ok()) << allowed.status();
+}
+
+TEST(ListenPolicyTest, PortOutOfRangeIsRefusedNamingTheAddress) {
+  const std::string dir = MakeTempDir();
+  ServerOptions options = TestOptions(dir);
+  options.listen = {"127.0.0.1:500510"};
+  absl::StatusOr<std::unique_ptr<RefitServer>> refused = RefitServer::Create(options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("--listen address \"127.0.0.1:500510\""));
+  options = TestOptions(dir);
+  options.metrics_listen = "127.0.0.1:70000";
+  refused = RefitServer::Create(options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("--metrics-listen address \"127.0.0.1:70000\""));
 }
 
 TEST(ListenPolicyTest, NonLoopbackWithTokensIsAllowed) {

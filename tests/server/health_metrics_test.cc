@@ -14,7 +14,9 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/version.h"
 #include "tests/server/server_test_util.h"
 
 namespace refit::server {
@@ -176,6 +178,11 @@ TEST(MetricsTest, ScrapeReportsRefitsBytesPhasesAndGauges) {
   std::map<std::string, double> before =
       ParseMetrics(HttpGet((*server)->metrics_port(), "/metrics"));
   EXPECT_EQ(before["refitd_refits_total{outcome=\"committed\"}"], 1);  // the first load
+  // The build: the project version and git description, as --version prints.
+  EXPECT_EQ(before[absl::StrCat("refitd_build_info{version=\"", core::Version(), "\",git=\"",
+                                core::GitDescribe(), "\"}")],
+            1);
+  EXPECT_FALSE(core::Version().empty());
   EXPECT_EQ(before["refitd_version{group=\"target\"}"], 1);
   EXPECT_EQ(before["refitd_bytes_received_total"], 0);
 

@@ -2,6 +2,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "server/auth.h"
 #include "server/server_options.h"
 
@@ -14,6 +15,21 @@ using ::testing::HasSubstr;
 TEST(ServerOptionsTest, SplitsCommaSeparatedAndRepeatedAddresses) {
   EXPECT_THAT(SplitListenAddresses({"127.0.0.1:1, unix:/tmp/a.sock", "[::1]:3", ""}),
               ElementsAre("127.0.0.1:1", "unix:/tmp/a.sock", "[::1]:3"));
+}
+
+TEST(ServerOptionsTest, ListenAddressesNeedAPortInRange) {
+  for (const char* ok : {"127.0.0.1:0", "127.0.0.1:50051", "0.0.0.0:65535", "[::1]:50051",
+                         "localhost:1", "unix:/tmp/refitd.sock", "unix-abstract:refitd"}) {
+    EXPECT_TRUE(ValidateListenAddress(ok, "--listen").ok()) << ok;
+  }
+  for (const char* bad : {"127.0.0.1:500510", "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.1:",
+                          "127.0.0.1:http", "127.0.0.1", "[::1]:99999", "[::1]", "::1:5"}) {
+    absl::Status status = ValidateListenAddress(bad, "--listen");
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("--listen address \"", bad, "\"")));
+  }
+  EXPECT_THAT(ValidateListenAddress("127.0.0.1:500510", "--listen").message(),
+              HasSubstr("port \"500510\" is not a number in 0..65535"));
 }
 
 TEST(ServerOptionsTest, LoopbackAddresses) {
@@ -82,14 +98,10 @@ TEST(AuthenticatorTest, RoleMatrix) {
     bool allowed;
   };
   const Case cases[] = {
-      {"t", Action::kPush, true},      {"t", Action::kFinish, true},
-      {"t", Action::kAbortAny, false}, {"t", Action::kReload, false},
-      {"t", Action::kRead, false},     {"o", Action::kPush, true},
-      {"o", Action::kFinish, true},    {"o", Action::kAbortAny, true},
-      {"o", Action::kReload, true},    {"o", Action::kRead, true},
-      {"r", Action::kPush, false},     {"r", Action::kFinish, false},
-      {"r", Action::kAbortAny, false}, {"r", Action::kReload, false},
-      {"r", Action::kRead, true},
+      {"t", Action::kPush, true},    {"t", Action::kFinish, true},  {"t", Action::kReload, false},
+      {"t", Action::kRead, false},   {"o", Action::kPush, true},    {"o", Action::kFinish, true},
+      {"o", Action::kReload, true},  {"o", Action::kRead, true},    {"r", Action::kPush, false},
+      {"r", Action::kFinish, false}, {"r", Action::kReload, false}, {"r", Action::kRead, true},
   };
   for (const Case& c : cases) {
     absl::Status status = auth->Authorize(absl::StrCat("Bearer ", c.token), c.action, "M").status();

@@ -158,3 +158,69 @@ def test_example_short_run(daemon):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "every kernel matches" in run.stdout
+
+
+def _make_certificates(directory: pathlib.Path) -> None:
+    """A test CA, a server certificate for 127.0.0.1 / localhost signed by it,
+    a client certificate, and an unrelated CA, made with openssl."""
+    script = """
+set -e
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=refit-test-ca -keyout ca.key -out ca.pem
+printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > server.ext
+openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout server.key -out server.csr
+openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 \\
+  -extfile server.ext -out server.pem
+openssl req -newkey rsa:2048 -nodes -subj /CN=trainer -keyout client.key -out client.csr
+openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 -out client.pem
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=other-ca -keyout other.key -out other.pem
+"""
+    subprocess.run(["/bin/sh", "-c", script], cwd=directory, check=True, capture_output=True)
+
+
+def test_tls_with_a_test_ca(start_daemon, tmp_path, weights):
+    from refit_client import Tls
+
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    _make_certificates(certs)
+    daemon = start_daemon(
+        f"--tls-cert={certs / 'server.pem'}", f"--tls-key={certs / 'server.key'}", tcp=True
+    )
+    with RefitClient(daemon.address, tls=Tls(ca_file=str(certs / "ca.pem"))) as c:
+        assert c.status().version == 1
+        result = c.push(load_state_dict(weights(2)))
+        assert result.version == 2
+    # A CA that did not sign the daemon's certificate: the handshake fails,
+    # and the read-only call gives up at its deadline.
+    with RefitClient(
+        daemon.address, tls=Tls(ca_file=str(certs / "other.pem")), timeout=3
+    ) as c:
+        with pytest.raises((Unavailable, DeadlineExceeded)):
+            c.status()
+    # A missing CA file is named.
+    with pytest.raises(NotFound, match="no-such-ca.pem"):
+        RefitClient(daemon.address, tls=Tls(ca_file=str(certs / "no-such-ca.pem")))
+
+
+def test_mutual_tls_needs_a_client_certificate(start_daemon, tmp_path):
+    from refit_client import Tls
+
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    _make_certificates(certs)
+    daemon = start_daemon(
+        f"--tls-cert={certs / 'server.pem'}",
+        f"--tls-key={certs / 'server.key'}",
+        f"--tls-client-ca={certs / 'ca.pem'}",
+        tcp=True,
+    )
+    with RefitClient(daemon.address, tls=Tls(ca_file=str(certs / "ca.pem")), timeout=3) as c:
+        with pytest.raises((Unavailable, DeadlineExceeded)):
+            c.status()
+    tls = Tls(
+        ca_file=str(certs / "ca.pem"),
+        cert_file=str(certs / "client.pem"),
+        key_file=str(certs / "client.key"),
+    )
+    with RefitClient(daemon.address, tls=tls) as c:
+        assert c.status().version == 1

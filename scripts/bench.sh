@@ -11,6 +11,7 @@
 #   build-bench/bench/quantizer_bench   FP8 quantizer vs the LibTorch op chain vs memcpy
 #   build-bench/bench/refit_core_bench  commit, assembler, scaling, memory (in process)
 #   build-bench/bench/refit_e2e_bench   refitd + client vs bare gRPC / raw socket / tmpfs Reload
+#   bench/python/push_bench.py          the Python client's Push vs refitctl push, same refitd
 # and writes bench/results/latest.json, bench/results/latest.md (the table),
 # bench/results/refit_time_vs_size.png and bench/results/throughput_per_phase.png,
 # and puts the table into README.md between <!-- bench:begin --> and
@@ -39,7 +40,7 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >&2
 fi
 log "building in $BUILD_DIR"
-cmake --build "$BUILD_DIR" -j"$JOBS" --target refitd refit_make_fixture quantizer_bench \
+cmake --build "$BUILD_DIR" -j"$JOBS" --target refitd refitctl refit_make_fixture quantizer_bench \
   refit_core_bench refit_e2e_bench refit_bench_sink >&2
 
 # --- the 1 GiB checkpoint (same shapes as refit_core_bench's models) ---------
@@ -82,7 +83,15 @@ trap 'rm -rf "$SHM_DIR" "$WORK_DIR"' EXIT
   --refitd="$BUILD_DIR/bin/refitd" --sink="$BUILD_DIR/bench/refit_bench_sink" \
   --shm_dir="$SHM_DIR" --workdir="$WORK_DIR" \
   > "$TMP/e2e.json" 2> "$TMP/e2e.log" || { log "refit_e2e_bench failed (see $TMP/e2e.log)"; status=1; }
-cp "$WORK_DIR"/*.log "$TMP/" 2>/dev/null || true
+
+log "push_bench.py (Python client vs refitctl push, $E2E_REPS repetitions)"
+rm -f "$TMP/python.json"
+"$PY" bench/python/push_bench.py --model_dir="$MODEL_DIR" --reps="$E2E_REPS" \
+  --refitd="$BUILD_DIR/bin/refitd" --refitctl="$BUILD_DIR/bin/refitctl" \
+  --workdir="$WORK_DIR/python" --breakdown \
+  > "$TMP/python.json" 2> "$TMP/python.log" \
+  || { log "push_bench.py failed (see $TMP/python.log)"; status=1; }
+cp "$WORK_DIR"/*.log "$WORK_DIR"/python/*.log "$TMP/" 2>/dev/null || true
 
 # --- report -----------------------------------------------------------------
 if ! "$PY" -c 'import matplotlib' 2>/dev/null; then
@@ -181,6 +190,10 @@ e2e = load("e2e.json")
 if e2e:
     figures += e2e["figures"]
     series["e2e"] = e2e["series"]
+py = load("python.json")
+if py:
+    figures += py["figures"]
+    series["python"] = py["series"]
 
 out = {"machine": machine(),
        "generated_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -22,6 +22,12 @@
 // A's peak RSS over its idle RSS is taken around every push (VmHWM reset via
 // /proc/PID/clear_refs). Prints {"figures": [...], "series": {...}} on stdout.
 //
+// With --serve_pushes_to=ADDRESS it starts nothing: it loads the model, then
+// for every line on stdin pushes it once to that daemon (default options, as
+// `push` above) and answers one JSON line {"seconds", "cpu_seconds"} (this
+// process's user + system time over the call): the C++ reference that
+// bench/python/push_bench.py interleaves with the Python client's pushes.
+//
 // Links the client library and gRPC only (no LibTorch, no refit_core).
 #include <dirent.h>
 #include <fcntl.h>
@@ -40,6 +46,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -71,6 +78,8 @@ ABSL_FLAG(int, reps, 3, "repetitions");
 ABSL_FLAG(int64_t, chunk_bytes, int64_t{32} << 20,
           "bytes per message (the client library's default bucket)");
 ABSL_FLAG(int, startup_timeout_s, 180, "how long to wait for the daemons to become ready");
+ABSL_FLAG(std::string, serve_pushes_to, "",
+          "push the model to this daemon once per line on stdin, one JSON line each; no children");
 ABSL_FLAG(
     bool, tight_budget, true,
     "also run refitd C (per-tensor, --staging-budget = 2 x the largest layer) and push to it");
@@ -378,9 +387,41 @@ ReloadRun Reload(RefitClient& c, const HostModel& m, const std::string& dir) {
   return run;
 }
 
+// --serve_pushes_to: the model stays loaded and the channel open between
+// pushes, as in a trainer, so each answer is the Push alone.
+int ServePushes(const std::string& model_dir, const std::string& address) {
+  HostModel model = LoadModel(model_dir);
+  client::ClientOptions options;
+  options.address = address;
+  options.max_message_bytes = 256 << 20;
+  absl::StatusOr<std::unique_ptr<RefitClient>> c = RefitClient::Create(options);
+  if (!c.ok()) Die(c.status().ToString());
+  client::PushOptions push;
+  push.bucket_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_bytes));
+  push.max_chunk_bytes = push.bucket_bytes;
+  push.label = "refit_e2e_bench serve_pushes";
+  std::printf("{\"bytes\": %lld}\n", static_cast<long long>(model.bytes));
+  std::fflush(stdout);
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    const double cpu0 = SelfCpuSeconds();
+    const double t0 = NowSeconds();
+    absl::StatusOr<rv1::RefitResult> result = (*c)->Push(model.tensors, push);
+    const double seconds = NowSeconds() - t0;
+    if (!result.ok()) Die(absl::StrCat("Push: ", result.status().ToString()));
+    std::printf("{\"seconds\": %.9f, \"cpu_seconds\": %.6f, \"version\": %lld}\n", seconds,
+                SelfCpuSeconds() - cpu0, static_cast<long long>(result->version()));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 int Run() {
   const std::string model_dir = absl::GetFlag(FLAGS_model_dir);
   if (model_dir.empty()) Die("--model-dir is required");
+  if (!absl::GetFlag(FLAGS_serve_pushes_to).empty()) {
+    return ServePushes(model_dir, absl::GetFlag(FLAGS_serve_pushes_to));
+  }
   const std::string pid = std::to_string(::getpid());
   std::string workdir = absl::GetFlag(FLAGS_workdir);
   if (workdir.empty()) workdir = "/tmp/refit-e2e-" + pid;

@@ -42,7 +42,12 @@ from .types import (
 __all__ = ["RefitClient", "Refit", "Tls", "EventStream"]
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-DEFAULT_BUCKET_BYTES = 16 << 20
+# 4 MiB messages, not the C++ client's 32 MiB: the protobuf runtime (upb)
+# serializes a message's bytes at a cost per byte that grows with the
+# message's size and its number of chunks (about 0.08 s/GiB for one 4 MiB
+# chunk, 1.4 s/GiB for four in a 16 MiB message), and serializing is most of
+# a push's CPU in Python. bench/python/push_bench.py measures it.
+DEFAULT_BUCKET_BYTES = 4 << 20
 DEFAULT_TIMEOUT = 30.0
 _MAX_MESSAGE_BYTES = 256 << 20
 # Messages a refit may have queued for gRPC's sender: bounds the client's

@@ -88,7 +88,7 @@ log "push_bench.py (Python client vs refitctl push, $E2E_REPS repetitions)"
 rm -f "$TMP/python.json"
 "$PY" bench/python/push_bench.py --model_dir="$MODEL_DIR" --reps="$E2E_REPS" \
   --refitd="$BUILD_DIR/bin/refitd" --refitctl="$BUILD_DIR/bin/refitctl" \
-  --workdir="$WORK_DIR/python" --breakdown \
+  --e2e_bench="$BUILD_DIR/bench/refit_e2e_bench" --workdir="$WORK_DIR/python" --breakdown \
   > "$TMP/python.json" 2> "$TMP/python.log" \
   || { log "push_bench.py failed (see $TMP/python.log)"; status=1; }
 cp "$WORK_DIR"/*.log "$WORK_DIR"/python/*.log "$TMP/" 2>/dev/null || true

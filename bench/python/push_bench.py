@@ -10,6 +10,8 @@ this process, and runs, in a rotating order, every repetition:
            held in the memory of a long-lived `refit_e2e_bench
            --serve_pushes_to` child (its defaults: 32 MiB buckets and chunks,
            XXH3 checksums); the reference of the headline figure
+  cpp_mem_b4  the same C++ pusher with 4 MiB buckets and chunks, the
+           Python client's default sizes (the like-for-like messages)
   cpp      `refitctl push DIR`, timed whole: process start, reading the
            page-cached files (mmap), the push, the commit
   py       RefitClient.push of the same tensors held in this process's
@@ -179,9 +181,12 @@ class CppPusher:
     """refit_e2e_bench --serve_pushes_to: pushes its in-memory copy of the
     model once per line written to it and answers a JSON line."""
 
-    def __init__(self, binary: str, model_dir: pathlib.Path, address: str) -> None:
-        self.proc = subprocess.Popen([binary, f"--model_dir={model_dir}",
-                                      f"--serve_pushes_to={address}"],
+    def __init__(self, binary: str, model_dir: pathlib.Path, address: str,
+                 chunk_bytes: Optional[int] = None) -> None:
+        args = [binary, f"--model_dir={model_dir}", f"--serve_pushes_to={address}"]
+        if chunk_bytes is not None:
+            args.append(f"--chunk_bytes={chunk_bytes}")
+        self.proc = subprocess.Popen(args,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.bytes = int(self._answer()["bytes"])  # the model is loaded
 
@@ -385,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--workdir", type=pathlib.Path, default=None,
                    help="socket and refitd log (default: a fresh dir under /tmp)")
-    p.add_argument("--variants", default="cpp_mem,cpp,py,py_mmap,py_c4_b16,py_32,py_wire")
+    p.add_argument("--variants", default="cpp_mem,cpp_mem_b4,cpp,py,py_mmap,py_c4_b16,py_32,py_wire")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the client's per-message steps without gRPC")
     p.add_argument("--startup_timeout_s", type=float, default=180.0)
@@ -398,7 +403,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     daemon = Daemon([a.refitd, f"--model={a.model_dir}", f"--listen={address}",
                      "--quant=per-tensor", f"--max-chunk-bytes={64 << 20}"],
                     workdir / "refitd-py.log")
-    pusher: Optional[CppPusher] = None
+    pushers: List[CppPusher] = []
     try:
         log(f"loading {a.model_dir}")
         in_memory = load_model(a.model_dir, in_memory=True)
@@ -406,15 +411,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         nbytes = model_bytes(in_memory)
         gib = nbytes / GIB
         daemon.wait_ready(a.startup_timeout_s)
-        pusher = CppPusher(a.e2e_bench, a.model_dir, address)
-        if pusher.bytes != nbytes:
-            raise SystemExit(f"push_bench: the C++ pusher holds {pusher.bytes} bytes, not {nbytes}")
+        order = [v for v in a.variants.split(",") if v]
+        pushers.append(CppPusher(a.e2e_bench, a.model_dir, address))
+        if "cpp_mem_b4" in order:
+            pushers.append(CppPusher(a.e2e_bench, a.model_dir, address, 4 << 20))
+        for pusher in pushers:
+            if pusher.bytes != nbytes:
+                raise SystemExit(f"push_bench: a C++ pusher holds {pusher.bytes} bytes, "
+                                 f"not {nbytes}")
         client = refit_client.RefitClient(address, timeout=60.0)
         client.wait_until_ready(timeout=a.startup_timeout_s)
 
         big = 32 << 20
         runners = {
-            "cpp_mem": pusher.push,
+            "cpp_mem": pushers[0].push,
+            "cpp_mem_b4": pushers[-1].push,
             "cpp": lambda: run_cpp(a.refitctl, address, a.model_dir),
             "py": lambda: run_py(client, in_memory),
             "py_mmap": lambda: run_py(client, mapped),
@@ -423,7 +434,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                         rc_client.DEFAULT_BUCKET_BYTES),
             "py_wire_32": lambda: run_wire(client, in_memory, big, big),
         }
-        order = [v for v in a.variants.split(",") if v]
         for k in order:  # py_cC_bB: chunks of C MiB, buckets of B MiB (the tuning runs)
             m = re.fullmatch(r"py_c(\d+)_b(\d+)", k)
             if m:
@@ -457,9 +467,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             log("breakdown (no gRPC)")
             bd = {"defaults": breakdown(in_memory, rc_client.DEFAULT_CHUNK_BYTES,
                                         rc_client.DEFAULT_BUCKET_BYTES, 3),
+                  "c4_b16": breakdown(in_memory, 4 << 20, 16 << 20, 3),
                   "32mib": breakdown(in_memory, big, big, 3)}
     finally:
-        if pusher is not None:
+        for pusher in pushers:
             pusher.stop()
         daemon.stop()
 
@@ -488,6 +499,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"Python client push ({defaults}), from memory, {size}", gbps["py"], "GB/s",
             ref_ctl, gbps["cpp"], "", cpu_note("py", "cpp") + "; refitctl's own elapsed_seconds "
             f"median {statistics.median(cpp_elapsed)} s"))
+    if "cpp_mem_b4" in gbps:
+        figures.append(figure(
+            f"Python client push ({defaults}), from memory, {size}", gbps["py"], "GB/s",
+            "C++ client library Push from memory with the same 4 MiB chunks and buckets",
+            gbps["cpp_mem_b4"], "", cpu_note("py", "cpp_mem_b4")))
     if "py_mmap" in gbps:
         figures.append(figure(
             f"Python client push from np.memmap of the same files ({defaults}), {size}",

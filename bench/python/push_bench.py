@@ -6,10 +6,15 @@ Starts one refitd (--quant per-tensor, as refit_e2e_bench's refitd A) on a
 Unix socket, loads the checkpoint directory (made by refit_make_fixture) into
 this process, and runs, in a rotating order, every repetition:
 
-  cpp_mem  the C++ client library's RefitClient::Push of the same tensors
+  cpp_fixed  the C++ client library's RefitClient::Push of the same tensors
            held in the memory of a long-lived `refit_e2e_bench
            --serve_pushes_to` child (its defaults: 32 MiB buckets and chunks,
-           XXH3 checksums); the reference of the headline figure
+           XXH3 checksums), with glibc's mmap threshold fixed at 32 MiB
+           (GLIBC_TUNABLES, FIXED_MALLOC below): its fastest configuration
+           here, the reference of the headline figure
+  cpp_mem  the same child with glibc's default (dynamic) thresholds: its
+           32 MiB message buffers are then mapped and unmapped per message
+           and page-faulted in again (~390k faults per push of 1 GiB)
   cpp_mem_b4  the same C++ pusher with 4 MiB buckets and chunks, the
            Python client's default sizes (the like-for-like messages)
   cpp      `refitctl push DIR`, timed whole: process start, reading the
@@ -61,6 +66,9 @@ from refit_client import _client as rc_client  # defaults, for the figure names
 from refit_client import _tensors
 from refit_client._proto import refit_pb2 as pb
 
+# The C++ pusher's glibc settings for cpp_fixed: buffers of up to 32 MiB come
+# from the heap and stay there, whatever the process's allocation history.
+FIXED_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 MIB = float(1 << 20)
 GIB = float(1 << 30)
 READY_LINE = "first version loaded; ready"
@@ -182,11 +190,14 @@ class CppPusher:
     model once per line written to it and answers a JSON line."""
 
     def __init__(self, binary: str, model_dir: pathlib.Path, address: str,
-                 chunk_bytes: Optional[int] = None) -> None:
+                 chunk_bytes: Optional[int] = None, tunables: Optional[str] = None) -> None:
         args = [binary, f"--model_dir={model_dir}", f"--serve_pushes_to={address}"]
         if chunk_bytes is not None:
             args.append(f"--chunk_bytes={chunk_bytes}")
-        self.proc = subprocess.Popen(args,
+        env = dict(os.environ)
+        if tunables:
+            env["GLIBC_TUNABLES"] = tunables
+        self.proc = subprocess.Popen(args, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.bytes = int(self._answer()["bytes"])  # the model is loaded
 
@@ -390,7 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--workdir", type=pathlib.Path, default=None,
                    help="socket and refitd log (default: a fresh dir under /tmp)")
-    p.add_argument("--variants", default="cpp_mem,cpp_mem_b4,cpp,py,py_mmap,py_c4_b16,py_32,py_wire")
+    p.add_argument("--variants", default="cpp_fixed,cpp_mem,cpp_mem_b4,cpp,py,py_mmap,py_c4_b16,py_32,py_wire")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the client's per-message steps without gRPC")
     p.add_argument("--startup_timeout_s", type=float, default=180.0)
@@ -412,6 +423,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gib = nbytes / GIB
         daemon.wait_ready(a.startup_timeout_s)
         order = [v for v in a.variants.split(",") if v]
+        pushers.append(CppPusher(a.e2e_bench, a.model_dir, address, tunables=FIXED_MALLOC))
         pushers.append(CppPusher(a.e2e_bench, a.model_dir, address))
         if "cpp_mem_b4" in order:
             pushers.append(CppPusher(a.e2e_bench, a.model_dir, address, 4 << 20))
@@ -424,7 +436,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         big = 32 << 20
         runners = {
-            "cpp_mem": pushers[0].push,
+            "cpp_fixed": pushers[0].push,
+            "cpp_mem": pushers[1].push,
             "cpp_mem_b4": pushers[-1].push,
             "cpp": lambda: run_cpp(a.refitctl, address, a.model_dir),
             "py": lambda: run_py(client, in_memory),
@@ -442,8 +455,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     int(m.group(1)), int(m.group(2)))
             elif k not in runners:
                 raise SystemExit(f"push_bench: unknown variant {k}")
-        if "cpp_mem" not in order or "cpp" not in order:
-            raise SystemExit("push_bench: the cpp_mem and cpp references are required")
+        if not {"cpp_fixed", "cpp_mem", "cpp"} <= set(order):
+            raise SystemExit("push_bench: the cpp_fixed, cpp_mem and cpp references are required")
         log(f"{nbytes} bytes, {len(in_memory)} tensors, {a.reps} repetitions of {order}")
         for k in order:  # warm-up, unmeasured: connections, first-touch in refitd
             runners[k]()
@@ -479,13 +492,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cpu_gib = {k: statistics.median(v) / gib for k, v in cpu.items()}
     rcpu_gib = {k: statistics.median(v) / gib for k, v in rcpu.items()}
     size = f"{round(nbytes / MIB)} MiB bf16"
+    ref_fixed = ("C++ client library Push of the same tensors from memory (32 MiB buckets), "
+                 "glibc mmap threshold fixed, same refitd")
     ref_mem = ("C++ client library Push of the same tensors from memory (32 MiB buckets), "
-               "same refitd")
+               "default glibc, same refitd")
     ref_ctl = "refitctl push of the same files, timed whole"
     defaults = (f"{rc_client.DEFAULT_CHUNK_BYTES >> 20} MiB chunks, "
                 f"{rc_client.DEFAULT_BUCKET_BYTES >> 20} MiB buckets")
 
-    def cpu_note(k: str, ref: str = "cpp_mem") -> str:
+    def cpu_note(k: str, ref: str = "cpp_fixed") -> str:
         return (f"CPU s/GiB: sender {cpu_gib[k]}, receiver {rcpu_gib[k]}; {ref}: sender "
                 f"{cpu_gib[ref]}, receiver {rcpu_gib[ref]}")
 
@@ -493,8 +508,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "py" in gbps:
         figures.append(figure(
             f"Python client push, full refit (FP8 per-tensor, commit, checksums; {defaults}), "
-            f"from memory, {size}", gbps["py"], "GB/s", ref_mem, gbps["cpp_mem"], ">= 0.8",
+            f"from memory, {size}", gbps["py"], "GB/s", ref_fixed, gbps["cpp_fixed"], ">= 0.8",
             cpu_note("py")))
+        figures.append(figure(
+            f"Python client push ({defaults}), from memory, {size}", gbps["py"], "GB/s",
+            ref_mem, gbps["cpp_mem"], "", cpu_note("py", "cpp_mem")))
         figures.append(figure(
             f"Python client push ({defaults}), from memory, {size}", gbps["py"], "GB/s",
             ref_ctl, gbps["cpp"], "", cpu_note("py", "cpp") + "; refitctl's own elapsed_seconds "
@@ -516,19 +534,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "py_32" in gbps:
         figures.append(figure(
             f"Python client push with 32 MiB chunks and buckets, from memory, {size}",
-            gbps["py_32"], "GB/s", ref_mem, gbps["cpp_mem"], "", cpu_note("py_32")))
+            gbps["py_32"], "GB/s", ref_fixed, gbps["cpp_fixed"], "", cpu_note("py_32")))
     for k, sizes in (("py_wire", defaults), ("py_wire_32", "32 MiB chunks and buckets")):
         if k in gbps:
             figures.append(figure(
                 f"prototype: Python push with hand-encoded messages, no protobuf serializer "
-                f"({sizes}), from memory, {size}", gbps[k], "GB/s", ref_mem, gbps["cpp_mem"],
+                f"({sizes}), from memory, {size}", gbps[k], "GB/s", ref_fixed, gbps["cpp_fixed"],
                 "", cpu_note(k)))
     if "py" in cpu_gib:
         figures.append(figure(
             f"sender CPU per GiB, Python client push ({defaults})", cpu_gib["py"], "CPU s/GiB",
-            "C++ client library Push from memory", cpu_gib["cpp_mem"], "",
+            "C++ client library Push from memory, glibc mmap threshold fixed",
+            cpu_gib["cpp_fixed"], "",
             "user + system time of the sending process over the call, all its threads; "
-            f"refitctl push: {cpu_gib['cpp']}"))
+            f"C++ with default glibc: {cpu_gib['cpp_mem']}; refitctl push: {cpu_gib['cpp']}"))
     series = {"bytes": nbytes, "order": order, "seconds": wall, "gbps": gbps,
               "sender_cpu_s": cpu, "sender_cpu_s_per_gib": cpu_gib,
               "receiver_cpu_s_per_gib": rcpu_gib, "refitctl_elapsed_s": cpp_elapsed,

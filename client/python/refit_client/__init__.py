@@ -10,6 +10,7 @@ See docs/python.md in the refitd repository for the whole API.
 """
 
 from ._client import DEFAULT_CHUNK_BYTES, EventStream, Refit, RefitClient, Tls
+from ._progress import TqdmProgress
 from ._tensors import TensorData, bf16
 from .errors import (
     AlreadyExists,
@@ -45,6 +46,7 @@ from .types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "TqdmProgress",
     "RefitClient",
     "Refit",
     "Tls",

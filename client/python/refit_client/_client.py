@@ -261,7 +261,7 @@ class Refit:
         chunk_bytes: int,
         bucket_bytes: int,
         checksums: bool,
-        progress: Optional[Callable[[PushProgress], None]],
+        progress: Union[None, str, Callable[[PushProgress], None]],
         tensors_total: Optional[int],
         timeout: Optional[float],
     ) -> None:
@@ -271,6 +271,10 @@ class Refit:
         self._chunk_bytes = chunk_bytes
         self._bucket_bytes = bucket_bytes
         self._checksums = checksums
+        if progress == "tqdm":
+            from ._progress import TqdmProgress
+
+            progress = TqdmProgress()
         self._progress = progress
         self._tensors_total = tensors_total
         self._start = time.monotonic()
@@ -401,6 +405,7 @@ class Refit:
             self._abandon_call()
             raise
         self._pipe.finish()
+        self._close_progress()
         try:
             response = self._call.result()
         except grpc.RpcError as e:
@@ -408,12 +413,18 @@ class Refit:
         self.result = _result(response.result)
         return self.result
 
+    def _close_progress(self) -> None:
+        close = getattr(self._progress, "close", None)
+        if callable(close):
+            close()
+
     def abandon(self) -> None:
         """Ends the stream without End: the daemon aborts the refit. Waits
         (briefly) for its answer, so the model group is free again on return."""
         if self._ended and self._call.done():
             return
         self._ended = True
+        self._close_progress()
         self._abandon_call()
 
     def _abandon_call(self) -> None:
@@ -609,7 +620,7 @@ class RefitClient:
         checksums: bool = True,
         non_finite: str = "reject",
         allow_partial_layers: bool = False,
-        progress: Optional[Callable[[PushProgress], None]] = None,
+        progress: Union[None, str, Callable[[PushProgress], None]] = None,
         timeout: Optional[float] = None,
         _tensors_total: Optional[int] = None,
     ) -> Refit:
@@ -651,7 +662,7 @@ class RefitClient:
         checksums: bool = True,
         non_finite: str = "reject",
         allow_partial_layers: bool = False,
-        progress: Optional[Callable[[PushProgress], None]] = None,
+        progress: Union[None, str, Callable[[PushProgress], None]] = None,
         timeout: Optional[float] = None,
     ) -> RefitResult:
         """Pushes tensors as one refit transaction and returns its result.
@@ -668,7 +679,8 @@ class RefitClient:
         ``bucket_bytes``: tensor bytes per gRPC message. Every chunk carries
         its XXH3-64 unless ``checksums=False``. ``non_finite``: "reject" or
         "vllm". ``progress`` is called with a PushProgress after every
-        message. ``timeout``: deadline of the whole push (none by default).
+        message; ``progress="tqdm"`` draws a tqdm bar instead (TqdmProgress,
+        needs tqdm). ``timeout``: deadline of the whole push (none by default).
 
         Never retried. Raises: InvalidArgument (a tensor this client cannot
         send, or one the daemon refuses), RefitConflict (another refit is

@@ -252,3 +252,20 @@ def test_push_from_cuda_tensors(client, daemon, weights, seed2):
     on_gpu = {name: t.cuda() for name, t in seed2.items()}
     views = {n: (t.t().contiguous().t() if t.dim() == 2 else t) for n, t in on_gpu.items()}
     assert client.push(views, chunk_bytes=1 << 16).fingerprint == expected
+
+
+def test_tqdm_progress_bar(client, seed2):
+    import io
+
+    from refit_client import TqdmProgress
+
+    out = io.StringIO()
+    bar = TqdmProgress(file=out, mininterval=0)
+    result = client.push(seed2, progress=bar)
+    assert result.version == 2
+    total = sum(t.numel() * t.element_size() for t in seed2.values())
+    assert bar.bar.n == total
+    text = out.getvalue()
+    assert "push" in text and f"{len(seed2)}/{len(seed2)} tensors" in text
+    # The shortcut makes the same bar on stderr.
+    assert client.push(seed2, progress="tqdm").version == 3

@@ -71,19 +71,6 @@ std::string Block(const OwnedTensor& t, int64_t cols, int64_t r0, int64_t r1, in
   return out;
 }
 
-// The same values as a bf16 tensor, widened to fp32 (exact).
-OwnedTensor WidenBf16ToF32(const OwnedTensor& t) {
-  OwnedTensor out{t.name, DType::kFloat32, t.shape, {}};
-  out.bytes.resize(t.bytes.size() * 2);
-  for (size_t i = 0; i < t.bytes.size() / 2; ++i) {
-    uint16_t half;
-    std::memcpy(&half, t.bytes.data() + 2 * i, 2);
-    const uint32_t bits = uint32_t{half} << 16;
-    std::memcpy(out.bytes.data() + 4 * i, &bits, 4);
-  }
-  return out;
-}
-
 // Records every reserve request and answers with `answer`.
 struct ReserveLog {
   std::vector<std::pair<std::string, int64_t>> calls;
@@ -148,7 +135,7 @@ TEST_F(LayerAssemblerTest, NonFloatDtypeIsInvalidArgument) {
 TEST_F(LayerAssemblerTest, DtypeDifferingFromEarlierChunksIsInvalidArgument) {
   const OwnedTensor& norm = W("model.norm.weight");
   ASSERT_TRUE(assembler_->Ingest(Part(norm, 0, 4)).ok());
-  const OwnedTensor wide = WidenBf16ToF32(norm);
+  const OwnedTensor wide = refit::testing::WidenBf16ToF32(norm);
   absl::StatusOr<int> r = assembler_->Ingest(Part(wide, 8, 8));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(r.status().message(), HasSubstr("model.norm.weight"));
@@ -228,7 +215,7 @@ TEST_F(LayerAssemblerTest, ChecksumIsVerifiedWhenGiven) {
 
 TEST_F(LayerAssemblerTest, ChecksumOverSeveralBlocksIsVerified) {
   // 512000 fp32 bytes: hashed and scattered in more than one 256 KiB block.
-  const OwnedTensor wide = WidenBf16ToF32(W("model.embed_tokens.weight"));
+  const OwnedTensor wide = refit::testing::WidenBf16ToF32(W("model.embed_tokens.weight"));
   Chunk bad = Whole(wide);
   bad.xxh3 = XXH3_64bits(bad.data.data(), bad.data.size()) ^ 0x1;
   absl::StatusOr<int> r = assembler_->Ingest(bad);
@@ -432,7 +419,7 @@ TEST_F(LayerAssemblerTest, MissingTensorsSkipsTensorsWithNothingOnThisRank) {
 
 TEST_F(LayerAssemblerTest, ConvertsFp32InputToTheBf16CheckpointDtype) {
   const OwnedTensor& norm = W("model.layers.0.input_layernorm.weight");
-  const OwnedTensor wide = WidenBf16ToF32(norm);
+  const OwnedTensor wide = refit::testing::WidenBf16ToF32(norm);
   const int l = LayerIndex("model.layers.0.input_layernorm");
   ASSERT_EQ(layout_->layers()[l].params[0].dtype, DType::kBFloat16);
   ASSERT_EQ(*assembler_->Ingest(Part(wide, 0, 200)), -1);

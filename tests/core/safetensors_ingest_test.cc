@@ -75,19 +75,6 @@ std::vector<std::string> Names(const std::vector<OwnedTensor>& tensors) {
   return names;
 }
 
-// The same values widened to fp32 (exact for bf16 input).
-OwnedTensor WidenBf16ToF32(const OwnedTensor& t) {
-  OwnedTensor out{t.name, DType::kFloat32, t.shape, {}};
-  out.bytes.resize(t.bytes.size() * 2);
-  for (size_t i = 0; i < t.bytes.size() / 2; ++i) {
-    uint16_t half;
-    std::memcpy(&half, t.bytes.data() + 2 * i, 2);
-    const uint32_t bits = uint32_t{half} << 16;
-    std::memcpy(out.bytes.data() + 4 * i, &bits, 4);
-  }
-  return out;
-}
-
 class SafetensorsIngestTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -166,7 +153,7 @@ TEST_F(SafetensorsIngestTest, TinyChunksGiveTheFingerprintOfAPush) {
 
 TEST_F(SafetensorsIngestTest, Fp32FilesAreConvertedToTheCheckpointDtype) {
   std::vector<OwnedTensor> wide;
-  for (const OwnedTensor& t : v2_) wide.push_back(WidenBf16ToF32(t));
+  for (const OwnedTensor& t : v2_) wide.push_back(refit::testing::WidenBf16ToF32(t));
   const std::string path = dir_ + "/fp32.safetensors";
   Write(path, wide);
   std::unique_ptr<RefitSession> session = Begin();

@@ -4,6 +4,8 @@
 #define REFIT_TESTS_TESTING_REFIT_HELPERS_H_
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <random>
@@ -97,6 +99,19 @@ inline std::map<std::string, std::string> Snapshot(const core::ShardStore& store
     if (store.ReadKernel(k.spec->name, &out, &version).ok()) bytes[k.spec->name] = out;
   }
   return bytes;
+}
+
+// The same values as a bf16 tensor, widened to fp32 (exact).
+inline core::OwnedTensor WidenBf16ToF32(const core::OwnedTensor& t) {
+  core::OwnedTensor out{t.name, core::DType::kFloat32, t.shape, {}};
+  out.bytes.resize(t.bytes.size() * 2);
+  for (size_t i = 0; i < t.bytes.size() / 2; ++i) {
+    uint16_t half;
+    std::memcpy(&half, t.bytes.data() + 2 * i, 2);
+    const uint32_t bits = uint32_t{half} << 16;
+    std::memcpy(out.bytes.data() + 4 * i, &bits, 4);
+  }
+  return out;
 }
 
 }  // namespace refit::testing

@@ -38,10 +38,13 @@ absl::string_view SessionStateName(SessionState state) {
 
 void RefitSession::Outbox::Deliver() {
   if (slot != nullptr) {
-    for (StoreEvent& event : events) slot->Publish(std::move(event));
+    if (release) {
+      slot->ReleaseAndPublish(std::move(events));
+    } else {
+      for (StoreEvent& event : events) slot->Publish(std::move(event));
+    }
   }
   events.clear();
-  if (release && slot != nullptr) slot->Release();
   slot.reset();
 }
 

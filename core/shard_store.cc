@@ -324,6 +324,12 @@ void ShardStore::ReleaseSlot(absl::string_view refit_id) {
   if (active_session_ == refit_id) active_session_.clear();
 }
 
+void ShardStore::ReleaseSlotAndPublish(absl::string_view refit_id, std::vector<StoreEvent> events) {
+  absl::MutexLock publish(&publish_mu_);
+  ReleaseSlot(refit_id);
+  for (StoreEvent& event : events) PublishLocked(std::move(event));
+}
+
 RefitSlot::RefitSlot(RefitSlot&& other) noexcept
     : store_(std::exchange(other.store_, nullptr)), refit_id_(std::move(other.refit_id_)) {}
 
@@ -340,6 +346,11 @@ RefitSlot::~RefitSlot() { Release(); }
 
 void RefitSlot::Release() {
   if (store_ != nullptr) std::exchange(store_, nullptr)->ReleaseSlot(refit_id_);
+}
+
+void RefitSlot::ReleaseAndPublish(std::vector<StoreEvent> events) {
+  if (store_ != nullptr)
+    std::exchange(store_, nullptr)->ReleaseSlotAndPublish(refit_id_, std::move(events));
 }
 
 void RefitSlot::Publish(StoreEvent event) const {
@@ -374,6 +385,11 @@ void ShardStore::RemoveListener(int id) {
 }
 
 void ShardStore::Publish(StoreEvent event) {
+  absl::MutexLock publish(&publish_mu_);
+  PublishLocked(std::move(event));
+}
+
+void ShardStore::PublishLocked(StoreEvent event) {
   event.group = options_.group;
   if (event.time == absl::Time()) event.time = absl::Now();
   std::vector<Listener> copy;

@@ -110,6 +110,11 @@ class RefitSlot {
   // Gives the slot back now (idempotent); the destructor does the same.
   void Release();
 
+  // Gives the slot back, then publishes `events` (a refit's closing events)
+  // before any event of a refit that takes the slot next: a listener that
+  // sees the closing event can start the next refit at once.
+  void ReleaseAndPublish(std::vector<StoreEvent> events);
+
  private:
   friend class ShardStore;
   RefitSlot(ShardStore* store, std::string refit_id)
@@ -159,8 +164,9 @@ class ShardStore {
   // The refit id holding the slot, or "".
   std::string active_session() const;
 
-  // Events go to every listener, called outside the store's locks, on the
-  // thread that caused them. Listeners must be cheap and must not block.
+  // Events go to every listener, one event at a time in the order they were
+  // published, on the thread that caused them. Listeners must be cheap, must
+  // not block and must not publish (nor begin a refit) themselves.
   using Listener = std::function<void(const StoreEvent&)>;
   int AddListener(Listener listener);
   void RemoveListener(int id);
@@ -169,7 +175,9 @@ class ShardStore {
   friend class RefitSlot;
   ShardStore(std::shared_ptr<const ModelLayout> layout, ShardStoreOptions options);
   void Publish(StoreEvent event);
+  void PublishLocked(StoreEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_);
   void ReleaseSlot(absl::string_view refit_id);
+  void ReleaseSlotAndPublish(absl::string_view refit_id, std::vector<StoreEvent> events);
 
   std::shared_ptr<const ModelLayout> layout_;
   ShardStoreOptions options_;
@@ -178,6 +186,8 @@ class ShardStore {
   mutable absl::Mutex session_mu_;
   std::string active_session_ ABSL_GUARDED_BY(session_mu_);
 
+  // Held while events go out, so that listeners see them in one order.
+  absl::Mutex publish_mu_ ABSL_ACQUIRED_BEFORE(session_mu_, listeners_mu_);
   mutable absl::Mutex listeners_mu_;
   std::vector<std::pair<int, Listener>> listeners_ ABSL_GUARDED_BY(listeners_mu_);
   int next_listener_id_ ABSL_GUARDED_BY(listeners_mu_) = 0;

@@ -13,6 +13,9 @@
 #include <xxhash.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "core/fixture_model.h"
 #include "core/fp8_quantizer.h"
 #include "core/safetensors.h"
@@ -672,41 +675,52 @@ TEST_F(RefitSessionTest, PublishesEventsInOrder) {
                                      StoreEventType::kAborted));
 }
 
-TEST_F(RefitSessionTest, FinishEventsAreDeliveredBeforeTheSlotIsReleased) {
-  // A refit's "committed" / "aborted" reaches listeners while its slot is
-  // still held, so no next refit can begin (and announce "staging started")
-  // before every listener has seen the end of this one.
-  struct Seen {
-    StoreEventType type;
-    std::string holder;      // the store's active refit at delivery
-    absl::StatusCode begin;  // what a Begin at that moment got
-  };
-  std::vector<Seen> seen;
+TEST_F(RefitSessionTest, SlotIsFreeWhenTheFinishEventArrivesAndTheNextRefitIsAnnouncedAfter) {
+  // A listener that sees a refit's "committed" / "aborted" can begin the next
+  // refit at once, and the next refit's "staging started" reaches listeners
+  // only after every listener has seen the end of this one.
+  absl::Mutex mu;
+  std::vector<std::pair<StoreEventType, std::string>> seen;  // event, refit id
+  std::vector<std::string> holder_at_finish;                 // the store's active refit then
+  absl::Notification finished;
   int id = store_->AddListener([&](const StoreEvent& e) {
+    {
+      absl::MutexLock lock(&mu);
+      seen.emplace_back(e.type, e.refit_id);
+    }
     if (e.type != StoreEventType::kCommitted && e.type != StoreEventType::kAborted) return;
-    absl::StatusOr<std::unique_ptr<RefitSession>> next = RefitSession::Begin(store_.get(), {});
-    seen.push_back({e.type, store_->active_session(), next.status().code()});
+    {
+      absl::MutexLock lock(&mu);
+      holder_at_finish.push_back(store_->active_session());
+    }
+    if (e.refit_id == "first" && !finished.HasBeenNotified()) {
+      finished.Notify();
+      // Give the other thread's Begin time to try to overtake this event.
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  });
+  absl::StatusOr<std::unique_ptr<RefitSession>> second;
+  std::thread next([&] {
+    finished.WaitForNotification();
+    RefitOptions options;
+    options.refit_id = "second";
+    second = RefitSession::Begin(store_.get(), options);
   });
   RefitOptions options;
   options.refit_id = "first";
   ASSERT_TRUE(PushAll(*store_, v2_, options).ok());
-  {
-    RefitOptions second;
-    second.refit_id = "second";
-    std::unique_ptr<RefitSession> s = RefitSession::Begin(store_.get(), second).value();
-    s->Abort("x");
-  }
+  next.join();
+  ASSERT_TRUE(second.ok()) << second.status();
+  (*second)->Abort("x");
   store_->RemoveListener(id);
-  ASSERT_EQ(seen.size(), 2u);
-  EXPECT_EQ(seen[0].type, StoreEventType::kCommitted);
-  EXPECT_EQ(seen[0].holder, "first");
-  EXPECT_EQ(seen[0].begin, absl::StatusCode::kAborted);
-  EXPECT_EQ(seen[1].type, StoreEventType::kAborted);
-  EXPECT_EQ(seen[1].holder, "second");
-  EXPECT_EQ(seen[1].begin, absl::StatusCode::kAborted);
-  // And once the calls returned, the slot is free.
+  absl::MutexLock lock(&mu);
+  EXPECT_THAT(holder_at_finish, ::testing::ElementsAre("", ""));
+  std::vector<std::pair<StoreEventType, std::string>> tail(seen.end() - 3, seen.end());
+  EXPECT_THAT(tail,
+              ::testing::ElementsAre(std::make_pair(StoreEventType::kCommitted, "first"),
+                                     std::make_pair(StoreEventType::kStagingStarted, "second"),
+                                     std::make_pair(StoreEventType::kAborted, "second")));
   EXPECT_EQ(store_->active_session(), "");
-  EXPECT_TRUE(RefitSession::Begin(store_.get(), {}).ok());
 }
 
 TEST_F(RefitSessionTest, ProgressNeverWaitsForARunningCall) {

@@ -84,14 +84,20 @@ absl::StatusOr<std::unique_ptr<RefitSession>> RefitSession::Begin(ShardStore* st
           .Field("group", store->group())
           .Field("base_version", absl::StrCat(store->version()))
       << "staging started";
+  if (session->options_.announce_start) session->AnnounceStart();
+  return session;
+}
+
+void RefitSession::AnnounceStart() {
   Outbox out;
   {
-    absl::MutexLock lock(&session->call_mu_);
-    session->QueueEventLocked(StoreEventType::kStagingStarted);
-    out = session->EndCallLocked();
+    absl::MutexLock lock(&call_mu_);
+    if (announced_ || StateNow() != SessionState::kReceiving) return;
+    announced_ = true;
+    QueueEventLocked(StoreEventType::kStagingStarted);
+    out = EndCallLocked();
   }
   out.Deliver();
-  return session;
 }
 
 RefitSession::RefitSession(ShardStore* store, RefitOptions options, std::shared_ptr<RefitSlot> slot,

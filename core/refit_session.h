@@ -65,6 +65,11 @@ struct RefitOptions {
   // For a store on a GPU: stage and quantize on the host instead of the
   // device (same bytes; the commit copies host to device).
   bool host_staging = false;
+  // Publish "staging started" from Begin. A caller that registers the refit
+  // somewhere others look it up (by its id) turns this off and calls
+  // AnnounceStart() once registered, so that whoever sees the event can
+  // already find the refit.
+  bool announce_start = true;
 };
 
 enum class SessionState { kReceiving, kPrepared, kCommitted, kAborted };
@@ -114,6 +119,9 @@ class RefitSession {
   //                     RESOURCE_EXHAUSTED, ...), naming the refit and device
   static absl::StatusOr<std::unique_ptr<RefitSession>> Begin(ShardStore* store,
                                                              RefitOptions options);
+  // Publishes "staging started" once, for sessions begun with
+  // announce_start off; nothing after the session ended.
+  void AnnounceStart();
   // Aborts unless committed.
   ~RefitSession();
   RefitSession(const RefitSession&) = delete;
@@ -221,6 +229,7 @@ class RefitSession {
   PhaseTimings timings_ ABSL_GUARDED_BY(call_mu_);
   absl::Time last_ingest_ ABSL_GUARDED_BY(call_mu_);
   Outbox outbox_ ABSL_GUARDED_BY(call_mu_);
+  bool announced_ ABSL_GUARDED_BY(call_mu_) = false;
 
   // What other threads read without waiting for a call.
   mutable absl::Mutex mu_;

@@ -163,6 +163,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
         FromProtoRefitOptions(begin.options(), service_->options().staging_budget_bytes);
     if (!options.ok()) return options.status();
     options->core.host_staging = service_->options().host_staging;
+    options->core.announce_start = false;  // once Abort/Commit can find it
     absl::StatusOr<std::unique_ptr<core::RefitSession>> session =
         core::RefitSession::Begin((*group)->store(), options->core);
     if (!session.ok()) {
@@ -190,6 +191,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
       session_->Abort("refitd is shutting down");
       return absl::UnavailableError("refitd is shutting down; no new refits are accepted");
     }
+    session_->AnnounceStart();
     REFIT_LOG(INFO)
             .Field("refit_id", session_->refit_id())
             .Field("group", group_->name())

@@ -31,6 +31,7 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
 
   // Begins the session and starts the worker; on error finishes the RPC.
   void Start() {
+    options_.core.announce_start = false;  // once Abort/Commit can find it
     absl::StatusOr<std::unique_ptr<core::RefitSession>> session =
         core::RefitSession::Begin(group_->store(), options_.core);
     if (!session.ok()) {
@@ -52,6 +53,7 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
                              "refitd is shutting down; no new refits are accepted"));
       return;
     }
+    session_->AnnounceStart();
     REFIT_LOG(INFO)
             .Field("refit_id", session_->refit_id())
             .Field("group", group_->name())

@@ -723,6 +723,23 @@ TEST_F(RefitSessionTest, SlotIsFreeWhenTheFinishEventArrivesAndTheNextRefitIsAnn
   EXPECT_EQ(store_->active_session(), "");
 }
 
+TEST_F(RefitSessionTest, StartIsAnnouncedWhenTheCallerSaysSo) {
+  std::vector<StoreEventType> events;
+  int id = store_->AddListener([&](const StoreEvent& e) { events.push_back(e.type); });
+  RefitOptions options;
+  options.announce_start = false;
+  std::unique_ptr<RefitSession> s = RefitSession::Begin(store_.get(), options).value();
+  EXPECT_THAT(events, ::testing::IsEmpty());
+  s->AnnounceStart();
+  s->AnnounceStart();
+  EXPECT_THAT(events, ::testing::ElementsAre(StoreEventType::kStagingStarted));
+  s->Abort("x");
+  s->AnnounceStart();  // after the end: nothing
+  store_->RemoveListener(id);
+  EXPECT_THAT(events,
+              ::testing::ElementsAre(StoreEventType::kStagingStarted, StoreEventType::kAborted));
+}
+
 TEST_F(RefitSessionTest, ProgressNeverWaitsForARunningCall) {
   // A listener runs on the committing thread after the call's locks are
   // released: progress() and state() answer from there.

@@ -26,6 +26,7 @@
 #include "core/runtime_info.h"
 #include "core/version.h"
 #include "server/refit_server.h"
+#include "server/sd_notify.h"
 #include "server/server_options.h"
 
 ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:50051"},
@@ -119,6 +120,14 @@ std::vector<std::string> NormalizeArgs(int argc, char** argv) {
   return args;
 }
 
+// sd_notify without systemd is a no-op; a failure to reach the service
+// manager is logged and does not stop the daemon (systemd then reports the
+// start as timed out, with this line in the journal).
+void NotifyServiceManager(const char* state) {
+  absl::Status status = refit::server::SdNotify(state);
+  if (!status.ok()) REFIT_LOG(WARNING) << "sd_notify failed: " << status.ToString();
+}
+
 // Bad flag values: a message and exit status 2.
 int UsageError(const absl::Status& status) {
   std::cerr << "refitd: " << status << " (see --help)\n";
@@ -206,9 +215,13 @@ int main(int argc, char** argv) {
     REFIT_LOG(ERROR) << "refitd failed to start: " << server.status().ToString();
     return 1;
   }
+  // Under systemd (Type=notify, deploy/systemd) the unit turns active only
+  // now, with version 1 served, the moment readiness turns SERVING.
+  NotifyServiceManager("READY=1\nSTATUS=serving; ready");
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   REFIT_LOG(INFO).Field("signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT") << "stopping";
+  NotifyServiceManager("STOPPING=1\nSTATUS=stopping");
   (*server)->Shutdown();
   (*server)->Wait();
   server->reset();

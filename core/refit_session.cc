@@ -420,6 +420,7 @@ void RefitSession::QueueEventLocked(StoreEventType type, std::string message) {
   event.version = store_->version();
   event.fingerprint = store_->fingerprint();
   event.message = std::move(message);
+  event.label = options_.label;
   event.time = absl::Now();
   outbox_.events.push_back(std::move(event));
 }

@@ -53,6 +53,7 @@ namespace refit::core {
 
 struct RefitOptions {
   std::string refit_id;                  // generated when empty
+  std::string label;                     // free text, carried into the refit's events
   std::optional<uint64_t> base_version;  // ABORTED at Begin if the live version differs
   int64_t staging_budget_bytes = int64_t{4} << 30;
   NonFinitePolicy non_finite = NonFinitePolicy::kReject;

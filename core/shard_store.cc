@@ -6,6 +6,7 @@
 #include <c10/core/Device.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -92,7 +93,12 @@ std::string ShardStoreImpl::ComputeFingerprint(const std::vector<uint64_t>& kern
   return KernelFingerprint(specs, kernel_hashes);
 }
 
-absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<StagedKernel>& staged) {
+uint64_t ShardStoreImpl::NextVersionLocked() const {
+  return std::max(version + 1, next_version_floor);
+}
+
+absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<StagedKernel>& staged,
+                                                         uint64_t set_version) {
   for (const StagedKernel& s : staged) {
     if (s.kernel < 0 || s.kernel >= static_cast<int>(kernels.size()) || s.data == nullptr) {
       return absl::InternalError(absl::StrCat("staged kernel index ", s.kernel, " is invalid"));
@@ -166,7 +172,7 @@ absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<Stage
       }
     }
 #endif
-    ++version;
+    version = set_version > 0 ? set_version : NextVersionLocked();
     fingerprint = ComputeFingerprint(hashes);
     last_commit = absl::Now();
     stats.pause = last_commit - start;
@@ -308,6 +314,47 @@ void ShardStore::WithReaderLock(absl::FunctionRef<void(uint64_t)> fn) const {
   fn(impl_->version);
 }
 
+absl::StatusOr<ShardStore::KernelCopy> ShardStore::CopyKernels(absl::Span<char> out) const {
+  if (static_cast<int64_t>(out.size()) != layout_->kernel_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("kernel copy buffer of ", out.size(),
+                                                   " bytes; the kernels take ",
+                                                   layout_->kernel_bytes()));
+  }
+  KernelCopy copy;
+  absl::ReaderMutexLock lock(&impl_->mu);
+  size_t offset = 0;
+  for (size_t i = 0; i < impl_->kernels.size(); ++i) {
+    const size_t nbytes = static_cast<size_t>(impl_->specs[i]->nbytes());
+    if (nbytes == 0) continue;
+    const at::Tensor& live = impl_->kernels[i];
+    try {
+      if (live.is_cpu()) {
+        std::memcpy(out.data() + offset, live.data_ptr(), nbytes);
+      } else {
+        at::Tensor host = at::from_blob(out.data() + offset, live.sizes(),
+                                        at::TensorOptions().dtype(live.scalar_type()));
+        host.copy_(live);
+      }
+    } catch (const c10::Error& e) {
+      return absl::InternalError(absl::StrCat("copying ", impl_->specs[i]->name,
+                                              " to host memory: ", e.what_without_backtrace()));
+    }
+    offset += nbytes;
+  }
+  copy.version = impl_->version;
+  copy.fingerprint = impl_->fingerprint;
+  copy.hashes = impl_->hashes;
+  copy.commit_time = impl_->last_commit;
+  return copy;
+}
+
+void ShardStore::SetCommitGuard(CommitGuard guard) { commit_guard_ = std::move(guard); }
+
+void ShardStore::SetNextVersionFloor(uint64_t version) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->next_version_floor = std::max(impl_->next_version_floor, version);
+}
+
 absl::StatusOr<RefitSlot> ShardStore::AcquireRefitSlot(absl::string_view refit_id) {
   absl::MutexLock lock(&session_mu_);
   if (!active_session_.empty()) {
@@ -359,7 +406,27 @@ void RefitSlot::Publish(StoreEvent event) const {
 
 absl::StatusOr<CommitStats> RefitSlot::Commit(const std::vector<StagedKernel>& staged) const {
   if (store_ == nullptr) return absl::InternalError("commit through a released refit slot");
+  if (store_->commit_guard_) {
+    uint64_t next = 0;
+    {
+      absl::ReaderMutexLock lock(&store_->impl_->mu);
+      next = store_->impl_->NextVersionLocked();
+    }
+    // Only the slot's holder commits: `next` is what CommitStaged publishes.
+    if (absl::Status s = store_->commit_guard_(next); !s.ok()) return s;
+  }
   return store_->impl_->CommitStaged(staged);
+}
+
+absl::StatusOr<CommitStats> RefitSlot::Restore(const std::vector<StagedKernel>& staged,
+                                               uint64_t version) const {
+  if (store_ == nullptr) return absl::InternalError("restore through a released refit slot");
+  if (version == 0) return absl::FailedPreconditionError("restore of version 0");
+  if (uint64_t live = store_->version(); live != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("restore into a store that already serves version ", live));
+  }
+  return store_->impl_->CommitStaged(staged, version);
 }
 
 std::string ShardStore::active_session() const {

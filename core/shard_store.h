@@ -52,6 +52,7 @@ struct StoreEvent {
   uint64_t version = 0;  // live version after the event
   std::string fingerprint;
   std::string message;  // abort reason, ...
+  std::string label;    // the refit's label (RefitOptions::label)
   absl::Time time;
 };
 
@@ -107,6 +108,13 @@ class RefitSlot {
   //   (device) the CUDA error of creating the commit stream, as its code
   absl::StatusOr<CommitStats> Commit(const std::vector<StagedKernel>& staged) const;
 
+  // Recovery: copies `staged` (every kernel, verified by the caller) into a
+  // store that has never been committed, as version `version`; the next
+  // commit is version + 1. Errors: FAILED_PRECONDITION when the store already
+  // holds a version or `version` is 0; Commit's errors.
+  absl::StatusOr<CommitStats> Restore(const std::vector<StagedKernel>& staged,
+                                      uint64_t version) const;
+
   // Gives the slot back now (idempotent); the destructor does the same.
   void Release();
 
@@ -158,6 +166,29 @@ class ShardStore {
   // Runs `fn` with the reader lock held: the live version cannot change.
   void WithReaderLock(absl::FunctionRef<void(uint64_t version)> fn) const;
 
+  // One version of every kernel, copied to host memory under the reader lock
+  // (readers go on; a commit waits for the copy): `out` holds the kernels in
+  // layout order, back to back (layout().kernel_bytes() bytes).
+  struct KernelCopy {
+    uint64_t version = 0;
+    std::string fingerprint;
+    std::vector<uint64_t> hashes;  // XXH3-64 per kernel, layout order
+    absl::Time commit_time;
+  };
+  // Errors: INVALID_ARGUMENT if `out` is not kernel_bytes() long; INTERNAL
+  // if copying a GPU kernel back fails.
+  absl::StatusOr<KernelCopy> CopyKernels(absl::Span<char> out) const;
+
+  // Called by every commit before it takes the writer lock, with the version
+  // it will publish; an error fails the commit (nothing copied, version
+  // unchanged). For recording versions durably before they become visible.
+  // Set before the first refit; not thread-safe against running commits.
+  using CommitGuard = std::function<absl::Status(uint64_t next_version)>;
+  void SetCommitGuard(CommitGuard guard);
+  // The next commit publishes at least `version` (a daemon that recovered
+  // skips the numbers its previous run may have handed out).
+  void SetNextVersionFloor(uint64_t version);
+
   // The store's refit slot for `refit_id`. ABORTED, naming the active refit,
   // if another refit holds it.
   absl::StatusOr<RefitSlot> AcquireRefitSlot(absl::string_view refit_id);
@@ -182,6 +213,7 @@ class ShardStore {
   std::shared_ptr<const ModelLayout> layout_;
   ShardStoreOptions options_;
   std::unique_ptr<ShardStoreImpl> impl_;
+  CommitGuard commit_guard_;
 
   mutable absl::Mutex session_mu_;
   std::string active_session_ ABSL_GUARDED_BY(session_mu_);

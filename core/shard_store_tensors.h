@@ -45,7 +45,12 @@ class ShardStoreImpl {
   // stream; an event recorded after the last copy marks the new version
   // complete, and the writer lock is released only once it has completed, so
   // readers under the reader lock never see a mix.
-  absl::StatusOr<CommitStats> CommitStaged(const std::vector<StagedKernel>& staged);
+  // `set_version` > 0: publish exactly that version (recovery) instead of
+  // the next one.
+  absl::StatusOr<CommitStats> CommitStaged(const std::vector<StagedKernel>& staged,
+                                           uint64_t set_version = 0);
+  // The version the next commit publishes.
+  uint64_t NextVersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu);
 
   const ModelLayout& layout;
   const c10::Device device;
@@ -57,6 +62,7 @@ class ShardStoreImpl {
   // The tensors themselves never change identity; their bytes change under mu.
   std::vector<at::Tensor> kernels;
   uint64_t version ABSL_GUARDED_BY(mu) = 0;
+  uint64_t next_version_floor ABSL_GUARDED_BY(mu) = 0;
   std::vector<uint64_t> hashes ABSL_GUARDED_BY(mu);
   std::string fingerprint ABSL_GUARDED_BY(mu);
   absl::Time last_commit ABSL_GUARDED_BY(mu) = absl::InfinitePast();

@@ -12,6 +12,8 @@
 #   build-bench/bench/refit_core_bench  commit, assembler, scaling, memory (in process)
 #   build-bench/bench/refit_e2e_bench   refitd + client vs bare gRPC / raw socket / tmpfs Reload
 #   bench/python/push_bench.py          the Python client's Push vs refitctl push, same refitd
+#   bench/python/durability_bench.py    --state-dir: restart from a snapshot vs a cold load,
+#                                       commit pause with vs without
 # and writes bench/results/latest.json, bench/results/latest.md (the table),
 # bench/results/refit_time_vs_size.png and bench/results/throughput_per_phase.png,
 # and puts the table into README.md between <!-- bench:begin --> and
@@ -91,7 +93,15 @@ rm -f "$TMP/python.json"
   --e2e_bench="$BUILD_DIR/bench/refit_e2e_bench" --workdir="$WORK_DIR/python" --breakdown \
   > "$TMP/python.json" 2> "$TMP/python.log" \
   || { log "push_bench.py failed (see $TMP/python.log)"; status=1; }
+
+log "durability_bench.py (--state-dir: restart from a snapshot, commit pause; $E2E_REPS repetitions)"
+rm -f "$TMP/durability.json"
+"$PY" bench/python/durability_bench.py --model_dir="$MODEL_DIR" --reps="$E2E_REPS" \
+  --refitd="$BUILD_DIR/bin/refitd" --refitctl="$BUILD_DIR/bin/refitctl" \
+  --workdir="$WORK_DIR/durability" > "$TMP/durability.json" 2> "$TMP/durability.log" \
+  || { log "durability_bench.py failed (see $TMP/durability.log)"; status=1; }
 cp "$WORK_DIR"/*.log "$WORK_DIR"/python/*.log "$TMP/" 2>/dev/null || true
+mkdir -p "$TMP/durability" && cp "$WORK_DIR"/durability/*.log "$TMP/durability/" 2>/dev/null || true
 
 # --- report -----------------------------------------------------------------
 if ! "$PY" -c 'import matplotlib' 2>/dev/null; then
@@ -194,6 +204,10 @@ py = load("python.json")
 if py:
     figures += py["figures"]
     series["python"] = py["series"]
+dur = load("durability.json")
+if dur:
+    figures += dur["figures"]
+    series["durability"] = dur["series"]
 
 out = {"machine": machine(),
        "generated_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -95,6 +95,7 @@ absl::StatusOr<ConvertedRefitOptions> FromProtoRefitOptions(const v1::RefitOptio
   out.core.allow_partial_layers = options.allow_partial_layers();
   out.core.staging_budget_bytes = staging_budget_bytes;
   out.label = options.label();
+  out.core.label = out.label;
   return out;
 }
 

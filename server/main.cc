@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "core/log.h"
 #include "core/runtime_info.h"
+#include "core/snapshot.h"
 #include "core/version.h"
 #include "server/refit_server.h"
 #include "server/sd_notify.h"
@@ -72,6 +73,15 @@ ABSL_FLAG(bool, allow_insecure_remote, false,
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port for Prometheus metrics at /metrics over HTTP (e.g. 127.0.0.1:9464); empty: "
           "off.");
+ABSL_FLAG(std::string, state_dir, "",
+          "Directory for durable versions: each committed version is snapshotted there (kernel "
+          "bytes as served + manifest, written crash-safely in the background) and at start the "
+          "newest snapshot that matches the model layout and verifies is served with its "
+          "version and fingerprint; --model is loaded only when there is none. Empty: off.");
+ABSL_FLAG(std::string, state_recovery, "fallback",
+          "With --state-dir, a corrupt snapshot at start: \"fallback\" (log it, set it aside, "
+          "serve the previous snapshot or else --model) or \"fail\" (exit non-zero with the "
+          "reason).");
 
 namespace {
 
@@ -187,6 +197,11 @@ int main(int argc, char** argv) {
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.state_recovery = absl::GetFlag(FLAGS_state_recovery);
+  if (absl::Status s = refit::core::ParseRecoveryPolicy(options.state_recovery).status(); !s.ok()) {
+    return UsageError(s);
+  }
 
   // Never let the last gRPC object run grpc_shutdown at exit: in gRPC 1.51 it
   // can wait up to 10 s for an executor thread, which would stretch the

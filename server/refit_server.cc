@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include <climits>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -241,8 +242,68 @@ absl::Status RefitServer::StartGrpc() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> RefitServer::RecoverState(ModelGroup* group) {
+  absl::StatusOr<core::RecoveryPolicy> policy = core::ParseRecoveryPolicy(options_.state_recovery);
+  if (!policy.ok()) return policy.status();
+  REFIT_LOG(INFO)
+          .Field("group", group->name())
+          .Field("state_dir", options_.state_dir)
+          .Field("state_recovery", options_.state_recovery)
+      << "looking for a snapshot to recover";
+  absl::StatusOr<core::RecoveryResult> recovered =
+      core::RecoverFromSnapshots(group->store(), options_.state_dir, *policy);
+  if (!recovered.ok()) return recovered.status();
+  core::SnapshotWriterOptions writer_options;
+  writer_options.dir = options_.state_dir;
+  // Test hook of the end-to-end tests: stop a snapshot write part way, so
+  // that a SIGKILL then lands in the middle of it.
+  if (const char* pause = getenv("REFIT_TEST_SNAPSHOT_PAUSE_AFTER_BYTES");
+      pause != nullptr && *pause != '\0') {
+    writer_options.hooks.pause_after_bytes = std::strtoll(pause, nullptr, 10);
+    REFIT_LOG(WARNING).Field("bytes", pause)
+        << "test hook: snapshot writes pause (REFIT_TEST_SNAPSHOT_PAUSE_AFTER_BYTES)";
+  }
+  absl::StatusOr<std::unique_ptr<core::SnapshotWriter>> writer =
+      core::SnapshotWriter::Create(group->store(), writer_options);
+  if (!writer.ok()) return writer.status();
+  snapshot_writer_ = std::move(*writer);
+  if (!recovered->restored.has_value()) {
+    REFIT_LOG(INFO)
+            .Field("group", group->name())
+            .Field("state_dir", options_.state_dir)
+            .Field("rejected", absl::StrCat(recovered->rejected.size()))
+            .Field("next_version", absl::StrCat(recovered->highest_version + 1))
+        << "no usable snapshot; loading --model";
+    return false;
+  }
+  const core::SnapshotManifest& m = *recovered->restored;
+  metrics_.RecordOutcome("committed");
+  REFIT_LOG(INFO)
+          .Field("refit_id", m.refit_id)
+          .Field("group", group->name())
+          .Field("version", absl::StrCat(m.version))
+          .Field("fingerprint", m.fingerprint)
+          .Field("file", recovered->path)
+          .Field("read_ms", absl::StrCat(absl::ToInt64Milliseconds(recovered->read_time)))
+      << "recovered version " << m.version << " from its snapshot; ready";
+  return true;
+}
+
 absl::Status RefitServer::LoadInitialModel() {
   ModelGroup* group = default_group();
+  if (!options_.state_dir.empty()) {
+    absl::StatusOr<bool> restored = RecoverState(group);
+    if (restored.ok() && *restored) {
+      if (!demo_dir_.empty()) {
+        RemoveTree(demo_dir_);
+        demo_dir_.clear();
+      }
+      absl::MutexLock lock(&shutdown_mu_);
+      if (!shut_down_) health_->SetServing(kRefitServiceName, true);
+      return absl::OkStatus();
+    }
+    if (!restored.ok()) return restored.status();
+  }
   core::RefitOptions options;
   options.staging_budget_bytes = options_.staging_budget_bytes;
   options.host_staging = options_.host_staging;
@@ -291,6 +352,8 @@ void RefitServer::Shutdown() {
                       absl::ToChronoMilliseconds(options_.shutdown_timeout));
   }
   if (service_ != nullptr) service_->Join();
+  // No refit runs any more: write the pending snapshot, if any, and stop.
+  if (snapshot_writer_ != nullptr) snapshot_writer_->Stop();
   metrics_http_.reset();
   ModelGroup* group = default_group();
   REFIT_LOG(INFO)

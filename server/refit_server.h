@@ -30,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "core/snapshot.h"
 #include "server/auth.h"
 #include "server/health_service.h"
 #include "server/metrics.h"
@@ -75,11 +76,21 @@ class RefitServer {
   absl::Status Init();
   absl::Status BuildModel();
   absl::Status StartGrpc();
+  // --state-dir: restores the newest verified snapshot into `group` (true)
+  // or leaves it empty (false), then starts the snapshot writer.
+  absl::StatusOr<bool> RecoverState(ModelGroup* group);
+  // Begin + ingest of model_files_ + Commit, registered in `group` so that
+  // Shutdown aborts it (ABORTED).
+  absl::StatusOr<core::RefitResult> LoadFirstVersion(ModelGroup* group,
+                                                     const core::RefitOptions& options);
 
   ServerOptions options_;
   std::string demo_dir_;  // removed in the destructor
   std::vector<std::string> model_files_;
   std::map<std::string, std::unique_ptr<ModelGroup>> groups_;
+  // --state-dir: snapshots the default group's commits; destroyed before
+  // the groups.
+  std::unique_ptr<core::SnapshotWriter> snapshot_writer_;
   std::unique_ptr<Authenticator> auth_;
   Metrics metrics_;
   std::unique_ptr<RefitServiceImpl> service_;

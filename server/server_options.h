@@ -57,6 +57,13 @@ struct ServerOptions {
   bool allow_insecure_remote = false;
   // "host:port" for the Prometheus /metrics endpoint; "" disables it.
   std::string metrics_listen;
+  // Durable versions (core/snapshot.h): every committed version is
+  // snapshotted here and the newest verified snapshot is served at start.
+  // "" disables it.
+  std::string state_dir;
+  // A corrupt snapshot at start: "fallback" (the previous one, then --model)
+  // or "fail" (the start fails with the reason).
+  std::string state_recovery = "fallback";
 };
 
 inline constexpr int64_t kMessageHeadroomBytes = int64_t{1} << 20;

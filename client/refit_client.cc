@@ -235,6 +235,7 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const Tensor
   if (options.base_version.has_value()) refit_options->set_base_version(*options.base_version);
   refit_options->set_non_finite(options.non_finite);
   refit_options->set_allow_partial_layers(options.allow_partial_layers);
+  refit_options->set_require_complete(options.require_complete);
   refit_options->set_label(options.label);
   if (!writer->Write(begin_request)) return finish();
 

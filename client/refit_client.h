@@ -106,6 +106,9 @@ struct PushOptions {
   std::optional<uint64_t> base_version;
   refit::v1::NonFinitePolicy non_finite = refit::v1::NON_FINITE_POLICY_REJECT;
   bool allow_partial_layers = false;
+  // Fail (FAILED_PRECONDITION) unless every checkpoint tensor is pushed.
+  // Off here as on the wire; refitctl push turns it on unless --partial.
+  bool require_complete = false;
   std::string label;
   // Tensor bytes per Chunks message (a message may hold many small tensors).
   size_t bucket_bytes = kDefaultBucketBytes;

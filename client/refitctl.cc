@@ -51,9 +51,12 @@ Commands:
       --chunk-mib N          largest single chunk (default 32)
       --no-checksum          do not send XXH3 checksums
       --allow-partial        zero-fill layers the files cover only in part
+      --partial              allow a refit of part of the model: tensors not sent keep
+                             their old values (default: every checkpoint tensor must be
+                             sent, FAILED_PRECONDITION names the missing ones)
       --vllm-non-finite      accept NaN/Inf the way vLLM does (default: reject)
   reload --from PATH         the daemon reloads safetensors from PATH (under its root)
-      --prepare, --base-version N, --label TEXT as for push
+      --prepare, --base-version N, --label TEXT, --partial as for push
   commit [REFIT_ID]          commit a prepared refit (default: your own active one;
                              an operator's: whichever is active)
   abort [REFIT_ID]           abort a prepared or running refit (default: as commit)
@@ -121,6 +124,7 @@ const std::map<std::string, FlagSpec>& KnownFlags() {
       {"chunk-mib", {true}},
       {"no-checksum", {false}},
       {"allow-partial", {false}},
+      {"partial", {false}},
       {"vllm-non-finite", {false}},
       {"from", {true}},
       {"reason", {true}},
@@ -323,6 +327,7 @@ Json ResultJson(const refit::v1::RefitResult& r) {
        std::vector<std::string>(r.partial_layers().begin(), r.partial_layers().end())},
       {"bytes_received", r.bytes_received()},
       {"peak_staging_bytes", r.peak_staging_bytes()},
+      {"unchanged", r.unchanged()},
       {"timings",
        {{"receive_seconds", r.timings().receive_seconds()},
         {"quantize_seconds", r.timings().quantize_seconds()},
@@ -500,6 +505,7 @@ class Refitctl {
     options.max_chunk_bytes = ParseUint(cl_, "chunk-mib", 32) << 20;
     options.checksums = !cl_.Has("no-checksum");
     options.allow_partial_layers = cl_.Has("allow-partial");
+    options.require_complete = !cl_.Has("partial");
     options.non_finite = cl_.Has("vllm-non-finite") ? refit::v1::NON_FINITE_POLICY_VLLM_COMPATIBLE
                                                     : refit::v1::NON_FINITE_POLICY_REJECT;
     return options;
@@ -524,6 +530,9 @@ class Refitctl {
                      r.timings().receive_seconds(), r.timings().quantize_seconds(),
                      r.timings().finalize_seconds(), r.timings().commit_seconds(),
                      FormatBytes(r.peak_staging_bytes()));
+    if (r.unchanged()) {
+      std::cout << "  unchanged: no tensors were sent, so no new version was made\n";
+    }
     if (r.kept_layers_size() > 0) {
       std::cout << "  kept old values: " << absl::StrJoin(r.kept_layers(), ", ") << "\n";
     }
@@ -569,6 +578,7 @@ class Refitctl {
     if (push.base_version.has_value()) options->set_base_version(*push.base_version);
     options->set_non_finite(push.non_finite);
     options->set_allow_partial_layers(push.allow_partial_layers);
+    options->set_require_complete(push.require_complete);
     options->set_label(push.label);
     ProgressBar bar = ProgressBar::ForStream(stderr, !json_);
     absl::Time start = absl::Now();

@@ -333,8 +333,33 @@ absl::Status RefitSession::FinalizeLocked() {
     REFIT_LOG(WARNING).Field("refit_id", options_.refit_id).Field("layer", spec.name)
         << "zero-filled missing tensors: " << absl::StrJoin(missing, ", ");
   }
+  // After the loop, so that a layer received in part is named as such first.
+  if (options_.require_complete && assembler_.bytes_received() > 0) {
+    if (absl::Status complete = CheckAllLayersLocked(); !complete.ok()) return complete;
+  }
   timings_.finalize = absl::Now() - start;
   return absl::OkStatus();
+}
+
+absl::Status RefitSession::CheckAllLayersLocked() const {
+  constexpr size_t kNamed = 5;
+  std::vector<std::string> missing;
+  size_t count = 0;
+  for (size_t l = 0; l < layout_.layers().size(); ++l) {
+    const LayerSpec& spec = layout_.layers()[l];
+    if (spec.kind == LayerKind::kAttention || spec.expected_numel == 0) continue;
+    if (assembler_.loaded(static_cast<int>(l)) > 0) continue;  // partial ones fail below
+    for (std::string& name : assembler_.MissingTensors(static_cast<int>(l))) {
+      ++count;
+      if (missing.size() < kNamed) missing.push_back(std::move(name));
+    }
+  }
+  if (count == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refit \"", options_.refit_id, "\" is incomplete (require_complete): ", count,
+      " checkpoint tensor(s) got no bytes: ", absl::StrJoin(missing, ", "),
+      count > missing.size() ? absl::StrCat(" and ", count - missing.size(), " more") : "",
+      "; send the whole model, or turn require_complete off for a partial refit"));
 }
 
 absl::StatusOr<RefitResult> RefitSession::CommitLocked() {
@@ -343,6 +368,7 @@ absl::StatusOr<RefitResult> RefitSession::CommitLocked() {
     if (!prepared.ok()) return prepared.status();
   }
   if (StateNow() != SessionState::kPrepared) return NotReceiving();
+  if (assembler_.bytes_received() == 0) return CommitUnchangedLocked();
 
   // A zero-byte kernel has no storage; give the copy a valid pointer.
   static const uint8_t kEmpty = 0;
@@ -383,6 +409,24 @@ absl::StatusOr<RefitResult> RefitSession::CommitLocked() {
   return result;
 }
 
+absl::StatusOr<RefitResult> RefitSession::CommitUnchangedLocked() {
+  const LiveVersion live = store_->live_version();
+  RefitResult result = ResultLocked(live.version, live.fingerprint);
+  SetState(SessionState::kCommitted);
+  worker_.Stop();
+  assembler_.Clear();
+  processed_.clear();
+  staged_kernel_bytes_ = 0;
+  REFIT_LOG(INFO)
+          .Field("refit_id", options_.refit_id)
+          .Field("group", store_->group())
+          .Field("version", absl::StrCat(live.version))
+      << "committed unchanged: no chunk arrived, no new version";
+  QueueEventLocked(StoreEventType::kCommitted, "unchanged");
+  outbox_.release = true;
+  return result;
+}
+
 void RefitSession::FailLocked(absl::Status reason) {
   const SessionState state = StateNow();
   if (state == SessionState::kAborted || state == SessionState::kCommitted) return;
@@ -410,6 +454,7 @@ RefitResult RefitSession::ResultLocked(uint64_t version, std::string fingerprint
   result.timings = timings_;
   result.bytes_received = assembler_.bytes_received();
   result.peak_staging_bytes = peak_staging_bytes_;
+  result.unchanged = assembler_.bytes_received() == 0;
   return result;
 }
 

@@ -58,6 +58,9 @@ struct RefitOptions {
   int64_t staging_budget_bytes = int64_t{4} << 30;
   NonFinitePolicy non_finite = NonFinitePolicy::kReject;
   bool allow_partial_layers = false;  // zero-fill missing tensors (vLLM behaviour)
+  // Every checkpoint tensor must arrive: Prepare fails when a layer got
+  // nothing (it would keep its old values next to new ones elsewhere).
+  bool require_complete = false;
   int quantize_threads = 0;
   // Quantize complete layers on a worker thread while later chunks arrive.
   // Ingest returns once the worker has taken a completed layer, so at most
@@ -105,6 +108,9 @@ struct RefitResult {
   PhaseTimings timings;
   int64_t bytes_received = 0;
   int64_t peak_staging_bytes = 0;
+  // No chunk arrived: Commit makes no new version (version and fingerprint
+  // are the live ones).
+  bool unchanged = false;
 };
 
 class RefitSession {
@@ -144,15 +150,21 @@ class RefitSession {
   // Errors (the session aborts):
   //   DATA_LOSS           a tensor received only in part (named, bytes)
   //   FAILED_PRECONDITION a layer missing whole tensors (named), unless
-  //                       allow_partial_layers; or the session is not
+  //                       allow_partial_layers; with require_complete, any
+  //                       checkpoint tensor missing (the first few named,
+  //                       and the count), unless no chunk arrived at all;
+  //                       or the session is not
   //                       receiving (prepared, committed, aborted: the
   //                       message says which and why)
   //   and the processing errors of Ingest.
   absl::StatusOr<RefitResult> Prepare();
   // Prepares if needed, then commits in place: the new version and
-  // fingerprint. Errors: those of Prepare; FAILED_PRECONDITION when already
-  // committed or aborted; INTERNAL if staged sizes disagree with the store
-  // (nothing copied).
+  // fingerprint. A session that received no chunk commits nothing: the
+  // result is the live version, `unchanged`, and the "committed" event
+  // carries the live version with the message "unchanged".
+  // Errors: those of Prepare; FAILED_PRECONDITION when already committed or
+  // aborted; INTERNAL if staged sizes disagree with the store (nothing
+  // copied).
   absl::StatusOr<RefitResult> Commit();
   // Idempotent. Frees staging and releases the store's refit slot. The
   // session's status becomes ABORTED with `reason`.
@@ -183,6 +195,11 @@ class RefitSession {
   absl::Status IngestLocked(const Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   absl::StatusOr<RefitResult> PrepareLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   absl::StatusOr<RefitResult> CommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // Commit of a session that received nothing: no copy, no new version.
+  absl::StatusOr<RefitResult> CommitUnchangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // require_complete: FAILED_PRECONDITION naming checkpoint tensors of
+  // layers that got nothing.
+  absl::Status CheckAllLayersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   absl::Status FinalizeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   // Aborts with `reason` unless already finished.
   void FailLocked(absl::Status reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);

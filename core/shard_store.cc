@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "core/log.h"
 #include "core/shard_store_tensors.h"
+#include "core/text.h"
 #include "core/torch_dtype.h"
 
 #ifdef REFIT_WITH_CUDA
@@ -271,6 +272,11 @@ absl::Time ShardStore::last_commit_time() const {
   return impl_->last_commit;
 }
 
+LiveVersion ShardStore::live_version() const {
+  absl::ReaderMutexLock lock(&impl_->mu);
+  return LiveVersion{impl_->version, impl_->fingerprint, impl_->last_commit};
+}
+
 std::vector<KernelView> ShardStore::Kernels() const {
   std::vector<KernelView> views;
   views.reserve(impl_->specs.size());
@@ -289,7 +295,7 @@ absl::Status ShardStore::ReadKernel(absl::string_view name, std::string* out,
                                     uint64_t* version) const {
   auto it = impl_->kernel_index.find(std::string(name));
   if (it == impl_->kernel_index.end()) {
-    return absl::NotFoundError(absl::StrCat("no kernel tensor named \"", name, "\""));
+    return absl::NotFoundError(absl::StrCat("no kernel tensor named ", QuoteText(name)));
   }
   absl::ReaderMutexLock lock(&impl_->mu);
   const at::Tensor& live = impl_->kernels[it->second];
@@ -304,6 +310,38 @@ absl::Status ShardStore::ReadKernel(absl::string_view name, std::string* out,
     }
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("reading ", name, ": ", e.what_without_backtrace()));
+  }
+  if (version != nullptr) *version = impl_->version;
+  return absl::OkStatus();
+}
+
+absl::Status ShardStore::ReadKernelRange(absl::string_view name, int64_t offset, int64_t length,
+                                         std::string* out, uint64_t* version) const {
+  auto it = impl_->kernel_index.find(std::string(name));
+  if (it == impl_->kernel_index.end()) {
+    return absl::NotFoundError(absl::StrCat("no kernel tensor named \"", name, "\""));
+  }
+  const int64_t nbytes = impl_->specs[it->second]->nbytes();
+  if (offset < 0 || offset > nbytes) {
+    return absl::OutOfRangeError(absl::StrCat("kernel tensor \"", name, "\" has ", nbytes,
+                                              " bytes; offset ", offset, " is past its end"));
+  }
+  const int64_t n = std::max<int64_t>(0, std::min(length, nbytes - offset));
+  absl::ReaderMutexLock lock(&impl_->mu);
+  out->resize(static_cast<size_t>(n));
+  if (n > 0) {
+    const at::Tensor& live = impl_->kernels[it->second];
+    try {
+      if (live.is_cpu()) {
+        std::memcpy(out->data(), static_cast<const uint8_t*>(live.data_ptr()) + offset,
+                    static_cast<size_t>(n));
+      } else {
+        at::Tensor host = live.flatten().view(at::kByte).narrow(0, offset, n).cpu();
+        std::memcpy(out->data(), host.data_ptr(), static_cast<size_t>(n));
+      }
+    } catch (const c10::Error& e) {
+      return absl::InternalError(absl::StrCat("reading ", name, ": ", e.what_without_backtrace()));
+    }
   }
   if (version != nullptr) *version = impl_->version;
   return absl::OkStatus();

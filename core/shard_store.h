@@ -65,6 +65,14 @@ struct KernelView {
   int64_t nbytes = 0;
 };
 
+// The live version's identity, read under one lock so that the number and
+// the fingerprint always belong to the same version.
+struct LiveVersion {
+  uint64_t version = 0;
+  std::string fingerprint;
+  absl::Time last_commit;
+};
+
 struct CommitStats {
   uint64_t version = 0;
   std::string fingerprint;
@@ -155,6 +163,8 @@ class ShardStore {
   // XXH3-64 (16 hex digits) over the kernel layout and bytes of the live version.
   std::string fingerprint() const;
   absl::Time last_commit_time() const;
+  // version(), fingerprint() and last_commit_time() of one version.
+  LiveVersion live_version() const;
 
   // Kernels in layout order (flattened over layers).
   std::vector<KernelView> Kernels() const;
@@ -163,6 +173,14 @@ class ShardStore {
   // Errors: NOT_FOUND for unknown names; INTERNAL if copying a GPU kernel
   // back fails.
   absl::Status ReadKernel(absl::string_view name, std::string* out, uint64_t* version) const;
+  // Copies bytes [offset, offset + length) of kernel `name` (clamped to its
+  // size) under the reader lock, with the version they belong to: a reader
+  // streaming a kernel piece by piece holds one piece at a time and compares
+  // the versions to detect a commit in between.
+  // Errors: NOT_FOUND for unknown names; OUT_OF_RANGE for an offset past the
+  // end; INTERNAL if copying a GPU kernel back fails.
+  absl::Status ReadKernelRange(absl::string_view name, int64_t offset, int64_t length,
+                               std::string* out, uint64_t* version) const;
   // Runs `fn` with the reader lock held: the live version cannot change.
   void WithReaderLock(absl::FunctionRef<void(uint64_t version)> fn) const;
 

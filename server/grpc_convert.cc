@@ -93,6 +93,7 @@ absl::StatusOr<ConvertedRefitOptions> FromProtoRefitOptions(const v1::RefitOptio
   }
   if (options.has_base_version()) out.core.base_version = options.base_version();
   out.core.allow_partial_layers = options.allow_partial_layers();
+  out.core.require_complete = options.require_complete();
   out.core.staging_budget_bytes = staging_budget_bytes;
   out.label = options.label();
   out.core.label = out.label;
@@ -127,6 +128,7 @@ void ToProtoResult(const core::RefitResult& result, v1::RefitState state, v1::Re
   t->set_commit_seconds(absl::ToDoubleSeconds(result.timings.commit));
   out->set_bytes_received(static_cast<uint64_t>(result.bytes_received));
   out->set_peak_staging_bytes(static_cast<uint64_t>(result.peak_staging_bytes));
+  out->set_unchanged(result.unchanged);
 }
 
 void ToProtoProgress(const core::SessionProgress& progress, v1::Progress* out) {

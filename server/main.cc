@@ -55,6 +55,12 @@ ABSL_FLAG(std::string, max_chunk_bytes, "64MiB",
           "this plus 1 MiB.");
 ABSL_FLAG(absl::Duration, push_idle_timeout, absl::Seconds(60),
           "A Push stream that sends nothing for this long is aborted (DEADLINE_EXCEEDED).");
+ABSL_FLAG(absl::Duration, prepared_timeout, absl::Minutes(10),
+          "A PREPARED refit not committed or aborted within this time is aborted (it holds the "
+          "group's only refit slot).");
+ABSL_FLAG(absl::Duration, refit_timeout, absl::Hours(1),
+          "A refit not finished within this time after it began is aborted (ABORTED), however "
+          "busy its stream is.");
 ABSL_FLAG(absl::Duration, shutdown_timeout, absl::Seconds(10),
           "On SIGTERM/SIGINT, in-flight RPCs get this long before they are cancelled.");
 ABSL_FLAG(std::string, reload_root, "",
@@ -189,6 +195,8 @@ int main(int argc, char** argv) {
   if (!max_chunk.ok()) return UsageError(max_chunk.status());
   options.max_chunk_bytes = *max_chunk;
   options.push_idle_timeout = absl::GetFlag(FLAGS_push_idle_timeout);
+  options.prepared_timeout = absl::GetFlag(FLAGS_prepared_timeout);
+  options.refit_timeout = absl::GetFlag(FLAGS_refit_timeout);
   options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
   options.reload_root = absl::GetFlag(FLAGS_reload_root);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);

@@ -1,14 +1,22 @@
 #include "server/metrics.h"
 
-#include <httplib.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
-#include <atomic>
-#include <chrono>
+#include <algorithm>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "core/log.h"
 #include "core/version.h"
 
@@ -110,6 +118,45 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
   return out;
 }
 
+namespace {
+
+struct Connection {
+  int fd = -1;
+  absl::Time deadline;
+  std::string in;
+  std::string out;
+  size_t written = 0;
+  bool responding = false;
+};
+
+std::string HttpResponse(absl::string_view status, absl::string_view content_type,
+                         absl::string_view body) {
+  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
+                      "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+}
+
+// The answer to a complete request head `head` (request line and headers).
+std::string Answer(absl::string_view head, const std::function<std::string()>& render) {
+  const size_t eol = head.find("\r\n");
+  const std::vector<absl::string_view> parts =
+      absl::StrSplit(head.substr(0, eol), ' ', absl::SkipEmpty());
+  if (parts.size() != 3 || !absl::StartsWith(parts[2], "HTTP/")) {
+    return HttpResponse("400 Bad Request", "text/plain", "bad request\n");
+  }
+  absl::string_view path = parts[1];
+  if (const size_t q = path.find('?'); q != absl::string_view::npos) path = path.substr(0, q);
+  if (path != "/metrics") return HttpResponse("404 Not Found", "text/plain", "not found\n");
+  if (parts[0] != "GET" && parts[0] != "HEAD") {
+    return HttpResponse("405 Method Not Allowed", "text/plain", "GET only\n");
+  }
+  std::string response =
+      HttpResponse("200 OK", "text/plain; version=0.0.4; charset=utf-8", render());
+  if (parts[0] == "HEAD") response.resize(response.find("\r\n\r\n") + 4);
+  return response;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& address, std::function<std::string()> render) {
   const size_t colon = address.rfind(':');
@@ -124,39 +171,131 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     host = host.substr(1, host.size() - 2);
   }
   if (host.empty()) host = "0.0.0.0";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string port_text = absl::StrCat(port);
+  if (getaddrinfo(host.c_str(), port_text.c_str(), &hints, &found) != 0 || found == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics address \"", address, "\": unknown host \"", host, "\""));
+  }
+  int fd = -1;
+  for (addrinfo* ai = found; ai != nullptr && fd < 0; ai = ai->ai_next) {
+    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 128) != 0) {
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(found);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", address));
+  sockaddr_storage bound{};
+  socklen_t bound_len = sizeof(bound);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &bound_len);
+  const int bound_port = bound.ss_family == AF_INET6
+                             ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                             : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
-  server->http_ = std::make_unique<httplib::Server>();
-  server->http_->Get("/metrics",
-                     [render = std::move(render)](const httplib::Request&, httplib::Response& res) {
-                       res.set_content(render(), "text/plain; version=0.0.4; charset=utf-8");
-                     });
-  if (port == 0) {
-    port = server->http_->bind_to_any_port(host);
-    if (port < 0) port = -1;
-  } else if (!server->http_->bind_to_port(host, port)) {
-    port = -1;
+  if (pipe2(server->wake_fds_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    close(fd);
+    return absl::InternalError("metrics: cannot create a pipe");
   }
-  if (port <= 0) {
-    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", address));
-  }
+  server->listen_fd_ = fd;
+  server->render_ = std::move(render);
   server->host_ = host;
-  server->port_ = port;
-  httplib::Server* http = server->http_.get();
-  auto ended = std::make_shared<std::atomic<bool>>(false);
-  server->thread_ = std::thread([http, ended] {
-    http->listen_after_bind();
-    ended->store(true);
-  });
-  // stop() is a no-op until the accept loop runs; wait for it so that the
-  // destructor can always end the thread.
-  while (!http->is_running() && !ended->load())
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  server->port_ = bound_port;
+  server->thread_ = std::thread([s = server.get()] { s->Run(); });
   return server;
 }
 
+void MetricsHttpServer::Run() {
+  std::vector<Connection> connections;
+  std::vector<pollfd> fds;
+  for (;;) {
+    const absl::Time now = absl::Now();
+    // Past their deadline: dropped, whatever they were doing.
+    for (auto it = connections.begin(); it != connections.end();) {
+      if (it->deadline <= now) {
+        close(it->fd);
+        it = connections.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    absl::Time next = absl::InfiniteFuture();
+    fds.clear();
+    fds.push_back({wake_fds_[0], POLLIN, 0});
+    // At the bound, new connections wait in the backlog until one ends.
+    fds.push_back({connections.size() < kMaxConnections ? listen_fd_ : -1, POLLIN, 0});
+    for (const Connection& c : connections) {
+      fds.push_back({c.fd, static_cast<short>(c.responding ? POLLOUT : POLLIN), 0});
+      next = std::min(next, c.deadline);
+    }
+    const int timeout_ms =
+        next == absl::InfiniteFuture()
+            ? -1
+            : static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(next - now) + 1));
+    if (poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) break;
+    if (fds[0].revents != 0) break;
+    for (size_t i = 0; i < connections.size(); ++i) {
+      Connection& c = connections[i];
+      const short revents = fds[i + 2].revents;
+      if (revents == 0) continue;
+      if (!c.responding) {
+        char buffer[4096];
+        const ssize_t n = recv(c.fd, buffer, sizeof(buffer), 0);
+        if (n <= 0) {
+          if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+          c.deadline = absl::InfinitePast();  // closed by the client
+          continue;
+        }
+        c.in.append(buffer, static_cast<size_t>(n));
+        const size_t end = c.in.find("\r\n\r\n");
+        if (end != std::string::npos) {
+          c.out = Answer(absl::string_view(c.in).substr(0, end + 2), render_);
+          c.responding = true;
+        } else if (c.in.size() > kMaxRequestBytes) {
+          c.out = HttpResponse("431 Request Header Fields Too Large", "text/plain",
+                               "request too large\n");
+          c.responding = true;
+        }
+      }
+      if (c.responding) {
+        const ssize_t n =
+            send(c.fd, c.out.data() + c.written, c.out.size() - c.written, MSG_NOSIGNAL);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        if (n < 0 || (c.written += static_cast<size_t>(n)) == c.out.size()) {
+          c.deadline = absl::InfinitePast();  // done: closed at the top of the loop
+        }
+      }
+    }
+    if (fds[1].revents != 0) {
+      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd >= 0) {
+        Connection c;
+        c.fd = fd;
+        c.deadline = absl::Now() + kRequestDeadline;
+        connections.push_back(std::move(c));
+      }
+    }
+  }
+  for (Connection& c : connections) close(c.fd);
+}
+
 MetricsHttpServer::~MetricsHttpServer() {
-  if (http_) http_->stop();
+  if (wake_fds_[1] >= 0) {
+    const char byte = 0;
+    (void)!write(wake_fds_[1], &byte, 1);
+  }
   if (thread_.joinable()) thread_.join();
+  for (int fd : {listen_fd_, wake_fds_[0], wake_fds_[1]}) {
+    if (fd >= 0) close(fd);
+  }
 }
 
 }  // namespace refit::server

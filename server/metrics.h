@@ -13,8 +13,14 @@
 //   refitd_staging_bytes{group}       gauge; high-precision staging of the active refit
 //   refitd_last_commit_pause_seconds  gauge; readers' pause of the last commit
 //
-// Metrics is thread-safe. MetricsHttpServer runs cpp-httplib on its own
-// threads from Start until destruction.
+// Metrics is thread-safe. MetricsHttpServer serves GET /metrics on one
+// thread of its own (poll over non-blocking sockets) from Start until
+// destruction. It is built for a scraper, not for the open network: each
+// connection gets kRequestDeadline in all to send its request and take the
+// answer (a client that sends headers a byte at a time is dropped then, it
+// cannot hold a worker), requests are at most kMaxRequestBytes, at most
+// kMaxConnections are open at once (more wait in the kernel's backlog), and
+// every answer closes its connection.
 #ifndef REFIT_SERVER_METRICS_H_
 #define REFIT_SERVER_METRICS_H_
 
@@ -33,10 +39,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/refit_session.h"
-
-namespace httplib {
-class Server;
-}
 
 namespace refit::server {
 
@@ -77,6 +79,10 @@ class Metrics {
 
 class MetricsHttpServer {
  public:
+  static constexpr absl::Duration kRequestDeadline = absl::Seconds(2);
+  static constexpr size_t kMaxRequestBytes = 8 << 10;
+  static constexpr size_t kMaxConnections = 64;
+
   // Serves GET /metrics with `render()` on `address` ("host:port", port 0
   // picks one). INVALID_ARGUMENT for a malformed address, UNAVAILABLE if it
   // cannot bind.
@@ -91,7 +97,11 @@ class MetricsHttpServer {
 
  private:
   MetricsHttpServer() = default;
-  std::unique_ptr<httplib::Server> http_;
+  void Run();
+
+  std::function<std::string()> render_;
+  int listen_fd_ = -1;
+  int wake_fds_[2] = {-1, -1};  // a byte on [1] stops Run
   std::thread thread_;
   std::string host_;
   int port_ = 0;

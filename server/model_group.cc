@@ -1,5 +1,6 @@
 #include "server/model_group.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -82,11 +83,12 @@ void ModelGroup::Add(RefitEntry entry, RefitDriver* driver) {
   refits_[id] = Slot{std::move(entry), driver};
 }
 
-void ModelGroup::MarkPrepared(absl::string_view refit_id) {
+void ModelGroup::MarkPrepared(absl::string_view refit_id, absl::Time prepared_deadline) {
   absl::MutexLock lock(&mu_);
   auto it = refits_.find(refit_id);
   if (it == refits_.end()) return;
   it->second.entry.prepared = true;
+  it->second.entry.prepared_deadline = prepared_deadline;
   it->second.driver = nullptr;
 }
 
@@ -161,6 +163,42 @@ std::vector<ModelGroup::Found> ModelGroup::TakeAll() {
   // no-op, drop only the prepared ones (nobody else will).
   for (auto it = refits_.begin(); it != refits_.end();) {
     if (it->second.entry.prepared) {
+      refits_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  return out;
+}
+
+absl::Time ModelGroup::NextDeadline() const {
+  absl::MutexLock lock(&mu_);
+  absl::Time next = absl::InfiniteFuture();
+  for (const auto& [id, slot] : refits_) {
+    if (slot.entry.expired) continue;
+    next = std::min({next, slot.entry.refit_deadline, slot.entry.prepared_deadline});
+  }
+  return next;
+}
+
+std::vector<ModelGroup::Found> ModelGroup::TakeExpired(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  std::vector<Found> out;
+  for (auto it = refits_.begin(); it != refits_.end();) {
+    RefitEntry& entry = it->second.entry;
+    if (entry.expired || std::min(entry.refit_deadline, entry.prepared_deadline) > now) {
+      ++it;
+      continue;
+    }
+    entry.expired = true;
+    Found found;
+    found.entry = entry;
+    if (it->second.driver != nullptr) {
+      it->second.driver->Ref();
+      found.driver = DriverRef(it->second.driver);
+    }
+    out.push_back(std::move(found));
+    if (entry.prepared) {
       refits_.erase(it++);
     } else {
       ++it;

@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "core/refit_session.h"
 #include "core/shard_store.h"
 
@@ -85,6 +86,12 @@ struct RefitEntry {
   std::string label;
   std::shared_ptr<core::RefitSession> session;
   bool prepared = false;
+  // On the server's Clock: the refit is aborted when the earlier of the two
+  // passes (--refit-timeout from its start; --prepared-timeout from
+  // PREPARED).
+  absl::Time refit_deadline = absl::InfiniteFuture();
+  absl::Time prepared_deadline = absl::InfiniteFuture();
+  bool expired = false;  // handed out by TakeExpired once
 };
 
 class ModelGroup {
@@ -98,8 +105,10 @@ class ModelGroup {
   core::ShardStore* store() const { return store_.get(); }
 
   void Add(RefitEntry entry, RefitDriver* driver);
-  // The refit stopped at PREPARED: it stays registered without a driver.
-  void MarkPrepared(absl::string_view refit_id);
+  // The refit stopped at PREPARED: it stays registered without a driver,
+  // until Commit / Abort or `prepared_deadline`.
+  void MarkPrepared(absl::string_view refit_id,
+                    absl::Time prepared_deadline = absl::InfiniteFuture());
   // Drops the entry if `driver` still drives it (not after MarkPrepared).
   void RemoveDriver(absl::string_view refit_id, RefitDriver* driver);
 
@@ -120,6 +129,12 @@ class ModelGroup {
   absl::StatusOr<RefitEntry> TakePrepared(absl::string_view refit_id);
   // Removes everything (shutdown): prepared entries and drivers.
   std::vector<Found> TakeAll();
+  // The earliest deadline of a refit not yet expired (InfiniteFuture if none).
+  absl::Time NextDeadline() const;
+  // The refits whose deadline is at or before `now`, each handed out once:
+  // prepared ones are removed (the caller aborts them), running ones keep
+  // their entry and come with their driver (the caller cancels it).
+  std::vector<Found> TakeExpired(absl::Time now);
 
   // Sessions registered now, for status and metrics.
   std::vector<std::shared_ptr<core::RefitSession>> Sessions() const;

@@ -42,6 +42,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     }
     caller_ = *caller;
     service_->watchdog()->Add(this);
+    service_->AddStream(this);
     watched_ = true;
     Read();
   }
@@ -109,7 +110,10 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
   }
 
   void OnDone() override {
-    if (watched_) service_->watchdog()->Remove(this);
+    if (watched_) {
+      service_->watchdog()->Remove(this);
+      service_->RemoveStream(this);
+    }
     if (session_ != nullptr) {
       if (group_ != nullptr) group_->RemoveDriver(session_->refit_id(), this);
       if (session_->state() == core::SessionState::kReceiving) {
@@ -184,7 +188,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     entry.kind = "push";
     entry.label = options->label;
     entry.session = session_;
-    group_->Add(std::move(entry), this);
+    service_->Register(group_, std::move(entry), this);
     // A shutdown that started between the check above and Add has already
     // swept the registry; do not leave this refit behind it.
     if (service_->shutting_down()) {
@@ -237,7 +241,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     if (prepare_only_) {
       absl::StatusOr<core::RefitResult> result = session_->Prepare();
       if (!result.ok()) return result.status();
-      group_->MarkPrepared(session_->refit_id());
+      service_->MarkPrepared(group_, session_->refit_id());
       ToProtoResult(*result, v1::REFIT_STATE_PREPARED, response_->mutable_result());
       REFIT_LOG(INFO).Field("refit_id", result->refit_id).Field("group", group_->name())
           << "Push prepared; waiting for Commit or Abort";

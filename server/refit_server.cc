@@ -75,6 +75,19 @@ absl::Status RefitServer::Init() {
   if (!options_.metrics_listen.empty()) {
     absl::Status s = ValidateListenAddress(options_.metrics_listen, "--metrics-listen");
     if (!s.ok()) return s;
+    // /metrics has no authentication: beyond loopback only when asked for,
+    // as for gRPC without authentication.
+    if (!IsLoopbackAddress(options_.metrics_listen)) {
+      if (!options_.allow_insecure_remote) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "--metrics-listen ", options_.metrics_listen,
+            " is beyond loopback and /metrics has no authentication; listen on 127.0.0.1 "
+            "(scrape through a local agent or a tunnel), or pass --allow-insecure-remote"));
+      }
+      REFIT_LOG(WARNING).Field("address", options_.metrics_listen)
+          << "INSECURE: /metrics beyond loopback without authentication "
+             "(--allow-insecure-remote)";
+    }
   }
   if (options_.max_chunk_bytes <= 0) {
     return absl::InvalidArgumentError("--max-chunk-bytes must be positive");
@@ -84,6 +97,12 @@ absl::Status RefitServer::Init() {
   }
   if (options_.push_idle_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--push-idle-timeout must be positive");
+  }
+  if (options_.prepared_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--prepared-timeout must be positive");
+  }
+  if (options_.refit_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--refit-timeout must be positive");
   }
   if (options_.auth_tokens_file.empty()) {
     auth_ = Authenticator::AllowAll();
@@ -242,6 +261,37 @@ absl::Status RefitServer::StartGrpc() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<core::RefitResult> RefitServer::LoadFirstVersion(ModelGroup* group,
+                                                                const core::RefitOptions& options) {
+  absl::StatusOr<std::unique_ptr<core::RefitSession>> begun =
+      core::RefitSession::Begin(group->store(), options);
+  if (!begun.ok()) return begun.status();
+  std::shared_ptr<core::RefitSession> session(std::move(*begun));
+  // Registered like any refit, so that a shutdown (SIGTERM while the first
+  // version loads) aborts it instead of waiting for the whole load.
+  RefitEntry entry;
+  entry.refit_id = session->refit_id();
+  entry.owner = "refitd";
+  entry.kind = "load";
+  entry.session = session;
+  group->Add(std::move(entry), nullptr);
+  absl::StatusOr<core::RefitResult> result;
+  if (service_->shutting_down()) {
+    session->Abort("refitd is shutting down");
+    result = session->abort_status();
+  } else {
+    absl::Status ingested = core::IngestSafetensors(model_files_, *session, {});
+    if (ingested.ok()) {
+      result = session->Commit();
+    } else {
+      session->Abort(ingested.message());
+      result = ingested;
+    }
+  }
+  group->RemoveDriver(session->refit_id(), nullptr);
+  return result;
+}
+
 absl::StatusOr<bool> RefitServer::RecoverState(ModelGroup* group) {
   absl::StatusOr<core::RecoveryPolicy> policy = core::ParseRecoveryPolicy(options_.state_recovery);
   if (!policy.ok()) return policy.status();
@@ -314,8 +364,7 @@ absl::Status RefitServer::LoadInitialModel() {
           .Field("quant", options_.quant)
           .Field("files", absl::StrCat(model_files_.size()))
       << "loading the first version";
-  absl::StatusOr<core::RefitResult> result =
-      core::LoadSafetensors(group->store(), model_files_, options);
+  absl::StatusOr<core::RefitResult> result = LoadFirstVersion(group, options);
   if (!demo_dir_.empty()) {
     RemoveTree(demo_dir_);
     demo_dir_.clear();

@@ -55,6 +55,7 @@ class RefitServer {
   RefitServer& operator=(const RefitServer&) = delete;
 
   // Loads version 1 of the default group and sets readiness SERVING.
+  // ABORTED when Shutdown is called meanwhile (from another thread).
   absl::Status LoadInitialModel();
   void Shutdown();
   // Blocks until the gRPC server has stopped (after Shutdown).

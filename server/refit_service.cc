@@ -33,14 +33,23 @@ uint64_t ResidentBytes() {
   return pages_resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
 }
 
-// Streams one kernel tensor's bytes (all of one version) in chunks.
+// Streams one kernel tensor's bytes (all of one version) in chunks, copied
+// from the live tensor one chunk at a time: a stream holds one chunk, not a
+// copy of the tensor. Each chunk is read under the store's reader lock with
+// the version it belongs to; when a commit lands between two chunks the
+// stream ends with ABORTED rather than mixing versions.
 class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorResponse> {
  public:
-  ReadTensorReactor(v1::TensorInfo info, uint64_t version, std::string bytes, size_t chunk_bytes)
-      : bytes_(std::move(bytes)), chunk_bytes_(chunk_bytes) {
+  ReadTensorReactor(const core::ShardStore* store, std::string name, v1::TensorInfo info,
+                    uint64_t version, std::string first, size_t chunk_bytes)
+      : store_(store),
+        name_(std::move(name)),
+        nbytes_(info.nbytes()),
+        version_(version),
+        chunk_bytes_(chunk_bytes) {
     *message_.mutable_info() = std::move(info);
     message_.set_version(version);
-    WriteNext();
+    Write(std::move(first));
   }
 
   void OnWriteDone(bool ok) override {
@@ -48,28 +57,46 @@ class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorRe
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, "ReadTensor: the client went away"));
       return;
     }
-    if (offset_ >= bytes_.size()) {
+    if (offset_ >= nbytes_) {
       Finish(grpc::Status::OK);
       return;
     }
+    std::string bytes;
+    uint64_t version = 0;
+    absl::Status read = store_->ReadKernelRange(
+        name_, static_cast<int64_t>(offset_), static_cast<int64_t>(chunk_bytes_), &bytes, &version);
+    if (!read.ok()) {
+      Finish(ToGrpcStatus(read));
+      return;
+    }
+    if (version != version_) {
+      Finish(grpc::Status(
+          grpc::StatusCode::ABORTED,
+          absl::StrCat("ReadTensor ", name_, ": version ", version, " was committed while version ",
+                       version_, " was being read (at byte ", offset_, " of ", nbytes_,
+                       "); read the tensor again")));
+      return;
+    }
     message_.clear_info();
-    WriteNext();
+    Write(std::move(bytes));
   }
 
   void OnDone() override { delete this; }
 
  private:
-  void WriteNext() {
-    const size_t n = std::min(chunk_bytes_, bytes_.size() - offset_);
+  void Write(std::string bytes) {
     message_.set_byte_offset(offset_);
-    message_.set_data(bytes_.data() + offset_, n);
-    offset_ += n;
+    offset_ += bytes.size();
+    message_.set_data(std::move(bytes));
     StartWrite(&message_);
   }
 
-  std::string bytes_;
-  size_t chunk_bytes_;
-  size_t offset_ = 0;
+  const core::ShardStore* store_;
+  const std::string name_;
+  const uint64_t nbytes_;
+  const uint64_t version_;
+  const size_t chunk_bytes_;
+  uint64_t offset_ = 0;
   v1::ReadTensorResponse message_;
 };
 
@@ -130,7 +157,9 @@ RefitServiceImpl::RefitServiceImpl(const ServerOptions& options,
       auth_(auth),
       metrics_(metrics),
       clock_(options.clock != nullptr ? options.clock : Clock::Real()),
-      watchdog_(clock_) {}
+      watchdog_(clock_) {
+  watchdog_.Add(&deadlines_);
+}
 
 RefitServiceImpl::~RefitServiceImpl() {
   watchdog_.Stop();
@@ -164,6 +193,67 @@ absl::Status RefitServiceImpl::CheckAcceptingRefits() const {
   return absl::OkStatus();
 }
 
+void RefitServiceImpl::Register(ModelGroup* group, RefitEntry entry, RefitDriver* driver) {
+  entry.refit_deadline = clock_->Now() + options_.refit_timeout;
+  group->Add(std::move(entry), driver);
+  watchdog_.Wake();
+}
+
+void RefitServiceImpl::MarkPrepared(ModelGroup* group, absl::string_view refit_id) {
+  group->MarkPrepared(refit_id, clock_->Now() + options_.prepared_timeout);
+  watchdog_.Wake();
+}
+
+void RefitServiceImpl::AddStream(RefitDriver* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  streams_.insert(stream);
+}
+
+void RefitServiceImpl::RemoveStream(RefitDriver* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  streams_.erase(stream);
+}
+
+absl::Time RefitServiceImpl::Deadlines::IdleDeadline() const {
+  absl::Time next = absl::InfiniteFuture();
+  for (const auto& [name, group] : *service_->groups_) next = std::min(next, group->NextDeadline());
+  return next;
+}
+
+void RefitServiceImpl::Deadlines::OnIdle() {
+  const absl::Time now = service_->clock_->Now();
+  const ServerOptions& options = service_->options_;
+  for (const auto& [name, group] : *service_->groups_) {
+    for (ModelGroup::Found& found : group->TakeExpired(now)) {
+      const RefitEntry& entry = found.entry;
+      const bool prepared_expired = entry.prepared && entry.prepared_deadline <= now &&
+                                    entry.prepared_deadline <= entry.refit_deadline;
+      const std::string reason =
+          prepared_expired
+              ? absl::StrCat("not committed within ",
+                             absl::FormatDuration(options.prepared_timeout),
+                             " of PREPARED (--prepared-timeout)")
+              : absl::StrCat("not finished within ", absl::FormatDuration(options.refit_timeout),
+                             " of its start (--refit-timeout)");
+      REFIT_LOG(WARNING)
+              .Field("refit_id", entry.refit_id)
+              .Field("group", name)
+              .Field("owner", entry.owner)
+              .Field("kind", entry.kind)
+          << "refit expired, aborting: " << reason;
+      if (found.driver) {
+        found.driver.get()->Cancel(
+            grpc::Status(grpc::StatusCode::ABORTED,
+                         absl::StrCat("refit \"", entry.refit_id, "\" aborted: ", reason)),
+            reason);
+      } else {
+        entry.session->Abort(reason);
+        service_->metrics_->RecordOutcome("aborted");
+      }
+    }
+  }
+}
+
 void RefitServiceImpl::RunWorker(std::function<void()> work) {
   absl::MutexLock lock(&workers_mu_);
   workers_.emplace_back(std::move(work));
@@ -185,6 +275,20 @@ void RefitServiceImpl::BeginShutdown() {
       }
     }
     group->CloseSubscribers(grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is shutting down"));
+  }
+  // Push streams that have not begun a refit are in no registry: end them
+  // too, or gRPC would wait --shutdown-timeout for each.
+  std::vector<DriverRef> streams;
+  {
+    absl::MutexLock lock(&streams_mu_);
+    for (RefitDriver* stream : streams_) {
+      stream->Ref();
+      streams.emplace_back(stream);
+    }
+  }
+  for (DriverRef& stream : streams) {
+    stream.get()->Cancel(grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is shutting down"),
+                         "refitd is shutting down");
   }
 }
 
@@ -286,19 +390,26 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   core::ShardStore* store = (*group)->store();
   const core::ModelLayout& layout = store->layout();
   response->set_model_group((*group)->name());
-  store->WithReaderLock([&](uint64_t version) { response->set_version(version); });
-  response->set_fingerprint(store->fingerprint());
+  const core::LiveVersion live = store->live_version();
+  response->set_version(live.version);
+  response->set_fingerprint(live.fingerprint);
   response->set_device(store->device());
-  response->set_ready(!shutting_down_.load() && response->version() > 0);
+  response->set_ready(!shutting_down_.load() && live.version > 0);
+  // The active refit is the one holding the store's refit slot, the same
+  // test a Begin makes: a refit that has aborted but not yet given the slot
+  // back is still reported, so "idle" means a Begin now can start.
+  const std::string active = store->active_session();
   int64_t staging = 0, peak = 0;
   for (const auto& session : (*group)->Sessions()) {
     core::SessionProgress progress = session->progress();
-    if (progress.state == core::SessionState::kReceiving ||
-        progress.state == core::SessionState::kPrepared) {
+    staging += progress.staging_bytes;
+    peak = std::max(peak, progress.peak_staging_bytes);
+    if (!active.empty() && progress.refit_id == active) {
       ToProtoProgress(progress, response->mutable_active_refit());
-      staging += progress.staging_bytes;
-      peak = std::max(peak, progress.peak_staging_bytes);
     }
+  }
+  if (!active.empty() && !response->has_active_refit()) {
+    response->mutable_active_refit()->set_refit_id(active);
   }
   v1::MemoryUsage* memory = response->mutable_memory();
   memory->set_kernel_bytes(static_cast<uint64_t>(layout.kernel_bytes()));
@@ -315,7 +426,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   model->set_checkpoint_dtype(std::string(core::DTypeName(layout.config().dtype)));
   model->set_num_kernel_tensors(static_cast<uint32_t>(layout.num_kernels()));
   model->set_kernel_bytes(static_cast<uint64_t>(layout.kernel_bytes()));
-  response->set_last_commit_unix_seconds(UnixSecondsOf(store->last_commit_time()));
+  response->set_last_commit_unix_seconds(UnixSecondsOf(live.last_commit));
   response->set_server_version(
       absl::StrCat("refitd ", core::VersionString(), ", LibTorch ", core::TorchVersion()));
   return Reply(context, absl::OkStatus());
@@ -369,16 +480,20 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
         absl::StrCat("model group \"", (*group)->name(), "\" has no kernel tensor \"",
                      request->name(), "\" (ListTensors with LAYOUT_KERNEL lists them)")));
   }
-  std::string bytes;
-  uint64_t version = 0;
-  absl::Status read = store->ReadKernel(request->name(), &bytes, &version);
-  if (!read.ok()) return FailStream<v1::ReadTensorResponse>(read);
-  size_t chunk = static_cast<size_t>(options_.read_chunk_bytes);
+  // A requested chunk size is clamped to [kMinReadChunkBytes,
+  // --max-chunk-bytes]: a tiny one would make a stream of millions of
+  // messages.
+  int64_t chunk = options_.read_chunk_bytes;
   if (request->max_chunk_bytes() > 0) {
-    chunk =
-        std::min<size_t>(request->max_chunk_bytes(), static_cast<size_t>(options_.max_chunk_bytes));
+    chunk = std::clamp<int64_t>(request->max_chunk_bytes(), kMinReadChunkBytes,
+                                std::max(kMinReadChunkBytes, options_.max_chunk_bytes));
   }
-  return new ReadTensorReactor(std::move(info), version, std::move(bytes), chunk);
+  std::string first;
+  uint64_t version = 0;
+  absl::Status read = store->ReadKernelRange(request->name(), 0, chunk, &first, &version);
+  if (!read.ok()) return FailStream<v1::ReadTensorResponse>(read);
+  return new ReadTensorReactor(store, request->name(), std::move(info), version, std::move(first),
+                               static_cast<size_t>(chunk));
 }
 
 grpc::ServerWriteReactor<v1::WatchEvent>* RefitServiceImpl::Watch(
@@ -392,8 +507,9 @@ grpc::ServerWriteReactor<v1::WatchEvent>* RefitServiceImpl::Watch(
   snapshot.set_type(v1::WatchEvent::TYPE_SNAPSHOT);
   snapshot.set_model_group((*group)->name());
   snapshot.set_refit_id(store->active_session());
-  store->WithReaderLock([&](uint64_t version) { snapshot.set_version(version); });
-  snapshot.set_fingerprint(store->fingerprint());
+  const core::LiveVersion live = store->live_version();
+  snapshot.set_version(live.version);
+  snapshot.set_fingerprint(live.fingerprint);
   snapshot.set_message(snapshot.refit_id().empty()
                            ? "idle"
                            : absl::StrCat("refit ", snapshot.refit_id(), " is active"));

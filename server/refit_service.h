@@ -27,6 +27,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -85,6 +86,14 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
                                       absl::string_view method) const;
   // UNAVAILABLE while shutting down.
   absl::Status CheckAcceptingRefits() const;
+  // Registers a refit that began (ModelGroup::Add) with its --refit-timeout
+  // deadline.
+  void Register(ModelGroup* group, RefitEntry entry, RefitDriver* driver);
+  // ModelGroup::MarkPrepared with the --prepared-timeout deadline.
+  void MarkPrepared(ModelGroup* group, absl::string_view refit_id);
+  // Open Push streams, ended at shutdown even before their Begin.
+  void AddStream(RefitDriver* stream);
+  void RemoveStream(RefitDriver* stream);
   void RunWorker(std::function<void()> work);
 
  private:
@@ -93,8 +102,25 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
   const Authenticator* auth_;
   Metrics* metrics_;
   std::atomic<bool> shutting_down_{false};
+  // Aborts refits past their deadline (--refit-timeout, --prepared-timeout):
+  // one watchdog target for all of them.
+  class Deadlines final : public IdleWatchdog::Target {
+   public:
+    explicit Deadlines(RefitServiceImpl* service) : service_(service) {}
+    void Ref() override {}
+    void Unref() override {}
+    absl::Time IdleDeadline() const override;
+    void OnIdle() override;
+
+   private:
+    RefitServiceImpl* const service_;
+  };
+
   Clock* const clock_;
   IdleWatchdog watchdog_;
+  Deadlines deadlines_{this};
+  absl::Mutex streams_mu_;
+  absl::flat_hash_set<RefitDriver*> streams_ ABSL_GUARDED_BY(streams_mu_);
   absl::Mutex workers_mu_;
   std::vector<std::thread> workers_ ABSL_GUARDED_BY(workers_mu_);
 };

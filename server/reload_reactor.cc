@@ -45,7 +45,7 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
     entry.kind = "reload";
     entry.label = options_.label;
     entry.session = session_;
-    group_->Add(std::move(entry), this);
+    service_->Register(group_, std::move(entry), this);
     registered_ = true;
     if (service_->shutting_down()) {
       session_->Abort("refitd is shutting down");
@@ -126,7 +126,7 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
     if (options_.prepare_only) {
       absl::StatusOr<core::RefitResult> result = session_->Prepare();
       if (!result.ok()) return result.status();
-      group_->MarkPrepared(session_->refit_id());
+      service_->MarkPrepared(group_, session_->refit_id());
       ToProtoResult(*result, v1::REFIT_STATE_PREPARED, last.mutable_result());
       service_->metrics()->RecordOutcome("prepared");
       REFIT_LOG(INFO).Field("refit_id", result->refit_id) << "Reload prepared";

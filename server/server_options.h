@@ -41,7 +41,14 @@ struct ServerOptions {
   int64_t read_chunk_bytes = int64_t{1} << 20;
   // A Push stream that sends nothing for this long is aborted.
   absl::Duration push_idle_timeout = absl::Seconds(60);
-  // What push_idle_timeout is measured on; not owned, must outlive the
+  // A refit not committed this long after it became PREPARED is aborted
+  // (it holds the group's only refit slot).
+  absl::Duration prepared_timeout = absl::Minutes(10);
+  // A refit not finished (committed or aborted) this long after it began is
+  // aborted, whatever it is doing: bounds a slow drip that stays just
+  // inside push_idle_timeout.
+  absl::Duration refit_timeout = absl::Hours(1);
+  // What push_idle_timeout and the refit deadlines are measured on; not owned, must outlive the
   // server. Tests pass a clock they advance by hand; nullptr means the real
   // one.
   Clock* clock = Clock::Real();
@@ -67,6 +74,9 @@ struct ServerOptions {
 };
 
 inline constexpr int64_t kMessageHeadroomBytes = int64_t{1} << 20;
+// The smallest ReadTensor chunk a request may ask for (smaller requests are
+// raised to it).
+inline constexpr int64_t kMinReadChunkBytes = int64_t{64} << 10;
 
 // Splits comma-separated entries and drops empty ones.
 std::vector<std::string> SplitListenAddresses(const std::vector<std::string>& values);

@@ -138,6 +138,29 @@ TEST(RefitctlTest, RefusedPushExitsFiveWithTheDaemonsMessage) {
   ::rmdir(dir.c_str());
 }
 
+TEST(RefitctlTest, PushRequiresACompleteModelUnlessPartial) {
+  FakeServer server;
+  char pattern[] = "/tmp/refitctl_test_XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  std::string dir = pattern;
+  {
+    std::ofstream f(dir + "/m.safetensors", std::ios::binary);
+    std::string header = R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})";
+    uint64_t n = header.size();
+    for (int i = 0; i < 8; ++i) f.put(static_cast<char>((n >> (8 * i)) & 0xff));
+    f << header << "ab";
+  }
+  ASSERT_EQ(RunCtl({"--addr", server.address(), "push", dir}), 0);
+  ASSERT_EQ(RunCtl({"--addr", server.address(), "push", "--partial", dir}), 0);
+  const auto pushes = server.service().pushes();
+  ASSERT_EQ(pushes.size(), 2u);
+  ASSERT_FALSE(pushes[0].messages.empty());
+  EXPECT_TRUE(pushes[0].messages[0].begin().options().require_complete());
+  EXPECT_FALSE(pushes[1].messages[0].begin().options().require_complete());
+  ::unlink((dir + "/m.safetensors").c_str());
+  ::rmdir(dir.c_str());
+}
+
 TEST(RefitctlTest, CommitOfARefitStillReceivingExitsTwo) {
   FakeServer server;
   server.service().Fail("Commit", grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,

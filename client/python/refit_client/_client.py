@@ -148,6 +148,7 @@ def _result(msg: Any) -> RefitResult:
         ),
         bytes_received=msg.bytes_received,
         peak_staging_bytes=msg.peak_staging_bytes,
+        unchanged=msg.unchanged,
     )
 
 
@@ -181,6 +182,7 @@ def _options(
     label: Optional[str],
     non_finite: str,
     allow_partial_layers: bool,
+    require_complete: bool = False,
 ) -> Any:
     if non_finite not in _NON_FINITE:
         raise InvalidArgument(f"non_finite must be one of {sorted(_NON_FINITE)}, got {non_finite!r}")
@@ -189,6 +191,7 @@ def _options(
         completion=pb.COMPLETION_MODE_PREPARE if prepare else pb.COMPLETION_MODE_COMMIT,
         non_finite=_NON_FINITE[non_finite],
         allow_partial_layers=allow_partial_layers,
+        require_complete=require_complete,
         label=label or "",
     )
     if base_version is not None:
@@ -620,6 +623,7 @@ class RefitClient:
         checksums: bool = True,
         non_finite: str = "reject",
         allow_partial_layers: bool = False,
+        require_complete: bool = True,
         progress: Union[None, str, Callable[[PushProgress], None]] = None,
         timeout: Optional[float] = None,
         _tensors_total: Optional[int] = None,
@@ -636,7 +640,9 @@ class RefitClient:
         """
         begin = pb.Begin(
             model_group=group,
-            options=_options(prepare, base_version, label, non_finite, allow_partial_layers),
+            options=_options(
+                prepare, base_version, label, non_finite, allow_partial_layers, require_complete
+            ),
         )
         return Refit(
             self,
@@ -662,6 +668,7 @@ class RefitClient:
         checksums: bool = True,
         non_finite: str = "reject",
         allow_partial_layers: bool = False,
+        require_complete: bool = True,
         progress: Union[None, str, Callable[[PushProgress], None]] = None,
         timeout: Optional[float] = None,
     ) -> RefitResult:
@@ -678,7 +685,12 @@ class RefitClient:
         (StaleBaseVersion). ``chunk_bytes``: largest chunk of one tensor;
         ``bucket_bytes``: tensor bytes per gRPC message. Every chunk carries
         its XXH3-64 unless ``checksums=False``. ``non_finite``: "reject" or
-        "vllm". ``progress`` is called with a PushProgress after every
+        "vllm". ``require_complete`` (default True): the daemon refuses
+        (FailedPrecondition, naming what is missing) a refit that leaves any
+        checkpoint tensor out, which would serve new weights next to old
+        ones; pass False for a deliberate partial refit. A push with no
+        tensors at all is refused here (InvalidArgument).
+        ``progress`` is called with a PushProgress after every
         message; ``progress="tqdm"`` draws a tqdm bar instead (TqdmProgress,
         needs tqdm). ``timeout``: deadline of the whole push (none by default).
 
@@ -699,6 +711,7 @@ class RefitClient:
             checksums=checksums,
             non_finite=non_finite,
             allow_partial_layers=allow_partial_layers,
+            require_complete=require_complete,
             progress=progress,
             timeout=timeout,
             _tensors_total=_tensors.count(tensors),
@@ -720,6 +733,7 @@ class RefitClient:
         group: str = "",
         non_finite: str = "reject",
         allow_partial_layers: bool = False,
+        require_complete: bool = True,
         timeout: Optional[float] = None,
     ) -> RefitResult:
         """The daemon reloads safetensors from ``path`` (a directory or file
@@ -730,7 +744,9 @@ class RefitClient:
         request = pb.ReloadRequest(
             model_group=group,
             path=path,
-            options=_options(prepare, base_version, label, non_finite, allow_partial_layers),
+            options=_options(
+                prepare, base_version, label, non_finite, allow_partial_layers, require_complete
+            ),
         )
         result = None
         try:

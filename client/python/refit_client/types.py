@@ -39,6 +39,8 @@ class RefitResult:
     ``version`` is the live version, unchanged until commit()).
     ``kept_layers`` received nothing and kept their values;
     ``partial_layers`` were received in part (allow_partial_layers only).
+    ``unchanged``: the refit carried no tensors, so no new version was made
+    (``version`` and ``fingerprint`` are the live ones).
     """
 
     refit_id: str
@@ -50,6 +52,7 @@ class RefitResult:
     timings: PhaseTimings = PhaseTimings()
     bytes_received: int = 0
     peak_staging_bytes: int = 0
+    unchanged: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

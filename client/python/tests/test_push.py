@@ -269,3 +269,16 @@ def test_tqdm_progress_bar(client, seed2):
     assert "push" in text and f"{len(seed2)}/{len(seed2)} tensors" in text
     # The shortcut makes the same bar on stderr.
     assert client.push(seed2, progress="tqdm").version == 3
+
+
+def test_push_of_part_of_the_model_is_refused_unless_asked_for(client, seed2):
+    v0 = client.status()
+    part = {k: v for k, v in seed2.items() if k.startswith("model.layers.0.")}
+    with pytest.raises(FailedPrecondition, match=r"require_complete.*model\.embed_tokens\.weight"):
+        client.push(part)
+    assert client.status().fingerprint == v0.fingerprint
+    result = client.push(part, require_complete=False)
+    assert result.version == v0.version + 1
+    assert "model.embed_tokens" in result.kept_layers
+    assert not result.unchanged
+

@@ -156,7 +156,8 @@ struct SnapshotWriterOptions {
 // visible) and a listener for "committed" events. Commits that arrive while
 // a snapshot is being written are coalesced: the writer then snapshots the
 // newest version only. Extra memory: one host buffer of the store's
-// kernel_bytes while a copy or write is in progress, freed when idle.
+// kernel_bytes, allocated at the first snapshot and kept. The thread runs at
+// nice 10 and the lowest best-effort I/O priority.
 class SnapshotWriter {
  public:
   // Errors: INTERNAL when `options.dir` cannot be created or written.

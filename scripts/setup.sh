@@ -14,6 +14,8 @@ APT_PACKAGES=(
   # (14) parses GCC 12's libstdc++ headers; clang-14 depends on
   # libstdc++-12-dev, the same headers the build's g++ uses.
   clang clang-format
+  # tests/deploy: systemd-analyze verify / security of deploy/systemd.
+  systemd
 )
 
 missing=()

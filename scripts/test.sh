@@ -8,6 +8,10 @@
 #   6. python         pytest of the Python client (client/python/tests) against
 #                     real refitd processes from $BUILD_DIR; its CUDA test skips
 #                     without a GPU
+#   7. deploy         pytest of tests/deploy: deploy/Dockerfile's library closure
+#                     (ldd of $BUILD_DIR's binaries), the Kubernetes manifests
+#                     against bundled schemas, systemd-analyze of the unit and
+#                     its command line run as systemd would
 # A failed setup or build stops the run; a failed format or thread-safety check
 # does not stop the tests, but fails the run. Extra arguments go to ctest.
 # Environment: BUILD_DIR (default build), JOBS (default 2).
@@ -33,7 +37,7 @@ summary() {
   printf '  %s\n' "${steps[@]}"
   # The runners' own closing lines, so neither scrolls out of sight.
   local f
-  for f in ctest pytest; do
+  for f in ctest pytest deploy; do
     [ -f "$BUILD_DIR/$f.log" ] && printf '  %-7s %s\n' "$f:" \
       "$(grep -E '(tests passed|[0-9]+ (passed|failed)|no tests ran)' "$BUILD_DIR/$f.log" | tail -1)"
   done
@@ -47,7 +51,7 @@ logged() {
   return "${PIPESTATUS[0]}"
 }
 
-rm -f "$BUILD_DIR/ctest.log" "$BUILD_DIR/pytest.log"
+rm -f "$BUILD_DIR/ctest.log" "$BUILD_DIR/pytest.log" "$BUILD_DIR/deploy.log"
 run_step setup scripts/setup.sh || { summary; exit 1; }
 run_step build scripts/build.sh || { summary; exit 1; }
 run_step format scripts/format-check.sh || true
@@ -57,5 +61,7 @@ run_step tests logged ctest ctest --test-dir "$BUILD_DIR" --output-on-failure -j
 # suite always has tests, so none collected means they were lost.
 run_step python logged pytest env REFIT_BUILD_DIR="$BUILD_DIR" .venv/bin/python -m pytest client/python/tests -q \
   -p no:cacheprovider || true
+run_step deploy logged deploy env REFIT_BUILD_DIR="$BUILD_DIR" .venv/bin/python -m pytest tests/deploy \
+  -q -p no:cacheprovider || true
 summary
 exit $failed

@@ -1,0 +1,114 @@
+"""deploy/kubernetes/*.yaml: valid against a recent Kubernetes' schemas
+(kubernetes-validate's bundled, offline ones, strict: unknown fields fail),
+and probing, addressing and ports as docs/deploy.md describes them."""
+
+import socket
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+K8S_VERSION = "1.37.0"
+MANIFESTS = sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
+READINESS_SERVICE = "refit.v1.RefitService"
+
+
+def documents(path):
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def workloads(path):
+    return [d for d in documents(path) if d["kind"] in ("StatefulSet", "DaemonSet", "Deployment")]
+
+
+def refitd_container(workload):
+    (container,) = [c for c in workload["spec"]["template"]["spec"]["containers"]
+                    if c["name"] == "refitd"]
+    return container
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Schemas must come from the package: any connection attempt fails."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("kubernetes-validate tried to reach the network")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_there_are_statefulset_and_daemonset_forms():
+    kinds = {d["kind"] for path in MANIFESTS for d in documents(path)}
+    assert {"StatefulSet", "DaemonSet", "Service", "Secret"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_is_valid_for_recent_kubernetes(path, no_network):
+    import kubernetes_validate
+
+    for document in documents(path):
+        kubernetes_validate.validate(document, K8S_VERSION, strict=True)
+
+
+def test_validator_rejects_an_unknown_field(no_network):
+    import kubernetes_validate
+
+    (workload, *_) = workloads(REPO / "deploy" / "kubernetes" / "refitd.yaml")
+    refitd_container(workload)["startupProbes"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(workload, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_startup_and_readiness_wait_for_a_served_version(path):
+    for workload in workloads(path):
+        container = refitd_container(workload)
+        for probe in ("startupProbe", "readinessProbe"):
+            spec = container[probe]
+            if "grpc" in spec:
+                assert spec["grpc"].get("service") == READINESS_SERVICE, (
+                    f"{probe} checks {spec['grpc'].get('service')!r}: \"\" is SERVING as soon "
+                    "as the port binds, before the model is loaded")
+            else:
+                # refitctl health passes only when the readiness service is SERVING.
+                command = spec["exec"]["command"]
+                assert command[0].endswith("refitctl") and command[-1] == "health", command
+                args = refitd_container(workload)["args"]
+                if any(a.startswith("--tls-cert") for a in args):
+                    assert any(c.startswith("--tls-ca=") for c in command), (
+                        f"{probe} talks plaintext to a TLS port")
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_tokens_never_travel_in_plaintext(path):
+    for workload in workloads(path):
+        args = refitd_container(workload)["args"]
+        remote = any(a.startswith("--listen=") and "0.0.0.0" in a for a in args)
+        if remote and any(a.startswith("--auth-tokens") for a in args):
+            assert any(a.startswith("--tls-cert=") for a in args), (
+                f"{workload['metadata']['name']}: bearer tokens on a plaintext port")
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_metrics_and_grpc_are_separate_services(path):
+    for service in (d for d in documents(path) if d["kind"] == "Service"):
+        names = {p["name"] for p in service["spec"]["ports"]}
+        if service["spec"].get("clusterIP") == "None":
+            assert names == {"grpc"}, f"headless {service['metadata']['name']}: {names}"
+
+
+def test_statefulset_has_a_headless_service_for_pod_dns():
+    docs = documents(REPO / "deploy" / "kubernetes" / "refitd.yaml")
+    (statefulset,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    governing = services[statefulset["spec"]["serviceName"]]
+    assert governing["spec"]["clusterIP"] == "None"
+    assert governing["spec"].get("publishNotReadyAddresses") is True
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_args_are_refitd_flags(path, refitd_flags):
+    for workload in workloads(path):
+        for arg in refitd_container(workload)["args"]:
+            name = arg[2:].split("=")[0]
+            assert name in refitd_flags, f"{path.name} passes {arg}, refitd has no --{name}"

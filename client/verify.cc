@@ -44,13 +44,14 @@ struct LayerBuffers {
 // Copies the part of `src` (a full checkpoint tensor) that belongs to this
 // rank into its param buffer, converting to the param's dtype.
 absl::Status Scatter(const CheckpointTensor& ct, const core::TensorEntry& src,
-                     const ParamSpec& param, std::vector<uint8_t>& dst, int64_t* loaded) {
+                     const uint8_t* src_data, const ParamSpec& param, std::vector<uint8_t>& dst,
+                     int64_t* loaded) {
   const core::SliceSpec& s = ct.slice;
   const int64_t cols = ViewCols(src.shape);
   const size_t in = core::DTypeSize(src.dtype);
   const size_t out = core::DTypeSize(param.dtype);
   for (int64_t r = 0; r < s.num_rows; ++r) {
-    const uint8_t* from = src.data + ((s.src_row + r) * cols + s.src_col) * in;
+    const uint8_t* from = src_data + ((s.src_row + r) * cols + s.src_col) * in;
     uint8_t* to = dst.data() + ((s.dst_row + r) * s.num_cols) * out;
     if (src.dtype == param.dtype) {
       std::memcpy(to, from, static_cast<size_t>(s.num_cols) * out);
@@ -298,8 +299,13 @@ absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& op
         buffers.param_seen.assign(spec.params.size(), false);
       }
       buffers.param_seen[(*ct)->param] = true;
-      absl::Status copied = Scatter(**ct, t, spec.params[(*ct)->param],
-                                    buffers.params[(*ct)->param], &buffers.loaded);
+      // Read, not mapped: a file truncated under refitctl is an error, not
+      // SIGBUS.
+      absl::StatusOr<std::string> bytes = (*file)->ReadAll(t);
+      if (!bytes.ok()) return bytes.status();
+      absl::Status copied =
+          Scatter(**ct, t, reinterpret_cast<const uint8_t*>(bytes->data()),
+                  spec.params[(*ct)->param], buffers.params[(*ct)->param], &buffers.loaded);
       if (!copied.ok()) return copied;
     }
     files.push_back(*std::move(file));

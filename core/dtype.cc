@@ -1,5 +1,6 @@
 #include "core/dtype.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -57,6 +58,24 @@ void ConvertFrom(const void* src, void* dst, DType dst_dtype, size_t count) {
   }
 }
 
+// Elements whose exponent bits (`mask`) are all set are Inf or NaN, in every
+// IEEE-like format; e4m3fn has no Inf and its NaN sets all seven low bits.
+template <typename Bits>
+int64_t FindAllOnes(const void* data, int64_t count, Bits mask) {
+  const Bits* bits = static_cast<const Bits*>(data);
+  constexpr int64_t kBlock = 4096;
+  for (int64_t begin = 0; begin < count; begin += kBlock) {
+    const int64_t end = std::min(count, begin + kBlock);
+    bool any = false;
+    for (int64_t i = begin; i < end; ++i) any |= (bits[i] & mask) == mask;
+    if (!any) continue;
+    for (int64_t i = begin; i < end; ++i) {
+      if ((bits[i] & mask) == mask) return i;
+    }
+  }
+  return -1;
+}
+
 }  // namespace
 
 size_t DTypeSize(DType dtype) { return Info(dtype).size; }
@@ -97,6 +116,25 @@ absl::Status ConvertFloats(const void* src, DType src_dtype, void* dst, DType ds
       break;
   }
   return absl::OkStatus();
+}
+
+int64_t FindNonFinite(const void* data, DType dtype, int64_t count) {
+  switch (dtype) {
+    case DType::kFloat64:
+      return FindAllOnes<uint64_t>(data, count, uint64_t{0x7FF0000000000000});
+    case DType::kFloat32:
+      return FindAllOnes<uint32_t>(data, count, 0x7F800000u);
+    case DType::kFloat16:
+      return FindAllOnes<uint16_t>(data, count, 0x7C00);
+    case DType::kBFloat16:
+      return FindAllOnes<uint16_t>(data, count, 0x7F80);
+    case DType::kFloat8E5M2:
+      return FindAllOnes<uint8_t>(data, count, 0x7C);
+    case DType::kFloat8E4M3:
+      return FindAllOnes<uint8_t>(data, count, 0x7F);
+    default:
+      return -1;
+  }
 }
 
 float LoadAsFloat(const void* src, DType dtype, size_t i) {

@@ -56,6 +56,12 @@ absl::Status ConvertFloats(const void* src, DType src_dtype, void* dst, DType ds
 // Reads element `i` of a high-precision float buffer as float32.
 float LoadAsFloat(const void* src, DType dtype, size_t i);
 
+// Index of the first NaN or Inf among `count` elements of a floating-point
+// buffer (F64, F32, F16, BF16, F8_E5M2; F8_E4M3's NaN), or -1 if every element
+// is finite or `dtype` is not a floating type. Scans blocks branch-free, so a
+// finite tensor costs about one pass at memory speed.
+int64_t FindNonFinite(const void* data, DType dtype, int64_t count);
+
 }  // namespace refit::core
 
 #endif  // REFIT_CORE_DTYPE_H_

@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -39,6 +40,24 @@ absl::Status KeepAttentionScales(const LayerSpec& spec, const std::vector<Stagin
     kernels[i] = *std::move(buffer);
   }
   return absl::OkStatus();
+}
+
+// INVALID_ARGUMENT naming the tensor and its first NaN/Inf element, as the
+// FP8 quantizer reports one.
+absl::Status CheckFinite(absl::string_view kernel_name, const ParamSpec& param,
+                         const StagingBuffer& bytes) {
+  const int64_t count = bytes.size() / static_cast<int64_t>(DTypeSize(param.dtype));
+  const int64_t index = FindNonFinite(bytes.data(), param.dtype, count);
+  if (index < 0) return absl::OkStatus();
+  const char* text = "nan or inf";
+  if (IsHighPrecisionFloat(param.dtype)) {
+    const float value = LoadAsFloat(bytes.data(), param.dtype, static_cast<size_t>(index));
+    text = std::isinf(value) ? (value > 0 ? "inf" : "-inf") : "nan";
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("tensor '", kernel_name, "': element ", index, " is ", text,
+                   "; the non-finite policy REJECT refuses non-finite values in every float tensor "
+                   "(NON_FINITE_POLICY_VLLM_COMPATIBLE accepts them)"));
 }
 
 }  // namespace
@@ -82,6 +101,14 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
       const ParamSpec& param = spec.params[plan.param];
       if (plan.scale < 0) {
         // Kept in the checkpoint dtype: the param buffer becomes the kernel.
+        // The reject policy covers these too (embeddings, lm_head, norms):
+        // the quantizer only sees the FP8 weights.
+        if (options_.non_finite == NonFinitePolicy::kReject) {
+          if (absl::Status finite = CheckFinite(spec.kernels[k].name, param, params[plan.param]);
+              !finite.ok()) {
+            return finite;
+          }
+        }
         absl::Status kept = (*build)->Keep(static_cast<int>(k), std::move(params[plan.param]));
         if (!kept.ok()) return kept;
         continue;

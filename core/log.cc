@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/text.h"
 
 namespace refit::core {
 namespace {
@@ -41,10 +42,16 @@ absl::string_view SeverityName(LogSeverity severity) {
   return "INFO";
 }
 
+// Fields are short values (ids, names, paths); messages can quote whole
+// statuses. Both are bounded so one record stays one readable line.
+constexpr size_t kMaxFieldBytes = 256;
+constexpr size_t kMaxMessageBytes = 4096;
+
 bool NeedsQuotes(absl::string_view value) {
   if (value.empty()) return true;
   for (char c : value) {
-    if (c == ' ' || c == '"' || c == '=' || c == '\n') return true;
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (c == ' ' || c == '"' || c == '=' || c == '\\' || u < 0x20 || u >= 0x7F) return true;
   }
   return false;
 }
@@ -60,14 +67,9 @@ LogRecord::LogRecord(LogSeverity severity)
 LogRecord& LogRecord::Field(absl::string_view key, absl::string_view value) {
   if (!enabled_) return *this;
   if (NeedsQuotes(value)) {
-    std::string escaped;
-    for (char c : value) {
-      if (c == '"' || c == '\\') escaped.push_back('\\');
-      escaped.push_back(c == '\n' ? ' ' : c);
-    }
-    absl::StrAppend(&fields_, key, "=\"", escaped, "\" ");
+    absl::StrAppend(&fields_, key, "=\"", BoundedText(value, kMaxFieldBytes), "\" ");
   } else {
-    absl::StrAppend(&fields_, key, "=", value, " ");
+    absl::StrAppend(&fields_, key, "=", BoundedText(value, kMaxFieldBytes), " ");
   }
   return *this;
 }
@@ -76,7 +78,8 @@ LogRecord::~LogRecord() {
   if (!enabled_) return;
   std::string line =
       absl::StrCat(absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone()), " ",
-                   SeverityName(severity_), " ", fields_, message_.str(), "\n");
+                   SeverityName(severity_), " ", fields_,
+                   SanitizeLogText(message_.str(), kMaxMessageBytes), "\n");
   ssize_t ignored = ::write(STDERR_FILENO, line.data(), line.size());
   (void)ignored;
 }

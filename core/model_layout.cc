@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "core/text.h"
 
 namespace refit::core {
 namespace {
@@ -513,7 +514,7 @@ absl::StatusOr<int> ModelLayout::FindCheckpointTensor(absl::string_view name) co
   } else if (absl::EndsWith(rest, "_proj.bias")) {
     hint = " (this model has no bias on that projection; see attention_bias in config.json)";
   }
-  return absl::NotFoundError(absl::StrCat("unknown tensor '", name, "' for ",
+  return absl::NotFoundError(absl::StrCat("unknown tensor ", QuoteText(name), " for ",
                                           c.arch_name.empty() ? "this model" : c.arch_name, " (",
                                           c.num_layers, " layers)", hint));
 }

@@ -2,7 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <sys/mman.h>
+#include <limits.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,6 +18,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/text.h"
 #include "nlohmann/json.hpp"
 
 namespace refit::core {
@@ -26,22 +27,15 @@ namespace {
 using Json = nlohmann::json;
 
 constexpr size_t kLengthPrefixBytes = 8;
-// Real headers are a few MB even for 100k-tensor checkpoints; the cap stops a
-// forged length from making us parse (and allocate for) gigabytes of JSON.
-constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 constexpr absl::string_view kMetadataKey = "__metadata__";
-// Untrusted strings echoed in error messages are escaped and cut to this
-// length so a hostile header cannot flood the logs.
+// Untrusted strings echoed in error messages are escaped and bounded in one
+// place (core/text.h) so a hostile header cannot flood the logs.
 constexpr size_t kMaxQuotedChars = 120;
 // Nesting allowed in the header JSON; see HeaderChecker for why there is a
 // limit.
 constexpr int kMaxHeaderDepth = 16;
 
-std::string Quote(absl::string_view s) {
-  std::string escaped = absl::CHexEscape(s.substr(0, kMaxQuotedChars));
-  if (s.size() > kMaxQuotedChars) absl::StrAppend(&escaped, "...");
-  return absl::StrCat("\"", escaped, "\"");
-}
+std::string Quote(absl::string_view s) { return QuoteText(s); }
 
 // A compact rendering of an offending JSON value, for messages.
 std::string Render(const Json& value) {
@@ -78,7 +72,15 @@ class HeaderChecker {
   bool end_object() { return Leave(); }
   bool end_array() { return Leave(); }
   bool key(Json::string_t& key) {
-    if (depth_ == 1 && !top_level_keys_.insert(key).second) {
+    if (depth_ != 1) return true;
+    // Checked before the DOM parse, so an oversized header is refused at the
+    // cost of reading it once, not of building it.
+    if (top_level_keys_.size() == kMaxSafetensorsHeaderEntries) {
+      error_ = absl::StrCat("header has more than ", kMaxSafetensorsHeaderEntries,
+                            " entries, the limit per file");
+      return false;
+    }
+    if (!top_level_keys_.insert(key).second) {
       error_ = absl::StrCat("header names ", Quote(key), " twice");
       return false;
     }
@@ -230,6 +232,8 @@ absl::Status ErrnoStatus(int err, absl::string_view what, absl::string_view path
     case EACCES:
     case EPERM:
       return absl::PermissionDeniedError(message);
+    case EIO:
+      return absl::DataLossError(message);
     default:
       return absl::InternalError(message);
   }
@@ -270,31 +274,62 @@ absl::Status WriteAll(int fd, const uint8_t* data, size_t size, absl::string_vie
   return absl::OkStatus();
 }
 
+// Reads up to `size` bytes at `offset`; returns how many were read (fewer only
+// at the end of the file) or -errno.
+int64_t PreadAll(int fd, uint8_t* out, size_t size, uint64_t offset) {
+  size_t done = 0;
+  while (done < size) {
+    const size_t chunk = std::min<size_t>(size - done, size_t{1} << 30);
+    ssize_t n = ::pread(fd, out + done, chunk, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return static_cast<int64_t>(done);
+}
+
+int64_t MtimeNs(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
-  FdCloser closer(fd);
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  file->fd_ = fd;  // closed by the destructor on every path out
   struct stat st;
   if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "cannot stat", path);
   if (!S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
   }
-
-  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
-  file->path_ = path;
-  const size_t size = static_cast<size_t>(st.st_size);
-  // mmap rejects length 0; Parse reports short files with the proper message.
-  if (size > 0) {
-    void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (map == MAP_FAILED) return ErrnoStatus(errno, "cannot mmap", path);
-    file->map_ = map;
-    file->map_size_ = size;
-    file->base_ = static_cast<const uint8_t*>(map);
+  file->size_ = static_cast<uint64_t>(st.st_size);
+  file->mtime_ns_ = MtimeNs(st);
+  uint8_t prefix[kLengthPrefixBytes] = {};
+  if (file->size_ >= kLengthPrefixBytes) {
+    const int64_t n = PreadAll(fd, prefix, kLengthPrefixBytes, 0);
+    if (n < 0) return ErrnoStatus(static_cast<int>(-n), "cannot read", path);
+    if (n < static_cast<int64_t>(kLengthPrefixBytes)) file->size_ = static_cast<uint64_t>(n);
   }
-  file->size_ = size;
-  absl::Status status = file->Parse();
+  absl::StatusOr<uint64_t> header_len = file->CheckPrefix(prefix);
+  if (!header_len.ok()) return header_len.status();
+  std::string header(*header_len, '\0');
+  const int64_t n =
+      PreadAll(fd, reinterpret_cast<uint8_t*>(header.data()), header.size(), kLengthPrefixBytes);
+  if (n < 0) return ErrnoStatus(static_cast<int>(-n), "cannot read", path);
+  if (n < static_cast<int64_t>(header.size())) {
+    absl::Status changed = file->CheckUnchanged("");
+    if (!changed.ok()) return changed;
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": file ended inside the header; was it truncated while being read?"));
+  }
+  file->data_start_ = kLengthPrefixBytes + *header_len;
+  absl::Status status = file->Parse(header, file->size_ - file->data_start_);
   if (!status.ok()) return status;
   return file;
 }
@@ -303,16 +338,22 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(absl
                                                                             std::string label) {
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = std::move(label);
-  file->owned_ = std::string(bytes);
-  file->base_ = reinterpret_cast<const uint8_t*>(file->owned_.data());
-  file->size_ = file->owned_.size();
-  absl::Status status = file->Parse();
+  file->image_ = std::string(bytes);
+  file->size_ = bytes.size();
+  uint8_t prefix[kLengthPrefixBytes] = {};
+  if (bytes.size() >= kLengthPrefixBytes) std::memcpy(prefix, bytes.data(), kLengthPrefixBytes);
+  absl::StatusOr<uint64_t> header_len = file->CheckPrefix(prefix);
+  if (!header_len.ok()) return header_len.status();
+  file->data_start_ = kLengthPrefixBytes + *header_len;
+  absl::Status status =
+      file->Parse(absl::string_view(file->image_).substr(kLengthPrefixBytes, *header_len),
+                  file->size_ - file->data_start_);
   if (!status.ok()) return status;
   return file;
 }
 
 SafetensorsFile::~SafetensorsFile() {
-  if (map_ != nullptr) ::munmap(map_, map_size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 const TensorEntry* SafetensorsFile::Find(absl::string_view name) const {
@@ -320,7 +361,7 @@ const TensorEntry* SafetensorsFile::Find(absl::string_view name) const {
   return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
-absl::Status SafetensorsFile::Parse() {
+absl::StatusOr<uint64_t> SafetensorsFile::CheckPrefix(const uint8_t* prefix) const {
   const std::string& label = path_;
   if (size_ < kLengthPrefixBytes) {
     return Invalid(label, "file is ", size_,
@@ -328,23 +369,99 @@ absl::Status SafetensorsFile::Parse() {
   }
   uint64_t header_len = 0;
   for (size_t i = 0; i < kLengthPrefixBytes; ++i) {
-    header_len |= uint64_t{base_[i]} << (8 * i);
+    header_len |= uint64_t{prefix[i]} << (8 * i);
   }
-  if (header_len > kMaxHeaderBytes) {
-    return Invalid(label, "header length ", header_len, " exceeds the limit of ", kMaxHeaderBytes,
-                   " bytes");
+  if (header_len > kMaxSafetensorsHeaderBytes) {
+    return Invalid(label, "header length ", header_len, " exceeds the limit of ",
+                   kMaxSafetensorsHeaderBytes, " bytes");
   }
   if (header_len > size_ - kLengthPrefixBytes) {
     return Invalid(label, "header length ", header_len, " runs past the end of the file (", size_,
                    " bytes)");
   }
-  const char* header_begin = reinterpret_cast<const char*>(base_ + kLengthPrefixBytes);
-  const char* header_end = header_begin + header_len;
-  const uint8_t* data = base_ + kLengthPrefixBytes + header_len;
-  const uint64_t data_size = size_ - kLengthPrefixBytes - header_len;
+  return header_len;
+}
 
-  // A streaming pre-pass checks syntax, nesting depth and repeated names
-  // before anything is built; see HeaderChecker for why.
+absl::Status SafetensorsFile::CheckUnchanged(absl::string_view tensor_name) const {
+  if (fd_ < 0) return absl::OkStatus();
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) return ErrnoStatus(errno, "cannot stat", path_);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size == size_ && MtimeNs(st) == mtime_ns_) return absl::OkStatus();
+  const std::string what = tensor_name.empty()
+                               ? std::string()
+                               : absl::StrCat("reading tensor ", Quote(tensor_name), ": ");
+  if (size != size_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, ": ", what, "the file changed while being read (", size_,
+                     " bytes at open, ", size, " now); was it truncated or rewritten in place?"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      path_, ": ", what,
+      "the file changed while being read (modified since it was opened); was it rewritten in "
+      "place?"));
+}
+
+absl::Status SafetensorsFile::Read(const TensorEntry& tensor, uint64_t offset,
+                                   absl::Span<uint8_t> out) const {
+  if (offset > tensor.nbytes || out.size() > tensor.nbytes - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor ", Quote(tensor.name),
+                                                   ": bytes [", offset, ", ", offset + out.size(),
+                                                   ") are not inside its ", tensor.nbytes));
+  }
+  if (out.empty()) return absl::OkStatus();
+  const uint64_t at = data_start_ + tensor.offset + offset;
+  if (fd_ < 0) {
+    std::memcpy(out.data(), image_.data() + at, out.size());
+    return absl::OkStatus();
+  }
+  const int64_t n = PreadAll(fd_, out.data(), out.size(), at);
+  if (n < 0) {
+    return ErrnoStatus(static_cast<int>(-n),
+                       absl::StrCat("cannot read tensor ", Quote(tensor.name)), path_);
+  }
+  // Checked after every read, short or not: a file rewritten in place reads
+  // in full but mixes old and new bytes.
+  if (absl::Status changed = CheckUnchanged(tensor.name); !changed.ok()) return changed;
+  if (n < static_cast<int64_t>(out.size())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, ": reading tensor ", Quote(tensor.name),
+                     ": the file ended early; was it truncated while being read?"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> SafetensorsFile::OpenedPath() const {
+  if (fd_ < 0) return path_;
+  const std::string link = absl::StrCat("/proc/self/fd/", fd_);
+  char target[PATH_MAX];
+  const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+  if (n < 0) return ErrnoStatus(errno, "cannot resolve the open file", path_);
+  return std::string(target, static_cast<size_t>(n));
+}
+
+absl::StatusOr<std::string> SafetensorsFile::ReadAll(const TensorEntry& tensor) const {
+  std::string bytes(tensor.nbytes, '\0');
+  absl::Status status =
+      Read(tensor, 0, absl::MakeSpan(reinterpret_cast<uint8_t*>(bytes.data()), bytes.size()));
+  if (!status.ok()) return status;
+  return bytes;
+}
+
+absl::Status SafetensorsFile::Parse(absl::string_view header_text, uint64_t data_size) {
+  const std::string& label = path_;
+  // nlohmann's lexer takes a NUL byte for the end of input, so the bytes after
+  // it would be ignored; the reference parser requires UTF-8 JSON throughout
+  // (trailing spaces are padding).
+  if (const size_t nul = header_text.find('\0'); nul != absl::string_view::npos) {
+    return Invalid(label, "header has a NUL byte at offset ", nul,
+                   "; a safetensors header must be JSON text");
+  }
+  const char* header_begin = header_text.data();
+  const char* header_end = header_begin + header_text.size();
+
+  // A streaming pre-pass checks syntax, nesting depth, the entry count and
+  // repeated names before anything is built; see HeaderChecker for why.
   HeaderChecker checker;
   if (!Json::sax_parse(header_begin, header_end, &checker)) {
     return Invalid(label, checker.error());
@@ -370,7 +487,6 @@ absl::Status SafetensorsFile::Parse() {
     TensorEntry entry;
     absl::Status status = ParseEntry(label, key, value, data_size, &entry);
     if (!status.ok()) return status;
-    entry.data = data + entry.offset;
     tensors.push_back(std::move(entry));
   }
 

@@ -1,4 +1,4 @@
-// Safetensors files: a memory-mapped, validated reader and a writer.
+// Safetensors files: a validated reader and a writer.
 //
 // Format: 8-byte little-endian header length N, N bytes of JSON
 // {"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
@@ -8,13 +8,22 @@
 //   - the header length fits in the file and the JSON parses to an object;
 //   - dtypes are known, shapes are non-negative integers;
 //   - end - begin == product(shape) * dtype size;
-//   - ranges lie inside the data section and do not overlap.
+//   - ranges lie inside the data section and do not overlap;
+//   - the header is bounded (kMaxSafetensorsHeaderBytes, at most
+//     kMaxSafetensorsHeaderEntries entries) and holds no NUL byte.
 // Errors are INVALID_ARGUMENT (malformed) or NOT_FOUND / PERMISSION_DENIED
 // (cannot open), and the message names the file and the offending field.
 //
-// Lifecycle: a SafetensorsFile owns its mapping; TensorEntry::data points into
-// it and is valid while the file object lives. Immutable after Open, so safe to
-// read from any number of threads.
+// Tensor bytes are read with pread (Read), not through a memory mapping: a
+// file truncated while mapped turns the next access into SIGBUS, which would
+// kill the daemon, while a short read is an error the refit can report. A
+// file that changes after Open (size or modification time, checked on every
+// Read) fails the read with FAILED_PRECONDITION, so a refit never mixes bytes
+// of two versions of a file without saying so.
+//
+// Lifecycle: a SafetensorsFile owns its open descriptor (or, from FromBytes,
+// its bytes). Immutable after Open, so safe to read from any number of
+// threads (pread has no shared file position).
 #ifndef REFIT_CORE_SAFETENSORS_H_
 #define REFIT_CORE_SAFETENSORS_H_
 
@@ -38,25 +47,34 @@ struct TensorEntry {
   std::vector<int64_t> shape;
   uint64_t offset = 0;  // within the data section
   uint64_t nbytes = 0;
-  const uint8_t* data = nullptr;  // into the mapping
 };
+
+// Header bounds. Real headers are a few MB even for checkpoints with 100k
+// tensors in a file; the caps keep a forged header from costing gigabytes of
+// memory and seconds of parsing (the parsed header takes ~1 KB per entry).
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = uint64_t{32} << 20;
+inline constexpr size_t kMaxSafetensorsHeaderEntries = size_t{1} << 17;  // 131,072
 
 class SafetensorsFile {
  public:
-  // Maps and validates `path`. Every message starts with the path; those
-  // about one tensor or field name it.
+  // Opens `path` and validates its header. Every message starts with the
+  // path; those about one tensor or field name it.
   // Errors:
   //   NOT_FOUND          no such file (or a path component is not a directory)
   //   PERMISSION_DENIED  the file cannot be read
   //   INVALID_ARGUMENT   not a regular file, or malformed: shorter than the
   //                      length prefix, a header length past the end of the
-  //                      file or over 100 MiB, a header that is not a JSON
-  //                      object, nests too deep or names a tensor twice, a bad
+  //                      file or over kMaxSafetensorsHeaderBytes, a header
+  //                      with a NUL byte or more than
+  //                      kMaxSafetensorsHeaderEntries entries, one that is not
+  //                      a JSON object, nests too deep or names a tensor
+  //                      twice, a bad
   //                      "__metadata__", an entry with a missing or mistyped
   //                      dtype/shape/data_offsets, an unknown dtype, a shape
   //                      that overflows, data_offsets that do not match the
   //                      shape, lie outside the data section or overlap
-  //   INTERNAL           other I/O errors (stat, mmap)
+  //   FAILED_PRECONDITION the file shrank while its header was read
+  //   INTERNAL           other I/O errors (stat, read)
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
   // Validates an in-memory image (copied); `label` stands for the path in
   // errors. Errors: Open's INVALID_ARGUMENT cases, for the same images.
@@ -74,16 +92,37 @@ class SafetensorsFile {
   const TensorEntry* Find(absl::string_view name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
+  // Copies bytes [offset, offset + out.size()) of `tensor` (an entry of this
+  // file) into `out`.
+  // Errors (naming the file and the tensor):
+  //   INVALID_ARGUMENT     the range is not inside the tensor
+  //   FAILED_PRECONDITION  the file changed since Open: its size or
+  //                        modification time differs, or it ends early (it
+  //                        was truncated or is being rewritten)
+  //   DATA_LOSS            the device reported an I/O error (EIO)
+  //   INTERNAL             other read errors
+  absl::Status Read(const TensorEntry& tensor, uint64_t offset, absl::Span<uint8_t> out) const;
+  // The path the open file has now (from /proc/self/fd, symlinks resolved),
+  // so a caller can check where the bytes really come from; the label for
+  // FromBytes. Errors: INTERNAL if it cannot be resolved.
+  absl::StatusOr<std::string> OpenedPath() const;
+  // All of `tensor`'s bytes. Errors: those of Read.
+  absl::StatusOr<std::string> ReadAll(const TensorEntry& tensor) const;
+
  private:
   SafetensorsFile() = default;
-  absl::Status Parse();
+  // Validates the length prefix of a `size`-byte file and returns the header
+  // length.
+  absl::StatusOr<uint64_t> CheckPrefix(const uint8_t* prefix) const;
+  absl::Status Parse(absl::string_view header, uint64_t data_size);
+  absl::Status CheckUnchanged(absl::string_view tensor_name) const;
 
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_size_ = 0;
-  std::string owned_;  // FromBytes storage
-  const uint8_t* base_ = nullptr;
-  size_t size_ = 0;
+  int fd_ = -1;              // Open: the file, read with pread
+  uint64_t size_ = 0;        // of the file (or image) at Open
+  int64_t mtime_ns_ = 0;     // at Open
+  uint64_t data_start_ = 0;  // file offset of the data section
+  std::string image_;        // FromBytes: the whole image
   std::vector<TensorEntry> tensors_;
   std::map<std::string, size_t, std::less<>> index_;
   std::map<std::string, std::string> metadata_;

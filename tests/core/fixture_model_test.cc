@@ -196,7 +196,9 @@ TEST(FixtureModelTest, WritesConfigAndShardedSafetensors) {
     EXPECT_FALSE((*file)->tensors().empty()) << path;
     for (const TensorEntry& e : (*file)->tensors()) {
       read_order.push_back(e.name);
-      read[e.name].assign(e.data, e.data + e.nbytes);
+      absl::StatusOr<std::string> bytes = (*file)->ReadAll(e);
+      ASSERT_TRUE(bytes.ok()) << bytes.status();
+      read[e.name].assign(bytes->begin(), bytes->end());
     }
   }
   ASSERT_EQ(read_order.size(), weights->size());

@@ -588,7 +588,7 @@ TEST(NameMapperTest, ReportsUnknownNamesWithHints) {
   auto far = mapper.Lookup("model.layers.7.mlp.up_proj.weight");
   EXPECT_EQ(far.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(far.status().message()),
-              HasSubstr("'model.layers.7.mlp.up_proj.weight'"));
+              HasSubstr("\"model.layers.7.mlp.up_proj.weight\""));
   EXPECT_THAT(std::string(far.status().message()), HasSubstr("model has 2 layers"));
 
   auto junk = mapper.Lookup("transformer.h.0.attn.c_attn.weight");

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include <xxhash.h>
@@ -573,6 +574,66 @@ TEST_F(RefitSessionTest, NonFiniteWeightsAreRejectedByDefault) {
   RefitOptions vllm;
   vllm.non_finite = NonFinitePolicy::kVllmCompatible;
   EXPECT_TRUE(PushAll(*store_, w, vllm).ok());
+}
+
+TEST_F(RefitSessionTest, NonFiniteValuesInKeptTensorsAreRejectedByDefault) {
+  // Tensors kept in the checkpoint dtype never reach the FP8 quantizer, so
+  // the reject policy needs its own check for them.
+  for (const char* name : {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                           "model.layers.0.post_attention_layernorm.weight"}) {
+    for (const bool inf : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(name, inf ? " inf" : " nan"));
+      std::vector<OwnedTensor> w = v2_;
+      bool found = false;
+      for (OwnedTensor& t : w) {
+        if (t.name != name) continue;
+        ASSERT_EQ(t.dtype, DType::kBFloat16);
+        found = true;
+        t.bytes[6] = inf ? 0x80 : 0xC0;  // bf16 0xFF80 = -inf, 0x7FC0 = NaN
+        t.bytes[7] = inf ? 0xFF : 0x7F;
+      }
+      ASSERT_TRUE(found);
+      absl::StatusOr<RefitResult> result = PushAll(*store_, w);
+      EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+      EXPECT_THAT(result.status().message(), HasSubstr("element 3 is"));
+      EXPECT_THAT(result.status().message(), HasSubstr(inf ? "is -inf" : "is nan"));
+      EXPECT_THAT(result.status().message(), HasSubstr("non-finite"));
+      ExpectUnchanged();
+    }
+  }
+  // The vLLM-compatible policy serves them as they are.
+  std::vector<OwnedTensor> w = v2_;
+  for (OwnedTensor& t : w) {
+    if (t.name == "model.embed_tokens.weight") {
+      t.bytes[6] = 0xC0;
+      t.bytes[7] = 0x7F;
+    }
+  }
+  RefitOptions vllm;
+  vllm.non_finite = NonFinitePolicy::kVllmCompatible;
+  EXPECT_TRUE(PushAll(*store_, w, vllm).ok());
+}
+
+TEST(FindNonFiniteTest, FindsTheFirstNanOrInfInEveryFloatType) {
+  std::vector<uint16_t> bf16(10000, 0x3F80);  // 1.0
+  EXPECT_EQ(FindNonFinite(bf16.data(), DType::kBFloat16, 10000), -1);
+  bf16[9000] = 0x7F80;  // +inf
+  bf16[9500] = 0x7FC1;  // NaN
+  EXPECT_EQ(FindNonFinite(bf16.data(), DType::kBFloat16, 10000), 9000);
+  std::vector<uint16_t> f16(8, 0x3C00);
+  f16[5] = 0xFC00;  // -inf
+  EXPECT_EQ(FindNonFinite(f16.data(), DType::kFloat16, 8), 5);
+  std::vector<float> f32(8, 1.0f);
+  f32[2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(FindNonFinite(f32.data(), DType::kFloat32, 8), 2);
+  std::vector<double> f64(8, 1.0);
+  f64[7] = -std::numeric_limits<double>::infinity();
+  EXPECT_EQ(FindNonFinite(f64.data(), DType::kFloat64, 8), 7);
+  // The largest finite values are finite; integers never are non-finite.
+  std::vector<uint16_t> max_bf16(4, 0x7F7F);
+  EXPECT_EQ(FindNonFinite(max_bf16.data(), DType::kBFloat16, 4), -1);
+  std::vector<uint16_t> ints(4, 0xFFFF);
+  EXPECT_EQ(FindNonFinite(ints.data(), DType::kUInt16, 4), -1);
 }
 
 TEST_F(RefitSessionTest, BrokenSafetensorsChangeNothing) {

@@ -1,5 +1,6 @@
 #include "core/safetensors.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/safetensors_corpus.h"
@@ -23,6 +25,7 @@ namespace {
 
 using ::refit::testing::MalformedSafetensorsCorpus;
 using ::refit::testing::SafetensorsImage;
+using ::refit::testing::SafetensorsImageWithLength;
 using ::refit::testing::WriteFileBytes;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -49,8 +52,10 @@ absl::Span<const uint8_t> BytesOf(const at::Tensor& t) {
   return {static_cast<const uint8_t*>(t.data_ptr()), static_cast<size_t>(t.nbytes())};
 }
 
-std::string StringOf(const TensorEntry& e) {
-  return std::string(reinterpret_cast<const char*>(e.data), e.nbytes);
+std::string StringOf(const SafetensorsFile& file, const TensorEntry& e) {
+  absl::StatusOr<std::string> bytes = file.ReadAll(e);
+  EXPECT_TRUE(bytes.ok()) << bytes.status();
+  return bytes.ok() ? *bytes : std::string();
 }
 
 std::string StringOf(const at::Tensor& t) {
@@ -90,7 +95,8 @@ TEST(SafetensorsFileTest, RoundTripsDtypesShapesAndMetadata) {
     EXPECT_EQ(e.dtype, tensors[i].dtype);
     EXPECT_EQ(e.shape, tensors[i].shape);
     EXPECT_EQ(e.nbytes, tensors[i].data.size());
-    EXPECT_EQ(std::memcmp(e.data, tensors[i].data.data(), e.nbytes), 0);
+    EXPECT_EQ(StringOf(**file, e),
+              std::string(reinterpret_cast<const char*>(tensors[i].data.data()), e.nbytes));
     EXPECT_EQ((*file)->Find(tensors[i].name), &e);
   }
   EXPECT_EQ((*file)->Find("step")->nbytes, 8u);
@@ -141,8 +147,8 @@ TEST(SafetensorsFileTest, TensorsAreInOffsetOrderWhateverTheHeaderOrder) {
   EXPECT_EQ((*file)->tensors()[0].name, "b");
   EXPECT_EQ((*file)->tensors()[1].name, "a");
   EXPECT_EQ((*file)->tensors()[2].name, "c");
-  EXPECT_EQ(StringOf(*(*file)->Find("a")), "BBBBBBBB");
-  EXPECT_EQ(StringOf(*(*file)->Find("b")), "AAAAAAAA");
+  EXPECT_EQ(StringOf(**file, *(*file)->Find("a")), "BBBBBBBB");
+  EXPECT_EQ(StringOf(**file, *(*file)->Find("b")), "AAAAAAAA");
 }
 
 TEST(SafetensorsFileTest, AcceptsGapsTrailingBytesAndHeaderPadding) {
@@ -275,6 +281,101 @@ TEST(SafetensorsFileTest, SurvivesRandomHeaderMutations) {
   }
   // Some mutations (inside string values, whitespace) keep the file valid.
   EXPECT_GT(accepted, 0);
+}
+
+TEST(SafetensorsFileTest, TruncatedWhileOpenIsFailedPreconditionNotSigbus) {
+  const std::string path = MakeTempDir() + "/shrinks.safetensors";
+  std::vector<uint8_t> a(1 << 16, 0x11);
+  std::vector<uint8_t> b(1 << 16, 0x22);
+  ASSERT_TRUE(WriteSafetensors(path, {{"a", DType::kUInt8, {1 << 16}, absl::MakeConstSpan(a)},
+                                      {"b", DType::kUInt8, {1 << 16}, absl::MakeConstSpan(b)}})
+                  .ok());
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(StringOf(**file, *(*file)->Find("a")), std::string(a.begin(), a.end()));
+  // What a trainer rewriting the checkpoint in place does to a reader.
+  ASSERT_EQ(::truncate(path.c_str(), 100), 0);
+  absl::StatusOr<std::string> read = (*file)->ReadAll(*(*file)->Find("b"));
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kFailedPrecondition) << read.status();
+  EXPECT_THAT(read.status().message(), HasSubstr(path));
+  EXPECT_THAT(read.status().message(), HasSubstr("tensor \"b\""));
+  EXPECT_THAT(read.status().message(), HasSubstr("changed while being read"));
+}
+
+TEST(SafetensorsFileTest, RewrittenInPlaceIsFailedPrecondition) {
+  const std::string path = MakeTempDir() + "/rewritten.safetensors";
+  std::vector<uint8_t> a(64, 0x11);
+  ASSERT_TRUE(WriteSafetensors(path, {{"a", DType::kUInt8, {64}, absl::MakeConstSpan(a)}}).ok());
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  // Same size, new bytes, a later modification time.
+  std::string raw = ReadFile(path);
+  raw.back() = '\x7f';
+  ASSERT_TRUE(WriteFileBytes(path, raw));
+  struct timespec times[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
+  struct stat st;
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  times[1] = {st.st_mtim.tv_sec + 1, st.st_mtim.tv_nsec};  // coarse clocks
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+  absl::StatusOr<std::string> read = (*file)->ReadAll(*(*file)->Find("a"));
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kFailedPrecondition) << read.status();
+  EXPECT_THAT(read.status().message(), HasSubstr("modified since it was opened"));
+}
+
+TEST(SafetensorsFileTest, ReadOutsideTheTensorIsInvalidArgument) {
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::FromBytes(
+      SafetensorsImage(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "abcdefgh"),
+      "mem");
+  ASSERT_TRUE(file.ok()) << file.status();
+  uint8_t out[4];
+  absl::Status s = (*file)->Read(*(*file)->Find("a"), 2, absl::MakeSpan(out));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("not inside"));
+  ASSERT_TRUE((*file)->Read(*(*file)->Find("a"), 1, absl::MakeSpan(out, 3)).ok());
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(out), 3), "bcd");
+}
+
+TEST(SafetensorsFileTest, RejectsANulByteInTheHeader) {
+  // Before the check, the JSON parser stopped at the NUL and accepted the
+  // file with "b" silently dropped.
+  const std::string header =
+      std::string(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]})") +
+      std::string(1, '\0') + R"(,"b":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}})";
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
+      SafetensorsFile::FromBytes(SafetensorsImage(header, "abcdefgh"), "nul.safetensors");
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument) << file.status();
+  EXPECT_THAT(file.status().message(),
+              HasSubstr("nul.safetensors: header has a NUL byte at offset 52"));
+  // Trailing spaces stay allowed padding.
+  file = SafetensorsFile::FromBytes(
+      SafetensorsImage(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}     )", "abcd"),
+      "padded");
+  EXPECT_TRUE(file.ok()) << file.status();
+}
+
+TEST(SafetensorsFileTest, RejectsMoreEntriesThanTheLimit) {
+  std::string header = "{";
+  for (size_t i = 0; i <= kMaxSafetensorsHeaderEntries; ++i) {
+    absl::StrAppend(&header, i == 0 ? "" : ",", "\"t", i,
+                    "\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}");
+  }
+  header += "}";
+  ASSERT_LT(header.size(), kMaxSafetensorsHeaderBytes);
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
+      SafetensorsFile::FromBytes(SafetensorsImage(header, ""), "many.safetensors");
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument) << file.status();
+  EXPECT_THAT(file.status().message(),
+              HasSubstr(absl::StrCat("header has more than ", kMaxSafetensorsHeaderEntries,
+                                     " entries, the limit per file")));
+}
+
+TEST(SafetensorsFileTest, RejectsAHeaderLongerThanTheLimit) {
+  const std::string image = SafetensorsImageWithLength(kMaxSafetensorsHeaderBytes + 1, "{}");
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
+      SafetensorsFile::FromBytes(image, "big.safetensors");
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument) << file.status();
+  EXPECT_THAT(file.status().message(),
+              HasSubstr(absl::StrCat("exceeds the limit of ", kMaxSafetensorsHeaderBytes)));
 }
 
 TEST(WriteSafetensorsTest, RejectsDataSizeMismatch) {
@@ -439,12 +540,12 @@ save_file({"a": torch.arange(12, dtype=torch.int64).reshape(3, 4),
   ASSERT_NE(s, nullptr);
   EXPECT_EQ(a->dtype, DType::kInt64);
   EXPECT_EQ(a->shape, (std::vector<int64_t>{3, 4}));
-  EXPECT_EQ(StringOf(*a), StringOf(at::arange(12, at::kLong).reshape({3, 4})));
+  EXPECT_EQ(StringOf(**file, *a), StringOf(at::arange(12, at::kLong).reshape({3, 4})));
   EXPECT_EQ(b->dtype, DType::kFloat16);
-  EXPECT_EQ(StringOf(*b), StringOf((at::arange(5, at::kFloat) / 4).to(at::kHalf)));
+  EXPECT_EQ(StringOf(**file, *b), StringOf((at::arange(5, at::kFloat) / 4).to(at::kHalf)));
   EXPECT_EQ(s->dtype, DType::kFloat64);
   EXPECT_TRUE(s->shape.empty());
-  EXPECT_EQ(StringOf(*s), StringOf(at::scalar_tensor(2.5, at::kDouble)));
+  EXPECT_EQ(StringOf(**file, *s), StringOf(at::scalar_tensor(2.5, at::kDouble)));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 and probing, addressing and ports as docs/deploy.md describes them."""
 
 import socket
+import subprocess
 
 import pytest
 import yaml
@@ -112,3 +113,80 @@ def test_args_are_refitd_flags(path, refitd_flags):
         for arg in refitd_container(workload)["args"]:
             name = arg[2:].split("=")[0]
             assert name in refitd_flags, f"{path.name} passes {arg}, refitd has no --{name}"
+
+
+def make_tls_secret(directory):
+    """A CA and a server certificate for localhost, as the refitd-tls Secret holds them."""
+    directory.mkdir(parents=True)
+    script = """
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=refitd-test-ca -keyout ca.key -out ca.crt
+openssl req -newkey rsa:2048 -nodes -subj /CN=refitd -keyout tls.key -out tls.csr
+openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 -out tls.crt \\
+  -extfile <(printf 'subjectAltName=DNS:localhost')
+"""
+    subprocess.run(["bash", "-c", script], cwd=directory, check=True, capture_output=True,
+                   timeout=120)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_probes_pass_against_refitd_started_with_the_manifest(path, tmp_path, build_dir):
+    """refitd started with the workload's own arguments (on loopback, the demo
+    model on the CPU, the mounts under a temp dir): once it logs that version 1
+    is served, the startup and readiness commands exit 0, and the same health
+    check without the CA (plaintext) does not get through."""
+    import queue
+    import threading
+
+    for workload in workloads(path):
+        container = refitd_container(workload)
+        root = tmp_path / workload["metadata"]["name"]
+        make_tls_secret(root / "etc/refitd/tls")
+        (root / "etc/refitd/tokens").mkdir(parents=True)
+        (root / "etc/refitd/tokens/tokens").write_text("t operator ops\n")
+        (root / "models").mkdir()
+        (root / "run/refitd").mkdir(parents=True)
+        port = free_port()
+
+        def local(value):
+            for prefix in ("/etc/refitd/", "/models", "/run/refitd/"):
+                value = value.replace(prefix, str(root) + prefix)
+            return value.replace("0.0.0.0:50051", f"127.0.0.1:{port}").replace(
+                "0.0.0.0:9464", "127.0.0.1:0").replace("127.0.0.1:50051", f"127.0.0.1:{port}")
+
+        args = []
+        for arg in container["args"]:
+            name = arg.split("=")[0]
+            if name == "--model":
+                arg = "--model=demo"
+            elif name == "--device":
+                arg = "--device=cpu"
+            args.append(local(arg.replace("$(TP_RANK)", "0")))
+        proc = subprocess.Popen([str(build_dir / "bin" / "refitd"), *args],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        lines = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(l) for l in proc.stderr], daemon=True).start()
+        try:
+            log = []
+            while not any("first version loaded; ready" in l for l in log):
+                try:
+                    log.append(lines.get(timeout=120))
+                except queue.Empty:
+                    pytest.fail("refitd never served version 1:\n" + "".join(log))
+                assert proc.poll() is None or not lines.empty(), "".join(log)
+            for probe in ("startupProbe", "readinessProbe"):
+                command = [local(c) for c in container[probe]["exec"]["command"]]
+                command[0] = str(build_dir / "bin" / "refitctl")
+                result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+                assert result.returncode == 0, f"{probe}: {command}\n{result.stdout}{result.stderr}"
+            plaintext = [c for c in command if not c.startswith(("--tls-ca", "--tls-server-name"))]
+            result = subprocess.run(plaintext, capture_output=True, text=True, timeout=60)
+            assert result.returncode == 7, f"plaintext health check got through: {result.stdout}"
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=60) == 0

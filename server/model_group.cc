@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/text.h"
 
 namespace refit::server {
 
@@ -112,7 +113,7 @@ absl::StatusOr<ModelGroup::Found> ModelGroup::Find(absl::string_view refit_id) c
   auto it = refits_.find(id);
   if (it == refits_.end()) {
     return absl::NotFoundError(
-        absl::StrCat("model group \"", name(), "\" has no refit \"", id, "\""));
+        absl::StrCat("model group \"", name(), "\" has no refit ", core::QuoteText(id)));
   }
   Found found;
   found.entry = it->second.entry;
@@ -126,9 +127,9 @@ absl::StatusOr<ModelGroup::Found> ModelGroup::Find(absl::string_view refit_id) c
 absl::StatusOr<ModelGroup::Found> ModelGroup::FindActive(absl::string_view owner) const {
   absl::StatusOr<Found> found = Find("");
   if (!found.ok() || owner.empty() || found->entry.owner == owner) return found;
-  return absl::NotFoundError(absl::StrCat("model group \"", name(), "\" has no active refit of ",
-                                          owner, " (the active refit \"", found->entry.refit_id,
-                                          "\" was started by another client)"));
+  return absl::NotFoundError(absl::StrCat(
+      "model group \"", name(), "\" has no active refit of ", core::QuoteText(owner),
+      " (the active refit \"", found->entry.refit_id, "\" was started by another client)"));
 }
 
 absl::StatusOr<RefitEntry> ModelGroup::TakePrepared(absl::string_view refit_id) {
@@ -136,7 +137,7 @@ absl::StatusOr<RefitEntry> ModelGroup::TakePrepared(absl::string_view refit_id) 
   auto it = refits_.find(refit_id);
   if (it == refits_.end()) {
     return absl::NotFoundError(
-        absl::StrCat("model group \"", name(), "\" has no refit \"", refit_id, "\""));
+        absl::StrCat("model group \"", name(), "\" has no refit ", core::QuoteText(refit_id)));
   }
   if (!it->second.entry.prepared) {
     return absl::FailedPreconditionError(absl::StrCat(

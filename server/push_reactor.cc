@@ -79,11 +79,14 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
   void OnReadDone(bool ok) override {
     idle_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
     if (!ok) {
-      // The client half-closed without End, or the call is gone.
-      const std::string reason = context_->IsCancelled()
-                                     ? "the client cancelled the Push (cancel, disconnect or "
-                                       "deadline)"
-                                     : "the stream closed before End";
+      // The client half-closed without End, sent a message that does not
+      // parse (gRPC reports both as a failed read, so the reason names
+      // both), or the call is gone.
+      const std::string reason =
+          context_->IsCancelled()
+              ? "the client cancelled the Push (cancel, disconnect or deadline)"
+              : "the stream ended without End: the client closed it early, or sent a message "
+                "that is not a valid PushRequest (malformed protobuf)";
       std::string message = absl::StrCat("Push: ", reason);
       if (session_ != nullptr) {
         session_->Abort(reason);

@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <utility>
 
@@ -14,6 +16,7 @@
 #include "core/log.h"
 #include "core/runtime_info.h"
 #include "core/safetensors.h"
+#include "core/text.h"
 #include "core/version.h"
 #include "server/grpc_convert.h"
 
@@ -170,7 +173,7 @@ absl::StatusOr<ModelGroup*> RefitServiceImpl::FindGroup(absl::string_view name) 
   const std::string key = name.empty() ? std::string(kDefaultGroup) : std::string(name);
   auto it = groups_->find(key);
   if (it == groups_->end()) {
-    return absl::NotFoundError(absl::StrCat("unknown model group \"", key, "\""));
+    return absl::NotFoundError(absl::StrCat("unknown model group ", core::QuoteText(key)));
   }
   return it->second.get();
 }
@@ -361,9 +364,9 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* c
   const std::string& id = found->entry.refit_id;
   absl::Status owner = Authenticator::CheckOwner(*caller, found->entry.owner, id, "Abort");
   if (!owner.ok()) return Reply(context, owner);
-  const std::string reason =
-      absl::StrCat("Abort by ", caller->name,
-                   request->reason().empty() ? "" : absl::StrCat(": ", request->reason()));
+  const std::string reason = absl::StrCat(
+      "Abort by ", caller->name,
+      request->reason().empty() ? "" : absl::StrCat(": ", core::BoundedText(request->reason())));
   if (found->driver) {
     found->driver.get()->Cancel(grpc::Status(grpc::StatusCode::ABORTED,
                                              absl::StrCat("refit \"", id, "\" aborted: ", reason)),
@@ -476,9 +479,9 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
     break;
   }
   if (!known) {
-    return FailStream<v1::ReadTensorResponse>(absl::NotFoundError(
-        absl::StrCat("model group \"", (*group)->name(), "\" has no kernel tensor \"",
-                     request->name(), "\" (ListTensors with LAYOUT_KERNEL lists them)")));
+    return FailStream<v1::ReadTensorResponse>(absl::NotFoundError(absl::StrCat(
+        "model group \"", (*group)->name(), "\" has no kernel tensor ",
+        core::QuoteText(request->name()), " (ListTensors with LAYOUT_KERNEL lists them)")));
   }
   // A requested chunk size is clamped to [kMinReadChunkBytes,
   // --max-chunk-bytes]: a tiny one would make a stream of millions of
@@ -530,35 +533,81 @@ absl::StatusOr<std::vector<std::string>> ResolveReloadPath(const std::string& ro
   }
   if (path.empty()) return absl::InvalidArgumentError("Reload: path is empty");
   const std::string root_str(resolved_root);
+  // The path as the caller gave it goes into messages quoted, since it is
+  // untrusted.
+  const std::string quoted = core::QuoteText(path);
+  // Relative paths name something under the root, not under the daemon's
+  // working directory.
+  const std::string absolute = path[0] == '/' ? path : absl::StrCat(root_str, "/", path);
   auto under_root = [&root_str](const std::string& p) {
     return p == root_str || absl::StartsWith(p, root_str == "/" ? root_str : root_str + "/");
   };
   char resolved[PATH_MAX];
-  if (realpath(path.c_str(), resolved) == nullptr) {
+  if (realpath(absolute.c_str(), resolved) == nullptr) {
     // Say NOT_FOUND only where the caller may look: when the directory that
     // would hold the path resolves under the root.
-    const size_t slash = path.find_last_of('/');
-    const std::string parent = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+    const size_t slash = absolute.find_last_of('/');
+    const std::string parent = absolute.substr(0, slash + 1);
     char resolved_parent[PATH_MAX];
     if (realpath(parent.c_str(), resolved_parent) != nullptr && under_root(resolved_parent)) {
-      return absl::NotFoundError(absl::StrCat("Reload: path ", path, " does not exist"));
+      return absl::NotFoundError(absl::StrCat("Reload: path ", quoted, " does not exist"));
     }
     return absl::PermissionDeniedError(
-        absl::StrCat("Reload: path ", path, " is outside the reload root ", root_str));
+        absl::StrCat("Reload: path ", quoted, " is outside the reload root ", root_str));
   }
   const std::string path_str(resolved);
   if (!under_root(path_str)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "Reload: path ", path, " resolves to ", path_str, ", outside the reload root ", root_str));
+    return absl::PermissionDeniedError(absl::StrCat("Reload: path ", quoted, " resolves to ",
+                                                    core::QuoteText(path_str),
+                                                    ", outside the reload root ", root_str));
   }
   struct stat st;
   if (stat(resolved, &st) != 0) {
-    return absl::NotFoundError(absl::StrCat("Reload: path ", path, " does not exist"));
+    return absl::NotFoundError(absl::StrCat("Reload: path ", quoted, " does not exist"));
   }
-  if (S_ISDIR(st.st_mode)) return core::ListSafetensorsFiles(path_str);
   if (S_ISREG(st.st_mode)) return std::vector<std::string>{path_str};
-  return absl::InvalidArgumentError(
-      absl::StrCat("Reload: path ", path, " is neither a directory nor a file"));
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Reload: path ", quoted, " is neither a directory nor a file"));
+  }
+  absl::StatusOr<std::vector<std::string>> listed = core::ListSafetensorsFiles(path_str);
+  if (!listed.ok()) return listed.status();
+  // Every file read must lie under the root too, not just the directory: a
+  // shard may be a symlink to anywhere.
+  std::vector<std::string> files;
+  files.reserve(listed->size());
+  for (const std::string& file : *listed) {
+    char resolved_file[PATH_MAX];
+    if (realpath(file.c_str(), resolved_file) == nullptr) {
+      return absl::NotFoundError(absl::StrCat("Reload: ", core::QuoteText(file), " in ", quoted,
+                                              " does not resolve: ", std::strerror(errno)));
+    }
+    if (!under_root(resolved_file)) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("Reload: ", core::QuoteText(file), " in ", quoted, " resolves to ",
+                       core::QuoteText(resolved_file), ", outside the reload root ", root_str));
+    }
+    files.emplace_back(resolved_file);
+  }
+  return files;
+}
+
+absl::Status CheckOpenedUnderRoot(const std::string& root, const core::SafetensorsFile& file) {
+  char resolved_root[PATH_MAX];
+  if (realpath(root.c_str(), resolved_root) == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--reload-root ", root, " does not resolve to a directory"));
+  }
+  const std::string root_str(resolved_root);
+  absl::StatusOr<std::string> opened = file.OpenedPath();
+  if (!opened.ok()) return opened.status();
+  if (*opened == root_str ||
+      absl::StartsWith(*opened, root_str == "/" ? root_str : root_str + "/")) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "Reload: ", core::QuoteText(file.path()), " opened as ", core::QuoteText(*opened),
+      ", outside the reload root ", root_str, " (was it replaced after it was checked?)"));
 }
 
 }  // namespace refit::server

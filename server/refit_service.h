@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "core/safetensors.h"
 #include "refit/v1/refit.grpc.pb.h"
 #include "server/auth.h"
 #include "server/clock.h"
@@ -133,12 +134,21 @@ grpc::ServerWriteReactor<v1::ReloadProgress>* NewReloadReactor(RefitServiceImpl*
                                                                grpc::CallbackServerContext* context,
                                                                const v1::ReloadRequest* request);
 
-// Resolves `path` (a directory or a .safetensors file) under `root` with
-// realpath. PERMISSION_DENIED outside the root (or without one), NOT_FOUND if
-// it does not exist, INVALID_ARGUMENT for other file types; the list of
-// safetensors files otherwise.
+// Resolves `path` (a directory or a .safetensors file; a relative path is
+// taken relative to `root`) under `root` with realpath, and every
+// *.safetensors file of a directory too (symlinks followed). Returns the
+// resolved files.
+// Errors: PERMISSION_DENIED when the path or any file in it resolves outside
+// the root (or there is no root), naming it; NOT_FOUND if it does not exist;
+// INVALID_ARGUMENT for other file types or an empty path.
 absl::StatusOr<std::vector<std::string>> ResolveReloadPath(const std::string& root,
                                                            const std::string& path);
+
+// Checks that the file Reload actually opened lies under `root`: a file
+// swapped for a symlink between ResolveReloadPath and the open is refused.
+// Errors: PERMISSION_DENIED naming the file; FAILED_PRECONDITION if the root
+// no longer resolves; INTERNAL if the open file cannot be resolved.
+absl::Status CheckOpenedUnderRoot(const std::string& root, const core::SafetensorsFile& file);
 
 }  // namespace refit::server
 

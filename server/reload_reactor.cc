@@ -4,7 +4,11 @@
 // backlog) and the RefitResult last. The reading runs on a worker thread, so
 // a long reload holds no gRPC thread. A client cancel, an Abort RPC or a
 // shutdown aborts the session; the worker notices at its next chunk.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -111,7 +115,11 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
   absl::Status IngestAll() {
     core::SafetensorsIngestOptions ingest;
     ingest.chunk_bytes = static_cast<uint64_t>(service_->options().max_chunk_bytes);
+    ingest.on_open = [this](const core::SafetensorsFile& file) {
+      return CheckOpenedUnderRoot(service_->options().reload_root, file);
+    };
     ingest.on_tensor = [this](const core::TensorEntry& tensor) {
+      PauseForTestAfterFirstTensor();
       service_->metrics()->AddBytesReceived(static_cast<int64_t>(tensor.nbytes));
       v1::ReloadProgress progress;
       ToProtoProgress(session_->progress(), progress.mutable_progress());
@@ -119,6 +127,21 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
       return absl::OkStatus();
     };
     return core::IngestSafetensors(files_, *session_, ingest);
+  }
+
+  // Test hook: with REFITD_TEST_RELOAD_PAUSE_FIFO naming a FIFO, the reader
+  // stops after the first tensor of each Reload, logs "Reload paused after
+  // the first tensor" and goes on once a writer has opened the FIFO. It lets
+  // the end-to-end tests change a file while the daemon is reading it,
+  // without racing it. Unset (always, outside tests) it costs nothing.
+  void PauseForTestAfterFirstTensor() {
+    static const char* const fifo = std::getenv("REFITD_TEST_RELOAD_PAUSE_FIFO");
+    if (fifo == nullptr || paused_for_test_) return;
+    paused_for_test_ = true;
+    REFIT_LOG(INFO).Field("refit_id", session_->refit_id())
+        << "Reload paused after the first tensor (REFITD_TEST_RELOAD_PAUSE_FIFO)";
+    const int fd = ::open(fifo, O_RDONLY | O_CLOEXEC);  // blocks until a writer opens it
+    if (fd >= 0) ::close(fd);
   }
 
   absl::Status Complete() {
@@ -154,6 +177,7 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
   // Set in Start before any other thread can see the reactor.
   std::shared_ptr<core::RefitSession> session_;
   bool registered_ = false;
+  bool paused_for_test_ = false;  // the worker's
   absl::Mutex cancel_mu_;
   std::optional<grpc::Status> cancel_status_ ABSL_GUARDED_BY(cancel_mu_);
 };

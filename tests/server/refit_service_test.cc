@@ -245,7 +245,7 @@ TEST_F(RefitServiceTest, StreamClosedWithoutEndIsAborted) {
   std::vector<v1::PushRequest> messages = ChunkMessages(FixtureWeights(1));
   PushOutcome push = PushMessages(stub_.get(), {BeginMessage(), messages.front()});
   EXPECT_EQ(push.status.error_code(), grpc::StatusCode::ABORTED);
-  EXPECT_THAT(push.status.error_message(), HasSubstr("closed before End"));
+  EXPECT_THAT(push.status.error_message(), HasSubstr("the stream ended without End"));
   EXPECT_EQ(Version(), 1u);
 }
 

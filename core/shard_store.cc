@@ -71,12 +71,16 @@ ShardStoreImpl::ShardStoreImpl(std::shared_ptr<const ModelLayout> shared_layout,
 
 absl::Status ShardStoreImpl::Allocate() {
   std::vector<uint64_t> zero_hashes;
+  // Layers repeat: a few distinct sizes cover every kernel.
+  absl::flat_hash_map<int64_t, uint64_t> zero_hash_by_size;
   try {
     for (const KernelSpec* spec : specs) {
       absl::StatusOr<c10::ScalarType> type = ToScalarType(spec->dtype);
       if (!type.ok()) return type.status();
       kernels.push_back(at::zeros(spec->shape, at::TensorOptions().dtype(*type).device(device)));
-      zero_hashes.push_back(HashZeros(spec->nbytes()));
+      auto [it, inserted] = zero_hash_by_size.try_emplace(spec->nbytes(), 0);
+      if (inserted) it->second = HashZeros(spec->nbytes());
+      zero_hashes.push_back(it->second);
     }
   } catch (const c10::Error& e) {
     kernels.clear();

@@ -102,14 +102,14 @@ absl::StatusOr<std::string> WriteSnapshot(const std::string& dir, const Snapshot
 // says), naming what mismatched.
 absl::StatusOr<SnapshotManifest> ReadSnapshotManifest(const std::string& path);
 
-// Reads `path` into `bytes` (resized to the kernel bytes) and verifies it
+// Reads `path` into `bytes` (the kernel bytes, back to back) and verifies it
 // against `layout`: every kernel's bytes against its recorded XXH3-64 and the
 // version fingerprint against the recomputed one. Errors:
 // ReadSnapshotManifest's; FAILED_PRECONDITION for a snapshot of another
 // layout (layout fingerprints named); DATA_LOSS naming the kernel whose bytes
 // do not match, or the fingerprint that does not.
 absl::StatusOr<SnapshotManifest> ReadSnapshot(const std::string& path, const ModelLayout& layout,
-                                              std::vector<char>* bytes);
+                                              std::unique_ptr<char[]>* bytes);
 
 // The highest version recorded in dir/version; 0 without the file.
 // DATA_LOSS for a file that does not parse; INTERNAL for I/O.

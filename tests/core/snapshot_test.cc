@@ -171,7 +171,7 @@ TEST_F(SnapshotTest, CorruptByteIsDetectedAndThePreviousOneServed) {
   const std::string newest = dir_ + "/" + SnapshotFileName(2);
   FlipByte(newest, 100);  // inside the last kernel's bytes
 
-  std::vector<char> bytes;
+  std::unique_ptr<char[]> bytes;
   absl::StatusOr<SnapshotManifest> read = ReadSnapshot(newest, store_->layout(), &bytes);
   EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(read.status().message(), HasSubstr("does not match its checksum"));

@@ -7,9 +7,11 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpc/grpc.h>
@@ -211,14 +213,11 @@ int main(int argc, char** argv) {
     return UsageError(s);
   }
 
-  // Never let the last gRPC object run grpc_shutdown at exit: in gRPC 1.51 it
-  // can wait up to 10 s for an executor thread, which would stretch the
-  // SIGTERM bound.
-  grpc_init();
-
-  // Signals are taken by sigwait below; block them before any thread starts.
-  // A shell starts background jobs with SIGINT ignored, and an ignored signal
-  // is discarded before sigwait could see it: restore the defaults first.
+  // Signals are taken by a sigwait thread; block them before any thread
+  // starts (grpc_init starts some), or a signal goes to a thread that does
+  // not block it and its default action ends the process. A shell starts
+  // background jobs with SIGINT ignored, and an ignored signal is discarded
+  // before sigwait could see it: restore the defaults first.
   signal(SIGTERM, SIG_DFL);
   signal(SIGINT, SIG_DFL);
   sigset_t signals;
@@ -227,25 +226,49 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Never let the last gRPC object run grpc_shutdown at exit: in gRPC 1.51 it
+  // can wait up to 10 s for an executor thread, which would stretch the
+  // SIGTERM bound.
+  grpc_init();
+
   REFIT_LOG(INFO)
           .Field("version", refit::core::VersionString())
           .Field("torch", refit::core::TorchVersion())
           .Field("cuda_devices", absl::StrCat(refit::core::CudaDeviceCount()))
       << "refitd starting";
   absl::StatusOr<std::unique_ptr<refit::server::RefitServer>> server =
-      refit::server::RefitServer::Start(options);
+      refit::server::RefitServer::Create(options);
   if (!server.ok()) {
     REFIT_LOG(ERROR) << "refitd failed to start: " << server.status().ToString();
     return 1;
   }
-  // Under systemd (Type=notify, deploy/systemd) the unit turns active only
-  // now, with version 1 served, the moment readiness turns SERVING.
-  NotifyServiceManager("READY=1\nSTATUS=serving; ready");
-  int signal_number = 0;
-  sigwait(&signals, &signal_number);
-  REFIT_LOG(INFO).Field("signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT") << "stopping";
-  NotifyServiceManager("STOPPING=1\nSTATUS=stopping");
-  (*server)->Shutdown();
+  // From here a signal shuts down, also while the first version loads (the
+  // load is aborted).
+  std::atomic<bool> signalled{false};
+  std::thread waiter([&] {
+    int signal_number = 0;
+    sigwait(&signals, &signal_number);
+    signalled.store(true);
+    REFIT_LOG(INFO).Field("signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT") << "stopping";
+    NotifyServiceManager("STOPPING=1\nSTATUS=stopping");
+    (*server)->Shutdown();
+  });
+  absl::Status loaded = (*server)->LoadInitialModel();
+  if (!loaded.ok() && !signalled.load()) {
+    REFIT_LOG(ERROR) << "refitd failed to start: " << loaded.ToString();
+    (*server)->Shutdown();
+    // The waiter is still in sigwait; exit takes it down with the process.
+    waiter.detach();
+    std::exit(1);
+  }
+  if (loaded.ok()) {
+    // Under systemd (Type=notify, deploy/systemd) the unit turns active only
+    // now, with version 1 served, the moment readiness turns SERVING.
+    NotifyServiceManager("READY=1\nSTATUS=serving; ready");
+  } else {
+    REFIT_LOG(INFO) << "the first load was stopped by the signal: " << loaded.ToString();
+  }
+  waiter.join();
   (*server)->Wait();
   server->reset();
   return 0;

@@ -10,7 +10,6 @@
 #include <sstream>
 #include <utility>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/security/server_credentials.h>
 
 #include "absl/strings/match.h"
@@ -203,7 +202,10 @@ absl::Status RefitServer::StartGrpc() {
   service_ = std::make_unique<RefitServiceImpl>(options_, &groups_, auth_.get(), &metrics_);
   health_ = std::make_unique<HealthService>();
   health_->SetServing(kRefitServiceName, false);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  reflection_ = std::make_unique<ReflectionService>(
+      std::vector<std::string>{kRefitServiceName, "grpc.health.v1.Health",
+                               "grpc.reflection.v1alpha.ServerReflection"},
+      auth_.get());
   grpc::ServerBuilder builder;
   std::vector<int> ports(options_.listen.size(), 0);
   for (size_t i = 0; i < options_.listen.size(); ++i) {
@@ -214,6 +216,7 @@ absl::Status RefitServer::StartGrpc() {
   builder.SetMaxReceiveMessageSize(static_cast<int>(receive_limit));
   builder.RegisterService(service_.get());
   builder.RegisterService(health_.get());
+  builder.RegisterService(reflection_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
     return absl::UnavailableError(

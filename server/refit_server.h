@@ -4,8 +4,9 @@
 // Lifecycle:
 //   Create         builds the model group (layout + zeroed ShardStore on the
 //                  device), the gRPC server (RefitService, grpc.health.v1
-//                  (server/health_service.h), reflection) on every listen address, and the /metrics
-//                  endpoint. Liveness ("") is SERVING, readiness
+//                  (server/health_service.h), reflection (server/reflection_service.h: the
+//                  reader role, like the data it describes)) on every listen address, and the
+//                  /metrics endpoint. Liveness ("") is SERVING, readiness
 //                  ("refit.v1.RefitService") NOT_SERVING.
 //   LoadInitialModel  loads the first version (--model demo: the fixture
 //                  model written to a temp dir; else the checkpoint dir) and
@@ -36,6 +37,7 @@
 #include "server/metrics.h"
 #include "server/model_group.h"
 #include "server/refit_service.h"
+#include "server/reflection_service.h"
 #include "server/server_options.h"
 
 namespace refit::server {
@@ -96,6 +98,7 @@ class RefitServer {
   Metrics metrics_;
   std::unique_ptr<RefitServiceImpl> service_;
   std::unique_ptr<HealthService> health_;
+  std::unique_ptr<ReflectionService> reflection_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::vector<std::string> bound_addresses_;

@@ -3,6 +3,7 @@
 // processes. See tests/e2e/e2e_util.h for the ground rules.
 #include <stdlib.h>
 
+#include <algorithm>
 #include <map>
 #include <regex>
 #include <string>
@@ -646,6 +647,54 @@ TEST_F(RefitdE2eTest, ReadAndTensorsAndWatch) {
   std::string out = watch->Stdout();
   EXPECT_THAT(out, HasSubstr("\"staging_started\""));
   EXPECT_THAT(out, HasSubstr("\"committed\""));
+}
+
+// SIGTERM while the first version loads: the load is aborted and the daemon
+// exits 0 (a signal that reached a thread not blocking it used to end the
+// process with the signal's default action).
+TEST_F(RefitdE2eTest, SigtermDuringTheFirstLoadExitsZero) {
+  const std::string model = Path("big");
+  auto make = Child::Start({BinPath("refit_make_fixture"), "--out=" + model, "--layers=4",
+                            "--hidden=1024", "--intermediate=4096", "--vocab=8192"},
+                           Path("big.out"), Path("big.err"));
+  ASSERT_EQ(make->Wait(absl::Seconds(120)), 0) << make->Stderr();
+  StartDaemon({"--model=" + model, "--shutdown-timeout=3s"}, /*wait_ready=*/false);
+  ASSERT_TRUE(daemon_->AwaitStderr("loading the first version")) << daemon_->Stderr();
+  daemon_->Signal(SIGTERM);
+  std::optional<int> code = daemon_->Wait(absl::Seconds(30));
+  EXPECT_FALSE(daemon_->KilledBySignal(SIGTERM)) << daemon_->Stderr();
+  ASSERT_TRUE(code.has_value()) << "refitd did not exit after SIGTERM:\n" << daemon_->Stderr();
+  EXPECT_EQ(*code, 0) << daemon_->Stderr();
+  EXPECT_THAT(daemon_->Stderr(), HasSubstr("refitd stopped"));
+}
+
+// refitctl push of one file of a two-file checkpoint: refused (a mixed model
+// otherwise) naming what is missing, unless --partial.
+TEST_F(RefitdE2eTest, PushOfPartOfTheModelNeedsPartial) {
+  StartDaemon();
+  const std::string weights = Path("two-files");
+  auto make =
+      Child::Start({BinPath("refit_make_fixture"), "--out=" + weights, "--seed=5", "--files=2"},
+                   Path("two.out"), Path("two.err"));
+  ASSERT_EQ(make->Wait(), 0) << make->Stderr();
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(weights)) {
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+  }
+  ASSERT_EQ(files.size(), 2u);
+  std::sort(files.begin(), files.end());
+  const uint64_t v0 = StatusJson()["version"];
+  CommandResult refused = Ctl({"push", files[0]});
+  EXPECT_EQ(refused.code, 2) << refused.err;
+  EXPECT_THAT(refused.err, HasSubstr("FAILED_PRECONDITION"));
+  EXPECT_THAT(refused.err, HasSubstr("require_complete"));
+  EXPECT_EQ(StatusJson()["version"], v0);
+  CommandResult partial = Ctl({"push", "--partial", "--json", files[0]});
+  ASSERT_EQ(partial.code, 0) << partial.err;
+  EXPECT_EQ(StatusJson()["version"], v0 + 1);
+  CommandResult whole = Ctl({"push", weights});
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  EXPECT_EQ(StatusJson()["version"], v0 + 2);
 }
 
 }  // namespace

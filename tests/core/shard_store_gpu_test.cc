@@ -55,5 +55,27 @@ TEST(ShardStoreGpuTest, GpuRefitGivesTheBytesOfACpuRefitInPlace) {
   }
 }
 
+TEST(ShardStoreGpuTest, ReadKernelRangeOfAGpuKernelMatchesReadKernel) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  std::shared_ptr<const ModelLayout> layout =
+      ModelLayout::Build(FixtureConfig(), {}, QuantScheme::kPerTensor).value();
+  ShardStoreOptions gpu_options;
+  gpu_options.device = "cuda:0";
+  std::unique_ptr<ShardStore> gpu = ShardStore::Create(layout, gpu_options).value();
+  ASSERT_TRUE(PushAll(*gpu, MakeFixtureWeights(FixtureConfig(), 3).value()).ok());
+  for (const KernelView& k : gpu->Kernels()) {
+    std::string whole, pieces;
+    ASSERT_TRUE(gpu->ReadKernel(k.spec->name, &whole, nullptr).ok());
+    for (int64_t offset = 0; offset < k.nbytes; offset += 4097) {
+      std::string piece;
+      uint64_t version = 0;
+      ASSERT_TRUE(gpu->ReadKernelRange(k.spec->name, offset, 4097, &piece, &version).ok());
+      EXPECT_EQ(version, 1u);
+      pieces += piece;
+    }
+    EXPECT_EQ(pieces, whole) << k.spec->name;
+  }
+}
+
 }  // namespace
 }  // namespace refit::core

@@ -6,6 +6,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -223,6 +224,43 @@ TEST_F(ShardStoreTest, ReaderLockHoldsTheVersionThatReadKernelReports) {
   uint64_t read_version = 0;
   ASSERT_TRUE(store_->ReadKernel(first.spec->name, &bytes, &read_version).ok());
   EXPECT_EQ(read_version, locked_version);
+}
+
+TEST_F(ShardStoreTest, ReadKernelRangeGivesPiecesOfTheKernelWithTheirVersion) {
+  ASSERT_TRUE(PushAll(*store_, Weights(/*seed=*/1)).ok());
+  for (const KernelView& k : store_->Kernels()) {
+    std::string whole;
+    ASSERT_TRUE(store_->ReadKernel(k.spec->name, &whole, nullptr).ok());
+    std::string pieces;
+    for (int64_t offset = 0; offset < k.nbytes; offset += 1000) {
+      std::string piece;
+      uint64_t version = 0;
+      ASSERT_TRUE(store_->ReadKernelRange(k.spec->name, offset, 1000, &piece, &version).ok());
+      EXPECT_EQ(version, 1u);
+      EXPECT_EQ(piece.size(), static_cast<size_t>(std::min<int64_t>(1000, k.nbytes - offset)));
+      pieces += piece;
+    }
+    EXPECT_EQ(pieces, whole) << k.spec->name;
+  }
+  const KernelView first = store_->Kernels().front();
+  std::string piece;
+  uint64_t version = 0;
+  ASSERT_TRUE(store_->ReadKernelRange(first.spec->name, first.nbytes, 10, &piece, &version).ok());
+  EXPECT_EQ(piece, "");
+  absl::Status past =
+      store_->ReadKernelRange(first.spec->name, first.nbytes + 1, 10, &piece, &version);
+  EXPECT_EQ(past.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(past.message(), HasSubstr(first.spec->name));
+  EXPECT_EQ(store_->ReadKernelRange("no.such.kernel", 0, 10, &piece, &version).code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(ShardStoreTest, LiveVersionIsVersionFingerprintAndCommitTimeOfOneVersion) {
+  ASSERT_TRUE(PushAll(*store_, Weights(/*seed=*/1)).ok());
+  const LiveVersion live = store_->live_version();
+  EXPECT_EQ(live.version, store_->version());
+  EXPECT_EQ(live.fingerprint, store_->fingerprint());
+  EXPECT_EQ(live.last_commit, store_->last_commit_time());
 }
 
 TEST_F(ShardStoreTest, ListenersSeeARefitUntilRemoved) {

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The core and server tests under a sanitizer, in a build directory of their
+# own (GCC, CUDA off: the GPU tests skip anyway and nvcc code is not
+# instrumented).
+#
+#   scripts/sanitize.sh asan [CTEST_ARGS...]   AddressSanitizer + UndefinedBehaviorSanitizer
+#   scripts/sanitize.sh tsan [CTEST_ARGS...]   ThreadSanitizer, the concurrency tests
+#
+# asan builds and runs every test labelled core or server (ctest -L).
+# tsan builds and runs the tests that exercise threads of our own: the layer
+# worker, the shard store and refit session (readers against commits, Abort
+# from another thread) and the whole server (reactors, Watch, shutdown).
+# TSan only sees synchronization done by instrumented code. refitd locks with
+# absl::Mutex, whose Lock/Unlock live in libabsl_synchronization: Debian's
+# copy is not built with TSan, so every guarded field would be reported as a
+# race. tsan therefore first checks that the abseil CMake finds is
+# instrumented (a counter locked by two threads must pass clean) and stops
+# with exit 2 naming the problem when it is not; point CMAKE_PREFIX_PATH at
+# an abseil built with -fsanitize=thread to run it. What remains
+# uninstrumented then (LibTorch, gRPC, protobuf) is listed in
+# scripts/tsan.supp, by library, with the reason.
+# Any report fails the test that printed it (halt_on_error, exitcode), so
+# the run is non-zero on any report.
+#
+# Environment: SAN_BUILD_DIR (default build-asan / build-tsan), JOBS (default 2).
+# Exit status: 0 clean; non-zero on a build failure or any failed test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+case "$mode" in
+  asan | tsan) shift ;;
+  -h | --help | *) sed -n '2,21p' "$0"; [ "$mode" = -h ] || [ "$mode" = --help ]; exit $? ;;
+esac
+JOBS=${JOBS:-2}
+dir=${SAN_BUILD_DIR:-build-$mode}
+root=$PWD
+
+if [ "$mode" = asan ]; then
+  flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+  # Only the test directories: core tests (LibTorch) and server tests (gRPC).
+  tests=(tests/core/*_test.cc tests/server/*_test.cc)
+  labels='^(core|server)$'
+else
+  flags="-fsanitize=thread -fno-omit-frame-pointer"
+  tests=(tests/core/layer_worker_test.cc tests/core/shard_store_test.cc
+    tests/core/refit_session_test.cc tests/server/*_test.cc)
+  labels='^(core|server)$'
+fi
+# Only these targets are built: the others' tests are then "NOT_BUILT"
+# placeholders without labels, which -L leaves out.
+targets=()
+for t in "${tests[@]}"; do
+  sub=$(basename "$(dirname "$t")")
+  name=$(basename "$t" .cc)
+  case "$name" in *_gpu_test) continue ;; esac
+  targets+=("${sub}_${name}")
+done
+
+if [ "$mode" = tsan ]; then
+  probe=$(mktemp -d)
+  trap 'rm -rf "$probe"' EXIT
+  cat > "$probe/probe.cc" << 'END'
+#include <thread>
+#include "absl/synchronization/mutex.h"
+absl::Mutex mu;
+int counter = 0;
+int main() {
+  auto add = [] { for (int i = 0; i < 1000; ++i) { absl::MutexLock lock(&mu); ++counter; } };
+  std::thread a(add), b(add);
+  a.join();
+  b.join();
+  return counter == 2000 ? 0 : 1;
+}
+END
+  cat > "$probe/CMakeLists.txt" << 'END'
+cmake_minimum_required(VERSION 3.22)
+project(probe CXX)
+set(CMAKE_CXX_STANDARD 17)
+find_package(absl REQUIRED)
+add_executable(probe probe.cc)
+target_link_libraries(probe absl::synchronization)
+END
+  { cmake -S "$probe" -B "$probe/b" -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="$flags" &&
+    cmake --build "$probe/b"; } > "$probe/log" 2>&1 ||
+    { cat "$probe/log" >&2; echo "sanitize.sh tsan: could not build the abseil probe" >&2; exit 2; }
+  if ! TSAN_OPTIONS="exitcode=66" "$probe/b/probe" > "$probe/out" 2>&1; then
+    lib=$(grep -o '[^ ]*libabsl_synchronization[^ ]*' "$probe/b/CMakeFiles/probe.dir/link.txt" |
+      head -1)
+    echo "sanitize.sh tsan: the abseil CMake found (${lib:-?}) is not built with ThreadSanitizer:" \
+      "TSan reports a race on a counter locked with absl::Mutex (below), so it would report" \
+      "every field refitd guards. Set CMAKE_PREFIX_PATH to an abseil built with" \
+      "-fsanitize=thread." >&2
+    head -12 "$probe/out" >&2
+    exit 2
+  fi
+fi
+
+t0=$(date +%s)
+if [ ! -f "$dir/build.ninja" ]; then
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREFIT_WITH_CUDA=OFF \
+    -DREFIT_BUILD_BENCH=OFF -DCMAKE_CXX_FLAGS="$flags" \
+    -DCMAKE_EXE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags"
+fi
+cmake --build "$dir" -j"$JOBS" --target "${targets[@]}"
+t1=$(date +%s)
+
+if [ "$mode" = asan ]; then
+  # Leak checking stays on; LibTorch's and gRPC's process-lifetime singletons
+  # are reachable at exit, so they do not count as leaks.
+  export ASAN_OPTIONS="abort_on_error=0:halt_on_error=1:exitcode=66:detect_leaks=1:strict_init_order=1:detect_stack_use_after_return=0"
+  export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=66"
+  export LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp:print_suppressions=0"
+else
+  export TSAN_OPTIONS="halt_on_error=1:exitcode=66:second_deadlock_stack=1:suppressions=$root/scripts/tsan.supp:print_suppressions=0"
+fi
+rc=0
+# One job at a time under TSan: its runtime is memory-hungry and the
+# concurrency tests want the cores to themselves.
+ctest_jobs=$JOBS
+[ "$mode" = tsan ] && ctest_jobs=1
+ctest --test-dir "$dir" --output-on-failure -j"$ctest_jobs" --timeout 900 -L "$labels" "$@" ||
+  rc=$?
+t2=$(date +%s)
+echo "sanitize.sh $mode: build $((t1 - t0))s, tests $((t2 - t1))s, exit $rc"
+exit $rc

@@ -23,13 +23,15 @@
 # the run is non-zero on any report.
 #
 # Environment: SAN_BUILD_DIR (default build-asan / build-tsan), JOBS (default 2).
-# Exit status: 0 clean; non-zero on a build failure or any failed test.
+# Exit status: 0 clean; non-zero on a build failure or any failed test; 2
+# for a usage error or (tsan) an uninstrumented abseil.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 case "$mode" in
   asan | tsan) shift ;;
-  -h | --help | *) sed -n '2,21p' "$0"; [ "$mode" = -h ] || [ "$mode" = --help ]; exit $? ;;
+  -h | --help) sed -n '2,27p' "$0"; exit 0 ;;
+  *) sed -n '2,27p' "$0" >&2; exit 2 ;;
 esac
 JOBS=${JOBS:-2}
 dir=${SAN_BUILD_DIR:-build-$mode}

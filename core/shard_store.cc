@@ -77,7 +77,17 @@ absl::Status ShardStoreImpl::Allocate() {
     for (const KernelSpec* spec : specs) {
       absl::StatusOr<c10::ScalarType> type = ToScalarType(spec->dtype);
       if (!type.ok()) return type.status();
-      kernels.push_back(at::zeros(spec->shape, at::TensorOptions().dtype(*type).device(device)));
+      const at::TensorOptions options = at::TensorOptions().dtype(*type).device(device);
+      if (device.is_cpu()) {
+        // memset, not at::zeros: LibTorch fills FP8 through a parallel loop
+        // per tensor, which took seconds of every start on a loaded host.
+        kernels.push_back(at::empty(spec->shape, options));
+        if (spec->nbytes() > 0) {
+          std::memset(kernels.back().data_ptr(), 0, static_cast<size_t>(spec->nbytes()));
+        }
+      } else {
+        kernels.push_back(at::zeros(spec->shape, options));
+      }
       auto [it, inserted] = zero_hash_by_size.try_emplace(spec->nbytes(), 0);
       if (inserted) it->second = HashZeros(spec->nbytes());
       zero_hashes.push_back(it->second);
@@ -184,6 +194,138 @@ absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<Stage
     stats.version = version;
     stats.fingerprint = fingerprint;
   }
+  return stats;
+}
+
+namespace {
+
+class HostRestoreTarget : public RestoreTarget {
+ public:
+  explicit HostRestoreTarget(std::vector<at::Tensor>& kernels) : kernels_(kernels) {}
+  char* host_data(int kernel) const override {
+    return static_cast<char*>(kernels_[static_cast<size_t>(kernel)].data_ptr());
+  }
+  absl::Span<char> bounce() const override { return {}; }
+  absl::Status Upload(int kernel, int64_t, const char*, int64_t) const override {
+    return absl::InternalError(absl::StrCat("upload of kernel ", kernel, " to a host store"));
+  }
+
+ private:
+  std::vector<at::Tensor>& kernels_;
+};
+
+#ifdef REFIT_WITH_CUDA
+// Bounded: a few pieces of a kernel at a time, never the whole model.
+constexpr int64_t kRestoreBounceBytes = int64_t{16} << 20;
+
+class DeviceRestoreTarget : public RestoreTarget {
+ public:
+  DeviceRestoreTarget(std::vector<at::Tensor>& kernels, char* bounce, int64_t bounce_bytes)
+      : kernels_(kernels), bounce_(bounce), bounce_bytes_(bounce_bytes) {}
+  char* host_data(int) const override { return nullptr; }
+  absl::Span<char> bounce() const override {
+    return absl::MakeSpan(bounce_, static_cast<size_t>(bounce_bytes_));
+  }
+  absl::Status Upload(int kernel, int64_t offset, const char* src, int64_t n) const override {
+    char* dst = static_cast<char*>(kernels_[static_cast<size_t>(kernel)].data_ptr()) + offset;
+    cudaError_t error = cudaMemcpy(dst, src, static_cast<size_t>(n), cudaMemcpyHostToDevice);
+    if (error != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat("restore upload of kernel ", kernel, ": ", cudaGetErrorString(error)));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<at::Tensor>& kernels_;
+  char* bounce_;
+  int64_t bounce_bytes_;
+};
+#endif
+
+}  // namespace
+
+absl::Status ShardStoreImpl::ZeroKernelsLocked() {
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    const size_t nbytes = static_cast<size_t>(specs[i]->nbytes());
+    if (nbytes == 0) continue;
+    if (kernels[i].is_cpu()) {
+      std::memset(kernels[i].data_ptr(), 0, nbytes);
+      continue;
+    }
+#ifdef REFIT_WITH_CUDA
+    if (cudaError_t e = cudaMemset(kernels[i].data_ptr(), 0, nbytes); e != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat("zeroing ", specs[i]->name, ": ", cudaGetErrorString(e)));
+    }
+#else
+    return absl::InternalError(absl::StrCat("zeroing ", specs[i]->name, " on ", device.str(),
+                                            " (built without REFIT_WITH_CUDA)"));
+#endif
+  }
+#ifdef REFIT_WITH_CUDA
+  if (device.is_cuda()) {
+    if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("zeroing the kernels: ", cudaGetErrorString(e)));
+    }
+  }
+#endif
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CommitStats> ShardStoreImpl::RestoreInPlace(uint64_t set_version,
+                                                           RefitSlot::RestoreFill fill) {
+  absl::MutexLock lock(&mu);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::vector<uint64_t>> filled;
+  if (device.is_cpu()) {
+    filled = fill(HostRestoreTarget(kernels));
+  } else {
+#ifdef REFIT_WITH_CUDA
+    const int64_t bounce_bytes =
+        std::max<int64_t>(1, std::min(kRestoreBounceBytes, layout.kernel_bytes()));
+    int previous = -1;
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+    void* bounce = nullptr;
+    cudaError_t error = cudaSetDevice(device.index());
+    if (error == cudaSuccess)
+      error = cudaHostAlloc(&bounce, static_cast<size_t>(bounce_bytes), cudaHostAllocDefault);
+    if (error != cudaSuccess) {
+      if (previous >= 0) cudaSetDevice(previous);
+      return absl::InternalError(absl::StrCat("restore bounce buffer of ", bounce_bytes,
+                                              " bytes: ", cudaGetErrorString(error)));
+    }
+    filled = fill(DeviceRestoreTarget(kernels, static_cast<char*>(bounce), bounce_bytes));
+    cudaFreeHost(bounce);
+    if (previous >= 0) cudaSetDevice(previous);
+#else
+    return absl::InternalError(
+        absl::StrCat("restore into ", device.str(), " (built without REFIT_WITH_CUDA)"));
+#endif
+  }
+  if (filled.ok() && filled->size() != kernels.size()) {
+    filled = absl::InternalError(absl::StrCat("restore returned ", filled->size(),
+                                              " kernel hashes for ", kernels.size(), " kernels"));
+  }
+  if (!filled.ok()) {
+    // Back to what Create left; `hashes` and the fingerprint never changed.
+    if (absl::Status zeroed = ZeroKernelsLocked(); !zeroed.ok()) {
+      // Unverified bytes would stay in the live tensors.
+      REFIT_LOG(ERROR) << "restore failed and the kernels cannot be zeroed again: "
+                       << std::string(zeroed.message());
+      std::abort();
+    }
+    return filled.status();
+  }
+  hashes = *std::move(filled);
+  version = set_version;
+  fingerprint = ComputeFingerprint(hashes);
+  last_commit = absl::Now();
+  CommitStats stats;
+  stats.version = version;
+  stats.fingerprint = fingerprint;
+  stats.pause = last_commit - start;
+  stats.bytes_copied = layout.kernel_bytes();
   return stats;
 }
 
@@ -469,6 +611,16 @@ absl::StatusOr<CommitStats> RefitSlot::Restore(const std::vector<StagedKernel>& 
         absl::StrCat("restore into a store that already serves version ", live));
   }
   return store_->impl_->CommitStaged(staged, version);
+}
+
+absl::StatusOr<CommitStats> RefitSlot::RestoreInPlace(uint64_t version, RestoreFill fill) const {
+  if (store_ == nullptr) return absl::InternalError("restore through a released refit slot");
+  if (version == 0) return absl::FailedPreconditionError("restore of version 0");
+  if (uint64_t live = store_->version(); live != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("restore into a store that already serves version ", live));
+  }
+  return store_->impl_->RestoreInPlace(version, fill);
 }
 
 std::string ShardStore::active_session() const {

@@ -89,6 +89,24 @@ struct StagedKernel {
   uint64_t hash = 0;           // XXH3-64 of the bytes
 };
 
+// Where RefitSlot::RestoreInPlace writes the bytes it restores: straight
+// into the live kernels of a host store; on a GPU store through a bounded
+// page-locked bounce buffer and an upload per piece.
+class RestoreTarget {
+ public:
+  virtual ~RestoreTarget() = default;
+  // The live bytes of kernel `kernel` (flattened index) in host memory, or
+  // nullptr for a store on a GPU (use bounce() and Upload()).
+  virtual char* host_data(int kernel) const = 0;
+  // GPU store: page-locked host memory for pieces of kernels on their way to
+  // the device (a few MiB, never more than the kernels); empty for a host
+  // store. Not thread-safe: one piece in flight at a time.
+  virtual absl::Span<char> bounce() const = 0;
+  // GPU store: copies `n` bytes at `src` (host memory) to kernel `kernel` at
+  // byte `offset`, synchronously. INTERNAL with the CUDA error.
+  virtual absl::Status Upload(int kernel, int64_t offset, const char* src, int64_t n) const = 0;
+};
+
 class ShardStore;
 class ShardStoreImpl;  // holds the at::Tensor objects; see shard_store_tensors.h
 
@@ -122,6 +140,20 @@ class RefitSlot {
   // holds a version or `version` is 0; Commit's errors.
   absl::StatusOr<CommitStats> Restore(const std::vector<StagedKernel>& staged,
                                       uint64_t version) const;
+
+  // Recovery without a staging copy: with the writer lock held (readers of
+  // version 0 wait; nothing is served while it runs), `fill` writes every
+  // kernel's bytes through the target and returns their XXH3-64s in layout
+  // order, having verified them; then the version is published as
+  // `version`, as Restore does. When `fill` fails, every kernel is zeroed
+  // again (the state Create left: version 0, zero fingerprint), so unverified
+  // bytes never stay in the live tensors, and its error is returned as is.
+  // `fill` must not call the store. Errors: Restore's FAILED_PRECONDITION;
+  // INTERNAL for a hash count that is not the kernel count; the bounce
+  // buffer's CUDA error (nothing written); `fill`'s.
+  using RestoreFill =
+      absl::FunctionRef<absl::StatusOr<std::vector<uint64_t>>(const RestoreTarget&)>;
+  absl::StatusOr<CommitStats> RestoreInPlace(uint64_t version, RestoreFill fill) const;
 
   // Gives the slot back now (idempotent); the destructor does the same.
   void Release();

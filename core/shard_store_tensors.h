@@ -36,6 +36,8 @@ class ShardStoreImpl {
   ~ShardStoreImpl();
 
   // Allocates zeroed kernels and hashes them. RESOURCE_EXHAUSTED if they do not fit.
+  // Host kernels are zeroed with memset, not LibTorch's fill (on FP8, a
+  // parallel loop per tensor: seconds at start on a busy machine).
   absl::Status Allocate();
 
   // Copies `staged` into the live tensors in place under the writer lock.
@@ -49,6 +51,11 @@ class ShardStoreImpl {
   // the next one.
   absl::StatusOr<CommitStats> CommitStaged(const std::vector<StagedKernel>& staged,
                                            uint64_t set_version = 0);
+  // RefitSlot::RestoreInPlace's body: `fill` under the writer lock, then
+  // publishes `set_version`, or zeroes the kernels again if `fill` fails.
+  absl::StatusOr<CommitStats> RestoreInPlace(uint64_t set_version, RefitSlot::RestoreFill fill);
+  // Zeroes every kernel (host memset, or a device memset and a sync).
+  absl::Status ZeroKernelsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // The version the next commit publishes.
   uint64_t NextVersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu);
 

@@ -401,14 +401,18 @@ absl::StatusOr<SnapshotManifest> ReadSnapshotManifest(const std::string& path) {
   return std::move(opened->manifest);
 }
 
-absl::StatusOr<SnapshotManifest> ReadSnapshot(const std::string& path, const ModelLayout& layout,
-                                              std::unique_ptr<char[]>* bytes) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such snapshot"));
-    return absl::InternalError(absl::StrCat(path, ": open: ", Errno()));
-  }
-  absl::StatusOr<OpenedSnapshot> opened = OpenSnapshot(fd.get(), path);
+namespace {
+
+// A snapshot whose manifest matches the layout, ready for its kernel bytes.
+struct CheckedSnapshot {
+  OpenedSnapshot opened;
+  std::vector<const KernelSpec*> specs;  // layout order, one per manifest kernel
+  std::vector<int64_t> offsets;          // of each kernel in the kernel bytes, and the end
+};
+
+absl::StatusOr<CheckedSnapshot> OpenAndCheck(int fd, const std::string& path,
+                                             const ModelLayout& layout) {
+  absl::StatusOr<OpenedSnapshot> opened = OpenSnapshot(fd, path);
   if (!opened.ok()) return opened.status();
   const SnapshotManifest& m = opened->manifest;
   const std::string layout_fingerprint = LayoutFingerprint(layout);
@@ -417,10 +421,11 @@ absl::StatusOr<SnapshotManifest> ReadSnapshot(const std::string& path, const Mod
         absl::StrCat(path, ": snapshot of another model layout (layout fingerprint ",
                      m.layout_fingerprint, ", the configured model's ", layout_fingerprint, ")"));
   }
-  std::vector<const KernelSpec*> specs;
+  CheckedSnapshot checked;
   for (const LayerSpec& l : layout.layers()) {
-    for (const KernelSpec& k : l.kernels) specs.push_back(&k);
+    for (const KernelSpec& k : l.kernels) checked.specs.push_back(&k);
   }
+  const std::vector<const KernelSpec*>& specs = checked.specs;
   if (specs.size() != m.kernels.size()) {
     return absl::DataLossError(absl::StrCat(
         path, ": ", m.kernels.size(), " kernels in the manifest, the layout has ", specs.size()));
@@ -433,28 +438,101 @@ absl::StatusOr<SnapshotManifest> ReadSnapshot(const std::string& path, const Mod
                                               specs[i]->name, "\" (", specs[i]->nbytes(), ")"));
     }
   }
-  // Read and hash on several threads: both are bound by memory bandwidth and
-  // the restore is on the start's critical path.
-  bytes->reset(new char[static_cast<size_t>(std::max<int64_t>(m.kernel_bytes, 1))]);
-  std::vector<int64_t> offsets(specs.size() + 1, 0);
-  for (size_t i = 0; i < specs.size(); ++i) offsets[i + 1] = offsets[i] + m.kernels[i].nbytes;
+  checked.offsets.assign(specs.size() + 1, 0);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    checked.offsets[i + 1] = checked.offsets[i] + m.kernels[i].nbytes;
+  }
+  checked.opened = *std::move(opened);
+  return checked;
+}
+
+// Hashed as read: a piece is hashed while it is still in the cache.
+constexpr size_t kReadPiece = size_t{1} << 20;
+
+// Reads kernel `i` into host memory at `at`, hashing it piece by piece.
+absl::StatusOr<uint64_t> ReadAndHash(int fd, const std::string& path, const CheckedSnapshot& c,
+                                     size_t i, char* at) {
+  const int64_t base = c.opened.data_offset + c.offsets[i];
+  const size_t n = static_cast<size_t>(c.offsets[i + 1] - c.offsets[i]);
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(),
+                                                                        &XXH3_freeState);
+  XXH3_64bits_reset(state.get());
+  for (size_t done = 0; done < n;) {
+    const size_t piece = std::min(kReadPiece, n - done);
+    if (absl::Status s = ReadAt(fd, at + done, piece, base + static_cast<int64_t>(done), path);
+        !s.ok()) {
+      return s;
+    }
+    XXH3_64bits_update(state.get(), at + done, piece);
+    done += piece;
+  }
+  return XXH3_64bits_digest(state.get());
+}
+
+// GPU store: kernel `i` through the target's bounce buffer, hashed on the
+// host copy, uploaded piece by piece.
+absl::StatusOr<uint64_t> ReadHashAndUpload(int fd, const std::string& path,
+                                           const CheckedSnapshot& c, size_t i,
+                                           const RestoreTarget& target) {
+  const absl::Span<char> bounce = target.bounce();
+  const int64_t base = c.opened.data_offset + c.offsets[i];
+  const size_t n = static_cast<size_t>(c.offsets[i + 1] - c.offsets[i]);
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(),
+                                                                        &XXH3_freeState);
+  XXH3_64bits_reset(state.get());
+  for (size_t done = 0; done < n;) {
+    const size_t piece = std::min(bounce.size(), n - done);
+    if (absl::Status s = ReadAt(fd, bounce.data(), piece, base + static_cast<int64_t>(done), path);
+        !s.ok()) {
+      return s;
+    }
+    XXH3_64bits_update(state.get(), bounce.data(), piece);
+    if (absl::Status s = target.Upload(static_cast<int>(i), static_cast<int64_t>(done),
+                                       bounce.data(), static_cast<int64_t>(piece));
+        !s.ok()) {
+      return s;
+    }
+    done += piece;
+  }
+  return XXH3_64bits_digest(state.get());
+}
+
+// Reads every kernel of `c` into `target` and verifies each against the
+// manifest's XXH3 and the whole against its fingerprint; returns the hashes.
+// DATA_LOSS naming the first kernel that does not match, or the fingerprint.
+absl::StatusOr<std::vector<uint64_t>> ReadKernels(int fd, const std::string& path,
+                                                  const CheckedSnapshot& c,
+                                                  const RestoreTarget& target) {
+  const SnapshotManifest& m = c.opened.manifest;
+  const size_t count = c.specs.size();
+  std::vector<uint64_t> hashes(count, XXH3_64bits(nullptr, 0));
+  const bool host = count == 0 || m.kernel_bytes == 0 || target.bounce().empty();
+  // Host memory: read and hash on several threads (both bound by memory
+  // bandwidth; the restore is on the start's critical path). A GPU store's
+  // one bounce buffer takes one piece at a time.
   const int64_t kPerThread = int64_t{64} << 20;
-  const size_t threads = static_cast<size_t>(
-      std::clamp<int64_t>(m.kernel_bytes / kPerThread, 1,
-                          std::max(1u, std::min(8u, std::thread::hardware_concurrency()))));
-  std::vector<uint64_t> hashes(specs.size(), 0);
+  const size_t threads =
+      !host ? 1
+            : static_cast<size_t>(std::clamp<int64_t>(
+                  m.kernel_bytes / kPerThread, 1,
+                  std::max(1u, std::min(8u, std::thread::hardware_concurrency()))));
   std::vector<absl::Status> read_status(threads);
   auto work = [&](size_t t) {
     // Kernels whose first byte falls in this thread's share of the bytes.
     const int64_t lo = m.kernel_bytes * static_cast<int64_t>(t) / static_cast<int64_t>(threads);
     const int64_t hi = m.kernel_bytes * static_cast<int64_t>(t + 1) / static_cast<int64_t>(threads);
-    for (size_t i = 0; i < specs.size(); ++i) {
-      if (offsets[i] < lo || offsets[i] >= hi) continue;
-      char* at = bytes->get() + offsets[i];
-      const size_t n = static_cast<size_t>(m.kernels[i].nbytes);
-      read_status[t] = ReadAt(fd.get(), at, n, opened->data_offset + offsets[i], path);
-      if (!read_status[t].ok()) return;
-      hashes[i] = XXH3_64bits(at, n);
+    for (size_t i = 0; i < count; ++i) {
+      if (c.offsets[i] < lo || c.offsets[i] >= hi || m.kernels[i].nbytes == 0) continue;
+      absl::StatusOr<uint64_t> h =
+          host ? ReadAndHash(fd, path, c, i, target.host_data(static_cast<int>(i)))
+               : ReadHashAndUpload(fd, path, c, i, target);
+      if (!h.ok()) {
+        read_status[t] = h.status();
+        return;
+      }
+      hashes[i] = *h;
+      // Stop at the first damaged kernel: the whole snapshot is rejected.
+      if (hashes[i] != m.kernels[i].hash) return;
     }
   };
   std::vector<std::thread> pool;
@@ -464,24 +542,64 @@ absl::StatusOr<SnapshotManifest> ReadSnapshot(const std::string& path, const Mod
   for (const absl::Status& s : read_status) {
     if (!s.ok()) return s;
   }
-  // Zero-byte kernels start no range: their hash is that of no bytes.
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (m.kernels[i].nbytes == 0) hashes[i] = XXH3_64bits(nullptr, 0);
-  }
-  for (size_t i = 0; i < specs.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
     if (hashes[i] != m.kernels[i].hash) {
       return absl::DataLossError(absl::StrCat(
-          path, ": kernel ", specs[i]->name, " does not match its checksum (bytes at offset ",
-          opened->data_offset + offsets[i], ": XXH3 ", Hex(hashes[i]), ", manifest ",
+          path, ": kernel ", c.specs[i]->name, " does not match its checksum (bytes at offset ",
+          c.opened.data_offset + c.offsets[i], ": XXH3 ", Hex(hashes[i]), ", manifest ",
           Hex(m.kernels[i].hash), ")"));
     }
   }
-  const std::string fingerprint = KernelFingerprint(specs, hashes);
+  const std::string fingerprint = KernelFingerprint(c.specs, hashes);
   if (fingerprint != m.fingerprint) {
     return absl::DataLossError(absl::StrCat(path, ": fingerprint of the bytes ", fingerprint,
                                             ", manifest ", m.fingerprint));
   }
-  return std::move(opened->manifest);
+  return hashes;
+}
+
+// ReadSnapshot's target: one host buffer, the kernels back to back.
+class BufferTarget : public RestoreTarget {
+ public:
+  BufferTarget(char* bytes, const std::vector<int64_t>& offsets)
+      : bytes_(bytes), offsets_(offsets) {}
+  char* host_data(int kernel) const override {
+    return bytes_ + offsets_[static_cast<size_t>(kernel)];
+  }
+  absl::Span<char> bounce() const override { return {}; }
+  absl::Status Upload(int, int64_t, const char*, int64_t) const override {
+    return absl::InternalError("upload into a host buffer");
+  }
+
+ private:
+  char* bytes_;
+  const std::vector<int64_t>& offsets_;
+};
+
+absl::StatusOr<int> OpenForRead(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such snapshot"));
+    return absl::InternalError(absl::StrCat(path, ": open: ", Errno()));
+  }
+  return fd;
+}
+
+}  // namespace
+
+absl::StatusOr<SnapshotManifest> ReadSnapshot(const std::string& path, const ModelLayout& layout,
+                                              std::unique_ptr<char[]>* bytes) {
+  absl::StatusOr<int> opened = OpenForRead(path);
+  if (!opened.ok()) return opened.status();
+  Fd fd(*opened);
+  absl::StatusOr<CheckedSnapshot> checked = OpenAndCheck(fd.get(), path, layout);
+  if (!checked.ok()) return checked.status();
+  const int64_t kernel_bytes = checked->opened.manifest.kernel_bytes;
+  bytes->reset(new char[static_cast<size_t>(std::max<int64_t>(kernel_bytes, 1))]);
+  absl::StatusOr<std::vector<uint64_t>> hashes =
+      ReadKernels(fd.get(), path, *checked, BufferTarget(bytes->get(), checked->offsets));
+  if (!hashes.ok()) return hashes.status();
+  return std::move(checked->opened.manifest);
 }
 
 absl::StatusOr<uint64_t> ReadVersionRecord(const std::string& dir) {
@@ -540,31 +658,53 @@ absl::StatusOr<RecoveryResult> RecoverFromSnapshots(ShardStore* store, const std
   for (const auto& [v, path] : entries->snapshots) {
     result.highest_version = std::max(result.highest_version, v);
   }
-  std::unique_ptr<char[]> bytes;
   for (auto it = entries->snapshots.rbegin(); it != entries->snapshots.rend(); ++it) {
     const std::string& path = it->second;
     const absl::Time start = absl::Now();
-    absl::StatusOr<SnapshotManifest> manifest = ReadSnapshot(path, store->layout(), &bytes);
-    if (manifest.ok() && manifest->group != store->group()) {
-      manifest = absl::FailedPreconditionError(absl::StrCat(
-          path, ": snapshot of group \"", manifest->group, "\", not \"", store->group(), "\""));
+    // The manifest first; then the kernel bytes straight into the live
+    // tensors of the store, which serves nothing yet: RestoreInPlace zeroes
+    // them again if a kernel or the fingerprint does not verify.
+    absl::StatusOr<int> opened = OpenForRead(path);
+    std::optional<Fd> fd;
+    absl::StatusOr<CheckedSnapshot> checked = absl::UnknownError("not opened");
+    if (opened.ok()) {
+      fd.emplace(*opened);
+      checked = OpenAndCheck(fd->get(), path, store->layout());
+    } else {
+      checked = opened.status();
     }
-    if (absl::IsFailedPrecondition(manifest.status())) {
-      REFIT_LOG(WARNING).Field("file", path)
-          << "skipping snapshot: " << manifest.status().message();
-      result.rejected.push_back(std::string(manifest.status().message()));
+    if (checked.ok() && checked->opened.manifest.group != store->group()) {
+      checked = absl::FailedPreconditionError(absl::StrCat(path, ": snapshot of group \"",
+                                                           checked->opened.manifest.group,
+                                                           "\", not \"", store->group(), "\""));
+    }
+    absl::Status verified = checked.status();
+    absl::StatusOr<CommitStats> restored = absl::UnknownError("not restored");
+    if (checked.ok()) {
+      const SnapshotManifest& m = checked->opened.manifest;
+      absl::StatusOr<RefitSlot> slot = store->AcquireRefitSlot(absl::StrCat("restore-", m.version));
+      if (!slot.ok()) return slot.status();
+      restored = slot->RestoreInPlace(m.version, [&](const RestoreTarget& target) {
+        absl::StatusOr<std::vector<uint64_t>> hashes =
+            ReadKernels(fd->get(), path, *checked, target);
+        verified = hashes.status();
+        return hashes;
+      });
+      // An error of the restore itself, not of the snapshot's bytes.
+      if (!restored.ok() && verified.ok()) return restored.status();
+    }
+    if (absl::IsFailedPrecondition(verified)) {
+      REFIT_LOG(WARNING).Field("file", path) << "skipping snapshot: " << verified.message();
+      result.rejected.push_back(std::string(verified.message()));
       continue;
     }
-    if (!manifest.ok()) {
-      REFIT_LOG(ERROR)
-              .Field("file", path)
-              .Field("code", absl::StatusCodeToString(manifest.status().code()))
-          << "CORRUPT SNAPSHOT, not served: " << manifest.status().message();
-      result.rejected.push_back(std::string(manifest.status().message()));
+    if (!verified.ok()) {
+      REFIT_LOG(ERROR).Field("file", path).Field("code", absl::StatusCodeToString(verified.code()))
+          << "CORRUPT SNAPSHOT, not served: " << verified.message();
+      result.rejected.push_back(std::string(verified.message()));
       if (policy == RecoveryPolicy::kFail) {
         return absl::DataLossError(absl::StrCat("snapshot ", path, " is corrupt (",
-                                                manifest.status().message(),
-                                                "); --state-recovery=fail"));
+                                                verified.message(), "); --state-recovery=fail"));
       }
       const std::string aside = absl::StrCat(path, kRejectedSuffix);
       if (::rename(path.c_str(), aside.c_str()) == 0) {
@@ -574,31 +714,13 @@ absl::StatusOr<RecoveryResult> RecoverFromSnapshots(ShardStore* store, const std
       continue;
     }
     result.read_time = absl::Now() - start;
-    // Every kernel, verified: restore it as its own version.
-    static const char kEmpty = 0;
-    std::vector<StagedKernel> staged;
-    int64_t offset = 0;
-    int index = 0;
-    for (const SnapshotKernel& k : manifest->kernels) {
-      StagedKernel s;
-      s.kernel = index++;
-      s.data = k.nbytes == 0 ? &kEmpty : bytes.get() + offset;
-      s.hash = k.hash;
-      staged.push_back(s);
-      offset += k.nbytes;
-    }
-    absl::StatusOr<RefitSlot> slot =
-        store->AcquireRefitSlot(absl::StrCat("restore-", manifest->version));
-    if (!slot.ok()) return slot.status();
-    absl::StatusOr<CommitStats> restored = slot->Restore(staged, manifest->version);
-    if (!restored.ok()) return restored.status();
-    if (restored->fingerprint != manifest->fingerprint) {
+    if (restored->fingerprint != checked->opened.manifest.fingerprint) {
       // KernelFingerprint over the same specs and hashes: cannot differ.
       return absl::InternalError(absl::StrCat("restored fingerprint ", restored->fingerprint,
                                               " differs from the snapshot's ",
-                                              manifest->fingerprint));
+                                              checked->opened.manifest.fingerprint));
     }
-    result.restored = *std::move(manifest);
+    result.restored = std::move(checked->opened.manifest);
     result.path = path;
     break;
   }

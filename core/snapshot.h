@@ -6,9 +6,12 @@
 // "committed" events and, on its own thread, copies the live kernels into
 // one host buffer under the store's reader lock (readers go on; only a
 // commit that arrives during the copy waits for it), then writes the copy
-// without any store lock. At start, RecoverFromSnapshots loads the newest
-// snapshot whose layout matches, verifies it byte for byte, and restores it
-// before the daemon turns ready.
+// without any store lock. At start, RecoverFromSnapshots reads the newest
+// snapshot whose layout matches straight into the live kernels of the store
+// (which serves nothing yet; a GPU store's through a small pinned bounce
+// buffer), verifying each kernel's XXH3 as it is read, and publishes it
+// before the daemon turns ready; a snapshot that does not verify leaves the
+// kernels zeroed again, as created.
 //
 // A snapshot is one file, "snapshot-<version, 20 digits>.refit":
 //   refit-snapshot v1 <manifest bytes> <XXH3-64 of the manifest>\n
@@ -129,12 +132,14 @@ struct RecoveryResult {
   std::string path;                          // of the restored snapshot
   uint64_t highest_version = 0;              // seen in the directory (record, files)
   std::vector<std::string> rejected;         // "path: reason"
-  absl::Duration read_time;                  // reading and verifying the restored one
+  absl::Duration read_time;                  // reading, verifying, restoring the restored one
 };
 
 // At start, before anything is committed to `store`: creates `dir` if
 // needed, removes temporary files of interrupted writes, and restores the
-// newest snapshot of `store`'s layout that verifies, as its own version.
+// newest snapshot of `store`'s layout that verifies, as its own version
+// (RefitSlot::RestoreInPlace: no staging copy; a snapshot that fails to
+// verify leaves the store as Create left it).
 // Snapshots of other layouts are skipped (WARNING). A corrupt one is logged
 // as an ERROR naming the file and what mismatched; with kFallback it is
 // renamed to "<name>.rejected" and the next older one is tried. Either way

@@ -11,7 +11,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -190,6 +192,77 @@ TEST_F(SnapshotTest, CorruptByteIsDetectedAndThePreviousOneServed) {
   absl::StatusOr<RefitResult> next = PushAll(*restarted, Weights(3));
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->version, 3u);
+}
+
+TEST_F(SnapshotTest, CorruptSnapshotRestoredInPlaceLeavesTheStoreAsCreated) {
+  CommitAndSnapshot(1);
+  const std::string path = dir_ + "/" + SnapshotFileName(1);
+  FlipByte(path, 100);  // the last kernel: every kernel before it is written first
+  std::unique_ptr<ShardStore> restarted = FreshStore();
+  const std::string created_fingerprint = restarted->fingerprint();
+  const std::map<std::string, std::string> created = refit::testing::Snapshot(*restarted);
+  std::vector<const void*> pointers;
+  for (const KernelView& k : restarted->Kernels()) pointers.push_back(k.data);
+
+  absl::StatusOr<RecoveryResult> r =
+      RecoverFromSnapshots(restarted.get(), dir_, RecoveryPolicy::kFallback);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->restored.has_value());
+  ASSERT_EQ(r->rejected.size(), 1u);
+  EXPECT_THAT(r->rejected[0], HasSubstr("does not match its checksum"));
+  // Nothing of the unverified bytes stays: zeros, version 0, the fingerprint
+  // of a new store, in the same tensors.
+  EXPECT_EQ(restarted->version(), 0u);
+  EXPECT_EQ(restarted->fingerprint(), created_fingerprint);
+  EXPECT_TRUE(refit::testing::Snapshot(*restarted) == created);
+  for (const auto& [name, bytes] : refit::testing::Snapshot(*restarted)) {
+    EXPECT_EQ(bytes.find_first_not_of('\0'), std::string::npos) << name;
+  }
+  std::vector<KernelView> after = restarted->Kernels();
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_EQ(after[i].data, pointers[i]);
+  // The fallback, --model, then commits as usual, numbered after version 1.
+  absl::StatusOr<RefitResult> next = PushAll(*restarted, Weights(1));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->version, 2u);
+  EXPECT_EQ(restarted->fingerprint(), store_->fingerprint());
+}
+
+TEST_F(SnapshotTest, RestoreInPlaceZeroesWhatAFailedFillWrote) {
+  std::unique_ptr<ShardStore> fresh = FreshStore();
+  const std::string created_fingerprint = fresh->fingerprint();
+  absl::StatusOr<RefitSlot> slot = fresh->AcquireRefitSlot("restore-3");
+  ASSERT_TRUE(slot.ok());
+  const size_t count = fresh->Kernels().size();
+  absl::StatusOr<CommitStats> failed = slot->RestoreInPlace(
+      3, [&](const RestoreTarget& target) -> absl::StatusOr<std::vector<uint64_t>> {
+        EXPECT_TRUE(target.bounce().empty());  // a host store: straight into the kernels
+        for (size_t i = 0; i < count; ++i) {
+          const KernelView& k = fresh->Kernels()[i];
+          if (k.nbytes > 0) std::memset(target.host_data(static_cast<int>(i)), 0x7f, k.nbytes);
+        }
+        return absl::DataLossError("kernel x does not match its checksum");
+      });
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(failed.status().message(), HasSubstr("kernel x"));
+  EXPECT_EQ(fresh->version(), 0u);
+  EXPECT_EQ(fresh->fingerprint(), created_fingerprint);
+  for (const auto& [name, bytes] : refit::testing::Snapshot(*fresh)) {
+    EXPECT_EQ(bytes.find_first_not_of('\0'), std::string::npos) << name;
+  }
+  absl::StatusOr<CommitStats> short_hashes = slot->RestoreInPlace(3, [](const RestoreTarget&) {
+    return absl::StatusOr<std::vector<uint64_t>>(std::vector<uint64_t>{1});
+  });
+  EXPECT_EQ(short_hashes.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(short_hashes.status().message(), HasSubstr("1 kernel hashes for"));
+  EXPECT_EQ(fresh->version(), 0u);
+  EXPECT_EQ(
+      slot->RestoreInPlace(0,
+                           [](const RestoreTarget&) {
+                             return absl::StatusOr<std::vector<uint64_t>>(std::vector<uint64_t>{});
+                           })
+          .status()
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(SnapshotTest, FailPolicyRefusesACorruptSnapshot) {

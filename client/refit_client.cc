@@ -100,6 +100,8 @@ absl::Status ValidateAddress(absl::string_view address) {
   return CheckHostPort(rest, address);
 }
 
+size_t SizeOf(const TensorRef& t) { return t.read ? t.size : t.data.size(); }
+
 }  // namespace
 
 uint64_t ChunkChecksum(absl::Span<const uint8_t> data) {
@@ -204,12 +206,11 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const Tensor
       }
       numel *= static_cast<uint64_t>(d);
     }
-    if (numel * elem != t.data.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("push: tensor '", t.name, "' has ",
-                                                     t.data.size(), " bytes, its shape needs ",
-                                                     numel * elem));
+    if (numel * elem != SizeOf(t)) {
+      return absl::InvalidArgumentError(absl::StrCat("push: tensor '", t.name, "' has ", SizeOf(t),
+                                                     " bytes, its shape needs ", numel * elem));
     }
-    progress.bytes_total += t.data.size();
+    progress.bytes_total += SizeOf(t);
   }
 
   grpc::ClientContext context;
@@ -255,6 +256,7 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const Tensor
 
   for (const TensorRef& t : tensors) {
     const size_t elem = DTypeBytes(t.dtype);
+    const size_t nbytes = SizeOf(t);
     // Chunks are element-aligned and hold at least one element.
     const size_t cap = std::max<size_t>(options.max_chunk_bytes / elem, 1) * elem;
     size_t offset = 0;
@@ -262,9 +264,9 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const Tensor
     do {
       size_t room = options.bucket_bytes > bucket_fill ? options.bucket_bytes - bucket_fill : 0;
       if (bucket_fill == 0) room = std::max(room, elem);
-      size_t piece = std::min({t.data.size() - offset, cap, room});
+      size_t piece = std::min({nbytes - offset, cap, room});
       piece -= piece % elem;
-      if (piece == 0 && offset < t.data.size()) {
+      if (piece == 0 && offset < nbytes) {
         // Not even one element fits in this bucket: send it and start anew.
         if (!flush()) return finish();
         continue;
@@ -274,13 +276,28 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const Tensor
       chunk->set_dtype(t.dtype);
       for (int64_t d : t.shape) chunk->add_shape(d);
       chunk->set_byte_offset(offset);
-      absl::Span<const uint8_t> data = t.data.subspan(offset, piece);
-      chunk->set_data(data.data(), data.size());
+      absl::Span<const uint8_t> data;
+      if (t.read) {
+        std::string* bytes = chunk->mutable_data();
+        bytes->resize(piece);
+        absl::Span<uint8_t> out(reinterpret_cast<uint8_t*>(bytes->data()), piece);
+        if (absl::Status read = t.read(offset, out); !read.ok()) {
+          // Nothing half-read is sent; the daemon aborts the refit.
+          context.TryCancel();
+          grpc::Status ignored = writer->Finish();
+          (void)ignored;
+          return read;
+        }
+        data = out;
+      } else {
+        data = t.data.subspan(offset, piece);
+        chunk->set_data(data.data(), data.size());
+      }
       if (options.checksums) chunk->set_xxh3(ChunkChecksum(data));
       offset += piece;
       bucket_fill += piece;
       if (bucket_fill >= options.bucket_bytes && !flush()) return finish();
-    } while (offset < t.data.size());
+    } while (offset < nbytes);
     ++progress.tensors_done;
   }
   if (!flush()) return finish();
@@ -299,8 +316,14 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::PushFiles(const std::vector<
   for (const std::string& file : files) {
     absl::StatusOr<std::unique_ptr<SafetensorsView>> view = SafetensorsView::Open(file);
     if (!view.ok()) return view.status();
-    for (const SafetensorsTensor& t : (*view)->tensors()) {
-      tensors.push_back(TensorRef{t.name, t.dtype, t.shape, t.data});
+    const SafetensorsView* v = view->get();
+    for (const SafetensorsTensor& t : v->tensors()) {
+      TensorRef ref{t.name, t.dtype, t.shape, {}};
+      ref.size = t.nbytes;
+      ref.read = [v, &t](uint64_t offset, absl::Span<uint8_t> out) {
+        return v->Read(t, offset, out);
+      };
+      tensors.push_back(std::move(ref));
     }
     views.push_back(*std::move(view));
   }

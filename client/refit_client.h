@@ -88,7 +88,14 @@ struct TensorRef {
   std::string name;
   refit::v1::DType dtype = refit::v1::DTYPE_BF16;
   std::vector<int64_t> shape;
-  absl::Span<const uint8_t> data;
+  absl::Span<const uint8_t> data;  // the bytes, in memory
+  // Instead of `data`: reads `out.size()` bytes at `offset` of the tensor,
+  // which has `size` bytes. PushFiles reads files this way, never through a
+  // mapping, so a file truncated during a push fails the push with the
+  // reader's error (the stream is cancelled, the daemon aborts the refit)
+  // instead of killing the process with SIGBUS.
+  std::function<absl::Status(uint64_t offset, absl::Span<uint8_t> out)> read = nullptr;
+  uint64_t size = 0;
 };
 
 struct PushProgress {
@@ -179,10 +186,11 @@ class RefitClient {
   //   PERMISSION_DENIED   the token's role may not push
   absl::StatusOr<refit::v1::RefitResult> Push(absl::Span<const TensorRef> tensors,
                                               const PushOptions& options);
-  // Push of every tensor of the given safetensors files (memory-mapped; the
-  // bytes are not loaded twice).
+  // Push of every tensor of the given safetensors files (read with pread
+  // straight into each message: the bytes are not loaded twice).
   // Errors: those of SafetensorsView::Open for each file (NOT_FOUND,
-  // PERMISSION_DENIED, INVALID_ARGUMENT naming the file), then Push's
+  // PERMISSION_DENIED, INVALID_ARGUMENT naming the file); FAILED_PRECONDITION
+  // naming the file when one changes while it is pushed; then Push's
   // (INVALID_ARGUMENT "no tensors" when the files hold none).
   absl::StatusOr<refit::v1::RefitResult> PushFiles(const std::vector<std::string>& files,
                                                    const PushOptions& options);

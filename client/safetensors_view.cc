@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -94,6 +93,27 @@ absl::Status OpenError(const std::string& path, int err) {
   return absl::InternalError(message);
 }
 
+// Reads up to `size` bytes at `offset`; how many were read (fewer only at the
+// end of the file), or -errno.
+int64_t PreadAll(int fd, uint8_t* out, size_t size, uint64_t offset) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::pread(fd, out + done, std::min<size_t>(size - done, size_t{1} << 30),
+                              static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return static_cast<int64_t>(done);
+}
+
+int64_t MtimeNs(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
 }  // namespace
 
 refit::v1::DType DTypeFromSafetensorsName(absl::string_view name) {
@@ -138,27 +158,42 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": ", size, " bytes is too short for a safetensors file"));
   }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  int err = errno;
-  ::close(fd);
-  if (map == MAP_FAILED) return OpenError(path, err);
-  view->map_ = map;
-  view->map_size_ = size;
-  const uint8_t* base = static_cast<const uint8_t*>(map);
-
+  view->fd_ = fd;  // closed by the destructor from here on
+  view->size_ = size;
+  view->mtime_ns_ = MtimeNs(st);
+  uint8_t prefix[8];
+  if (PreadAll(fd, prefix, 8, 0) != 8) return view->ChangedError("");
   uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base[i];
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | prefix[i];
   if (header_len > size - 8) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": header length ", header_len, " exceeds the file size ", size));
   }
-  const uint8_t* data_begin = base + 8 + header_len;
+  // The daemon's limit (core/safetensors.h): a longer header is refused
+  // there anyway, and reading it here would cost its size in memory.
+  constexpr uint64_t kMaxHeaderBytes = uint64_t{32} << 20;
+  if (header_len > kMaxHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": header length ", header_len, " exceeds the limit of ", kMaxHeaderBytes, " bytes"));
+  }
+  std::string header_text(header_len, '\0');
+  if (PreadAll(fd, reinterpret_cast<uint8_t*>(header_text.data()), header_len, 8) !=
+      static_cast<int64_t>(header_len)) {
+    return view->ChangedError("");
+  }
+  if (const size_t nul = header_text.find('\0'); nul != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": header has a NUL byte at offset ", nul));
+  }
+  view->data_start_ = 8 + header_len;
   const uint64_t data_size = size - 8 - header_len;
+  const char* header_begin = header_text.data();
+  const char* header_end = header_begin + header_text.size();
   HeaderChecker checker;
-  if (!nlohmann::json::sax_parse(base + 8, data_begin, &checker)) {
+  if (!nlohmann::json::sax_parse(header_begin, header_end, &checker)) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", checker.error()));
   }
-  nlohmann::json header = nlohmann::json::parse(base + 8, data_begin, nullptr,
+  nlohmann::json header = nlohmann::json::parse(header_begin, header_end, nullptr,
                                                 /*allow_exceptions=*/false);
   if (!header.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": header is not a JSON object"));
@@ -223,22 +258,23 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
       return bad(
           absl::StrCat("data_offsets span ", end - begin, " bytes, shape and dtype need ", nbytes));
     }
-    t.data = absl::MakeConstSpan(data_begin + begin, end - begin);
+    t.offset = begin;
+    t.nbytes = nbytes;
     view->tensors_.push_back(std::move(t));
   }
   // By (begin, size): an empty tensor sorts before a non-empty one at the
   // same offset, so only bytes two tensors really share count as overlap.
   std::sort(view->tensors_.begin(), view->tensors_.end(),
             [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
-              if (a.data.data() != b.data.data()) return a.data.data() < b.data.data();
-              return a.data.size() < b.data.size();
+              if (a.offset != b.offset) return a.offset < b.offset;
+              return a.nbytes < b.nbytes;
             });
   // Overlapping tensors would push the same bytes under two names; no
   // writer produces them, and the daemon's own reader rejects them.
   for (size_t i = 1; i < view->tensors_.size(); ++i) {
     const SafetensorsTensor& prev = view->tensors_[i - 1];
     const SafetensorsTensor& cur = view->tensors_[i];
-    if (cur.data.data() < prev.data.data() + prev.data.size()) {
+    if (cur.offset < prev.offset + prev.nbytes) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": tensors '", prev.name, "' and '",
                                                      cur.name, "' overlap in data_offsets"));
     }
@@ -247,7 +283,44 @@ absl::StatusOr<std::unique_ptr<SafetensorsView>> SafetensorsView::Open(const std
 }
 
 SafetensorsView::~SafetensorsView() {
-  if (map_ != nullptr) ::munmap(map_, map_size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::Status SafetensorsView::ChangedError(absl::string_view tensor_name) const {
+  return absl::FailedPreconditionError(absl::StrCat(
+      path_, ": ", tensor_name.empty() ? "" : absl::StrCat("reading tensor '", tensor_name, "': "),
+      "the file changed while being read (truncated or rewritten in place?)"));
+}
+
+absl::Status SafetensorsView::Read(const SafetensorsTensor& tensor, uint64_t offset,
+                                   absl::Span<uint8_t> out) const {
+  if (offset > tensor.nbytes || out.size() > tensor.nbytes - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor '", tensor.name, "': bytes [",
+                                                   offset, ", ", offset + out.size(),
+                                                   ") are not inside its ", tensor.nbytes));
+  }
+  if (out.empty()) return absl::OkStatus();
+  const int64_t n = PreadAll(fd_, out.data(), out.size(), data_start_ + tensor.offset + offset);
+  if (n < 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot read ", path_, ": ", std::strerror(static_cast<int>(-n))));
+  }
+  // Checked after every read: a file rewritten in place reads in full but
+  // mixes old and new bytes.
+  struct stat st;
+  if (::fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) != size_ ||
+      MtimeNs(st) != mtime_ns_ || n < static_cast<int64_t>(out.size())) {
+    return ChangedError(tensor.name);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> SafetensorsView::ReadAll(const SafetensorsTensor& tensor) const {
+  std::string bytes(tensor.nbytes, '\0');
+  absl::Status status =
+      Read(tensor, 0, absl::MakeSpan(reinterpret_cast<uint8_t*>(bytes.data()), bytes.size()));
+  if (!status.ok()) return status;
+  return bytes;
 }
 
 // POSIX rather than std::filesystem: refitctl also links LibTorch, whose

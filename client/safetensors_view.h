@@ -1,5 +1,5 @@
-// SafetensorsView: a read-only, memory-mapped view of one safetensors file,
-// for the client side of a push.
+// SafetensorsView: a read-only view of one safetensors file, for the client
+// side of a push.
 //
 // Why not core's SafetensorsFile: the client library must stay free of
 // refit_core (which links LibTorch), so that trainers can push with nothing
@@ -9,8 +9,14 @@
 // and every tensor's byte range matches its shape, lies inside the file and
 // shares no bytes with another tensor's.
 //
-// Lifecycle: Open maps the file; tensor data points into the mapping and is
-// valid while the view lives. Immutable after Open; thread-safe to read.
+// Tensor bytes are read with pread (Read), not through a mapping: a file
+// truncated under a mapping kills the process with SIGBUS on the next access,
+// while a read of a file that changed since Open (size or modification time,
+// checked on every Read) is a FAILED_PRECONDITION the push reports.
+//
+// Lifecycle: Open opens the file and parses its header; the view owns the
+// descriptor. Immutable after Open; thread-safe to read (pread has no shared
+// position).
 #ifndef REFIT_CLIENT_SAFETENSORS_VIEW_H_
 #define REFIT_CLIENT_SAFETENSORS_VIEW_H_
 
@@ -32,7 +38,8 @@ struct SafetensorsTensor {
   std::string dtype_name;  // as written in the header, e.g. "BF16"
   refit::v1::DType dtype = refit::v1::DTYPE_UNSPECIFIED;
   std::vector<int64_t> shape;
-  absl::Span<const uint8_t> data;
+  uint64_t offset = 0;  // within the data section
+  uint64_t nbytes = 0;
 };
 
 // Safetensors dtype spelling -> proto enum; DTYPE_UNSPECIFIED if refit.v1
@@ -56,7 +63,8 @@ class SafetensorsView {
   //                      a shape that overflows; data_offsets outside the data
   //                      section, not matching the shape, or overlapping
   //                      another tensor's
-  //   INTERNAL           the file cannot be mapped
+  //   FAILED_PRECONDITION the file shrank while its header was read
+  //   INTERNAL           other read errors
   static absl::StatusOr<std::unique_ptr<SafetensorsView>> Open(const std::string& path);
   ~SafetensorsView();
   SafetensorsView(const SafetensorsView&) = delete;
@@ -66,12 +74,26 @@ class SafetensorsView {
   // In data-offset order.
   const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
 
+  // Copies bytes [offset, offset + out.size()) of `tensor` (one of this
+  // view's) into `out`.
+  // Errors (naming the file and the tensor):
+  //   INVALID_ARGUMENT     the range is not inside the tensor
+  //   FAILED_PRECONDITION  the file changed since Open (truncated, rewritten)
+  //   INTERNAL             other read errors
+  absl::Status Read(const SafetensorsTensor& tensor, uint64_t offset,
+                    absl::Span<uint8_t> out) const;
+  // All of `tensor`'s bytes. Errors: those of Read.
+  absl::StatusOr<std::string> ReadAll(const SafetensorsTensor& tensor) const;
+
  private:
   SafetensorsView() = default;
+  absl::Status ChangedError(absl::string_view tensor_name) const;
 
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_size_ = 0;
+  int fd_ = -1;
+  uint64_t size_ = 0;  // at Open
+  int64_t mtime_ns_ = 0;
+  uint64_t data_start_ = 0;  // file offset of the data section
   std::vector<SafetensorsTensor> tensors_;
 };
 

@@ -167,7 +167,7 @@ HostModel LoadModel(const std::string& dir) {
     absl::StatusOr<std::unique_ptr<client::SafetensorsView>> view =
         client::SafetensorsView::Open(path);
     if (!view.ok()) Die(view.status().ToString());
-    for (const client::SafetensorsTensor& t : (*view)->tensors()) m.bytes += t.data.size();
+    for (const client::SafetensorsTensor& t : (*view)->tensors()) m.bytes += t.nbytes;
     views.push_back(*std::move(view));
   }
   // Anonymous memory the harness owns (a trainer's weights), pre-faulted.
@@ -177,12 +177,13 @@ HostModel LoadModel(const std::string& dir) {
     HostFile file;
     file.name = view->path().substr(view->path().rfind('/') + 1);
     for (const client::SafetensorsTensor& t : view->tensors()) {
-      std::memcpy(m.storage.data() + at, t.data.data(), t.data.size());
+      absl::Status read = view->Read(t, 0, absl::MakeSpan(m.storage.data() + at, t.nbytes));
+      if (!read.ok()) Die(read.ToString());
       file.tensors.push_back(m.tensors.size());
       m.tensors.push_back(TensorRef{t.name, t.dtype, t.shape,
-                                    absl::MakeConstSpan(m.storage.data() + at, t.data.size())});
+                                    absl::MakeConstSpan(m.storage.data() + at, t.nbytes)});
       m.dtype_names.push_back(t.dtype_name);
-      at += t.data.size();
+      at += t.nbytes;
     }
     m.files.push_back(std::move(file));
   }

@@ -720,6 +720,30 @@ TEST_F(PushFilesTest, PushesEveryTensorOfTheFiles) {
   EXPECT_EQ(chunks[2].shape(0), 3);
 }
 
+TEST_F(PushFilesTest, FileTruncatedDuringThePushFailsItInsteadOfCrashing) {
+  // With the files mapped, the truncation below made the next chunk's read
+  // fault (SIGBUS) and killed the pushing process.
+  const std::string path = Path("model.safetensors");
+  WriteSafetensors(path,
+                   R"({"a":{"dtype":"U8","shape":[4096],"data_offsets":[0,4096]},)"
+                   R"("b":{"dtype":"U8","shape":[4096],"data_offsets":[4096,8192]}})",
+                   std::string(8192, 'x'));
+  FakeServer server;
+  auto client = Connect(server);
+  PushOptions options;
+  options.bucket_bytes = 4096;  // one tensor per message
+  bool truncated = false;
+  options.on_progress = [&](const PushProgress&) {
+    if (!truncated) truncated = ::truncate(path.c_str(), 100) == 0;
+  };
+  absl::StatusOr<refit::v1::RefitResult> result = client->PushFiles({path}, options);
+  EXPECT_TRUE(truncated);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
+  EXPECT_THAT(result.status().message(), HasSubstr(path));
+  EXPECT_THAT(result.status().message(), HasSubstr("tensor 'b'"));
+  EXPECT_THAT(result.status().message(), HasSubstr("changed while being read"));
+}
+
 TEST_F(PushFilesTest, MalformedFilesAreInvalidArgumentNamingTheTensor) {
   WriteSafetensors(Path("bad.safetensors"),
                    R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,4]}})", "XXXX");

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -66,8 +67,7 @@ TEST_F(SafetensorsViewTest, OpensTensorsInOffsetOrder) {
   for (const SafetensorsTensor& t : (*view)->tensors()) names.push_back(t.name);
   EXPECT_THAT(names, ElementsAre("a", "e", "b"));
   EXPECT_EQ((*view)->tensors()[2].dtype, refit::v1::DTYPE_BF16);
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>((*view)->tensors()[2].data.data()), 4),
-            "BBBB");
+  EXPECT_EQ(*(*view)->ReadAll((*view)->tensors()[2]), "BBBB");
 }
 
 TEST_F(SafetensorsViewTest, RejectsEveryMalformedFileOfTheCorpusNamingIt) {
@@ -252,14 +252,43 @@ TEST_F(SafetensorsViewTest, ReportsNameDTypeShapeAndTheBytesOfEachTensor) {
   EXPECT_EQ(w.dtype_name, "I32");
   EXPECT_EQ(w.dtype, refit::v1::DTYPE_I32);
   EXPECT_THAT(w.shape, ElementsAre(2, 3));
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(w.data.data()), w.data.size()),
-            "0123456789abcdefghijklmn");
+  EXPECT_EQ(*(*view)->ReadAll(w), "0123456789abcdefghijklmn");
   const SafetensorsTensor& scalar = (*view)->tensors()[1];
   EXPECT_EQ(scalar.name, "s");
   EXPECT_EQ(scalar.dtype, refit::v1::DTYPE_F8_E4M3);
   EXPECT_TRUE(scalar.shape.empty());
-  ASSERT_EQ(scalar.data.size(), 1u);
-  EXPECT_EQ(scalar.data[0], 'Z');
+  ASSERT_EQ(scalar.nbytes, 1u);
+  EXPECT_EQ(*(*view)->ReadAll(scalar), "Z");
+}
+
+TEST_F(SafetensorsViewTest, FileTruncatedAfterOpenIsFailedPreconditionNotSigbus) {
+  const std::string path = Path("shrinks.safetensors");
+  const std::string data(1 << 16, 'q');
+  ASSERT_TRUE(WriteFileBytes(
+      path, SafetensorsImage(R"({"a":{"dtype":"U8","shape":[32768],"data_offsets":[0,32768]},)"
+                             R"("b":{"dtype":"U8","shape":[32768],"data_offsets":[32768,65536]}})",
+                             data)));
+  absl::StatusOr<std::unique_ptr<SafetensorsView>> view = SafetensorsView::Open(path);
+  ASSERT_TRUE(view.ok()) << view.status();
+  ASSERT_TRUE((*view)->ReadAll((*view)->tensors()[0]).ok());
+  ASSERT_EQ(::truncate(path.c_str(), 200), 0);
+  absl::StatusOr<std::string> read = (*view)->ReadAll((*view)->tensors()[1]);
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kFailedPrecondition) << read.status();
+  EXPECT_THAT(read.status().message(), HasSubstr(path));
+  EXPECT_THAT(read.status().message(), HasSubstr("tensor 'b'"));
+  EXPECT_THAT(read.status().message(), HasSubstr("changed while being read"));
+}
+
+TEST_F(SafetensorsViewTest, RejectsANulByteInTheHeader) {
+  const std::string path = Path("nul.safetensors");
+  ASSERT_TRUE(WriteFileBytes(
+      path,
+      SafetensorsImage(std::string(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})") +
+                           std::string(1, '\0') + "junk",
+                       "x")));
+  absl::StatusOr<std::unique_ptr<SafetensorsView>> view = SafetensorsView::Open(path);
+  EXPECT_EQ(view.status().code(), absl::StatusCode::kInvalidArgument) << view.status();
+  EXPECT_THAT(view.status().message(), HasSubstr("NUL byte"));
 }
 
 TEST_F(SafetensorsViewTest, HeaderOnlyFileHasNoTensors) {
@@ -313,8 +342,10 @@ TEST_F(SafetensorsViewTest, ReadsTheFilesCoreWritesTensorForTensor) {
       const core::OwnedTensor& want = *it->second;
       EXPECT_EQ(t.dtype_name, core::DTypeName(want.dtype));
       EXPECT_EQ(t.shape, want.shape);
-      ASSERT_EQ(t.data.size(), want.bytes.size());
-      EXPECT_TRUE(std::equal(t.data.begin(), t.data.end(), want.bytes.begin()));
+      ASSERT_EQ(t.nbytes, want.bytes.size());
+      absl::StatusOr<std::string> bytes = (*view)->ReadAll(t);
+      ASSERT_TRUE(bytes.ok()) << bytes.status();
+      EXPECT_EQ(std::memcmp(bytes->data(), want.bytes.data(), want.bytes.size()), 0);
       ++seen;
     }
   }

@@ -47,15 +47,20 @@ int main(int argc, char** argv) {
       return 2;
     }
     for (const auto& t : (*view)->tensors()) {
-      for (size_t offset = 0; offset < t.data.size(); offset += kChunkBytes) {
-        const size_t n = std::min(kChunkBytes, t.data.size() - offset);
+      absl::StatusOr<std::string> bytes = (*view)->ReadAll(t);
+      if (!bytes.ok()) {
+        std::cerr << bytes.status() << "\n";
+        return 2;
+      }
+      for (size_t offset = 0; offset < bytes->size(); offset += kChunkBytes) {
+        const size_t n = std::min(kChunkBytes, bytes->size() - offset);
         refit::v1::PushRequest request;
         refit::v1::Chunk* chunk = request.mutable_chunks()->add_chunks();
         chunk->set_tensor_name(t.name);
         chunk->set_dtype(t.dtype);
         for (int64_t d : t.shape) chunk->add_shape(d);
         chunk->set_byte_offset(offset);
-        chunk->set_data(t.data.data() + offset, n);
+        chunk->set_data(bytes->data() + offset, n);
         messages.push_back(std::move(request));
       }
     }

@@ -48,7 +48,12 @@ int main(int argc, char** argv) {
       chunk->set_tensor_name(t.name);
       chunk->set_dtype(t.dtype);
       for (int64_t d : t.shape) chunk->add_shape(d);
-      chunk->set_data(t.data.data(), t.data.size());
+      absl::StatusOr<std::string> bytes = (*view)->ReadAll(t);
+      if (!bytes.ok()) {
+        std::cerr << bytes.status() << "\n";
+        return 1;
+      }
+      chunk->set_data(*std::move(bytes));
       chunks.push_back(std::move(request));
     }
     views.push_back(*std::move(view));

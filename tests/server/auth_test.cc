@@ -202,7 +202,7 @@ TEST_F(AuthTest, EmptyRefitIdIsTheTrainersOwnActiveRefit) {
   // bob's own active refit: none, whatever alice has going.
   grpc::Status bob_commit = Commit(bob, "");
   EXPECT_EQ(bob_commit.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_THAT(bob_commit.error_message(), HasSubstr("no active refit of bob"));
+  EXPECT_THAT(bob_commit.error_message(), HasSubstr("no active refit of \"bob\""));
   EXPECT_THAT(bob_commit.error_message(), HasSubstr(id));
   EXPECT_EQ(Abort(bob, "").error_code(), grpc::StatusCode::NOT_FOUND);
   // alice's: the prepared one, committed and then gone.

@@ -650,6 +650,11 @@ void ShardStore::Publish(StoreEvent event) {
   PublishLocked(std::move(event));
 }
 
+void ShardStore::WithEventsHeld(absl::FunctionRef<void()> fn) {
+  absl::MutexLock publish(&publish_mu_);
+  fn();
+}
+
 void ShardStore::PublishLocked(StoreEvent event) {
   event.group = options_.group;
   if (event.time == absl::Time()) event.time = absl::Now();

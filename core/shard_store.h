@@ -215,6 +215,10 @@ class ShardStore {
                                std::string* out, uint64_t* version) const;
   // Runs `fn` with the reader lock held: the live version cannot change.
   void WithReaderLock(absl::FunctionRef<void(uint64_t version)> fn) const;
+  // Runs `fn` while no event can go out: a listener registered in `fn` gets
+  // every event published after what `fn` read of the store (a watch's
+  // snapshot and its stream of events leave no gap). `fn` must not publish.
+  void WithEventsHeld(absl::FunctionRef<void()> fn);
 
   // One version of every kernel, copied to host memory under the reader lock
   // (readers go on; a commit waits for the copy): `out` holds the kernels in

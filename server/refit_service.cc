@@ -506,18 +506,24 @@ grpc::ServerWriteReactor<v1::WatchEvent>* RefitServiceImpl::Watch(
   absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
   if (!group.ok()) return FailStream<v1::WatchEvent>(group.status());
   core::ShardStore* store = (*group)->store();
-  v1::WatchEvent snapshot;
-  snapshot.set_type(v1::WatchEvent::TYPE_SNAPSHOT);
-  snapshot.set_model_group((*group)->name());
-  snapshot.set_refit_id(store->active_session());
-  const core::LiveVersion live = store->live_version();
-  snapshot.set_version(live.version);
-  snapshot.set_fingerprint(live.fingerprint);
-  snapshot.set_message(snapshot.refit_id().empty()
-                           ? "idle"
-                           : absl::StrCat("refit ", snapshot.refit_id(), " is active"));
-  snapshot.set_unix_seconds(UnixSecondsOf(absl::Now()));
-  return new WatchReactor(*group, snapshot);
+  WatchReactor* reactor = nullptr;
+  // The snapshot and the subscription with no event between them: every
+  // event after the snapshot reaches the stream.
+  store->WithEventsHeld([&] {
+    v1::WatchEvent snapshot;
+    snapshot.set_type(v1::WatchEvent::TYPE_SNAPSHOT);
+    snapshot.set_model_group((*group)->name());
+    snapshot.set_refit_id(store->active_session());
+    const core::LiveVersion live = store->live_version();
+    snapshot.set_version(live.version);
+    snapshot.set_fingerprint(live.fingerprint);
+    snapshot.set_message(snapshot.refit_id().empty()
+                             ? "idle"
+                             : absl::StrCat("refit ", snapshot.refit_id(), " is active"));
+    snapshot.set_unix_seconds(UnixSecondsOf(absl::Now()));
+    reactor = new WatchReactor(*group, snapshot);
+  });
+  return reactor;
 }
 
 absl::StatusOr<std::vector<std::string>> ResolveReloadPath(const std::string& root,

@@ -9,9 +9,12 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/fixture_model.h"
 #include "core/model_layout.h"
@@ -325,6 +328,35 @@ TEST_F(ShardStoreTest, AbortedRefitIsAnnouncedAndChangesNothing) {
   EXPECT_EQ(DataPointers(), pointers);
   EXPECT_EQ(store_->active_session(), "");
   store_->RemoveListener(id);
+}
+
+TEST_F(ShardStoreTest, NoEventGoesOutWhileEventsAreHeld) {
+  absl::Mutex mu;
+  std::vector<StoreEventType> seen;
+  const int id = store_->AddListener([&](const StoreEvent& event) {
+    absl::MutexLock lock(&mu);
+    seen.push_back(event.type);
+  });
+  std::thread refit;
+  store_->WithEventsHeld([&] {
+    refit = std::thread([&] {
+      RefitOptions options;
+      options.refit_id = "held";
+      std::unique_ptr<RefitSession> s = RefitSession::Begin(store_.get(), options).value();
+      s->Abort("x");
+    });
+    // The refit holds the slot and waits to announce itself.
+    for (int i = 0; i < 5000 && store_->active_session().empty(); ++i) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_EQ(store_->active_session(), "held");
+    absl::SleepFor(absl::Milliseconds(20));
+    absl::MutexLock lock(&mu);
+    EXPECT_THAT(seen, ::testing::IsEmpty());
+  });
+  refit.join();
+  store_->RemoveListener(id);
+  EXPECT_THAT(seen, ::testing::ElementsAre(StoreEventType::kStagingStarted, StoreEventType::kAborted));
 }
 
 }  // namespace

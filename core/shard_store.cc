@@ -4,9 +4,11 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Device.h>
+#include <sys/mman.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
@@ -73,18 +75,40 @@ absl::Status ShardStoreImpl::Allocate() {
   std::vector<uint64_t> zero_hashes;
   // Layers repeat: a few distinct sizes cover every kernel.
   absl::flat_hash_map<int64_t, uint64_t> zero_hash_by_size;
-  try {
+  // Host kernels: one anonymous mapping, zero by construction and (unless
+  // ShardStoreOptions::prefault_host is false) populated in one call. at::zeros fills FP8 through a
+  // parallel loop per tensor (seconds of every start on a loaded host), and a memset after
+  // at::empty takes a page fault per 4 KiB.
+  constexpr int64_t kAlign = 64;
+  std::shared_ptr<void> block;
+  std::vector<int64_t> offsets;
+  if (device.is_cpu()) {
+    int64_t total = 0;
     for (const KernelSpec* spec : specs) {
+      offsets.push_back(total);
+      total += (spec->nbytes() + kAlign - 1) / kAlign * kAlign;
+    }
+    const size_t length = static_cast<size_t>(std::max<int64_t>(total, 1));
+    const int populate = prefault_host ? MAP_POPULATE : 0;
+    void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | populate, -1, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", layout.kernel_bytes(),
+                                                       " bytes of kernel tensors on ", device.str(),
+                                                       ": ", std::strerror(errno)));
+    }
+    block = std::shared_ptr<void>(p, [length](void* q) { ::munmap(q, length); });
+  }
+  try {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const KernelSpec* spec = specs[i];
       absl::StatusOr<c10::ScalarType> type = ToScalarType(spec->dtype);
       if (!type.ok()) return type.status();
       const at::TensorOptions options = at::TensorOptions().dtype(*type).device(device);
       if (device.is_cpu()) {
-        // memset, not at::zeros: LibTorch fills FP8 through a parallel loop
-        // per tensor, which took seconds of every start on a loaded host.
-        kernels.push_back(at::empty(spec->shape, options));
-        if (spec->nbytes() > 0) {
-          std::memset(kernels.back().data_ptr(), 0, static_cast<size_t>(spec->nbytes()));
-        }
+        // Each tensor keeps the mapping alive, also past the store.
+        kernels.push_back(at::from_blob(
+            static_cast<char*>(block.get()) + offsets[i], spec->shape, [block](void*) {}, options));
       } else {
         kernels.push_back(at::zeros(spec->shape, options));
       }
@@ -392,6 +416,7 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
   options.device = device->str();
   std::unique_ptr<ShardStore> store(new ShardStore(layout, options));
   store->impl_ = std::make_unique<ShardStoreImpl>(layout, *device);
+  store->impl_->prefault_host = options.prefault_host;
   absl::Status allocated = store->impl_->Allocate();
   if (!allocated.ok()) return allocated;
   return store;

@@ -41,6 +41,11 @@ namespace refit::core {
 struct ShardStoreOptions {
   std::string group = "target";
   std::string device = "cpu";  // "cpu" or "cuda:N"
+  // Host kernels are zero pages either way; true maps them in at Create (RSS
+  // and the cost of faulting 4 KiB pages paid there, not in the first commit).
+  // false leaves that to the first write: for a store that a snapshot
+  // restore is about to fill anyway.
+  bool prefault_host = true;
 };
 
 enum class StoreEventType { kStagingStarted, kPrepared, kCommitted, kAborted };

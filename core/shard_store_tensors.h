@@ -36,8 +36,8 @@ class ShardStoreImpl {
   ~ShardStoreImpl();
 
   // Allocates zeroed kernels and hashes them. RESOURCE_EXHAUSTED if they do not fit.
-  // Host kernels are zeroed with memset, not LibTorch's fill (on FP8, a
-  // parallel loop per tensor: seconds at start on a busy machine).
+  // Host kernels live in one anonymous mapping (zero pages, populated at
+  // once), not LibTorch's allocator.
   absl::Status Allocate();
 
   // Copies `staged` into the live tensors in place under the writer lock.
@@ -61,6 +61,7 @@ class ShardStoreImpl {
 
   const ModelLayout& layout;
   const c10::Device device;
+  bool prefault_host = true;             // ShardStoreOptions::prefault_host, read by Allocate
   std::vector<const KernelSpec*> specs;  // flattened, layout order
   std::vector<int> kernel_layer;
   absl::flat_hash_map<std::string, int> kernel_index;

@@ -150,6 +150,9 @@ absl::Status RefitServer::BuildModel() {
   core::ShardStoreOptions store_options;
   store_options.group = kDefaultGroup;
   store_options.device = options_.device;
+  // With a state dir the kernels are most likely filled by a snapshot
+  // restore: its reads fault the pages in, rather than Create first.
+  store_options.prefault_host = options_.state_dir.empty();
   absl::StatusOr<std::unique_ptr<core::ShardStore>> store =
       core::ShardStore::Create(*layout, store_options);
   if (!store.ok()) return store.status();

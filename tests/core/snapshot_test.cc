@@ -227,6 +227,23 @@ TEST_F(SnapshotTest, CorruptSnapshotRestoredInPlaceLeavesTheStoreAsCreated) {
   EXPECT_EQ(restarted->fingerprint(), store_->fingerprint());
 }
 
+TEST_F(SnapshotTest, AStoreNotPrefaultedIsZeroAndRestoresLikeAnother) {
+  CommitAndSnapshot(1);
+  std::shared_ptr<const ModelLayout> layout =
+      ModelLayout::Build(FixtureConfig(), {}, QuantScheme::kPerTensor).value();
+  ShardStoreOptions options;
+  options.prefault_host = false;
+  std::unique_ptr<ShardStore> lazy = ShardStore::Create(layout, options).value();
+  std::unique_ptr<ShardStore> fresh = FreshStore();
+  EXPECT_EQ(lazy->fingerprint(), fresh->fingerprint());
+  EXPECT_TRUE(refit::testing::Snapshot(*lazy) == refit::testing::Snapshot(*fresh));
+  absl::StatusOr<RecoveryResult> r = RecoverFromSnapshots(lazy.get(), dir_, RecoveryPolicy::kFail);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->restored.has_value());
+  EXPECT_EQ(lazy->fingerprint(), store_->fingerprint());
+  EXPECT_TRUE(refit::testing::Snapshot(*lazy) == refit::testing::Snapshot(*store_));
+}
+
 TEST_F(SnapshotTest, RestoreInPlaceZeroesWhatAFailedFillWrote) {
   std::unique_ptr<ShardStore> fresh = FreshStore();
   const std::string created_fingerprint = fresh->fingerprint();

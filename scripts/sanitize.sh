@@ -13,10 +13,12 @@
 # TSan only sees synchronization done by instrumented code. refitd locks with
 # absl::Mutex, whose Lock/Unlock live in libabsl_synchronization: Debian's
 # copy is not built with TSan, so every guarded field would be reported as a
-# race. tsan therefore first checks that the abseil CMake finds is
-# instrumented (a counter locked by two threads must pass clean) and stops
-# with exit 2 naming the problem when it is not; point CMAKE_PREFIX_PATH at
-# an abseil built with -fsanitize=thread to run it. What remains
+# race. Unless CMAKE_PREFIX_PATH is set, tsan therefore first builds
+# Debian's abseil source package of the installed version with
+# -fsanitize=thread into .cache/absl-tsan/ (once, ~5 min on 2 cores; `apt-get source`
+# needs a deb-src entry) and runs everything against it. It then checks that
+# the abseil CMake finds is instrumented (a counter locked by two threads
+# must pass clean) and stops with exit 2 naming the problem when not. What remains
 # uninstrumented then (LibTorch, gRPC, protobuf) is listed in
 # scripts/tsan.supp, by library, with the reason.
 # Any report fails the test that printed it (halt_on_error, exitcode), so
@@ -30,8 +32,8 @@ cd "$(dirname "$0")/.."
 mode=${1:-}
 case "$mode" in
   asan | tsan) shift ;;
-  -h | --help) sed -n '2,27p' "$0"; exit 0 ;;
-  *) sed -n '2,27p' "$0" >&2; exit 2 ;;
+  -h | --help) sed -n '2,29p' "$0"; exit 0 ;;
+  *) sed -n '2,29p' "$0" >&2; exit 2 ;;
 esac
 JOBS=${JOBS:-2}
 dir=${SAN_BUILD_DIR:-build-$mode}
@@ -57,6 +59,43 @@ for t in "${tests[@]}"; do
   case "$name" in *_gpu_test) continue ;; esac
   targets+=("${sub}_${name}")
 done
+
+if [ "$mode" = tsan ] && [ -z "${CMAKE_PREFIX_PATH:-}" ]; then
+  # An abseil built with TSan, ABI-identical to Debian's (gRPC links
+  # Debian's libabsl_*.so.VERSION by soname): Debian's own source package of
+  # the installed version (its patches set the soname and ABSL_OPTION_* in
+  # options.h), configured as debian/rules does for the shared build.
+  # Built once into .cache/absl-tsan/; later runs only check the stamp.
+  ver=$(dpkg-query -W -f='${Version}' libabsl-dev)
+  prefix=$root/.cache/absl-tsan
+  if [ "$(cat "$prefix/.stamp" 2> /dev/null)" != "$ver" ]; then
+    src=$root/.cache/absl-tsan-src
+    mkdir -p "$src"
+    srcdir=$(find "$src" -mindepth 1 -maxdepth 1 -type d -name 'abseil-*' | head -1)
+    if [ -z "$srcdir" ]; then
+      (cd "$src" && apt-get source -qq "abseil=$ver") || {
+        echo "sanitize.sh tsan: 'apt-get source abseil=$ver' failed: add a deb-src entry for" \
+          "the mirror in /etc/apt/sources.list.d/ and run apt-get update (or point" \
+          "CMAKE_PREFIX_PATH at an abseil $ver built with -fsanitize=thread)" >&2
+        exit 2
+      }
+      srcdir=$(find "$src" -mindepth 1 -maxdepth 1 -type d -name 'abseil-*' | head -1)
+    fi
+    rm -rf "$src/build" "$prefix"
+    cmake -S "$srcdir" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CXX_STANDARD=17 -DBUILD_SHARED_LIBS=ON -DBUILD_TESTING=OFF \
+      -DCMAKE_INSTALL_PREFIX="$prefix" -DCMAKE_INSTALL_LIBDIR=lib \
+      -DCMAKE_C_FLAGS="$flags -g1" -DCMAKE_CXX_FLAGS="$flags -g1" \
+      -DCMAKE_SHARED_LINKER_FLAGS="$flags"
+    cmake --build "$src/build" -j"$JOBS"
+    cmake --install "$src/build" > /dev/null
+    echo "$ver" > "$prefix/.stamp"
+  fi
+  export CMAKE_PREFIX_PATH=$prefix
+  # gRPC's libraries load abseil by soname: this makes every abseil in the
+  # process the instrumented one.
+  export LD_LIBRARY_PATH=$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 
 if [ "$mode" = tsan ]; then
   probe=$(mktemp -d)

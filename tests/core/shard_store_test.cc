@@ -356,7 +356,8 @@ TEST_F(ShardStoreTest, NoEventGoesOutWhileEventsAreHeld) {
   });
   refit.join();
   store_->RemoveListener(id);
-  EXPECT_THAT(seen, ::testing::ElementsAre(StoreEventType::kStagingStarted, StoreEventType::kAborted));
+  EXPECT_THAT(seen,
+              ::testing::ElementsAre(StoreEventType::kStagingStarted, StoreEventType::kAborted));
 }
 
 }  // namespace

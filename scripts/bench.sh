@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every benchmark of issue 4 and reports each figure as a ratio against a
+# Runs every benchmark of the project and reports each figure as a ratio against a
 # reference measured in the same run (docs/benchmarks.md says what each one is).
 #
 #   scripts/bench.sh            full run (about 5 minutes on a 2-core machine)

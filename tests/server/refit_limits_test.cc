@@ -42,30 +42,7 @@ using ::refit::server::testing::WatchStream;
 using ::refit::testing::FakeClock;
 using ::testing::HasSubstr;
 
-class RefitLimitsTest : public ::testing::Test {
- protected:
-  void SetUp() override { StartServer(TestOptions(dir_)); }
-
-  void StartServer(ServerOptions options) {
-    stub_.reset();
-    server_.reset();
-    absl::StatusOr<std::unique_ptr<RefitServer>> server = RefitServer::Start(std::move(options));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
-    stub_ = v1::RefitService::NewStub(testing::Connect(*server_));
-  }
-
-  ServerOptions FakeClockOptions() {
-    ServerOptions options = TestOptions(dir_);
-    options.clock = &clock_;
-    return options;
-  }
-
-  std::string dir_ = MakeTempDir();
-  FakeClock clock_;  // outlives the servers that run on it
-  std::unique_ptr<RefitServer> server_;
-  std::unique_ptr<v1::RefitService::Stub> stub_;
-};
+class RefitLimitsTest : public testing::ServerTest {};
 
 TEST_F(RefitLimitsTest, PreparedRefitNobodyCommitsExpiresAsAborted) {
   ServerOptions options = FakeClockOptions();

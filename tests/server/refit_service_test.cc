@@ -36,21 +36,8 @@ using ::refit::server::testing::WatchStream;
 using ::refit::testing::FakeClock;
 using ::testing::HasSubstr;
 
-class RefitServiceTest : public ::testing::Test {
+class RefitServiceTest : public testing::ServerTest {
  protected:
-  void SetUp() override { StartServer(TestOptions(dir_)); }
-
-  void StartServer(ServerOptions options) {
-    stub_.reset();
-    server_.reset();
-    absl::StatusOr<std::unique_ptr<RefitServer>> server = RefitServer::Start(std::move(options));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
-    stub_ = v1::RefitService::NewStub(testing::Connect(*server_));
-  }
-
-  uint64_t Version() { return Status(stub_.get()).version(); }
-
   const core::OwnedTensor* Find(const std::vector<core::OwnedTensor>& tensors,
                                 const std::string& name) {
     for (const auto& t : tensors) {
@@ -59,12 +46,6 @@ class RefitServiceTest : public ::testing::Test {
     ADD_FAILURE() << "fixture has no " << name;
     return nullptr;
   }
-
-  std::string dir_ = MakeTempDir();
-  // For servers started with options.clock = &clock_; outlives them.
-  FakeClock clock_;
-  std::unique_ptr<RefitServer> server_;
-  std::unique_ptr<v1::RefitService::Stub> stub_;
 };
 
 TEST_F(RefitServiceTest, PushCommitsAndVersionFlips) {

@@ -20,6 +20,7 @@
 #include "refit/v1/refit.grpc.pb.h"
 #include "server/grpc_convert.h"
 #include "server/refit_server.h"
+#include "tests/testing/fake_clock.h"
 
 namespace refit::server::testing {
 
@@ -198,6 +199,36 @@ class WatchStream {
  private:
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReader<v1::WatchEvent>> reader_;
+};
+
+// A RefitServer started per test (TestOptions in a fresh directory unless the
+// test restarts it with its own options) and a stub connected to it.
+class ServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override { StartServer(TestOptions(dir_)); }
+
+  void StartServer(ServerOptions options) {
+    stub_.reset();
+    server_.reset();
+    absl::StatusOr<std::unique_ptr<RefitServer>> server = RefitServer::Start(std::move(options));
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    stub_ = v1::RefitService::NewStub(Connect(*server_));
+  }
+
+  // TestOptions with the daemon's timers on clock_.
+  ServerOptions FakeClockOptions() {
+    ServerOptions options = TestOptions(dir_);
+    options.clock = &clock_;
+    return options;
+  }
+
+  uint64_t Version() { return Status(stub_.get()).version(); }
+
+  std::string dir_ = MakeTempDir();
+  ::refit::testing::FakeClock clock_;  // outlives the servers that run on it
+  std::unique_ptr<RefitServer> server_;
+  std::unique_ptr<v1::RefitService::Stub> stub_;
 };
 
 }  // namespace refit::server::testing

@@ -24,7 +24,8 @@
 # Any report fails the test that printed it (halt_on_error, exitcode), so
 # the run is non-zero on any report.
 #
-# Environment: SAN_BUILD_DIR (default build-asan / build-tsan), JOBS (default 2).
+# Environment: SAN_BUILD_DIR (default build-asan / build-tsan), JOBS (default 2),
+# SAN_TARGETS (only these test executables, e.g. "core_shard_store_test").
 # Exit status: 0 clean; non-zero on a build failure or any failed test; 2
 # for a usage error or (tsan) an uninstrumented abseil.
 set -euo pipefail
@@ -32,8 +33,8 @@ cd "$(dirname "$0")/.."
 mode=${1:-}
 case "$mode" in
   asan | tsan) shift ;;
-  -h | --help) sed -n '2,29p' "$0"; exit 0 ;;
-  *) sed -n '2,29p' "$0" >&2; exit 2 ;;
+  -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+  *) sed -n '2,30p' "$0" >&2; exit 2 ;;
 esac
 JOBS=${JOBS:-2}
 dir=${SAN_BUILD_DIR:-build-$mode}
@@ -59,6 +60,9 @@ for t in "${tests[@]}"; do
   case "$name" in *_gpu_test) continue ;; esac
   targets+=("${sub}_${name}")
 done
+# SAN_TARGETS (space-separated, e.g. "core_shard_store_test
+# server_refit_service_test") builds and runs only those.
+[ -n "${SAN_TARGETS:-}" ] && read -r -a targets <<< "$SAN_TARGETS"
 
 if [ "$mode" = tsan ] && [ -z "${CMAKE_PREFIX_PATH:-}" ]; then
   # An abseil built with TSan, ABI-identical to Debian's (gRPC links

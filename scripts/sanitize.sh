@@ -152,7 +152,9 @@ t1=$(date +%s)
 if [ "$mode" = asan ]; then
   # Leak checking stays on; LibTorch's and gRPC's process-lifetime singletons
   # are reachable at exit, so they do not count as leaks.
-  export ASAN_OPTIONS="abort_on_error=0:halt_on_error=1:exitcode=66:detect_leaks=1:strict_init_order=1:detect_stack_use_after_return=0"
+  # allocator_may_return_null: an impossible allocation fails as in a plain build
+  # (the tests check that it becomes RESOURCE_EXHAUSTED) instead of aborting.
+  export ASAN_OPTIONS="allocator_may_return_null=1:abort_on_error=0:halt_on_error=1:exitcode=66:detect_leaks=1:strict_init_order=1:detect_stack_use_after_return=0"
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=66"
   export LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp:print_suppressions=0"
 else

@@ -249,12 +249,13 @@ TEST_F(SnapshotTest, RestoreInPlaceZeroesWhatAFailedFillWrote) {
   const std::string created_fingerprint = fresh->fingerprint();
   absl::StatusOr<RefitSlot> slot = fresh->AcquireRefitSlot("restore-3");
   ASSERT_TRUE(slot.ok());
-  const size_t count = fresh->Kernels().size();
+  const std::vector<KernelView> kernels = fresh->Kernels();
+  const size_t count = kernels.size();
   absl::StatusOr<CommitStats> failed = slot->RestoreInPlace(
       3, [&](const RestoreTarget& target) -> absl::StatusOr<std::vector<uint64_t>> {
         EXPECT_TRUE(target.bounce().empty());  // a host store: straight into the kernels
         for (size_t i = 0; i < count; ++i) {
-          const KernelView& k = fresh->Kernels()[i];
+          const KernelView& k = kernels[i];
           if (k.nbytes > 0) std::memset(target.host_data(static_cast<int>(i)), 0x7f, k.nbytes);
         }
         return absl::DataLossError("kernel x does not match its checksum");

@@ -16,6 +16,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "core/version.h"
 #include "tests/server/server_test_util.h"
 
@@ -87,7 +89,13 @@ TEST(HealthTest, ReadinessFollowsFirstLoadStagingAndShutdown) {
     events.Next(v1::WatchEvent::TYPE_STAGING_STARTED);
     ASSERT_TRUE(Check(health.get(), "refit.v1.RefitService", &s).ok());
     EXPECT_EQ(s, HealthCheckResponse::SERVING);
-    const v1::GetStatusResponse status = testing::Status(stub.get());
+    // The chunk was written; wait (bounded) until the daemon has ingested it.
+    v1::GetStatusResponse status = testing::Status(stub.get());
+    for (const absl::Time end = absl::Now() + absl::Seconds(10);
+         status.active_refit().bytes_received() == 0 && absl::Now() < end;) {
+      absl::SleepFor(absl::Milliseconds(5));
+      status = testing::Status(stub.get());
+    }
     EXPECT_TRUE(status.ready());
     EXPECT_EQ(status.version(), 1u);
     EXPECT_EQ(status.active_refit().state(), v1::REFIT_STATE_RECEIVING);

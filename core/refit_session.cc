@@ -392,11 +392,7 @@ absl::StatusOr<RefitResult> RefitSession::CommitLocked() {
   }
   timings_.commit = stats->pause;
   RefitResult result = ResultLocked(stats->version, stats->fingerprint);
-  SetState(SessionState::kCommitted);
-  worker_.Stop();
-  assembler_.Clear();
-  processed_.clear();
-  staged_kernel_bytes_ = 0;
+  EndCommittedLocked();
   REFIT_LOG(INFO)
           .Field("refit_id", options_.refit_id)
           .Field("group", store_->group())
@@ -405,26 +401,29 @@ absl::StatusOr<RefitResult> RefitSession::CommitLocked() {
           .Field("pause_us", absl::StrCat(absl::ToInt64Microseconds(stats->pause)))
       << "committed";
   QueueEventLocked(StoreEventType::kCommitted);
-  outbox_.release = true;
   return result;
 }
 
 absl::StatusOr<RefitResult> RefitSession::CommitUnchangedLocked() {
   const LiveVersion live = store_->live_version();
   RefitResult result = ResultLocked(live.version, live.fingerprint);
-  SetState(SessionState::kCommitted);
-  worker_.Stop();
-  assembler_.Clear();
-  processed_.clear();
-  staged_kernel_bytes_ = 0;
+  EndCommittedLocked();
   REFIT_LOG(INFO)
           .Field("refit_id", options_.refit_id)
           .Field("group", store_->group())
           .Field("version", absl::StrCat(live.version))
       << "committed unchanged: no chunk arrived, no new version";
   QueueEventLocked(StoreEventType::kCommitted, "unchanged");
-  outbox_.release = true;
   return result;
+}
+
+void RefitSession::EndCommittedLocked() {
+  SetState(SessionState::kCommitted);
+  worker_.Stop();
+  assembler_.Clear();
+  processed_.clear();
+  staged_kernel_bytes_ = 0;
+  outbox_.release = true;
 }
 
 void RefitSession::FailLocked(absl::Status reason) {

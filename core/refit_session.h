@@ -197,6 +197,8 @@ class RefitSession {
   absl::StatusOr<RefitResult> CommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   // Commit of a session that received nothing: no copy, no new version.
   absl::StatusOr<RefitResult> CommitUnchangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // The committed state: staging freed, the slot released after the call.
+  void EndCommittedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   // require_complete: FAILED_PRECONDITION naming checkpoint tensors of
   // layers that got nothing.
   absl::Status CheckAllLayersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);

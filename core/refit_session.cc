@@ -370,6 +370,31 @@ absl::StatusOr<RefitResult> RefitSession::CommitLocked() {
   if (StateNow() != SessionState::kPrepared) return NotReceiving();
   if (assembler_.bytes_received() == 0) return CommitUnchangedLocked();
 
+  std::vector<StagedKernel> staged = StagedKernelsLocked();
+  absl::StatusOr<CommitStats> stats = slot_->Commit(staged);
+  if (!stats.ok()) {
+    FailLocked(stats.status());
+    return stats.status();
+  }
+  return CommittedLocked(*stats);
+}
+
+RefitResult RefitSession::CommittedLocked(const CommitStats& stats) {
+  timings_.commit = stats.pause;
+  RefitResult result = ResultLocked(stats.version, stats.fingerprint);
+  EndCommittedLocked();
+  REFIT_LOG(INFO)
+          .Field("refit_id", options_.refit_id)
+          .Field("group", store_->group())
+          .Field("version", absl::StrCat(stats.version))
+          .Field("fingerprint", stats.fingerprint)
+          .Field("pause_us", absl::StrCat(absl::ToInt64Microseconds(stats.pause)))
+      << "committed";
+  QueueEventLocked(StoreEventType::kCommitted);
+  return result;
+}
+
+std::vector<StagedKernel> RefitSession::StagedKernelsLocked() const {
   // A zero-byte kernel has no storage; give the copy a valid pointer.
   static const uint8_t kEmpty = 0;
   std::vector<StagedKernel> staged;
@@ -385,23 +410,80 @@ absl::StatusOr<RefitResult> RefitSession::CommitLocked() {
       staged.push_back(s);
     }
   }
-  absl::StatusOr<CommitStats> stats = slot_->Commit(staged);
-  if (!stats.ok()) {
-    FailLocked(stats.status());
-    return stats.status();
+  return staged;
+}
+
+absl::StatusOr<std::vector<RefitResult>> RefitSession::CommitLinked(
+    absl::Span<RefitSession* const> sessions) {
+  if (sessions.empty()) return absl::InvalidArgumentError("linked commit of no refits");
+  std::vector<size_t> order(sessions.size());
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    if (sessions[i] == nullptr) return absl::InvalidArgumentError("linked commit of a null refit");
+    order[i] = i;
   }
-  timings_.commit = stats->pause;
-  RefitResult result = ResultLocked(stats->version, stats->fingerprint);
-  EndCommittedLocked();
-  REFIT_LOG(INFO)
-          .Field("refit_id", options_.refit_id)
-          .Field("group", store_->group())
-          .Field("version", absl::StrCat(stats->version))
-          .Field("fingerprint", stats->fingerprint)
-          .Field("pause_us", absl::StrCat(absl::ToInt64Microseconds(stats->pause)))
-      << "committed";
-  QueueEventLocked(StoreEventType::kCommitted);
-  return result;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return sessions[a]->store_->group() < sessions[b]->store_->group();
+  });
+  for (size_t k = 1; k < order.size(); ++k) {
+    if (sessions[order[k]]->store_->group() == sessions[order[k - 1]]->store_->group()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "linked commit names model group \"", sessions[order[k]]->store_->group(), "\" twice"));
+    }
+  }
+  std::vector<Outbox> outboxes(sessions.size());
+  absl::StatusOr<std::vector<RefitResult>> results = CommitLinkedLocked(sessions, order, outboxes);
+  for (size_t i : order) outboxes[i].Deliver();
+  return results;
+}
+
+absl::StatusOr<std::vector<RefitResult>> RefitSession::CommitLinkedLocked(
+    absl::Span<RefitSession* const> sessions, const std::vector<size_t>& order,
+    std::vector<Outbox>& outboxes) {
+  for (size_t i : order) sessions[i]->call_mu_.Lock();
+  absl::Status refused = absl::OkStatus();
+  for (size_t i : order) {
+    RefitSession* session = sessions[i];
+    const SessionState state = session->StateNow();
+    if (state == SessionState::kPrepared) continue;
+    refused = absl::FailedPreconditionError(
+        absl::StrCat("refit \"", session->options_.refit_id, "\" of model group \"",
+                     session->store_->group(), "\" is ", SessionStateName(state),
+                     ", not prepared; a linked commit needs every refit PREPARED"));
+    break;
+  }
+  std::vector<RefitResult> results(sessions.size());
+  if (refused.ok()) {
+    // Sessions that received nothing commit unchanged, outside the copy.
+    std::vector<std::vector<StagedKernel>> staged(sessions.size());
+    std::vector<RefitSlot::LinkedPart> parts;
+    std::vector<size_t> part_of;
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      if (sessions[i]->assembler_.bytes_received() == 0) continue;
+      staged[i] = sessions[i]->StagedKernelsLocked();
+      parts.push_back({sessions[i]->slot_.get(), &staged[i]});
+      part_of.push_back(i);
+    }
+    absl::StatusOr<std::vector<CommitStats>> stats = std::vector<CommitStats>();
+    if (!parts.empty()) stats = RefitSlot::CommitLinked(parts);
+    if (!stats.ok()) {
+      // As for one refit: a commit that failed aborts, here all of them.
+      for (size_t i : order) sessions[i]->FailLocked(stats.status());
+      refused = stats.status();
+    } else {
+      for (size_t p = 0; p < part_of.size(); ++p) {
+        results[part_of[p]] = sessions[part_of[p]]->CommittedLocked((*stats)[p]);
+      }
+      for (size_t i = 0; i < sessions.size(); ++i) {
+        if (sessions[i]->assembler_.bytes_received() == 0) {
+          results[i] = *sessions[i]->CommitUnchangedLocked();
+        }
+      }
+    }
+  }
+  for (size_t i : order) outboxes[i] = sessions[i]->EndCallLocked();
+  for (auto it = order.rbegin(); it != order.rend(); ++it) sessions[*it]->call_mu_.Unlock();
+  if (!refused.ok()) return refused;
+  return results;
 }
 
 absl::StatusOr<RefitResult> RefitSession::CommitUnchangedLocked() {

@@ -43,6 +43,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "core/fp8_quantizer.h"
 #include "core/layer_assembler.h"
 #include "core/layer_processor.h"
@@ -170,6 +171,20 @@ class RefitSession {
   // session's status becomes ABORTED with `reason`.
   void Abort(absl::string_view reason);
 
+  // Commits PREPARED sessions of different stores (model groups) at one
+  // commit point (RefitSlot::CommitLinked): readers see every store's old
+  // version or every store's new one. Sessions that received nothing commit
+  // unchanged. Results in the order of `sessions`.
+  // Errors:
+  //   INVALID_ARGUMENT     no sessions; two sessions of one group
+  //   FAILED_PRECONDITION  a session that is not PREPARED (named, with its
+  //                        group and state); nothing changes, every session
+  //                        stays as it was
+  //   the store's commit errors (RefitSlot::CommitLinked), naming the group:
+  //                        nothing is copied and every session aborts
+  static absl::StatusOr<std::vector<RefitResult>> CommitLinked(
+      absl::Span<RefitSession* const> sessions);
+
   const std::string& refit_id() const { return options_.refit_id; }
   SessionState state() const;
   // As of the end of the last Ingest / Prepare / Commit / Abort (and of the
@@ -195,6 +210,14 @@ class RefitSession {
   absl::Status IngestLocked(const Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   absl::StatusOr<RefitResult> PrepareLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   absl::StatusOr<RefitResult> CommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // The bytes to copy: every processed kernel.
+  std::vector<StagedKernel> StagedKernelsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // The committed session's result, state and event, after the store's copy.
+  RefitResult CommittedLocked(const CommitStats& stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // CommitLinked with every session's call_mu_ taken in `order`.
+  static absl::StatusOr<std::vector<RefitResult>> CommitLinkedLocked(
+      absl::Span<RefitSession* const> sessions, const std::vector<size_t>& order,
+      std::vector<Outbox>& outboxes) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // Commit of a session that received nothing: no copy, no new version.
   absl::StatusOr<RefitResult> CommitUnchangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   // The committed state: staging freed, the slot released after the call.

@@ -136,8 +136,7 @@ uint64_t ShardStoreImpl::NextVersionLocked() const {
   return std::max(version + 1, next_version_floor);
 }
 
-absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<StagedKernel>& staged,
-                                                         uint64_t set_version) {
+absl::Status ShardStoreImpl::CheckStaged(const std::vector<StagedKernel>& staged) const {
   for (const StagedKernel& s : staged) {
     if (s.kernel < 0 || s.kernel >= static_cast<int>(kernels.size()) || s.data == nullptr) {
       return absl::InternalError(absl::StrCat("staged kernel index ", s.kernel, " is invalid"));
@@ -147,77 +146,95 @@ absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<Stage
                                               " is on a device, the store on ", device.str()));
     }
   }
-  CommitStats stats;
-  absl::Time start;
-  {
-    absl::MutexLock lock(&mu);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<StagedKernel>& staged,
+                                                         uint64_t set_version) {
+  if (absl::Status checked = CheckStaged(staged); !checked.ok()) return checked;
+  absl::MutexLock lock(&mu);
+  if (absl::Status prepared = PrepareCommitLocked(staged); !prepared.ok()) return prepared;
+  return CopyStagedLocked(staged, set_version);
+}
+
+absl::Status ShardStoreImpl::PrepareCommitLocked(const std::vector<StagedKernel>& staged) {
 #ifdef REFIT_WITH_CUDA
-    // Device-staged kernels: one batch of device-to-device copies on the
-    // commit stream, then the event. Created once, before the pause starts.
-    std::vector<cuda::DeviceCopy> device_copies;
-    bool any_on_device = false;
-    for (const StagedKernel& s : staged) any_on_device = any_on_device || s.on_device;
-    if (any_on_device && commit_event == nullptr) {
-      absl::Status created = CreateCommitResourcesLocked();
-      if (!created.ok()) return created;  // nothing copied yet
-    }
-#endif
-    start = absl::Now();
-    try {
-      for (const StagedKernel& s : staged) {
-        at::Tensor& live = kernels[s.kernel];
-        int64_t nbytes = specs[s.kernel]->nbytes();
-        if (nbytes == 0) {
-          // No storage to copy into.
-        } else if (live.is_cpu() && !s.on_device) {
-          std::memcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes));
-        } else {
-#ifdef REFIT_WITH_CUDA
-          if (s.on_device) {
-            device_copies.push_back({live.data_ptr(), s.data, nbytes});
-          } else if (cudaMemcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes),
-                                cudaMemcpyHostToDevice) != cudaSuccess) {
-            // Some kernels already hold new bytes: a mixed version must never
-            // be served, so this is fatal.
-            REFIT_LOG(ERROR) << "commit copy of " << specs[s.kernel]->name << " failed";
-            std::abort();
-          }
+  // Device-staged kernels go through the commit stream and its event,
+  // created once, before the pause starts.
+  bool any_on_device = false;
+  for (const StagedKernel& s : staged) any_on_device = any_on_device || s.on_device;
+  if (any_on_device && commit_event == nullptr) return CreateCommitResourcesLocked();
 #else
-          // CPU-only build with a device store: go through LibTorch.
-          at::Tensor src = at::from_blob(const_cast<void*>(s.data), live.sizes(),
-                                         at::TensorOptions().dtype(live.scalar_type()));
-          live.copy_(src);
+  (void)staged;
 #endif
+  return absl::OkStatus();
+}
+
+CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& staged,
+                                             uint64_t set_version) {
+  CommitStats stats;
+#ifdef REFIT_WITH_CUDA
+  // Device-staged kernels: one batch of device-to-device copies on the
+  // commit stream, then the event.
+  std::vector<cuda::DeviceCopy> device_copies;
+  bool any_on_device = false;
+  for (const StagedKernel& s : staged) any_on_device = any_on_device || s.on_device;
+#endif
+  const absl::Time start = absl::Now();
+  try {
+    for (const StagedKernel& s : staged) {
+      at::Tensor& live = kernels[s.kernel];
+      int64_t nbytes = specs[s.kernel]->nbytes();
+      if (nbytes == 0) {
+        // No storage to copy into.
+      } else if (live.is_cpu() && !s.on_device) {
+        std::memcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes));
+      } else {
+#ifdef REFIT_WITH_CUDA
+        if (s.on_device) {
+          device_copies.push_back({live.data_ptr(), s.data, nbytes});
+        } else if (cudaMemcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes),
+                              cudaMemcpyHostToDevice) != cudaSuccess) {
+          // Some kernels already hold new bytes: a mixed version must never
+          // be served, so this is fatal.
+          REFIT_LOG(ERROR) << "commit copy of " << specs[s.kernel]->name << " failed";
+          std::abort();
         }
-        hashes[s.kernel] = s.hash;
-        stats.bytes_copied += nbytes;
+#else
+        // CPU-only build with a device store: go through LibTorch.
+        at::Tensor src = at::from_blob(const_cast<void*>(s.data), live.sizes(),
+                                       at::TensorOptions().dtype(live.scalar_type()));
+        live.copy_(src);
+#endif
       }
-    } catch (const c10::Error& e) {
-      // Unreachable for host copies; a device copy failing mid-way leaves a
-      // mixed version, which must never be served.
-      REFIT_LOG(ERROR) << "commit copy failed: " << e.what_without_backtrace();
+      hashes[s.kernel] = s.hash;
+      stats.bytes_copied += nbytes;
+    }
+  } catch (const c10::Error& e) {
+    // Unreachable for host copies; a device copy failing mid-way leaves a
+    // mixed version, which must never be served.
+    REFIT_LOG(ERROR) << "commit copy failed: " << e.what_without_backtrace();
+    std::abort();
+  }
+#ifdef REFIT_WITH_CUDA
+  if (any_on_device) {
+    // The event marks version N+1 complete; the writer lock is held until
+    // it has, so a reader never sees the copies half done.
+    absl::Status copied =
+        cuda::EnqueueDeviceCopies(device_copies, commit_stream, commit_event.get());
+    if (copied.ok()) copied = commit_event->Wait();
+    if (!copied.ok()) {
+      REFIT_LOG(ERROR) << "device commit failed: " << std::string(copied.message());
       std::abort();
     }
-#ifdef REFIT_WITH_CUDA
-    if (any_on_device) {
-      // The event marks version N+1 complete; the writer lock is held until
-      // it has, so a reader never sees the copies half done.
-      absl::Status copied =
-          cuda::EnqueueDeviceCopies(device_copies, commit_stream, commit_event.get());
-      if (copied.ok()) copied = commit_event->Wait();
-      if (!copied.ok()) {
-        REFIT_LOG(ERROR) << "device commit failed: " << std::string(copied.message());
-        std::abort();
-      }
-    }
-#endif
-    version = set_version > 0 ? set_version : NextVersionLocked();
-    fingerprint = ComputeFingerprint(hashes);
-    last_commit = absl::Now();
-    stats.pause = last_commit - start;
-    stats.version = version;
-    stats.fingerprint = fingerprint;
   }
+#endif
+  version = set_version > 0 ? set_version : NextVersionLocked();
+  fingerprint = ComputeFingerprint(hashes);
+  last_commit = absl::Now();
+  stats.pause = last_commit - start;
+  stats.version = version;
+  stats.fingerprint = fingerprint;
   return stats;
 }
 
@@ -625,6 +642,77 @@ absl::StatusOr<CommitStats> RefitSlot::Commit(const std::vector<StagedKernel>& s
     if (absl::Status s = store_->commit_guard_(next); !s.ok()) return s;
   }
   return store_->impl_->CommitStaged(staged);
+}
+
+absl::StatusOr<std::vector<CommitStats>> RefitSlot::CommitLinked(
+    absl::Span<const LinkedPart> parts) {
+  if (parts.empty()) return absl::InvalidArgumentError("linked commit of no stores");
+  // The order locks are taken in: by group name.
+  std::vector<size_t> order(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    order[i] = i;
+    if (parts[i].slot == nullptr || parts[i].slot->store_ == nullptr ||
+        parts[i].staged == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("linked commit: part ", i, " has no refit slot or no staged kernels"));
+    }
+  }
+  auto store_of = [&](size_t i) { return parts[i].slot->store_; };
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return store_of(a)->group() < store_of(b)->group(); });
+  for (size_t k = 1; k < order.size(); ++k) {
+    if (store_of(order[k]) == store_of(order[k - 1]) ||
+        store_of(order[k])->group() == store_of(order[k - 1])->group()) {
+      return absl::InvalidArgumentError(absl::StrCat("linked commit names model group \"",
+                                                     store_of(order[k])->group(), "\" twice"));
+    }
+  }
+  for (size_t i : order) {
+    ShardStore* store = store_of(i);
+    if (absl::Status checked = store->impl_->CheckStaged(*parts[i].staged); !checked.ok()) {
+      return absl::Status(checked.code(), absl::StrCat("model group \"", store->group(),
+                                                       "\": ", checked.message()));
+    }
+    if (!store->commit_guard_) continue;
+    uint64_t next = 0;
+    {
+      absl::ReaderMutexLock lock(&store->impl_->mu);
+      next = store->impl_->NextVersionLocked();
+    }
+    if (absl::Status s = store->commit_guard_(next); !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("model group \"", store->group(), "\": ", s.message()));
+    }
+  }
+  return CommitLinkedLocked(parts, order);
+}
+
+absl::StatusOr<std::vector<CommitStats>> RefitSlot::CommitLinkedLocked(
+    absl::Span<const LinkedPart> parts, const std::vector<size_t>& order) {
+  // A variable number of locks: beyond what the static analysis follows.
+  for (size_t i : order) parts[i].slot->store_->impl_->mu.Lock();
+  absl::Status prepared = absl::OkStatus();
+  for (size_t i : order) {
+    ShardStoreImpl* impl = parts[i].slot->store_->impl_.get();
+    prepared = impl->PrepareCommitLocked(*parts[i].staged);
+    if (!prepared.ok()) {
+      prepared = absl::Status(prepared.code(),
+                              absl::StrCat("model group \"", parts[i].slot->store_->group(),
+                                           "\": ", prepared.message()));
+      break;
+    }
+  }
+  std::vector<CommitStats> stats(parts.size());
+  if (prepared.ok()) {
+    for (size_t i : order) {
+      stats[i] = parts[i].slot->store_->impl_->CopyStagedLocked(*parts[i].staged, 0);
+    }
+  }
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    parts[*it].slot->store_->impl_->mu.Unlock();
+  }
+  if (!prepared.ok()) return prepared;
+  return stats;
 }
 
 absl::StatusOr<CommitStats> RefitSlot::Restore(const std::vector<StagedKernel>& staged,

@@ -139,6 +139,24 @@ class RefitSlot {
   //   (device) the CUDA error of creating the commit stream, as its code
   absl::StatusOr<CommitStats> Commit(const std::vector<StagedKernel>& staged) const;
 
+  // One store's part of a linked commit.
+  struct LinkedPart {
+    const RefitSlot* slot = nullptr;
+    const std::vector<StagedKernel>* staged = nullptr;
+  };
+  // Commits several stores (the refits of several model groups) at one
+  // commit point: every store's commit guard runs first, then the writer
+  // locks of all the stores are taken in the order of their group names
+  // (the one lock order of every multi-store operation), and they are
+  // released only once every store holds its new version. A reader of one
+  // store that sees a new version finds the new version in every other store
+  // of the commit; a reader that sees an old one read before the commit
+  // point. Results in the order of `parts`. Errors (nothing copied in any
+  // store, versions unchanged):
+  //   INVALID_ARGUMENT  no parts; a released slot; two parts on one store
+  //   Commit's errors, and a commit guard's, prefixed with the group
+  static absl::StatusOr<std::vector<CommitStats>> CommitLinked(absl::Span<const LinkedPart> parts);
+
   // Recovery: copies `staged` (every kernel, verified by the caller) into a
   // store that has never been committed, as version `version`; the next
   // commit is version + 1. Errors: FAILED_PRECONDITION when the store already
@@ -170,6 +188,10 @@ class RefitSlot {
 
  private:
   friend class ShardStore;
+  // CommitLinked with the parts checked and `order` sorted by group name.
+  static absl::StatusOr<std::vector<CommitStats>> CommitLinkedLocked(
+      absl::Span<const LinkedPart> parts,
+      const std::vector<size_t>& order) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   RefitSlot(ShardStore* store, std::string refit_id)
       : store_(store), refit_id_(std::move(refit_id)) {}
   ShardStore* store_ = nullptr;

@@ -51,6 +51,16 @@ class ShardStoreImpl {
   // the next one.
   absl::StatusOr<CommitStats> CommitStaged(const std::vector<StagedKernel>& staged,
                                            uint64_t set_version = 0);
+  // CommitStaged in three steps, for a commit that spans several stores
+  // (RefitSlot::CommitLinked): CheckStaged before any lock; with `mu` held,
+  // PrepareCommitLocked (what can still fail: the GPU commit stream), then
+  // CopyStagedLocked, which cannot fail (a failed copy aborts the process,
+  // since a mixed version must never be served).
+  absl::Status CheckStaged(const std::vector<StagedKernel>& staged) const;
+  absl::Status PrepareCommitLocked(const std::vector<StagedKernel>& staged)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  CommitStats CopyStagedLocked(const std::vector<StagedKernel>& staged, uint64_t set_version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // RefitSlot::RestoreInPlace's body: `fill` under the writer lock, then
   // publishes `set_version`, or zeroes the kernels again if `fill` fails.
   absl::StatusOr<CommitStats> RestoreInPlace(uint64_t set_version, RefitSlot::RestoreFill fill);

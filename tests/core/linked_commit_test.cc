@@ -1,0 +1,206 @@
+// RefitSession::CommitLinked / RefitSlot::CommitLinked: refits of two stores
+// (model groups of different shapes) committed at one commit point, or not
+// at all.
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "core/fixture_model.h"
+#include "core/model_layout.h"
+#include "core/refit_session.h"
+#include "core/shard_store.h"
+#include "tests/testing/refit_helpers.h"
+
+namespace refit::core {
+namespace {
+
+using ::refit::testing::IngestAll;
+
+std::unique_ptr<ShardStore> MakeGroupStore(const std::string& group, ParallelConfig parallel,
+                                           QuantScheme quant) {
+  absl::StatusOr<std::shared_ptr<const ModelLayout>> layout =
+      ModelLayout::Build(FixtureConfig(), parallel, quant);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  if (!layout.ok()) return nullptr;
+  ShardStoreOptions options;
+  options.group = group;
+  absl::StatusOr<std::unique_ptr<ShardStore>> store = ShardStore::Create(*layout, options);
+  EXPECT_TRUE(store.ok()) << store.status();
+  return store.ok() ? *std::move(store) : nullptr;
+}
+
+std::vector<OwnedTensor> Weights(uint64_t seed) {
+  absl::StatusOr<std::vector<OwnedTensor>> weights = MakeFixtureWeights(FixtureConfig(), seed);
+  EXPECT_TRUE(weights.ok()) << weights.status();
+  return weights.ok() ? *std::move(weights) : std::vector<OwnedTensor>{};
+}
+
+// A session of `store` PREPARED with the fixture weights of `seed` (none
+// when `seed` is 0).
+std::unique_ptr<RefitSession> Prepared(ShardStore* store, uint64_t seed) {
+  absl::StatusOr<std::unique_ptr<RefitSession>> session = RefitSession::Begin(store, {});
+  EXPECT_TRUE(session.ok()) << session.status();
+  if (!session.ok()) return nullptr;
+  if (seed != 0) {
+    absl::Status ingested = IngestAll(**session, Weights(seed));
+    EXPECT_TRUE(ingested.ok()) << ingested;
+  }
+  absl::StatusOr<RefitResult> prepared = (*session)->Prepare();
+  EXPECT_TRUE(prepared.ok()) << prepared.status();
+  return *std::move(session);
+}
+
+void CommitAlone(ShardStore* store, uint64_t seed) {
+  std::unique_ptr<RefitSession> session = Prepared(store, seed);
+  ASSERT_NE(session, nullptr);
+  absl::StatusOr<RefitResult> committed = session->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+}
+
+class LinkedCommitTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    target_ = MakeGroupStore("target", {0, 1}, QuantScheme::kPerTensor);
+    draft_ = MakeGroupStore("draft", {0, 2}, QuantScheme::kBlock128);
+    ASSERT_NE(target_, nullptr);
+    ASSERT_NE(draft_, nullptr);
+    CommitAlone(target_.get(), 1);
+    CommitAlone(draft_.get(), 1);
+  }
+
+  std::unique_ptr<ShardStore> target_;
+  std::unique_ptr<ShardStore> draft_;
+};
+
+TEST_F(LinkedCommitTest, CommitsBothStoresWithTheBytesOfSeparateCommits) {
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 3);
+  std::vector<RefitSession*> sessions = {t.get(), d.get()};
+  absl::StatusOr<std::vector<RefitResult>> results = RefitSession::CommitLinked(sessions);
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), 2u);
+  EXPECT_EQ((*results)[0].refit_id, t->refit_id());
+  EXPECT_EQ((*results)[1].refit_id, d->refit_id());
+  EXPECT_EQ(target_->version(), 2u);
+  EXPECT_EQ(draft_->version(), 2u);
+  EXPECT_EQ((*results)[0].fingerprint, target_->fingerprint());
+  EXPECT_EQ((*results)[1].fingerprint, draft_->fingerprint());
+  EXPECT_EQ(t->state(), SessionState::kCommitted);
+  EXPECT_EQ(d->state(), SessionState::kCommitted);
+  EXPECT_EQ(target_->active_session(), "");
+  EXPECT_EQ(draft_->active_session(), "");
+
+  // The same weights committed one store at a time give the same bytes.
+  std::unique_ptr<ShardStore> target_alone =
+      MakeGroupStore("target", {0, 1}, QuantScheme::kPerTensor);
+  std::unique_ptr<ShardStore> draft_alone = MakeGroupStore("draft", {0, 2}, QuantScheme::kBlock128);
+  CommitAlone(target_alone.get(), 2);
+  CommitAlone(draft_alone.get(), 3);
+  EXPECT_EQ(target_alone->fingerprint(), target_->fingerprint());
+  EXPECT_EQ(draft_alone->fingerprint(), draft_->fingerprint());
+}
+
+TEST_F(LinkedCommitTest, AFailingCommitOfOneStoreCopiesNothingAnywhereAndAbortsAll) {
+  const std::string target_before = target_->fingerprint();
+  const std::string draft_before = draft_->fingerprint();
+  draft_->SetCommitGuard(
+      [](uint64_t) { return absl::UnavailableError("cannot record the version: disk full"); });
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 3);
+  std::vector<RefitSession*> sessions = {t.get(), d.get()};
+  absl::StatusOr<std::vector<RefitResult>> results = RefitSession::CommitLinked(sessions);
+  ASSERT_EQ(results.status().code(), absl::StatusCode::kUnavailable) << results.status();
+  EXPECT_TRUE(absl::StrContains(results.status().message(), "model group \"draft\""))
+      << results.status();
+  EXPECT_EQ(target_->version(), 1u);
+  EXPECT_EQ(draft_->version(), 1u);
+  EXPECT_EQ(target_->fingerprint(), target_before);
+  EXPECT_EQ(draft_->fingerprint(), draft_before);
+  EXPECT_EQ(t->state(), SessionState::kAborted);
+  EXPECT_EQ(d->state(), SessionState::kAborted);
+  EXPECT_EQ(target_->active_session(), "");
+  EXPECT_EQ(draft_->active_session(), "");
+  draft_->SetCommitGuard(nullptr);
+}
+
+TEST_F(LinkedCommitTest, ASessionNotPreparedChangesNothing) {
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  absl::StatusOr<std::unique_ptr<RefitSession>> d = RefitSession::Begin(draft_.get(), {});
+  ASSERT_TRUE(d.ok()) << d.status();
+  std::vector<RefitSession*> sessions = {t.get(), d->get()};
+  absl::StatusOr<std::vector<RefitResult>> results = RefitSession::CommitLinked(sessions);
+  ASSERT_EQ(results.status().code(), absl::StatusCode::kFailedPrecondition) << results.status();
+  EXPECT_TRUE(absl::StrContains(results.status().message(), "model group \"draft\" is receiving"))
+      << results.status();
+  EXPECT_EQ(t->state(), SessionState::kPrepared);
+  EXPECT_EQ((*d)->state(), SessionState::kReceiving);
+  EXPECT_EQ(target_->version(), 1u);
+  EXPECT_EQ(draft_->version(), 1u);
+  // Either can still finish on its own.
+  ASSERT_TRUE(t->Commit().ok());
+  EXPECT_EQ(target_->version(), 2u);
+}
+
+TEST_F(LinkedCommitTest, OneGroupTwiceIsInvalid) {
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  std::vector<RefitSession*> sessions = {t.get(), t.get()};
+  absl::StatusOr<std::vector<RefitResult>> results = RefitSession::CommitLinked(sessions);
+  ASSERT_EQ(results.status().code(), absl::StatusCode::kInvalidArgument) << results.status();
+  EXPECT_TRUE(absl::StrContains(results.status().message(), "\"target\" twice"))
+      << results.status();
+  EXPECT_EQ(t->state(), SessionState::kPrepared);
+}
+
+TEST_F(LinkedCommitTest, ASessionThatReceivedNothingCommitsUnchanged) {
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 0);
+  const std::string draft_before = draft_->fingerprint();
+  std::vector<RefitSession*> sessions = {t.get(), d.get()};
+  absl::StatusOr<std::vector<RefitResult>> results = RefitSession::CommitLinked(sessions);
+  ASSERT_TRUE(results.ok()) << results.status();
+  EXPECT_EQ(target_->version(), 2u);
+  EXPECT_EQ(draft_->version(), 1u);
+  EXPECT_TRUE((*results)[1].unchanged);
+  EXPECT_EQ(draft_->fingerprint(), draft_before);
+  EXPECT_EQ(d->state(), SessionState::kCommitted);
+}
+
+TEST_F(LinkedCommitTest, AReaderThatSeesOneNewVersionSeesTheOtherNewToo) {
+  std::atomic<bool> done{false};
+  std::atomic<int> violations{0};
+  std::atomic<uint64_t> reads{0};
+  // Both reading orders: target then draft, and draft then target. Each
+  // linked commit adds one to both versions, which start equal.
+  auto reader = [&](ShardStore* first, ShardStore* second) {
+    while (!done.load()) {
+      const uint64_t a = first->version();
+      const uint64_t b = second->version();
+      if (b < a) ++violations;
+      ++reads;
+    }
+  };
+  std::thread r1(reader, target_.get(), draft_.get());
+  std::thread r2(reader, draft_.get(), target_.get());
+  for (uint64_t round = 0; round < 5; ++round) {
+    std::unique_ptr<RefitSession> t = Prepared(target_.get(), 10 + round);
+    std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 20 + round);
+    std::vector<RefitSession*> sessions = {d.get(), t.get()};
+    ASSERT_TRUE(RefitSession::CommitLinked(sessions).ok());
+  }
+  done.store(true);
+  r1.join();
+  r2.join();
+  EXPECT_EQ(violations.load(), 0);
+  EXPECT_GT(reads.load(), 0u);
+  EXPECT_EQ(target_->version(), 6u);
+  EXPECT_EQ(draft_->version(), 6u);
+}
+
+}  // namespace
+}  // namespace refit::core

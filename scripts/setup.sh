@@ -16,6 +16,8 @@ APT_PACKAGES=(
   clang clang-format
   # tests/deploy: systemd-analyze verify / security of deploy/systemd.
   systemd
+  # The fleet tests run a real etcd (tests/testing/etcd_process.h).
+  etcd-server
 )
 
 missing=()

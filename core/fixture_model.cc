@@ -192,6 +192,13 @@ ModelConfig FixtureConfig(Architecture arch) {
     case Architecture::kQwen3:
       c.arch_name = "Qwen3ForCausalLM";
       break;
+    case Architecture::kQwen3Moe:
+      c.arch_name = "Qwen3MoeForCausalLM";
+      c.norm_topk_prob = true;
+      break;
+    case Architecture::kMixtral:
+      c.arch_name = "MixtralForCausalLM";
+      break;
   }
   c.hidden_size = 128;
   c.intermediate_size = 352;
@@ -202,6 +209,13 @@ ModelConfig FixtureConfig(Architecture arch) {
   c.vocab_size = 1000;
   c.tie_word_embeddings = false;
   c.dtype = DType::kBFloat16;
+  if (c.is_moe()) {
+    // 8 experts of 96 (divisible by tp 1, 2, 4 and, in experts, by ep 1, 2, 4, 8).
+    c.num_experts = 8;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 96;
+    if (arch == Architecture::kMixtral) c.intermediate_size = 96;
+  }
   return c;
 }
 

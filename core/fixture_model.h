@@ -27,6 +27,8 @@ struct OwnedTensor {
 
 // The demo model: Llama, hidden 128, intermediate 352, 2 layers, 4 heads,
 // 2 kv heads, head_dim 32, vocab 1000 (not a multiple of 64), bf16, untied.
+// Qwen3-MoE and Mixtral: the same, with 8 experts (top 2) of intermediate
+// size 96 in every layer.
 ModelConfig FixtureConfig(Architecture arch = Architecture::kLlama);
 
 // Every checkpoint tensor of `config` with full shapes, in checkpoint order,
@@ -35,7 +37,7 @@ ModelConfig FixtureConfig(Architecture arch = Architecture::kLlama);
 // Errors:
 //   INVALID_ARGUMENT  config.dtype is not bf16, fp16 or fp32, or sizes the
 //                     layout cannot be built from (ModelLayout::Build's)
-//   UNIMPLEMENTED     config.num_experts > 0 (ModelLayout::Build's)
+//   UNIMPLEMENTED     experts in a dense architecture (ModelLayout::Build's)
 absl::StatusOr<std::vector<OwnedTensor>> MakeFixtureWeights(const ModelConfig& config,
                                                             uint64_t seed);
 

@@ -2,6 +2,7 @@
 // kernel in host memory. Used for stores in host memory, and for GPU stores
 // with LayerProcessorOptions::host_staging (the commit then copies host to
 // device).
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -46,6 +47,25 @@ class HostLayerProcessor final : public LayerProcessor {
       return absl::OkStatus();
     }
 
+    absl::Status QuantizeRegion(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols,
+                                int k, int64_t k_offset, int s, int64_t s_offset,
+                                absl::string_view what) override {
+      if (absl::Status a = Allocate(k); !a.ok()) return a;
+      if (absl::Status a = Allocate(s); !a.ok()) return a;
+      Fp8QuantizeOptions qopts;
+      qopts.scheme = processor_.layout_.quant();
+      qopts.non_finite = processor_.options_.non_finite;
+      qopts.num_threads = processor_.options_.quantize_threads;
+      return QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, kernels_[k].data() + k_offset,
+                         reinterpret_cast<float*>(kernels_[s].data() + s_offset), what);
+    }
+
+    absl::Status KeepRegion(int k, int64_t offset, const void* bytes, int64_t n) override {
+      if (absl::Status a = Allocate(k); !a.ok()) return a;
+      if (n > 0) std::memcpy(kernels_[k].data() + offset, bytes, static_cast<size_t>(n));
+      return absl::OkStatus();
+    }
+
     absl::Status Keep(int k, StagingBuffer bytes) override {
       kernels_[k] = std::move(bytes);
       return absl::OkStatus();
@@ -62,6 +82,16 @@ class HostLayerProcessor final : public LayerProcessor {
     }
 
    private:
+    // Kernel `k` whole, on its first region.
+    absl::Status Allocate(int k) {
+      if (!kernels_[k].empty() || spec_.kernels[k].nbytes() == 0) return absl::OkStatus();
+      absl::StatusOr<StagingBuffer> buffer =
+          StagingBuffer::HostZeroed(spec_.kernels[k].nbytes(), spec_.kernels[k].name);
+      if (!buffer.ok()) return buffer.status();
+      kernels_[k] = *std::move(buffer);
+      return absl::OkStatus();
+    }
+
     const HostLayerProcessor& processor_;
     const LayerSpec& spec_;
     std::vector<StagingBuffer> kernels_;

@@ -33,8 +33,10 @@ LayerAssembler::LayerAssembler(const ModelLayout& layout, Options options, Reser
       reserve_(std::move(reserve)),
       tensors_(layout.checkpoint_tensors().size()),
       layers_(layout.layers().size()) {
-  for (const LayerSpec& layer : layout_.layers()) {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const LayerSpec& layer = layout_.layers()[l];
     if (layer.kind != LayerKind::kAttention) elements_expected_ += layer.expected_numel;
+    layers_[l].parts.resize(layer.parts.size());
   }
 }
 
@@ -65,6 +67,12 @@ absl::Status LayerAssembler::Validate(const Chunk& chunk, const CheckpointTensor
 }
 
 absl::StatusOr<int> LayerAssembler::Ingest(const Chunk& chunk) {
+  absl::StatusOr<WorkUnit> unit = IngestUnit(chunk);
+  if (!unit.ok()) return unit.status();
+  return unit->part < 0 ? unit->layer : -1;
+}
+
+absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
   absl::StatusOr<int> index = layout_.FindCheckpointTensor(chunk.name);
   if (!index.ok()) return index.status();
   const CheckpointTensor& ct = layout_.checkpoint_tensors()[*index];
@@ -80,9 +88,9 @@ absl::StatusOr<int> LayerAssembler::Ingest(const Chunk& chunk) {
   bytes_received_ += static_cast<int64_t>(size);
 
   const bool scatter = ct.use != CheckpointTensor::Use::kIgnored && size > 0;
-  int completed = -1;
+  WorkUnit completed;
   if (!chunk.xxh3.has_value()) {
-    if (!scatter) return -1;
+    if (!scatter) return completed;
     absl::Status s = Scatter(ct, chunk.dtype, chunk.data.data(), begin / elem,
                              (begin + size) / elem, &completed);
     if (!s.ok()) return s;
@@ -114,9 +122,10 @@ absl::StatusOr<int> LayerAssembler::Ingest(const Chunk& chunk) {
 }
 
 absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, const uint8_t* data,
-                                     uint64_t e0, uint64_t e1, int* completed) {
+                                     uint64_t e0, uint64_t e1, WorkUnit* completed) {
   const LayerSpec& spec = layout_.layers()[ct.layer];
   LayerState& layer = layers_[ct.layer];
+  PartState* part = ct.part >= 0 ? &layer.parts[ct.part] : nullptr;
   const ParamSpec& param = spec.params[ct.param];
   const SliceSpec& slice = ct.slice;
   const int64_t cols = ViewCols(ct.shape);
@@ -130,6 +139,7 @@ absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, co
   // A taken layer had every element of its slice; the range check already
   // refused anything overlapping those, so the rest is other ranks'.
   if (row_first >= row_last || layer.taken) return absl::OkStatus();
+  if (part != nullptr && part->taken) return absl::OkStatus();
   // The columns of row r that [e0, e1) covers, clipped to the slice.
   auto span_of = [&](int64_t r, int64_t* a, int64_t* b) {
     *a = std::max(std::max(first, r * cols) - r * cols, slice.src_col);
@@ -146,17 +156,28 @@ absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, co
     }
     if (!touches) return absl::OkStatus();
   }
-  if (layer.params.empty()) {
-    if (absl::Status s = EnsureStaging(ct.layer); !s.ok()) return s;
+  // A part's buffer holds its own rows of the param.
+  int64_t row_base = 0;
+  uint8_t* dst_base = nullptr;
+  if (part != nullptr) {
+    if (part->buffer.empty()) {
+      if (absl::Status s = EnsurePartStaging(ct.layer, ct.part); !s.ok()) return s;
+    }
+    row_base = spec.parts[ct.part].row0;
+    dst_base = part->buffer.data();
+  } else {
+    if (layer.params.empty()) {
+      if (absl::Status s = EnsureStaging(ct.layer); !s.ok()) return s;
+    }
+    dst_base = layer.params[ct.param].data();
   }
-  uint8_t* dst_base = layer.params[ct.param].data();
   int64_t contributed = 0;
   for (int64_t r = row_first; r < row_last; ++r) {
     int64_t a, b;
     span_of(r, &a, &b);
     if (a >= b) continue;
     const int64_t dst_index =
-        (slice.dst_row + (r - slice.src_row)) * slice.num_cols + (a - slice.src_col);
+        (slice.dst_row - row_base + (r - slice.src_row)) * slice.num_cols + (a - slice.src_col);
     const uint8_t* src = data + ((r * cols + a) - first) * elem_in;
     absl::Status converted = ConvertFloats(src, dtype, dst_base + dst_index * elem_out, param.dtype,
                                            static_cast<size_t>(b - a));
@@ -165,17 +186,59 @@ absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, co
   }
   layer.loaded += contributed;
   elements_loaded_ += contributed;
-  if (contributed > 0 && spec.kind != LayerKind::kAttention &&
-      layer.loaded == spec.expected_numel) {
-    *completed = ct.layer;
+  if (part != nullptr) {
+    part->loaded += contributed;
+    if (contributed > 0 && part->loaded == spec.parts[ct.part].numel()) {
+      completed->layer = ct.layer;
+      completed->part = ct.part;
+    }
+  } else if (contributed > 0 && spec.kind != LayerKind::kAttention &&
+             layer.loaded == spec.expected_numel) {
+    completed->layer = ct.layer;
+    completed->part = -1;
   }
   return absl::OkStatus();
+}
+
+absl::Status LayerAssembler::EnsurePartStaging(int l, int p) {
+  PartState& part = layers_[l].parts[p];
+  if (!part.buffer.empty() || part.taken) return absl::OkStatus();
+  const LayerSpec& spec = layout_.layers()[l];
+  const int64_t bytes = spec.part_bytes(p);
+  if (reserve_) {
+    if (absl::Status s = reserve_(spec, bytes); !s.ok()) return s;
+  }
+  absl::StatusOr<StagingBuffer> buffer =
+      options_.zero_fill ? StagingBuffer::HostZeroed(bytes, spec.parts[p].name)
+                         : StagingBuffer::HostUninitialized(bytes, spec.parts[p].name);
+  if (!buffer.ok()) return buffer.status();
+  part.buffer = *std::move(buffer);
+  staging_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+StagingBuffer LayerAssembler::TakePart(int l, int p) {
+  PartState& part = layers_[l].parts[p];
+  part.taken = true;
+  staging_bytes_ -= part.buffer.size();
+  return std::exchange(part.buffer, StagingBuffer());
+}
+
+std::vector<std::string> LayerAssembler::MissingPartTensors(int l, int p) const {
+  std::vector<std::string> missing;
+  const std::vector<CheckpointTensor>& cts = layout_.checkpoint_tensors();
+  for (size_t i = 0; i < cts.size(); ++i) {
+    if (cts[i].layer == l && cts[i].part == p && !tensors_[i].seen) missing.push_back(cts[i].name);
+  }
+  return missing;
 }
 
 absl::Status LayerAssembler::EnsureStaging(int l) {
   LayerState& layer = layers_[l];
   if (!layer.params.empty() || layer.taken) return absl::OkStatus();
   const LayerSpec& spec = layout_.layers()[l];
+  // Experts layers stage part by part (EnsurePartStaging).
+  if (spec.kind == LayerKind::kExperts) return absl::OkStatus();
   const int64_t bytes = spec.param_bytes();
   if (reserve_) {
     if (absl::Status s = reserve_(spec, bytes); !s.ok()) return s;
@@ -234,7 +297,11 @@ std::vector<std::string> LayerAssembler::MissingTensors(int l) const {
 
 int64_t LayerAssembler::layers_in_flight() const {
   int64_t n = 0;
-  for (const LayerState& layer : layers_) n += layer.params.empty() ? 0 : 1;
+  for (const LayerState& layer : layers_) {
+    bool staged = !layer.params.empty();
+    for (const PartState& part : layer.parts) staged |= !part.buffer.empty();
+    n += staged ? 1 : 0;
+  }
   return n;
 }
 

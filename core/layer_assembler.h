@@ -11,6 +11,11 @@
 // them. At Prepare it tells which tensors arrived in part and which whole
 // tensors a started layer lacks.
 //
+// Experts layers (LayerKind::kExperts) go part by part instead: each
+// expert's w13 and w2 (LayerSpec::parts) has its own staging, allocated on
+// its first chunk, completes on its own (IngestUnit says which) and is handed
+// on by TakePart, so a MoE layer never stages more than the parts in flight.
+//
 // Memory: a layer's params are allocated on the first chunk that touches
 // this rank's slice of it, after the `reserve` hook has agreed to the bytes
 // (the session's staging budget and backpressure), and are freed or handed
@@ -48,6 +53,13 @@ struct Chunk {
   std::optional<uint64_t> xxh3;  // XXH3-64 of `data`, checked when present
 };
 
+// What a chunk completed: a layer (part -1), an expert part of an experts
+// layer (part >= 0), or nothing (layer -1).
+struct WorkUnit {
+  int layer = -1;
+  int part = -1;
+};
+
 class LayerAssembler {
  public:
   struct Options {
@@ -80,6 +92,9 @@ class LayerAssembler {
   //   RESOURCE_EXHAUSTED  what the reserve hook returns, or host memory
   //                       exhausted while allocating staging
   absl::StatusOr<int> Ingest(const Chunk& chunk);
+  // As Ingest, but also says when a chunk completed an expert part (Ingest
+  // returns -1 then). Same errors.
+  absl::StatusOr<WorkUnit> IngestUnit(const Chunk& chunk);
 
   // Allocates layer `l`'s staging if it has none (zeroed where elements may
   // never be written). Errors: as the reserve hook / allocation above.
@@ -88,6 +103,14 @@ class LayerAssembler {
   // accepted and ignored (the range check refuses anything overlapping what
   // it had, so they are other ranks' bytes).
   std::vector<StagingBuffer> TakeParams(int l);
+  // Experts layers: allocates part `p` of layer `l` (zeroed under
+  // Options::zero_fill), as EnsureStaging; hands it on, as TakeParams.
+  absl::Status EnsurePartStaging(int l, int p);
+  StagingBuffer TakePart(int l, int p);
+  bool part_taken(int l, int p) const { return layers_[l].parts[p].taken; }
+  int64_t part_loaded(int l, int p) const { return layers_[l].parts[p].loaded; }
+  // Checkpoint tensors of part `p` of layer `l` of which nothing arrived.
+  std::vector<std::string> MissingPartTensors(int l, int p) const;
 
   // DATA_LOSS naming the first tensor received only in part.
   absl::Status CheckTensorsComplete() const;
@@ -116,7 +139,13 @@ class LayerAssembler {
     bool seen = false;
     DType dtype = DType::kBFloat16;  // of the first chunk; later chunks must match
   };
+  struct PartState {
+    StagingBuffer buffer;  // allocated on the part's first chunk
+    int64_t loaded = 0;
+    bool taken = false;
+  };
   struct LayerState {
+    std::vector<PartState> parts;  // experts layers
     int64_t loaded = 0;
     bool taken = false;
     std::vector<StagingBuffer> params;  // allocated on the first chunk
@@ -127,7 +156,7 @@ class LayerAssembler {
   // Copies elements [e0, e1) of `ct` that lie in its slice. Sets *completed
   // when the layer has all its elements.
   absl::Status Scatter(const CheckpointTensor& ct, DType dtype, const uint8_t* data, uint64_t e0,
-                       uint64_t e1, int* completed);
+                       uint64_t e1, WorkUnit* completed);
 
   const ModelLayout& layout_;
   const Options options_;

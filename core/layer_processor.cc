@@ -84,6 +84,10 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
       }
     }
   }
+  if (spec.kind == LayerKind::kExperts) {
+    return absl::InternalError(
+        absl::StrCat("layer \"", spec.name, "\": experts layers are processed part by part"));
+  }
   absl::StatusOr<std::unique_ptr<LayerBuild>> build = Start(spec);
   if (!build.ok()) return build.status();
   if (spec.kind == LayerKind::kAttention) {
@@ -133,21 +137,130 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
   params.clear();
   absl::StatusOr<ProcessedLayer> out = (*build)->Finish();
   if (!out.ok()) return out.status();
-  // Processing must reproduce the first load's exact sizes, or nothing commits.
-  if (out->kernels.size() != spec.kernels.size() || out->hashes.size() != spec.kernels.size()) {
-    return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": ", out->kernels.size(),
-                                            " kernels made, layout has ", spec.kernels.size()));
-  }
-  for (size_t k = 0; k < spec.kernels.size(); ++k) {
-    if (out->kernels[k].size() != spec.kernels[k].nbytes()) {
-      return absl::InternalError(absl::StrCat("kernel \"", spec.kernels[k].name, "\": staged ",
-                                              out->kernels[k].size(), " bytes, live tensor has ",
-                                              spec.kernels[k].nbytes()));
-    }
-  }
+  if (absl::Status made = CheckMade(spec, *out); !made.ok()) return made;
   out->layer = l;
   out->took = absl::Now() - start;
   return out;
+}
+
+absl::Status LayerProcessor::CheckMade(const LayerSpec& spec, const ProcessedLayer& out) const {
+  // Processing must reproduce the first load's exact sizes, or nothing commits.
+  if (out.kernels.size() != spec.kernels.size() || out.hashes.size() != spec.kernels.size()) {
+    return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": ", out.kernels.size(),
+                                            " kernels made, layout has ", spec.kernels.size()));
+  }
+  for (size_t k = 0; k < spec.kernels.size(); ++k) {
+    if (out.kernels[k].size() != spec.kernels[k].nbytes()) {
+      return absl::InternalError(absl::StrCat("kernel \"", spec.kernels[k].name, "\": staged ",
+                                              out.kernels[k].size(), " bytes, live tensor has ",
+                                              spec.kernels[k].nbytes()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LayerProcessor::OpenLayer*> LayerProcessor::Open(int l) {
+  auto it = open_.find(l);
+  if (it != open_.end()) return &it->second;
+  const LayerSpec& spec = layout_.layers()[l];
+  absl::StatusOr<std::unique_ptr<LayerBuild>> build = Start(spec);
+  if (!build.ok()) return build.status();
+  OpenLayer& open = open_[l];
+  open.build = *std::move(build);
+  open.done.assign(spec.parts.size(), false);
+  return &open;
+}
+
+absl::StatusOr<ProcessedLayer> LayerProcessor::Close(int l) {
+  OpenLayer open = std::move(open_[l]);
+  open_.erase(l);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<ProcessedLayer> out = open.build->Finish();
+  if (!out.ok()) return out.status();
+  if (absl::Status made = CheckMade(layout_.layers()[l], *out); !made.ok()) return made;
+  out->layer = l;
+  out->part = -1;
+  out->took = open.took + (absl::Now() - start);
+  return out;
+}
+
+absl::StatusOr<ProcessedLayer> LayerProcessor::ProcessPart(int l, int p, StagingBuffer src) {
+  const absl::Time start = absl::Now();
+  const LayerSpec& spec = layout_.layers()[l];
+  if (spec.kind != LayerKind::kExperts || p < 0 || p >= static_cast<int>(spec.parts.size()) ||
+      src.size() != spec.part_bytes(p)) {
+    return absl::InternalError(absl::StrCat("layer \"", spec.name, "\": no part ", p, " of ",
+                                            src.size(), " bytes to process"));
+  }
+  absl::StatusOr<OpenLayer*> open = Open(l);
+  if (!open.ok()) return open.status();
+  if ((*open)->done[p]) {
+    open_.erase(l);
+    return absl::InternalError(absl::StrCat("part \"", spec.parts[p].name, "\" processed twice"));
+  }
+  const LayerPart& part = spec.parts[p];
+  const ParamSpec& param = spec.params[part.param];
+  absl::Status made;
+  if (part.scale < 0) {
+    if (options_.non_finite == NonFinitePolicy::kReject) {
+      made = CheckFinite(part.name, param, src);
+    }
+    if (made.ok())
+      made = (*open)->build->KeepRegion(part.kernel, part.kernel_offset, src.data(), src.size());
+  } else if (part.scale_bytes != Fp8NumScales(layout_.quant(), part.rows, part.cols) *
+                                     static_cast<int64_t>(sizeof(float)) ||
+             part.kernel_bytes != part.rows * part.cols) {
+    made = absl::InternalError(absl::StrCat("part \"", part.name,
+                                            "\": FP8 kernel or scale sizes do not match [",
+                                            part.rows, ", ", part.cols, "]"));
+  } else {
+    made = (*open)->build->QuantizeRegion(std::move(src), param.dtype, part.rows, part.cols,
+                                          part.kernel, part.kernel_offset, part.scale,
+                                          part.scale_offset, part.name);
+  }
+  if (!made.ok()) {
+    open_.erase(l);
+    return made;
+  }
+  (*open)->done[p] = true;
+  ++(*open)->count;
+  (*open)->took += absl::Now() - start;
+  if ((*open)->count == spec.parts.size()) return Close(l);
+  ProcessedLayer out;
+  out.layer = l;
+  out.part = p;
+  out.took = absl::Now() - start;
+  return out;
+}
+
+absl::StatusOr<ProcessedLayer> LayerProcessor::FinishParts(int l, const LiveBytesFn& live) {
+  const LayerSpec& spec = layout_.layers()[l];
+  absl::StatusOr<OpenLayer*> open = Open(l);
+  if (!open.ok()) return open.status();
+  std::string bytes;
+  for (size_t p = 0; p < spec.parts.size(); ++p) {
+    if ((*open)->done[p]) continue;
+    const LayerPart& part = spec.parts[p];
+    const std::pair<int, std::pair<int64_t, int64_t>> regions[] = {
+        {part.kernel, {part.kernel_offset, part.kernel_bytes}},
+        {part.scale, {part.scale_offset, part.scale_bytes}}};
+    for (const auto& [k, region] : regions) {
+      if (k < 0 || region.second == 0) continue;
+      absl::Status read = live(spec.kernels[k], region.first, region.second, &bytes);
+      if (read.ok() && static_cast<int64_t>(bytes.size()) != region.second) {
+        read =
+            absl::InternalError(absl::StrCat("kernel \"", spec.kernels[k].name, "\": read ",
+                                             bytes.size(), " live bytes, wanted ", region.second));
+      }
+      if (read.ok())
+        read = (*open)->build->KeepRegion(k, region.first, bytes.data(), region.second);
+      if (!read.ok()) {
+        open_.erase(l);
+        return read;
+      }
+    }
+  }
+  return Close(l);
 }
 
 absl::StatusOr<std::unique_ptr<LayerProcessor>> CreateLayerProcessor(

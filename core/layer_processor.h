@@ -23,11 +23,15 @@
 #define REFIT_CORE_LAYER_PROCESSOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/fp8_quantizer.h"
 #include "core/model_layout.h"
@@ -40,6 +44,9 @@ class ShardStore;
 // One processed layer: its kernels in layer order, ready for commit.
 struct ProcessedLayer {
   int layer = -1;
+  // ProcessPart of an expert part that did not complete its layer: the part,
+  // and no kernels yet. -1 for a whole layer.
+  int part = -1;
   std::vector<StagingBuffer> kernels;  // sizes equal the layout's kernels
   std::vector<uint64_t> hashes;        // XXH3-64 of each kernel's bytes
   absl::Duration took;
@@ -69,7 +76,24 @@ class LayerProcessor {
   //   INTERNAL            kernel sizes that differ from the layout's (a bug:
   //                       nothing is committed)
   //   (CUDA processor) the CUDA error of an upload, launch or sync
+  // Experts layers are processed part by part (ProcessPart); Process of one
+  // is INTERNAL.
   absl::StatusOr<ProcessedLayer> Process(int l, std::vector<StagingBuffer> params);
+
+  // Quantizes part `p` of experts layer `l` (its rows, LayerSpec::parts)
+  // into its place in the layer's kernels, with its own scale(s); `src` is
+  // consumed and freed. The layer's kernels are allocated on its first part.
+  // Returns the finished layer when this was its last part, else a
+  // ProcessedLayer with `part` set and no kernels. Errors: Process's;
+  // INTERNAL for a part processed twice or of the wrong size.
+  absl::StatusOr<ProcessedLayer> ProcessPart(int l, int p, StagingBuffer src);
+  // The live bytes [offset, offset + n) of a kernel, for parts a refit keeps.
+  using LiveBytesFn = std::function<absl::Status(const KernelSpec& kernel, int64_t offset,
+                                                 int64_t n, std::string* out)>;
+  // Finishes experts layer `l` when not all its parts came: the parts never
+  // processed keep their live bytes (read through `live`). Errors: `live`'s,
+  // and Process's.
+  absl::StatusOr<ProcessedLayer> FinishParts(int l, const LiveBytesFn& live);
 
   // Whether kernels end up in device memory.
   virtual bool on_device() const = 0;
@@ -90,6 +114,14 @@ class LayerProcessor {
                                   int k, int s) = 0;
     // Host bytes that become kernel `k` as they are.
     virtual absl::Status Keep(int k, StagingBuffer bytes) = 0;
+    // Experts layers: as Quantize, into kernel `k` at byte `k_offset` and
+    // its scales into kernel `s` at byte `s_offset` (kernels allocated whole
+    // on first use); `src` may be freed on return.
+    virtual absl::Status QuantizeRegion(StagingBuffer src, DType src_dtype, int64_t rows,
+                                        int64_t cols, int k, int64_t k_offset, int s,
+                                        int64_t s_offset, absl::string_view what) = 0;
+    // Host bytes copied into kernel `k` at byte `offset`.
+    virtual absl::Status KeepRegion(int k, int64_t offset, const void* bytes, int64_t n) = 0;
     // Waits for the layer's work; returns its kernels and their hashes.
     virtual absl::StatusOr<ProcessedLayer> Finish() = 0;
   };
@@ -97,6 +129,19 @@ class LayerProcessor {
 
   const ModelLayout& layout_;
   const LayerProcessorOptions options_;
+
+ private:
+  // An experts layer with some parts processed.
+  struct OpenLayer {
+    std::unique_ptr<LayerBuild> build;
+    std::vector<bool> done;
+    size_t count = 0;
+    absl::Duration took;
+  };
+  absl::StatusOr<OpenLayer*> Open(int l);
+  absl::StatusOr<ProcessedLayer> Close(int l);
+  absl::Status CheckMade(const LayerSpec& spec, const ProcessedLayer& out) const;
+  absl::flat_hash_map<int, OpenLayer> open_;
 };
 
 // The processor for a session on `store`: the CUDA processor for a store on

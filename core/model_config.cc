@@ -26,6 +26,8 @@ constexpr ArchInfo kArchs[] = {
     {Architecture::kMistral, "MistralForCausalLM", "mistral"},
     {Architecture::kQwen2, "Qwen2ForCausalLM", "qwen2"},
     {Architecture::kQwen3, "Qwen3ForCausalLM", "qwen3"},
+    {Architecture::kQwen3Moe, "Qwen3MoeForCausalLM", "qwen3_moe"},
+    {Architecture::kMixtral, "MixtralForCausalLM", "mixtral"},
 };
 
 const ArchInfo& InfoOf(Architecture arch) {
@@ -125,6 +127,54 @@ const char* DtypeJsonName(DType dtype) {
   }
 }
 
+// The expert fields of a Qwen3-MoE or Mixtral config.
+absl::Status ParseExperts(const Json& root, const FieldReader& reader, ModelConfig* config) {
+  const bool mixtral = config->arch == Architecture::kMixtral;
+  const char* count_field = mixtral ? "num_local_experts" : "num_experts";
+  if (config->num_experts == 0) return reader.Error(count_field, "is missing or 0");
+  if (absl::Status s = reader.PositiveInt("num_experts_per_tok", &config->num_experts_per_tok);
+      !s.ok()) {
+    return s;
+  }
+  if (config->num_experts_per_tok > config->num_experts) {
+    return reader.Error("num_experts_per_tok",
+                        absl::StrCat(config->num_experts_per_tok, " exceeds ", count_field, " ",
+                                     config->num_experts));
+  }
+  if (mixtral) {
+    // Mixtral's experts are its MLPs: intermediate_size is the expert size.
+    config->moe_intermediate_size = config->intermediate_size;
+  } else {
+    if (absl::Status s =
+            reader.PositiveInt("moe_intermediate_size", &config->moe_intermediate_size);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            reader.OptionalPositiveInt("decoder_sparse_step", &config->decoder_sparse_step);
+        !s.ok()) {
+      return s;
+    }
+    auto it = root.find("mlp_only_layers");
+    if (it != root.end() && !it->is_null()) {
+      if (!it->is_array()) {
+        return reader.Error("mlp_only_layers",
+                            absl::StrCat("must be a list of layer indices, got ", it->dump()));
+      }
+      for (const Json& v : *it) {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 ||
+            v.get<int64_t>() >= config->num_layers) {
+          return reader.Error("mlp_only_layers",
+                              absl::StrCat("entry ", v.dump(), " is not a layer index below ",
+                                           "num_hidden_layers ", config->num_layers));
+        }
+        config->mlp_only_layers.push_back(v.get<int64_t>());
+      }
+    }
+  }
+  return reader.OptionalBool("norm_topk_prob", &config->norm_topk_prob);
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text,
@@ -145,7 +195,6 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text,
   }
   config.arch_name = (*archs)[0].get<std::string>();
 
-  // Experts first: an MoE model is "unsupported for now", whatever its class.
   int64_t experts = 0;
   for (const char* field : {"num_experts", "num_local_experts"}) {
     int64_t n = 0;
@@ -153,11 +202,6 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text,
     if (n > 0 && experts == 0) experts = n;
   }
   config.num_experts = experts;
-  if (experts > 0) {
-    return absl::UnimplementedError(absl::StrCat(source, ": ", config.arch_name,
-                                                 " is a mixture-of-experts model (", experts,
-                                                 " experts); only dense models are supported"));
-  }
   bool known = false;
   for (const ArchInfo& info : kArchs) {
     if (config.arch_name == info.class_name) {
@@ -165,11 +209,18 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text,
       known = true;
     }
   }
+  // A dense class with experts would be served without them: refuse it.
+  if (experts > 0 && !(known && config.is_moe())) {
+    return absl::UnimplementedError(
+        absl::StrCat(source, ": ", config.arch_name, " is a mixture-of-experts model (", experts,
+                     " experts); supported mixture-of-experts classes: Qwen3MoeForCausalLM, "
+                     "MixtralForCausalLM"));
+  }
   if (!known) {
     return absl::UnimplementedError(absl::StrCat(
         source, ": field 'architectures': unsupported architecture \"", config.arch_name,
         "\" (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM)"));
+        "Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)"));
   }
 
   const std::pair<const char*, int64_t*> required[] = {
@@ -211,7 +262,18 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text,
   // Qwen2's q/k/v projections always carry a bias; its config has no field.
   if (config.arch == Architecture::kQwen2) config.attention_bias = true;
   if (absl::Status s = ParseDtypeField(root, reader, &config.dtype); !s.ok()) return s;
+  if (config.is_moe()) {
+    if (absl::Status s = ParseExperts(root, reader, &config); !s.ok()) return s;
+  }
   return config;
+}
+
+bool ModelConfig::IsSparseLayer(int64_t layer) const {
+  if (!is_moe() || num_experts == 0) return false;
+  for (int64_t dense : mlp_only_layers) {
+    if (dense == layer) return false;
+  }
+  return (layer + 1) % decoder_sparse_step == 0;
 }
 
 absl::StatusOr<ModelConfig> ModelConfig::FromFile(const std::string& path) {
@@ -246,7 +308,18 @@ std::string ModelConfig::ToJson() const {
   j["tie_word_embeddings"] = tie_word_embeddings;
   j["attention_bias"] = attention_bias;
   j["torch_dtype"] = DtypeJsonName(dtype);
-  if (num_experts > 0) j["num_experts"] = num_experts;
+  if (is_moe()) {
+    j[arch == Architecture::kMixtral ? "num_local_experts" : "num_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["norm_topk_prob"] = norm_topk_prob;
+    if (arch == Architecture::kQwen3Moe) {
+      j["moe_intermediate_size"] = moe_intermediate_size;
+      j["decoder_sparse_step"] = decoder_sparse_step;
+      j["mlp_only_layers"] = mlp_only_layers;
+    }
+  } else if (num_experts > 0) {
+    j["num_experts"] = num_experts;
+  }
   // Not part of refitd's layout, but transformers needs them to load the
   // model (test oracles do); the values are the Llama defaults.
   j["hidden_act"] = "silu";

@@ -1,14 +1,15 @@
 // The part of a Hugging Face config.json that decides refitd's layout.
 //
 // Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-// Qwen3ForCausalLM (dense decoders). Mixture-of-experts fields are parsed
-// into `num_experts` so that a later layout can use them; today a config with
-// experts is rejected as UNIMPLEMENTED. Plain value, thread-compatible.
+// Qwen3ForCausalLM (dense decoders) and the mixture-of-experts decoders
+// Qwen3MoeForCausalLM and MixtralForCausalLM. A dense class whose config
+// names experts is refused as UNIMPLEMENTED. Plain value, thread-compatible.
 #ifndef REFIT_CORE_MODEL_CONFIG_H_
 #define REFIT_CORE_MODEL_CONFIG_H_
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -16,7 +17,7 @@
 
 namespace refit::core {
 
-enum class Architecture { kLlama, kMistral, kQwen2, kQwen3 };
+enum class Architecture { kLlama, kMistral, kQwen2, kQwen3, kQwen3Moe, kMixtral };
 
 struct ModelConfig {
   Architecture arch = Architecture::kLlama;
@@ -31,7 +32,18 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   bool attention_bias = false;     // q/k/v bias (always on for Qwen2); Llama also has o_proj bias
   DType dtype = DType::kBFloat16;  // "torch_dtype"/"dtype": the checkpoint format
-  int64_t num_experts = 0;         // reserved for MoE layouts
+  // Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0 for dense models.
+  int64_t num_experts = 0;               // "num_experts" / "num_local_experts"
+  int64_t num_experts_per_tok = 0;       // top-k, metadata for engines
+  int64_t moe_intermediate_size = 0;     // per expert; Mixtral: "intermediate_size"
+  int64_t decoder_sparse_step = 1;       // Qwen3-MoE: every step-th layer is sparse
+  std::vector<int64_t> mlp_only_layers;  // Qwen3-MoE: dense layers among sparse ones
+  bool norm_topk_prob = false;           // metadata: router renormalizes its top-k
+
+  bool is_moe() const { return arch == Architecture::kQwen3Moe || arch == Architecture::kMixtral; }
+  // Whether decoder layer `layer` has experts (vLLM's Qwen3MoeDecoderLayer
+  // rule: not in mlp_only_layers, and (layer + 1) % decoder_sparse_step == 0).
+  bool IsSparseLayer(int64_t layer) const;
 
   // Parses config.json text. Every message starts with `source`; those about
   // a field name it ("field 'num_key_value_heads' ...").
@@ -43,9 +55,11 @@ struct ModelConfig {
   //                     negative expert count); a dtype other than bfloat16,
   //                     float16, float32; num_key_value_heads not dividing
   //                     num_attention_heads; no head_dim and hidden_size not a
-  //                     multiple of num_attention_heads
-  //   UNIMPLEMENTED     an architecture other than the four supported, or a
-  //                     mixture-of-experts model (checked first)
+  //                     multiple of num_attention_heads; for MoE classes a
+  //                     missing expert count / size / top-k, top-k above the
+  //                     expert count, a mlp_only_layers entry out of range
+  //   UNIMPLEMENTED     an architecture other than the six supported, or a
+  //                     dense class whose config names experts
   static absl::StatusOr<ModelConfig> FromJson(absl::string_view text, absl::string_view source);
   // Reads and parses a file; the path is the `source` of FromJson's errors.
   // Errors: FromJson's, and

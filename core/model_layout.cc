@@ -105,6 +105,45 @@ int ModelLayout::FindLayer(absl::string_view name) const {
   return it == layer_index_.end() ? -1 : it->second;
 }
 
+int64_t LayerSpec::part_bytes(int p) const {
+  return parts[p].numel() * static_cast<int64_t>(DTypeSize(params[parts[p].param].dtype));
+}
+
+int64_t ModelLayout::max_unit_param_bytes() const {
+  int64_t best = 0;
+  for (const LayerSpec& layer : layers_) {
+    if (layer.kind != LayerKind::kExperts) {
+      best = std::max(best, layer.param_bytes());
+      continue;
+    }
+    for (size_t p = 0; p < layer.parts.size(); ++p) {
+      best = std::max(best, layer.part_bytes(static_cast<int>(p)));
+    }
+  }
+  return best;
+}
+
+int64_t ModelLayout::staging_bound_bytes() const {
+  const int64_t unit = max_unit_param_bytes();
+  int64_t expert = 0;
+  int64_t attention = 0;
+  for (const LayerSpec& layer : layers_) {
+    if (layer.kind == LayerKind::kAttention) attention += layer.param_bytes();
+    // Parts come in pairs: an expert's w13, then its w2.
+    for (size_t p = 0; p + 1 < layer.parts.size(); p += 2) {
+      expert = std::max(expert, layer.part_bytes(static_cast<int>(p)) +
+                                    layer.part_bytes(static_cast<int>(p + 1)));
+    }
+  }
+  return unit + std::max(unit, expert) + attention;
+}
+
+int64_t ModelLayout::num_local_experts() const {
+  return config_.is_moe() ? config_.num_experts / std::max<int64_t>(1, parallel_.ep_size) : 0;
+}
+
+int64_t ModelLayout::first_local_expert() const { return num_local_experts() * parallel_.ep_rank; }
+
 int64_t ModelLayout::max_layer_param_bytes() const {
   int64_t best = 0;
   for (const LayerSpec& layer : layers_) best = std::max(best, layer.param_bytes());
@@ -119,7 +158,9 @@ class LayoutBuilder {
       : layout_(std::make_shared<ModelLayout>()),
         c_(config),
         rank_(parallel.tp_rank),
-        tp_(parallel.tp_size) {
+        tp_(parallel.tp_size),
+        ep_rank_(parallel.ep_rank),
+        ep_(parallel.ep_size) {
     layout_->config_ = config;
     layout_->parallel_ = parallel;
     layout_->quant_ = quant;
@@ -149,17 +190,44 @@ class LayoutBuilder {
       return Invalid(
           absl::StrCat("checkpoint dtype must be bf16, fp16 or fp32, got ", DTypeName(c.dtype)));
     }
-    if (c.num_experts > 0) {
+    if (c.num_experts > 0 && !c.is_moe()) {
       return absl::UnimplementedError(absl::StrCat("model layout: mixture-of-experts (num_experts ",
-                                                   c.num_experts, ") is not supported"));
+                                                   c.num_experts, ") in dense architecture ",
+                                                   c.arch_name, " is not supported"));
     }
     if (c.num_heads % tp_ != 0) {
       return Invalid(
           absl::StrCat("tp_size ", tp_, " does not divide num_attention_heads ", c.num_heads));
     }
-    if (c.intermediate_size % tp_ != 0) {
+    bool any_dense_mlp = false;
+    for (int64_t i = 0; i < c.num_layers; ++i) any_dense_mlp |= !c.IsSparseLayer(i);
+    if (any_dense_mlp && c.intermediate_size % tp_ != 0) {
       return Invalid(absl::StrCat("tp_size ", tp_, " does not divide intermediate_size ",
                                   c.intermediate_size));
+    }
+    if (ep_ < 1) return Invalid(absl::StrCat("ep_size must be >= 1, got ", ep_));
+    if (ep_rank_ < 0 || ep_rank_ >= ep_) {
+      return Invalid(absl::StrCat("ep_rank ", ep_rank_, " out of range for ep_size ", ep_));
+    }
+    if (!c.is_moe() && ep_ > 1) {
+      return Invalid(absl::StrCat("ep_size ", ep_, " needs a mixture-of-experts model; ",
+                                  c.arch_name.empty() ? "this model" : c.arch_name,
+                                  " has no experts"));
+    }
+    if (c.is_moe()) {
+      if (c.num_experts <= 0 || c.moe_intermediate_size <= 0) {
+        return Invalid(absl::StrCat("num_experts ", c.num_experts, " and moe_intermediate_size ",
+                                    c.moe_intermediate_size, " must be positive"));
+      }
+      if (c.num_experts % ep_ != 0) {
+        return Invalid(
+            absl::StrCat("num_experts ", c.num_experts, " is not divisible by ep_size ", ep_));
+      }
+      if (ep_ == 1 && c.moe_intermediate_size % tp_ != 0) {
+        return Invalid(absl::StrCat("tp_size ", tp_,
+                                    " does not divide the expert intermediate size ",
+                                    c.moe_intermediate_size));
+      }
     }
     const int64_t vocab_padded = RoundUp(c.vocab_size, kVocabPadMultiple);
     if (vocab_padded % tp_ != 0) {
@@ -190,7 +258,7 @@ class LayoutBuilder {
     const bool qkv_bias = c.attention_bias || c.arch == Architecture::kQwen2;
     // Qwen2 has q/k/v bias only; Llama-style attention_bias also biases o_proj.
     const bool o_bias = c.attention_bias && c.arch != Architecture::kQwen2;
-    const bool qk_norm = c.arch == Architecture::kQwen3;
+    const bool qk_norm = c.arch == Architecture::kQwen3 || c.arch == Architecture::kQwen3Moe;
 
     AddEmbedding("model.embed_tokens", "model.embed_tokens.weight");
 
@@ -241,6 +309,12 @@ class LayoutBuilder {
 
       AddNorm(absl::StrCat(p, ".post_attention_layernorm"), h);
 
+      if (c.IsSparseLayer(i)) {
+        AddMoe(p);
+        AddIgnored(absl::StrCat(p, ".self_attn.rotary_emb.inv_freq"), DType::kFloat32, {d / 2},
+                   /*optional=*/true);
+        continue;
+      }
       const std::string mlp = absl::StrCat(p, ".mlp.");
       int layer = AddLinear(absl::StrCat(mlp, "gate_up_proj"), 2 * i_r, h, false);
       AddTarget(absl::StrCat(mlp, "gate_proj.weight"), dt, {c.intermediate_size, h}, layer, 0,
@@ -271,7 +345,7 @@ class LayoutBuilder {
       layer.first_kernel = static_cast<int>(l.num_kernels_);
       l.num_kernels_ += static_cast<int64_t>(layer.kernels.size());
       for (const KernelSpec& k : layer.kernels) l.kernel_bytes_ += k.nbytes();
-      if (layer.kind != LayerKind::kAttention) {
+      if (layer.kind != LayerKind::kAttention && layer.kind != LayerKind::kExperts) {
         absl::StatusOr<std::vector<KernelPlan>> plan = PlanKernels(layer);
         if (!plan.ok()) return plan.status();
         layer.plan = *std::move(plan);
@@ -403,6 +477,123 @@ class LayoutBuilder {
     return layer;
   }
 
+  // Scales one FP8-quantized [rows, cols] matrix has under the scheme.
+  int64_t NumScales(int64_t rows, int64_t cols) const {
+    switch (layout_->quant_) {
+      case QuantScheme::kNone:
+        return 0;
+      case QuantScheme::kPerTensor:
+        return 1;
+      case QuantScheme::kPerChannel:
+        return rows;
+      case QuantScheme::kBlock128:
+        return CeilDiv(rows, kQuantBlock) * CeilDiv(cols, kQuantBlock);
+    }
+    return 0;
+  }
+
+  // A sparse decoder layer's MLP: the router, replicated in the checkpoint
+  // dtype, and the experts as vLLM's FusedMoE holds them on this rank:
+  // w13_weight [E_l, 2 I_r, H] (gate rows, then up rows, per expert) and
+  // w2_weight [E_l, H, I_r], with their per-expert scales.
+  void AddMoe(const std::string& p) {
+    const ModelConfig& c = c_;
+    const DType dt = c.dtype;
+    const bool mixtral = c.arch == Architecture::kMixtral;
+    const std::string mlp = absl::StrCat(p, mixtral ? ".block_sparse_moe." : ".mlp.");
+    const int64_t h = c.hidden_size;
+    const int64_t e = c.num_experts;
+    const int router = AddLayer(absl::StrCat(mlp, "gate"), LayerKind::kRouter, false);
+    AddParam(router, "weight", dt, {e, h}, e * h);
+    AddKernel(router, "weight", dt, {e, h});
+    AddTarget(absl::StrCat(mlp, "gate.weight"), dt, {e, h}, router, 0, Rows(0, e, h));
+
+    const int64_t full_i = c.moe_intermediate_size;
+    const int64_t moe_tp = ep_ > 1 ? 1 : tp_;
+    const int64_t moe_rank = ep_ > 1 ? 0 : rank_;
+    const int64_t i_r = full_i / moe_tp;
+    const int64_t e_l = e / ep_;
+    const int64_t e0 = ep_rank_ * e_l;
+    const QuantScheme quant = layout_->quant_;
+    const bool quantized = quant != QuantScheme::kNone;
+    const int layer = AddLayer(absl::StrCat(mlp, "experts"), LayerKind::kExperts, quantized);
+    AddParam(layer, "w13_weight", dt, {e_l * 2 * i_r, h}, e_l * 2 * i_r * h);
+    AddParam(layer, "w2_weight", dt, {e_l * h, i_r}, e_l * h * i_r);
+    const DType kdt = quantized ? DType::kFloat8E4M3 : dt;
+    AddKernel(layer, "w13_weight", kdt, {e_l, 2 * i_r, h});
+    AddKernel(layer, "w2_weight", kdt, {e_l, h, i_r});
+    const char* scale_suffix =
+        quant == QuantScheme::kBlock128 ? "_weight_scale_inv" : "_weight_scale";
+    switch (quant) {
+      case QuantScheme::kNone:
+        break;
+      case QuantScheme::kPerTensor:
+        AddKernel(layer, absl::StrCat("w13", scale_suffix), DType::kFloat32, {e_l});
+        AddKernel(layer, absl::StrCat("w2", scale_suffix), DType::kFloat32, {e_l});
+        break;
+      case QuantScheme::kPerChannel:
+        AddKernel(layer, absl::StrCat("w13", scale_suffix), DType::kFloat32, {e_l, 2 * i_r, 1});
+        AddKernel(layer, absl::StrCat("w2", scale_suffix), DType::kFloat32, {e_l, h, 1});
+        break;
+      case QuantScheme::kBlock128:
+        AddKernel(layer, absl::StrCat("w13", scale_suffix), DType::kFloat32,
+                  {e_l, CeilDiv(2 * i_r, kQuantBlock), CeilDiv(h, kQuantBlock)});
+        AddKernel(layer, absl::StrCat("w2", scale_suffix), DType::kFloat32,
+                  {e_l, CeilDiv(h, kQuantBlock), CeilDiv(i_r, kQuantBlock)});
+        break;
+    }
+    LayerSpec& spec = layout_->layers_[layer];
+    spec.plan.assign(spec.kernels.size(), KernelPlan{});
+    spec.plan[0] = {0, quantized ? 2 : -1};
+    spec.plan[1] = {1, quantized ? 3 : -1};
+    const int64_t kelem = static_cast<int64_t>(DTypeSize(kdt));
+    for (int64_t j = 0; j < e_l; ++j) {
+      const int64_t global = e0 + j;
+      for (int w = 0; w < 2; ++w) {
+        LayerPart part;
+        part.name = absl::StrCat(mlp, "experts.", global, w == 0 ? ".w13" : ".w2");
+        part.expert = global;
+        part.param = w;
+        part.rows = w == 0 ? 2 * i_r : h;
+        part.cols = w == 0 ? h : i_r;
+        part.row0 = j * part.rows;
+        part.kernel = w;
+        part.scale = quantized ? 2 + w : -1;
+        part.kernel_bytes = part.numel() * kelem;
+        part.kernel_offset = j * part.kernel_bytes;
+        part.scale_bytes = NumScales(part.rows, part.cols) * static_cast<int64_t>(sizeof(float));
+        part.scale_offset = j * part.scale_bytes;
+        spec.parts.push_back(std::move(part));
+      }
+    }
+    const char* names[3] = {"gate_proj", "up_proj", "down_proj"};
+    if (mixtral) {
+      names[0] = "w1";
+      names[1] = "w3";
+      names[2] = "w2";
+    }
+    for (int64_t g = 0; g < e; ++g) {
+      const std::string ex = absl::StrCat(mlp, "experts.", g, ".");
+      const bool local = g >= e0 && g < e0 + e_l;
+      const int64_t j = g - e0;
+      // Other ranks' experts are accepted and have nothing on this rank.
+      SliceSpec none = Rows(0, 0, h);
+      SliceSpec gate = local ? Rows(moe_rank * i_r, i_r, h, j * 2 * i_r) : none;
+      SliceSpec up = local ? Rows(moe_rank * i_r, i_r, h, j * 2 * i_r + i_r) : none;
+      SliceSpec down = Cols(h, moe_rank * i_r, i_r);
+      down.dst_row = j * h;
+      if (!local) down = Rows(0, 0, full_i);
+      const int p13 = local ? static_cast<int>(2 * j) : -1;
+      const int p2 = local ? static_cast<int>(2 * j + 1) : -1;
+      AddTarget(absl::StrCat(ex, names[0], ".weight"), dt, {full_i, h}, layer, 0, gate);
+      layout_->checkpoint_.back().part = p13;
+      AddTarget(absl::StrCat(ex, names[1], ".weight"), dt, {full_i, h}, layer, 0, up);
+      layout_->checkpoint_.back().part = p13;
+      AddTarget(absl::StrCat(ex, names[2], ".weight"), dt, {h, full_i}, layer, 1, down);
+      layout_->checkpoint_.back().part = p2;
+    }
+  }
+
   void AddNorm(std::string name, int64_t size) {
     const int layer = AddLayer(name, LayerKind::kNorm, false);
     AddParam(layer, "weight", c_.dtype, {size}, size);
@@ -451,6 +642,8 @@ class LayoutBuilder {
   const ModelConfig& c_;
   const int64_t rank_;
   const int64_t tp_;
+  const int64_t ep_rank_;
+  const int64_t ep_;
   std::vector<CheckpointTensor> ignored_;
 };
 
@@ -507,8 +700,13 @@ absl::StatusOr<int> ModelLayout::FindCheckpointTensor(absl::string_view name) co
   if (layer_index >= c.num_layers) {
     hint = absl::StrCat(" (layer index ", layer_index, " out of range: model has ", c.num_layers,
                         " layers)");
-  } else if (absl::StrContains(name, ".experts.") || absl::StrContains(name, ".mlp.gate.")) {
-    hint = " (mixture-of-experts tensors are not supported)";
+  } else if (!c.is_moe() &&
+             (absl::StrContains(name, ".experts.") || absl::StrContains(name, ".mlp.gate."))) {
+    hint = " (mixture-of-experts tensors: this model is dense)";
+  } else if (c.is_moe() && absl::StrContains(name, ".experts.")) {
+    hint = absl::StrCat(" (the model has ", c.num_experts, " experts, ids 0..", c.num_experts - 1,
+                        "; Qwen3-MoE names them mlp.experts.E.{gate,up,down}_proj, Mixtral "
+                        "block_sparse_moe.experts.E.{w1,w3,w2})");
   } else if (rest == "self_attn.q_norm.weight" || rest == "self_attn.k_norm.weight") {
     hint = " (q_norm/k_norm exist only in Qwen3 models)";
   } else if (absl::EndsWith(rest, "_proj.bias")) {

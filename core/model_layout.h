@@ -52,9 +52,17 @@ absl::string_view QuantSchemeName(
     QuantScheme scheme);  // "none", "per-tensor", "per-channel", "block"
 absl::StatusOr<QuantScheme> ParseQuantScheme(absl::string_view name);
 
+// Tensor parallelism slices every layer over tp_size ranks. Expert
+// parallelism (mixture-of-experts models only) gives each of ep_size ranks
+// the contiguous experts [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size),
+// whole: as vLLM's FusedMoE under expert parallelism, whose experts are then
+// not tensor-parallel (moe tp size 1). With ep_size 1 the experts are
+// tensor-parallel over their intermediate size (I_r = I / tp_size).
 struct ParallelConfig {
   int64_t tp_rank = 0;
   int64_t tp_size = 1;
+  int64_t ep_rank = 0;
+  int64_t ep_size = 1;
 };
 
 enum class LayerKind {
@@ -62,6 +70,8 @@ enum class LayerKind {
   kEmbedding,  // embed_tokens / lm_head: vocab-padded, kept high precision
   kNorm,       // RMSNorm weight, kept high precision
   kAttention,  // k/v/q scales, processed at finalize only
+  kRouter,     // MoE router ("<mlp>.gate"): [E, H] in the checkpoint dtype, replicated
+  kExperts,    // MoE experts: fused w13 / w2 of E_local experts, processed per part
 };
 
 struct KernelSpec {
@@ -92,6 +102,27 @@ struct KernelPlan {
   int scale = -1;
 };
 
+// One expert's w13 (gate rows, then up rows) or w2 in an experts layer: the
+// unit that is staged, quantized (its own scale(s), as vLLM's per-expert
+// scaled_fp8_quant) and freed on its own. Its rows [row0, row0 + rows) of
+// param `param` become the bytes at kernel_offset of kernel `kernel` and its
+// scales the bytes at scale_offset of kernel `scale` (-1: not quantized).
+struct LayerPart {
+  std::string name;    // "<layer>.<global expert>.w13" / ".w2"
+  int64_t expert = 0;  // global expert id
+  int param = 0;
+  int64_t row0 = 0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int kernel = -1;
+  int scale = -1;
+  int64_t kernel_offset = 0;  // bytes
+  int64_t kernel_bytes = 0;
+  int64_t scale_offset = 0;  // bytes
+  int64_t scale_bytes = 0;
+  int64_t numel() const { return rows * cols; }
+};
+
 struct LayerSpec {
   std::string name;
   LayerKind kind;
@@ -101,7 +132,12 @@ struct LayerSpec {
   std::vector<KernelPlan> plan;  // one per kernel; empty for attention layers
   int first_kernel = 0;          // flattened index of kernels[0] over the layout
   int64_t expected_numel = 0;    // sum of params' loaded_numel (0 for attention)
-  int64_t param_bytes() const;   // checkpoint-format staging size
+  // kExperts only: its parts, w13 and w2 of each local expert in turn.
+  // Staging, completion and processing go part by part.
+  std::vector<LayerPart> parts;
+  int64_t param_bytes() const;  // checkpoint-format staging size
+  // Checkpoint-format bytes of part `p` (kExperts).
+  int64_t part_bytes(int p) const;
   // Index of the param / kernel with this suffix, or -1.
   int ParamIndex(absl::string_view suffix) const;
   int KernelIndex(absl::string_view suffix) const;
@@ -132,6 +168,7 @@ struct CheckpointTensor {
   int param = -1;
   SliceSpec slice;
   bool optional = false;  // may be absent from a checkpoint (attention scales)
+  int part = -1;          // experts layers: the LayerPart it fills (slice.dst_row is param-wide)
   int64_t numel() const;
   int64_t nbytes() const;
 };
@@ -143,8 +180,11 @@ class ModelLayout {
   //                     of range, tp_size not dividing the heads, the
   //                     intermediate size or the padded vocabulary, ...), a
   //                     non-positive dimension, a checkpoint dtype that is not
-  //                     bf16/fp16/fp32
-  //   UNIMPLEMENTED     a mixture-of-experts config
+  //                     bf16/fp16/fp32; for MoE: ep_rank out of range,
+  //                     ep_size not dividing the experts, tp_size not dividing
+  //                     the expert intermediate size (ep_size 1), ep_size > 1
+  //                     for a dense model (each naming the numbers)
+  //   UNIMPLEMENTED     a dense architecture with experts
   static absl::StatusOr<std::shared_ptr<const ModelLayout>> Build(const ModelConfig& config,
                                                                   ParallelConfig parallel,
                                                                   QuantScheme quant);
@@ -167,6 +207,21 @@ class ModelLayout {
   int64_t kernel_bytes() const { return kernel_bytes_; }
   // Largest param_bytes() of any layer.
   int64_t max_layer_param_bytes() const;
+  // Largest high-precision staging one unit holds: param_bytes() of a
+  // non-expert layer or part_bytes() of an expert part.
+  int64_t max_unit_param_bytes() const;
+  // The documented bound of a refit's peak high-precision staging when the
+  // sender keeps each layer's tensors together and each expert's tensors
+  // (gate, up, down) together, in any order of layers, experts and chunks:
+  // one unit on the worker, plus the larger of one unit or one whole expert
+  // (w13 and w2) being assembled, plus the attention scales (a few bytes a
+  // layer, held until Prepare). Senders that interleave experts hold every
+  // expert they have started: up to a whole experts layer (the staging
+  // budget still caps it).
+  int64_t staging_bound_bytes() const;
+  // Local experts of each experts layer (0 for a dense model) and the first.
+  int64_t num_local_experts() const;
+  int64_t first_local_expert() const;
 
  private:
   friend class LayoutBuilder;

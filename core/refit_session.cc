@@ -13,6 +13,10 @@
 namespace refit::core {
 namespace {
 
+// Worker jobs are layers (id >= 0) or expert parts (id < 0, below).
+constexpr int kPartsPerLayer = 1 << 16;
+int PartJob(int layer, int part) { return -1 - (layer * kPartsPerLayer + part); }
+
 std::string NewRefitId() {
   static std::atomic<uint64_t> counter{0};
   const uint64_t n = counter.fetch_add(1) + 1;
@@ -114,8 +118,11 @@ RefitSession::RefitSession(ShardStore* store, RefitOptions options, std::shared_
                    call_mu_.AssertHeld();
                    return ReserveStagingLocked(layer, bytes);
                  }),
-      worker_([this](int layer, std::vector<StagingBuffer> params) {
-        return processor_->Process(layer, std::move(params));
+      worker_([this](int job, std::vector<StagingBuffer> params) {
+        if (job >= 0) return processor_->Process(job, std::move(params));
+        const int unit = -1 - job;
+        return processor_->ProcessPart(unit / kPartsPerLayer, unit % kPartsPerLayer,
+                                       std::move(params[0]));
       }),
       processed_(layout_.layers().size()),
       last_ingest_(begin_time_) {
@@ -218,12 +225,13 @@ absl::Status RefitSession::IngestLocked(const Chunk& chunk) {
   // A layer that failed on the worker fails the next call.
   absl::Status status = worker_.status();
   if (status.ok()) {
-    absl::StatusOr<int> completed = assembler_.Ingest(chunk);
+    absl::StatusOr<WorkUnit> completed = assembler_.IngestUnit(chunk);
     status = completed.status();
-    if (status.ok() && *completed >= 0) {
+    if (status.ok() && completed->layer >= 0) {
       // Observers see the chunk counted while its layer is processed.
       RefreshProgressLocked();
-      status = ProcessCompleteLocked(*completed);
+      status = completed->part >= 0 ? ProcessPartLocked(completed->layer, completed->part)
+                                    : ProcessCompleteLocked(completed->layer);
     }
   }
   last_ingest_ = absl::Now();
@@ -239,6 +247,67 @@ absl::Status RefitSession::ProcessCompleteLocked(int layer) {
   return submitted;
 }
 
+absl::Status RefitSession::ProcessPartLocked(int layer, int part) {
+  if (!options_.overlap_processing) return ProcessPartHereLocked(layer, part);
+  const int64_t bytes = layout_.layers()[layer].part_bytes(part);
+  std::vector<StagingBuffer> params;
+  params.push_back(assembler_.TakePart(layer, part));
+  absl::Status submitted = worker_.Submit(PartJob(layer, part), std::move(params), bytes);
+  CollectDoneLocked();
+  return submitted;
+}
+
+absl::Status RefitSession::ProcessPartHereLocked(int layer, int part) {
+  if (absl::Status s = assembler_.EnsurePartStaging(layer, part); !s.ok()) return s;
+  absl::StatusOr<ProcessedLayer> processed =
+      processor_->ProcessPart(layer, part, assembler_.TakePart(layer, part));
+  if (!processed.ok()) return processed.status();
+  RecordLocked(*std::move(processed));
+  return absl::OkStatus();
+}
+
+absl::Status RefitSession::FinishExpertsLocked(int layer) {
+  const LayerSpec& spec = layout_.layers()[layer];
+  std::vector<std::string> kept;
+  for (size_t p = 0; p < spec.parts.size(); ++p) {
+    const int part = static_cast<int>(p);
+    if (assembler_.part_taken(layer, part)) continue;
+    if (assembler_.part_loaded(layer, part) == 0) {
+      kept.push_back(spec.parts[p].name);
+      continue;
+    }
+    const std::vector<std::string> missing = assembler_.MissingPartTensors(layer, part);
+    if (!options_.allow_partial_layers) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "expert \"", spec.parts[p].name, "\" is incomplete: no bytes for ",
+          absl::StrJoin(missing, ", "), " (", assembler_.part_loaded(layer, part), " of ",
+          spec.parts[p].numel(), " elements); send them or set allow_partial_layers to zero-fill"));
+    }
+    if (absl::Status s = ProcessPartHereLocked(layer, part); !s.ok()) return s;
+    partial_layers_.push_back(spec.parts[p].name);
+  }
+  if (processed_[layer].layer < 0) {
+    // Experts that got nothing keep their live bytes (the slot is held: no
+    // commit can change them meanwhile).
+    absl::StatusOr<ProcessedLayer> finished = processor_->FinishParts(
+        layer, [this](const KernelSpec& kernel, int64_t offset, int64_t n, std::string* out) {
+          uint64_t version = 0;
+          return store_->ReadKernelRange(kernel.name, offset, n, out, &version);
+        });
+    if (!finished.ok()) return finished.status();
+    RecordLocked(*std::move(finished));
+  }
+  if (!kept.empty()) {
+    REFIT_LOG(WARNING)
+            .Field("refit_id", options_.refit_id)
+            .Field("layer", spec.name)
+            .Field("kept_experts", absl::StrCat(kept.size()))
+        << "experts received no weights; keeping their live values";
+  }
+  for (std::string& name : kept) kept_layers_.push_back(std::move(name));
+  return absl::OkStatus();
+}
+
 absl::Status RefitSession::ProcessHereLocked(int layer) {
   if (absl::Status s = assembler_.EnsureStaging(layer); !s.ok()) return s;
   absl::StatusOr<ProcessedLayer> processed =
@@ -249,6 +318,8 @@ absl::Status RefitSession::ProcessHereLocked(int layer) {
 }
 
 void RefitSession::RecordLocked(ProcessedLayer processed) {
+  // An expert part alone: its time is counted with its finished layer.
+  if (processed.part >= 0) return;
   for (const StagingBuffer& kernel : processed.kernels) staged_kernel_bytes_ += kernel.size();
   timings_.quantize += processed.took;
   ++layers_done_;
@@ -315,6 +386,10 @@ absl::Status RefitSession::FinalizeLocked() {
       continue;
     }
     if (spec.expected_numel == 0) continue;  // nothing of it lives on this rank
+    if (spec.kind == LayerKind::kExperts && assembler_.loaded(layer) > 0) {
+      if (absl::Status s = FinishExpertsLocked(layer); !s.ok()) return s;
+      continue;
+    }
     if (assembler_.loaded(layer) == 0) {
       kept_layers_.push_back(spec.name);
       REFIT_LOG(WARNING).Field("refit_id", options_.refit_id).Field("layer", spec.name)
@@ -348,6 +423,18 @@ absl::Status RefitSession::CheckAllLayersLocked() const {
   for (size_t l = 0; l < layout_.layers().size(); ++l) {
     const LayerSpec& spec = layout_.layers()[l];
     if (spec.kind == LayerKind::kAttention || spec.expected_numel == 0) continue;
+    if (spec.kind == LayerKind::kExperts && assembler_.loaded(static_cast<int>(l)) > 0) {
+      // Experts kept while others of the layer came.
+      for (size_t p = 0; p < spec.parts.size(); ++p) {
+        if (assembler_.part_loaded(static_cast<int>(l), static_cast<int>(p)) > 0) continue;
+        for (std::string& name :
+             assembler_.MissingPartTensors(static_cast<int>(l), static_cast<int>(p))) {
+          ++count;
+          if (missing.size() < kNamed) missing.push_back(std::move(name));
+        }
+      }
+      continue;
+    }
     if (assembler_.loaded(static_cast<int>(l)) > 0) continue;  // partial ones fail below
     for (std::string& name : assembler_.MissingTensors(static_cast<int>(l))) {
       ++count;

@@ -231,6 +231,13 @@ class RefitSession {
   // Hands a complete layer to the worker, or processes it here.
   absl::Status ProcessCompleteLocked(int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   absl::Status ProcessHereLocked(int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // An expert part (LayerSpec::parts) to the worker, or processed here.
+  absl::Status ProcessPartLocked(int layer, int part) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  absl::Status ProcessPartHereLocked(int layer, int part) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // Prepare of an experts layer some of whose experts came: the missing
+  // ones keep their live bytes (listed as kept), partial ones fail or are
+  // zero-filled as partial layers are.
+  absl::Status FinishExpertsLocked(int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   void RecordLocked(ProcessedLayer processed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   void CollectDoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
   // The assembler's hook before it allocates a layer's staging.

@@ -152,6 +152,53 @@ class CudaLayerProcessor final : public LayerProcessor {
       return absl::OkStatus();
     }
 
+    // Experts layers: one part's quantization into its place in kernel `k`.
+    // Synced before returning, so that its high-precision source is freed
+    // now and not when the whole layer is done.
+    absl::Status QuantizeRegion(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols,
+                                int k, int64_t k_offset, int s, int64_t s_offset,
+                                absl::string_view what) override {
+      ScopedCudaDevice scoped(p_.device_);
+      if (!scoped.status().ok()) return scoped.status();
+      if (absl::Status a = AllocateWhole(k); !a.ok()) return a;
+      if (absl::Status a = AllocateWhole(s); !a.ok()) return a;
+      absl::StatusOr<StagingBuffer> on_device = AllocateDevice(p_.device_, src.size(), what);
+      if (!on_device.ok()) return on_device.status();
+      if (absl::Status up = Upload(src, on_device->data()); !up.ok()) return up;
+      src = StagingBuffer();
+      Fp8CudaJob job;
+      job.src = on_device->data();
+      job.src_dtype = src_dtype;
+      job.rows = rows;
+      job.cols = cols;
+      job.out_q = kernels_[k].data() + k_offset;
+      job.out_scales = reinterpret_cast<float*>(kernels_[s].data() + s_offset);
+      job.tensor_name = what;
+      Fp8QuantizeOptions qopts;
+      qopts.scheme = p_.layout_.quant();
+      qopts.non_finite = p_.options_.non_finite;
+      if (absl::Status e = p_.shared_->quantizer->Enqueue(job, qopts, p_.stream_); !e.ok()) {
+        p_.shared_->quantizer->Sync(p_.stream_).IgnoreError();
+        return e;
+      }
+      // Non-finite input under kReject: INVALID_ARGUMENT naming the part.
+      return p_.shared_->quantizer->Sync(p_.stream_);
+    }
+
+    absl::Status KeepRegion(int k, int64_t offset, const void* bytes, int64_t n) override {
+      ScopedCudaDevice scoped(p_.device_);
+      if (!scoped.status().ok()) return scoped.status();
+      if (absl::Status a = AllocateWhole(k); !a.ok()) return a;
+      if (n == 0) return absl::OkStatus();
+      REFIT_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(kernels_[k].data() + offset, bytes, static_cast<size_t>(n),
+                          cudaMemcpyHostToDevice, p_.stream_),
+          "uploading kept expert bytes");
+      REFIT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(p_.stream_),
+                                 "waiting for the staging stream");
+      return absl::OkStatus();
+    }
+
     absl::Status Keep(int k, StagingBuffer bytes) override {
       hashes_[k] = HashBytes(bytes.data(), bytes.size());
       absl::StatusOr<StagingBuffer> staged =
@@ -193,6 +240,18 @@ class CudaLayerProcessor final : public LayerProcessor {
     }
 
    private:
+    // Kernel `k` whole in device memory, on its first region; hashed by
+    // reading it back at Finish.
+    absl::Status AllocateWhole(int k) {
+      if (!kernels_[k].empty() || spec_.kernels[k].nbytes() == 0) return absl::OkStatus();
+      absl::StatusOr<StagingBuffer> staged =
+          AllocateDevice(p_.device_, spec_.kernels[k].nbytes(), spec_.kernels[k].name);
+      if (!staged.ok()) return staged.status();
+      kernels_[k] = *std::move(staged);
+      quantized_[k] = true;
+      return absl::OkStatus();
+    }
+
     // Host bytes to `dst` on the device through the pinned pool (a memcpy
     // into a leased pinned buffer, then an async copy on the pool's stream);
     // work enqueued later on the session's stream waits for it. `src` may be

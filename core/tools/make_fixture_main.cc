@@ -1,9 +1,11 @@
 // refit_make_fixture: writes a deterministic synthetic checkpoint
 // (config.json + safetensors) for tests, the demo and the benchmarks.
 //
-//   refit_make_fixture --out DIR [--seed N] [--arch llama|mistral|qwen2|qwen3] [--files N]
+//   refit_make_fixture --out DIR [--seed N]
+//       [--arch llama|mistral|qwen2|qwen3|qwen3_moe|mixtral] [--files N]
 //       [--layers N --hidden N --intermediate N --heads N --kv-heads N --vocab N
 //        --head-dim N --dtype bf16|fp16|fp32 --tie]
+//       [--experts N --experts-per-tok N --moe-intermediate N]   (qwen3_moe, mixtral)
 //
 // Without size flags it writes the tiny demo model (FixtureConfig); the size
 // flags let the benchmarks make models of several GB.
@@ -26,7 +28,13 @@
 
 ABSL_FLAG(std::string, out, "", "output directory (created)");
 ABSL_FLAG(uint64_t, seed, 1, "weights are a pure function of the config and this seed");
-ABSL_FLAG(std::string, arch, "llama", "llama, mistral, qwen2 or qwen3");
+ABSL_FLAG(std::string, arch, "llama",
+          "llama, mistral, qwen2, qwen3, or the mixture-of-experts qwen3_moe and mixtral");
+ABSL_FLAG(int64_t, experts, 0, "qwen3_moe / mixtral: number of experts (0: the fixture's 8)");
+ABSL_FLAG(int64_t, experts_per_tok, 0, "qwen3_moe / mixtral: top-k (0: the fixture's 2)");
+ABSL_FLAG(int64_t, moe_intermediate, 0,
+          "qwen3_moe / mixtral: expert intermediate size (0: the fixture's 96; for mixtral "
+          "--intermediate sets it too)");
 ABSL_FLAG(int, files, 0,
           "number of safetensors files; 0 picks 2, or more so that files stay near 512 MiB");
 ABSL_FLAG(int64_t, layers, 0, "num_hidden_layers (0: the fixture's 2)");
@@ -61,8 +69,13 @@ int Run() {
     a = Architecture::kQwen2;
   } else if (arch == "qwen3") {
     a = Architecture::kQwen3;
+  } else if (arch == "qwen3_moe") {
+    a = Architecture::kQwen3Moe;
+  } else if (arch == "mixtral") {
+    a = Architecture::kMixtral;
   } else {
-    return Fail(absl::StrCat("--arch must be llama, mistral, qwen2 or qwen3, got '", arch, "'"));
+    return Fail(absl::StrCat(
+        "--arch must be llama, mistral, qwen2, qwen3, qwen3_moe or mixtral, got '", arch, "'"));
   }
   ModelConfig config = FixtureConfig(a);
 
@@ -84,7 +97,10 @@ int Run() {
       {"heads", absl::GetFlag(FLAGS_heads)},
       {"kv_heads", absl::GetFlag(FLAGS_kv_heads)},
       {"vocab", absl::GetFlag(FLAGS_vocab)},
-      {"head_dim", absl::GetFlag(FLAGS_head_dim)}};
+      {"head_dim", absl::GetFlag(FLAGS_head_dim)},
+      {"experts", absl::GetFlag(FLAGS_experts)},
+      {"experts_per_tok", absl::GetFlag(FLAGS_experts_per_tok)},
+      {"moe_intermediate", absl::GetFlag(FLAGS_moe_intermediate)}};
   for (const auto& [name, value] : sizes) {
     if (value < 0) return Fail(absl::StrCat("--", name, " must be positive, got ", value));
   }
@@ -96,6 +112,17 @@ int Run() {
   set(absl::GetFlag(FLAGS_intermediate), &config.intermediate_size);
   set(absl::GetFlag(FLAGS_heads), &config.num_heads);
   set(absl::GetFlag(FLAGS_vocab), &config.vocab_size);
+  if (config.is_moe()) {
+    set(absl::GetFlag(FLAGS_experts), &config.num_experts);
+    set(absl::GetFlag(FLAGS_experts_per_tok), &config.num_experts_per_tok);
+    // Mixtral's experts are its MLPs: one size.
+    if (a == Architecture::kMixtral)
+      set(absl::GetFlag(FLAGS_intermediate), &config.moe_intermediate_size);
+    set(absl::GetFlag(FLAGS_moe_intermediate), &config.moe_intermediate_size);
+    if (a == Architecture::kMixtral) config.intermediate_size = config.moe_intermediate_size;
+  } else if (absl::GetFlag(FLAGS_experts) > 0 || absl::GetFlag(FLAGS_moe_intermediate) > 0) {
+    return Fail("--experts and --moe-intermediate need --arch qwen3_moe or mixtral");
+  }
   if (absl::GetFlag(FLAGS_kv_heads) > 0) {
     config.num_kv_heads = absl::GetFlag(FLAGS_kv_heads);
   } else {
@@ -151,8 +178,9 @@ int Run() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Writes a deterministic synthetic checkpoint: refit_make_fixture --out DIR [--seed N] "
-      "[--arch llama|mistral|qwen2|qwen3] [--files N] [--layers N --hidden N --intermediate N "
-      "--heads N --kv-heads N --vocab N]");
+      "[--arch llama|mistral|qwen2|qwen3|qwen3_moe|mixtral] [--files N] [--layers N --hidden N "
+      "--intermediate N --heads N --kv-heads N --vocab N] [--experts N --experts-per-tok N "
+      "--moe-intermediate N]");
   // --help lists this file's flags (absl matches the program name otherwise).
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) {

@@ -136,8 +136,9 @@ TEST(ModelConfigTest, ToJsonRoundTrips) {
   EXPECT_EQ(back->dtype, DType::kBFloat16);
 }
 
-TEST(ModelConfigTest, RejectsMixtureOfExperts) {
-  auto mixtral = ModelConfig::FromJson(R"({"architectures": ["MixtralForCausalLM"],
+// Experts in a dense class (MoE classes: tests/core/moe_test.cc).
+TEST(ModelConfigTest, RejectsMixtureOfExpertsInADenseClass) {
+  auto mixtral = ModelConfig::FromJson(R"({"architectures": ["MistralForCausalLM"],
       "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
       "num_attention_heads": 4, "vocab_size": 100, "num_local_experts": 8})",
                                        "mixtral/config.json");

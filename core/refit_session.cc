@@ -450,6 +450,7 @@ absl::Status RefitSession::CheckAllLayersLocked() const {
 }
 
 absl::StatusOr<RefitResult> RefitSession::CommitLocked() {
+  const bool was_prepared = StateNow() == SessionState::kPrepared;
   if (StateNow() == SessionState::kReceiving) {
     absl::StatusOr<RefitResult> prepared = PrepareLocked();
     if (!prepared.ok()) return prepared.status();
@@ -459,6 +460,21 @@ absl::StatusOr<RefitResult> RefitSession::CommitLocked() {
 
   std::vector<StagedKernel> staged = StagedKernelsLocked();
   absl::StatusOr<CommitStats> stats = slot_->Commit(staged);
+  if (!stats.ok() && IsNotQuiesced(stats.status())) {
+    // Attached engines did not reach their safe point: nothing was copied.
+    // A refit prepared before this call stays PREPARED, so that whoever
+    // decides (a fleet's two-phase commit) can still commit it later or
+    // abort it; a one-phase refit has no later, so it ends here.
+    if (was_prepared) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "refit \"", options_.refit_id, "\" not committed: ", stats.status().message(),
+          "; it stays PREPARED: commit it again or abort it"));
+    }
+    absl::Status aborted = absl::AbortedError(
+        absl::StrCat("refit \"", options_.refit_id, "\" aborted: ", stats.status().message()));
+    FailLocked(aborted);
+    return aborted;
+  }
   if (!stats.ok()) {
     FailLocked(stats.status());
     return stats.status();
@@ -552,7 +568,13 @@ absl::StatusOr<std::vector<RefitResult>> RefitSession::CommitLinkedLocked(
     }
     absl::StatusOr<std::vector<CommitStats>> stats = std::vector<CommitStats>();
     if (!parts.empty()) stats = RefitSlot::CommitLinked(parts);
-    if (!stats.ok()) {
+    if (!stats.ok() && IsNotQuiesced(stats.status())) {
+      // Attached engines did not quiesce: nothing was copied, and every
+      // refit (all PREPARED) stays PREPARED, as for one refit.
+      refused = absl::DeadlineExceededError(
+          absl::StrCat("linked commit not done: ", stats.status().message(),
+                       "; the refits stay PREPARED: commit them again or abort them"));
+    } else if (!stats.ok()) {
       // As for one refit: a commit that failed aborts, here all of them.
       for (size_t i : order) sessions[i]->FailLocked(stats.status());
       refused = stats.status();

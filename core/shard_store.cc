@@ -4,19 +4,21 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Device.h>
-#include <sys/mman.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/log.h"
 #include "core/shard_store_tensors.h"
+#include "core/snapshot.h"
 #include "core/text.h"
 #include "core/torch_dtype.h"
 
@@ -59,6 +61,20 @@ absl::StatusOr<c10::Device> ParseDevice(absl::string_view text) {
 
 }  // namespace
 
+namespace {
+constexpr absl::string_view kNotQuiescedPayload = "type.refit.dev/refit.core.NotQuiesced";
+}  // namespace
+
+absl::Status NotQuiescedError(absl::string_view message) {
+  absl::Status status = absl::DeadlineExceededError(message);
+  status.SetPayload(kNotQuiescedPayload, absl::Cord("1"));
+  return status;
+}
+
+bool IsNotQuiesced(const absl::Status& status) {
+  return status.GetPayload(kNotQuiescedPayload).has_value();
+}
+
 ShardStoreImpl::ShardStoreImpl(std::shared_ptr<const ModelLayout> shared_layout, c10::Device dev)
     : layout(*shared_layout), device(dev) {
   for (size_t l = 0; l < layout.layers().size(); ++l) {
@@ -75,29 +91,40 @@ absl::Status ShardStoreImpl::Allocate() {
   std::vector<uint64_t> zero_hashes;
   // Layers repeat: a few distinct sizes cover every kernel.
   absl::flat_hash_map<int64_t, uint64_t> zero_hash_by_size;
-  // Host kernels: one anonymous mapping, zero by construction and (unless
-  // ShardStoreOptions::prefault_host is false) populated in one call. at::zeros fills FP8 through a
-  // parallel loop per tensor (seconds of every start on a loaded host), and a memset after
+  // One arena for every kernel (core/arena.h), laid out once: zero by
+  // construction and (unless ShardStoreOptions::prefault_host is false)
+  // populated in one call. at::zeros fills FP8 through a parallel loop per
+  // tensor (seconds of every start on a loaded host), and a memset after
   // at::empty takes a page fault per 4 KiB.
-  constexpr int64_t kAlign = 64;
-  std::shared_ptr<void> block;
-  std::vector<int64_t> offsets;
-  if (device.is_cpu()) {
-    int64_t total = 0;
-    for (const KernelSpec* spec : specs) {
-      offsets.push_back(total);
-      total += (spec->nbytes() + kAlign - 1) / kAlign * kAlign;
+  int64_t total = 0;
+  for (const KernelSpec* spec : specs) {
+    arena_offsets.push_back(total);
+    total += ArenaAligned(spec->nbytes());
+  }
+  arena_data_bytes = total;
+  layout_hash = std::strtoull(LayoutFingerprint(layout).c_str(), nullptr, 16);
+  absl::StatusOr<std::unique_ptr<HostArena>> host = HostArena::Create(
+      layout.config().arch_name, device.is_cpu() ? total : 0, layout_hash, prefault_host);
+  if (!host.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", layout.kernel_bytes(),
+                                                     " bytes of kernel tensors on ", device.str(),
+                                                     ": ", host.status().message()));
+  }
+  host_arena = std::shared_ptr<HostArena>(std::move(*host));
+  if (device.is_cuda()) {
+    absl::StatusOr<std::unique_ptr<DeviceArena>> dev =
+        DeviceArena::Create(static_cast<int>(device.index()), total);
+    if (!dev.ok()) {
+      if (dev.status().code() == absl::StatusCode::kUnimplemented) {
+        // A CPU-only build's device store (tests only): LibTorch's allocator.
+        dev = std::unique_ptr<DeviceArena>();
+      } else {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cannot allocate ", layout.kernel_bytes(), " bytes of kernel tensors on ",
+                         device.str(), ": ", dev.status().message()));
+      }
     }
-    const size_t length = static_cast<size_t>(std::max<int64_t>(total, 1));
-    const int populate = prefault_host ? MAP_POPULATE : 0;
-    void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | populate, -1, 0);
-    if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", layout.kernel_bytes(),
-                                                       " bytes of kernel tensors on ", device.str(),
-                                                       ": ", std::strerror(errno)));
-    }
-    block = std::shared_ptr<void>(p, [length](void* q) { ::munmap(q, length); });
+    device_arena = std::shared_ptr<DeviceArena>(std::move(*dev));
   }
   try {
     for (size_t i = 0; i < specs.size(); ++i) {
@@ -106,9 +133,15 @@ absl::Status ShardStoreImpl::Allocate() {
       if (!type.ok()) return type.status();
       const at::TensorOptions options = at::TensorOptions().dtype(*type).device(device);
       if (device.is_cpu()) {
-        // Each tensor keeps the mapping alive, also past the store.
+        // Each tensor keeps the arena alive, also past the store.
+        std::shared_ptr<HostArena> keep = host_arena;
         kernels.push_back(at::from_blob(
-            static_cast<char*>(block.get()) + offsets[i], spec->shape, [block](void*) {}, options));
+            host_arena->data() + arena_offsets[i], spec->shape, [keep](void*) {}, options));
+      } else if (device_arena != nullptr) {
+        std::shared_ptr<DeviceArena> keep = device_arena;
+        kernels.push_back(at::from_blob(
+            static_cast<char*>(device_arena->base()) + arena_offsets[i], spec->shape,
+            [keep](void*) {}, options));
       } else {
         kernels.push_back(at::zeros(spec->shape, options));
       }
@@ -181,6 +214,7 @@ CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& st
   for (const StagedKernel& s : staged) any_on_device = any_on_device || s.on_device;
 #endif
   const absl::Time start = absl::Now();
+  host_arena->BeginWrite();
   try {
     for (const StagedKernel& s : staged) {
       at::Tensor& live = kernels[s.kernel];
@@ -230,6 +264,7 @@ CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& st
   }
 #endif
   version = set_version > 0 ? set_version : NextVersionLocked();
+  host_arena->EndWrite(version);
   fingerprint = ComputeFingerprint(hashes);
   last_commit = absl::Now();
   stats.pause = last_commit - start;
@@ -318,6 +353,7 @@ absl::StatusOr<CommitStats> ShardStoreImpl::RestoreInPlace(uint64_t set_version,
                                                            RefitSlot::RestoreFill fill) {
   absl::MutexLock lock(&mu);
   const absl::Time start = absl::Now();
+  host_arena->BeginWrite();
   absl::StatusOr<std::vector<uint64_t>> filled;
   if (device.is_cpu()) {
     filled = fill(HostRestoreTarget(kernels));
@@ -333,6 +369,7 @@ absl::StatusOr<CommitStats> ShardStoreImpl::RestoreInPlace(uint64_t set_version,
       error = cudaHostAlloc(&bounce, static_cast<size_t>(bounce_bytes), cudaHostAllocDefault);
     if (error != cudaSuccess) {
       if (previous >= 0) cudaSetDevice(previous);
+      host_arena->EndWrite(version);  // nothing written
       return absl::InternalError(absl::StrCat("restore bounce buffer of ", bounce_bytes,
                                               " bytes: ", cudaGetErrorString(error)));
     }
@@ -340,6 +377,7 @@ absl::StatusOr<CommitStats> ShardStoreImpl::RestoreInPlace(uint64_t set_version,
     cudaFreeHost(bounce);
     if (previous >= 0) cudaSetDevice(previous);
 #else
+    host_arena->EndWrite(version);  // nothing written
     return absl::InternalError(
         absl::StrCat("restore into ", device.str(), " (built without REFIT_WITH_CUDA)"));
 #endif
@@ -356,10 +394,12 @@ absl::StatusOr<CommitStats> ShardStoreImpl::RestoreInPlace(uint64_t set_version,
                        << std::string(zeroed.message());
       std::abort();
     }
+    host_arena->EndWrite(version);
     return filled.status();
   }
   hashes = *std::move(filled);
   version = set_version;
+  host_arena->EndWrite(version);
   fingerprint = ComputeFingerprint(hashes);
   last_commit = absl::Now();
   CommitStats stats;
@@ -474,9 +514,30 @@ std::vector<KernelView> ShardStore::Kernels() const {
     view.layer = impl_->kernel_layer[i];
     view.data = impl_->kernels[i].data_ptr();
     view.nbytes = impl_->specs[i]->nbytes();
+    view.arena_offset = impl_->arena_offsets[i];
     views.push_back(view);
   }
   return views;
+}
+
+ArenaInfo ShardStore::arena() const {
+  ArenaInfo info;
+  info.host_bytes = impl_->host_arena->size();
+  info.data_bytes = impl_->arena_data_bytes;
+  info.on_device = impl_->device.is_cuda();
+  info.device_index = device_index();
+  if (impl_->device_arena != nullptr) info.ipc_handle = impl_->device_arena->ipc_handle();
+  info.layout_hash = impl_->layout_hash;
+  info.sealed = impl_->host_arena->sealed();
+  return info;
+}
+
+absl::StatusOr<int> ShardStore::OpenArenaReadOnly() const {
+  return impl_->host_arena->OpenReadOnly();
+}
+
+void ShardStore::SetCommitCoordinator(CommitCoordinator* coordinator) {
+  coordinator_.store(coordinator, std::memory_order_release);
 }
 
 absl::Status ShardStore::ReadKernel(absl::string_view name, std::string* out,
@@ -641,7 +702,17 @@ absl::StatusOr<CommitStats> RefitSlot::Commit(const std::vector<StagedKernel>& s
     // Only the slot's holder commits: `next` is what CommitStaged publishes.
     if (absl::Status s = store_->commit_guard_(next); !s.ok()) return s;
   }
-  return store_->impl_->CommitStaged(staged);
+  CommitCoordinator* coordinator = store_->coordinator_.load(std::memory_order_acquire);
+  if (coordinator == nullptr) return store_->impl_->CommitStaged(staged);
+  uint64_t next = 0;
+  {
+    absl::ReaderMutexLock lock(&store_->impl_->mu);
+    next = store_->impl_->NextVersionLocked();
+  }
+  if (absl::Status s = coordinator->BeforeCommit(refit_id_, next); !s.ok()) return s;
+  absl::StatusOr<CommitStats> stats = store_->impl_->CommitStaged(staged);
+  coordinator->AfterCommit(refit_id_, stats);
+  return stats;
 }
 
 absl::StatusOr<std::vector<CommitStats>> RefitSlot::CommitLinked(
@@ -684,7 +755,35 @@ absl::StatusOr<std::vector<CommitStats>> RefitSlot::CommitLinked(
                           absl::StrCat("model group \"", store->group(), "\": ", s.message()));
     }
   }
-  return CommitLinkedLocked(parts, order);
+  // Engines attached to any of the stores quiesce before the one copy.
+  std::vector<size_t> coordinated;
+  auto coordinator_of = [&](size_t i) {
+    return store_of(i)->coordinator_.load(std::memory_order_acquire);
+  };
+  for (size_t i : order) {
+    CommitCoordinator* coordinator = coordinator_of(i);
+    if (coordinator == nullptr) continue;
+    uint64_t next = 0;
+    {
+      absl::ReaderMutexLock lock(&store_of(i)->impl_->mu);
+      next = store_of(i)->impl_->NextVersionLocked();
+    }
+    absl::Status s = coordinator->BeforeCommit(parts[i].slot->refit_id(), next);
+    if (!s.ok()) {
+      for (size_t j : coordinated) coordinator_of(j)->AfterCommit(parts[j].slot->refit_id(), s);
+      const std::string message =
+          absl::StrCat("model group \"", store_of(i)->group(), "\": ", s.message());
+      return IsNotQuiesced(s) ? NotQuiescedError(message) : absl::Status(s.code(), message);
+    }
+    coordinated.push_back(i);
+  }
+  absl::StatusOr<std::vector<CommitStats>> stats = CommitLinkedLocked(parts, order);
+  for (size_t j : coordinated) {
+    coordinator_of(j)->AfterCommit(
+        parts[j].slot->refit_id(),
+        stats.ok() ? absl::StatusOr<CommitStats>((*stats)[j]) : stats.status());
+  }
+  return stats;
 }
 
 absl::StatusOr<std::vector<CommitStats>> RefitSlot::CommitLinkedLocked(

@@ -20,6 +20,7 @@
 #ifndef REFIT_CORE_SHARD_STORE_H_
 #define REFIT_CORE_SHARD_STORE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -68,6 +69,23 @@ struct KernelView {
   int layer = -1;
   void* data = nullptr;
   int64_t nbytes = 0;
+  // Byte offset of the kernel in the store's arena data (see ArenaInfo).
+  int64_t arena_offset = 0;
+};
+
+// Where the store's kernels live, for handing them to engine processes
+// (core/arena.h). Host store: one sealed memfd holding the header and the
+// kernels at kArenaDataOffset. GPU store: the same memfd holds only the
+// header; the kernels are one device allocation exported as a CUDA IPC
+// handle. Kernel i is at KernelView::arena_offset from the data start.
+struct ArenaInfo {
+  int64_t host_bytes = 0;    // the memfd's length (header + host data)
+  int64_t data_bytes = 0;    // the kernels' region, alignment included
+  bool on_device = false;    // data in device memory (ipc_handle), else in the memfd
+  int device_index = -1;     // CUDA device of the data, -1 on the host
+  std::string ipc_handle;    // cudaIpcMemHandle_t of the allocation base (GPU)
+  uint64_t layout_hash = 0;  // LayoutFingerprint as a number, also in the header
+  bool sealed = false;       // F_SEAL_FUTURE_WRITE held (see HostArena::sealed)
 };
 
 // The live version's identity, read under one lock so that the number and
@@ -84,6 +102,29 @@ struct CommitStats {
   absl::Duration pause;  // time readers were held off
   int64_t bytes_copied = 0;
 };
+
+// Told of every commit of the store around its copy, on the committing
+// thread, with no store lock held: the server's engine coordination
+// (server/attach_*) quiesces attached engines in BeforeCommit and tells
+// them of the new version in AfterCommit. Implementations are thread-safe.
+class CommitCoordinator {
+ public:
+  virtual ~CommitCoordinator() = default;
+  // Before the copy of `next_version`. An error stops the commit: nothing
+  // is copied and the version stays. Use NotQuiescedError for engines that
+  // did not reach their safe point, so that a PREPARED refit stays PREPARED.
+  virtual absl::Status BeforeCommit(absl::string_view refit_id, uint64_t next_version) = 0;
+  // After a commit that BeforeCommit let through: its stats once the new
+  // version is visible, or the error that stopped it (nothing copied).
+  virtual void AfterCommit(absl::string_view refit_id,
+                           const absl::StatusOr<CommitStats>& result) = 0;
+};
+
+// DEADLINE_EXCEEDED marked as "engines did not quiesce": RefitSession keeps
+// a refit that was PREPARED before its Commit in PREPARED (Commit can be
+// retried, or the refit aborted), and aborts a one-phase refit with ABORTED.
+absl::Status NotQuiescedError(absl::string_view message);
+bool IsNotQuiesced(const absl::Status& status);
 
 // New bytes for one live kernel, staged in host memory or, for a store on a
 // GPU, in device memory of the store's device.
@@ -227,6 +268,15 @@ class ShardStore {
 
   // Kernels in layout order (flattened over layers).
   std::vector<KernelView> Kernels() const;
+  // The arena the kernels live in (fixed for the store's lifetime).
+  ArenaInfo arena() const;
+  // A new read-only descriptor of the arena's memfd (the caller owns it):
+  // what an attached engine maps. INTERNAL with the errno text.
+  absl::StatusOr<int> OpenArenaReadOnly() const;
+  // Every commit from now on goes through `coordinator` (nullptr: none).
+  // Set before refits run or while none commits; the coordinator must
+  // outlive the store or be reset first.
+  void SetCommitCoordinator(CommitCoordinator* coordinator);
   // Copies kernel `name` to host memory under the reader lock, so the bytes
   // and *version belong to one version.
   // Errors: NOT_FOUND for unknown names; INTERNAL if copying a GPU kernel
@@ -295,6 +345,7 @@ class ShardStore {
   ShardStoreOptions options_;
   std::unique_ptr<ShardStoreImpl> impl_;
   CommitGuard commit_guard_;
+  std::atomic<CommitCoordinator*> coordinator_{nullptr};
 
   mutable absl::Mutex session_mu_;
   std::string active_session_ ABSL_GUARDED_BY(session_mu_);

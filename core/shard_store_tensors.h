@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "core/arena.h"
 #include "core/model_layout.h"
 #include "core/shard_store.h"
 
@@ -36,8 +37,9 @@ class ShardStoreImpl {
   ~ShardStoreImpl();
 
   // Allocates zeroed kernels and hashes them. RESOURCE_EXHAUSTED if they do not fit.
-  // Host kernels live in one anonymous mapping (zero pages, populated at
-  // once), not LibTorch's allocator.
+  // Host kernels live in one shareable arena (a sealed memfd: zero pages,
+  // populated at once unless prefault_host is off), GPU kernels in one
+  // exportable device allocation; never LibTorch's allocator.
   absl::Status Allocate();
 
   // Copies `staged` into the live tensors in place under the writer lock.
@@ -75,6 +77,15 @@ class ShardStoreImpl {
   std::vector<const KernelSpec*> specs;  // flattened, layout order
   std::vector<int> kernel_layer;
   absl::flat_hash_map<std::string, int> kernel_index;
+
+  // The arena every kernel lives in (core/arena.h): the memfd with the
+  // header (and, on the host, the kernels); on a GPU the device allocation.
+  // Each kernel tensor keeps them alive. Set by Allocate, then fixed.
+  std::shared_ptr<HostArena> host_arena;
+  std::shared_ptr<DeviceArena> device_arena;
+  std::vector<int64_t> arena_offsets;  // per kernel, from the data start
+  int64_t arena_data_bytes = 0;
+  uint64_t layout_hash = 0;
 
   mutable absl::Mutex mu;
   // The tensors themselves never change identity; their bytes change under mu.

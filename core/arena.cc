@@ -1,0 +1,208 @@
+#include "core/arena.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <new>
+
+#include <xxhash.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/snapshot.h"
+
+#ifdef REFIT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+
+namespace refit::core {
+
+absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(absl::string_view name,
+                                                             int64_t data_bytes,
+                                                             uint64_t layout_hash, bool populate) {
+  if (data_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("arena of ", data_bytes, " bytes"));
+  }
+  std::unique_ptr<HostArena> arena(new HostArena());
+  arena->data_bytes_ = data_bytes;
+  const std::string memfd_name = absl::StrCat("refitd:", name);
+  arena->fd_ = ::memfd_create(memfd_name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (arena->fd_ < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("memfd_create for the arena of ", name, ": ", std::strerror(errno)));
+  }
+  const size_t length = static_cast<size_t>(arena->size());
+  if (::ftruncate(arena->fd_, static_cast<off_t>(length)) != 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot size the arena of ", name, " to ",
+                                                     length, " bytes: ", std::strerror(errno)));
+  }
+  const int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
+  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, flags, arena->fd_, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot map the arena of ", name, " (", length,
+                                                     " bytes): ", std::strerror(errno)));
+  }
+  arena->base_ = static_cast<char*>(p);
+  // Shrinking would make every mapping fault (SIGBUS); a new writable
+  // mapping is what a read-only descriptor must never give. Our own mapping
+  // exists already and stays writable.
+  arena->sealed_ =
+      ::fcntl(arena->fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) == 0;
+  if (!arena->sealed_) ::fcntl(arena->fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  ArenaHeader* h = new (arena->base_) ArenaHeader();
+  std::memcpy(h->magic, kArenaMagic, sizeof(kArenaMagic));
+  h->format = kArenaFormat;
+  h->header_bytes = static_cast<uint32_t>(kArenaHeaderBytes);
+  h->data_offset = static_cast<uint64_t>(kArenaDataOffset);
+  h->data_bytes = static_cast<uint64_t>(data_bytes);
+  h->layout_hash = layout_hash;
+  h->seq.store(0, std::memory_order_relaxed);
+  h->version.store(0, std::memory_order_release);
+  return arena;
+}
+
+HostArena::~HostArena() {
+  if (base_ != nullptr) ::munmap(base_, static_cast<size_t>(size()));
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::StatusOr<int> HostArena::OpenReadOnly() const {
+  const std::string path = absl::StrCat("/proc/self/fd/", fd_);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot reopen the arena read-only: ", std::strerror(errno)));
+  }
+  return fd;
+}
+
+void HostArena::BeginWrite() {
+  ArenaHeader* h = mutable_header();
+  h->seq.fetch_add(1, std::memory_order_relaxed);
+  // The odd seq must be visible before any byte of the new version.
+  std::atomic_thread_fence(std::memory_order_release);
+}
+
+void HostArena::EndWrite(uint64_t version) {
+  ArenaHeader* h = mutable_header();
+  h->version.store(version, std::memory_order_relaxed);
+  h->seq.fetch_add(1, std::memory_order_release);
+}
+
+absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(int device_index,
+                                                                 int64_t data_bytes) {
+#ifdef REFIT_WITH_CUDA
+  std::unique_ptr<DeviceArena> arena(new DeviceArena());
+  arena->device_index_ = device_index;
+  arena->data_bytes_ = data_bytes;
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+  cudaError_t error = cudaSetDevice(device_index);
+  void* p = nullptr;
+  if (error == cudaSuccess)
+    error = cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(data_bytes, 1)));
+  if (error == cudaSuccess) {
+    arena->base_ = p;
+    error = cudaMemset(p, 0, static_cast<size_t>(data_bytes));
+  }
+  cudaIpcMemHandle_t handle;
+  if (error == cudaSuccess) error = cudaIpcGetMemHandle(&handle, p);
+  if (error == cudaSuccess) error = cudaDeviceSynchronize();
+  if (previous >= 0) cudaSetDevice(previous);
+  if (error != cudaSuccess) {
+    const std::string what =
+        absl::StrCat("device arena of ", data_bytes, " bytes on cuda:", device_index, ": ",
+                     cudaGetErrorString(error));
+    if (error == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(what);
+    return absl::InternalError(what);
+  }
+  arena->ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  return arena;
+#else
+  (void)device_index;
+  (void)data_bytes;
+  return absl::UnimplementedError("a device arena needs a build with REFIT_WITH_CUDA");
+#endif
+}
+
+DeviceArena::~DeviceArena() {
+#ifdef REFIT_WITH_CUDA
+  if (base_ != nullptr) cudaFree(base_);
+#endif
+}
+
+namespace {
+std::string Hex64(absl::string_view text) {
+  return absl::StrFormat("%016x", XXH3_64bits(text.data(), text.size()));
+}
+}  // namespace
+
+LayoutIdentity IdentifyLayout(const ModelLayout& layout) {
+  LayoutIdentity id;
+  const ModelConfig& c = layout.config();
+  id.architecture = c.arch_name;
+  id.tp_rank = layout.parallel().tp_rank;
+  id.tp_size = layout.parallel().tp_size;
+  id.checkpoint_dtype = std::string(TorchDTypeName(c.dtype));
+  id.quantization = std::string(QuantSchemeName(layout.quant()));
+  id.quant_config_hash =
+      Hex64(absl::StrCat("scheme=", id.quantization, ";fp8=e4m3fn;max=448;block=128x128"));
+  std::string tensors;
+  for (const LayerSpec& l : layout.layers()) {
+    for (const KernelSpec& k : l.kernels) {
+      absl::StrAppend(&tensors, k.name, ":", DTypeName(k.dtype), ":");
+      for (int64_t d : k.shape) absl::StrAppend(&tensors, d, ",");
+      absl::StrAppend(&tensors, ";");
+    }
+  }
+  id.tensors_hash = Hex64(tensors);
+  id.checkpoint_id = Hex64(c.ToJson());
+  id.fingerprint = LayoutFingerprint(layout);
+  return id;
+}
+
+absl::string_view TorchDTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kBool:
+      return "bool";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kInt8:
+      return "int8";
+    case DType::kInt16:
+      return "int16";
+    case DType::kUInt16:
+      return "uint16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kUInt32:
+      return "uint32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kUInt64:
+      return "uint64";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3fn";
+    case DType::kFloat8E5M2:
+      return "float8_e5m2";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+  }
+  return "unknown";
+}
+
+}  // namespace refit::core

@@ -1,0 +1,160 @@
+// Arena: the one shareable memory region that holds every kernel tensor of a
+// model group on one device, so that engine processes on the same host can map
+// the daemon's live kernels instead of copying them over gRPC.
+//
+// Pipeline position: allocated once by ShardStore::Create and never
+// reallocated; RefitSlot::Commit copies each new version into it in place.
+// The server hands its descriptors to attached engines (server/attach_*).
+//
+// Host arena: a sealed memfd (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE
+// once the daemon's own writable mapping exists), so a descriptor handed to
+// another process can only ever be mapped read-only and the region can never
+// shrink under anyone's mapping. A page-sized header comes first, the kernels
+// follow at kArenaDataOffset, each at a multiple of kArenaAlign.
+//
+// Device arena: one cudaMalloc'd allocation per store whose base is exported
+// as a CUDA IPC handle; kernels are (allocation, offset) pairs. Its header
+// lives in a header-only host arena, so an engine reads version and seqlock
+// the same way for both.
+//
+// The header (ArenaHeader, little-endian, fixed offsets so that any language
+// can read it with a plain load):
+//   0  magic "REFITAR1"      24 data_bytes
+//   8  format (1)            32 layout_hash (XXH3-64 of the layout fingerprint)
+//   12 header_bytes (4096)   40 seq: odd while a commit copies (seqlock)
+//   16 data_offset (4096)    48 version: the version the data holds
+// A reader that loads seq (even), reads, and loads seq again (unchanged) read
+// one version; a different or odd seq means the read spans a commit.
+//
+// Thread-safety: BeginWrite/EndWrite are called by the store's single
+// committer under its writer lock; everything else is immutable after
+// Create. The header's counters are atomics, readable from any process.
+#ifndef REFIT_CORE_ARENA_H_
+#define REFIT_CORE_ARENA_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/model_layout.h"
+
+namespace refit::core {
+
+inline constexpr char kArenaMagic[8] = {'R', 'E', 'F', 'I', 'T', 'A', 'R', '1'};
+inline constexpr uint32_t kArenaFormat = 1;
+inline constexpr int64_t kArenaHeaderBytes = 4096;
+inline constexpr int64_t kArenaDataOffset = kArenaHeaderBytes;
+// Every kernel starts at a multiple of this (vLLM and cuBLAS want >= 256).
+inline constexpr int64_t kArenaAlign = 256;
+
+struct ArenaHeader {
+  char magic[8];
+  uint32_t format;
+  uint32_t header_bytes;
+  uint64_t data_offset;
+  uint64_t data_bytes;
+  uint64_t layout_hash;
+  std::atomic<uint64_t> seq;
+  std::atomic<uint64_t> version;
+};
+static_assert(sizeof(ArenaHeader) == 56, "ArenaHeader's offsets are part of the engine protocol");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "seqlock needs lock-free 64-bit atomics");
+
+// Rounds `bytes` up to kArenaAlign.
+inline int64_t ArenaAligned(int64_t bytes) {
+  return (bytes + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
+}
+
+class HostArena {
+ public:
+  // A memfd named "refitd:<name>" of kArenaHeaderBytes + data_bytes, mapped
+  // shared and writable here, zero-filled, its pages populated when
+  // `populate`. Errors: RESOURCE_EXHAUSTED (memfd_create, ftruncate, mmap
+  // failing: the errno text), INVALID_ARGUMENT for negative data_bytes.
+  static absl::StatusOr<std::unique_ptr<HostArena>> Create(absl::string_view name,
+                                                           int64_t data_bytes, uint64_t layout_hash,
+                                                           bool populate);
+  ~HostArena();
+  HostArena(const HostArena&) = delete;
+  HostArena& operator=(const HostArena&) = delete;
+
+  char* data() const { return base_ + kArenaDataOffset; }
+  int64_t data_bytes() const { return data_bytes_; }
+  // Header + data: the length an engine maps.
+  int64_t size() const { return kArenaDataOffset + data_bytes_; }
+  const ArenaHeader& header() const { return *reinterpret_cast<const ArenaHeader*>(base_); }
+  // Whether the seals are on (kernels older than Linux 5.1 lack
+  // F_SEAL_FUTURE_WRITE; the read-only descriptor still holds there).
+  bool sealed() const { return sealed_; }
+
+  // A new descriptor of the arena opened O_RDONLY: a process that receives
+  // it can map it read-only only (PROT_WRITE with MAP_SHARED is EACCES).
+  // The caller owns it. INTERNAL with the errno text.
+  absl::StatusOr<int> OpenReadOnly() const;
+
+  // Seqlock: seq becomes odd before a commit writes into the data, and even
+  // again, with the new version, after. Only the store's committer calls
+  // these, under its writer lock.
+  void BeginWrite();
+  void EndWrite(uint64_t version);
+
+ private:
+  HostArena() = default;
+  ArenaHeader* mutable_header() { return reinterpret_cast<ArenaHeader*>(base_); }
+
+  int fd_ = -1;
+  char* base_ = nullptr;
+  int64_t data_bytes_ = 0;
+  bool sealed_ = false;
+};
+
+// A store's kernels on a GPU: one allocation, exported for CUDA IPC.
+class DeviceArena {
+ public:
+  // cudaMalloc of `data_bytes` on `device_index`, zeroed, and its IPC handle.
+  // Errors: RESOURCE_EXHAUSTED when it does not fit; INTERNAL for other CUDA
+  // errors; UNIMPLEMENTED in a build without CUDA.
+  static absl::StatusOr<std::unique_ptr<DeviceArena>> Create(int device_index, int64_t data_bytes);
+  ~DeviceArena();
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+
+  void* base() const { return base_; }
+  int64_t data_bytes() const { return data_bytes_; }
+  int device_index() const { return device_index_; }
+  // cudaIpcMemHandle_t of base(), 64 bytes; another process opens it with
+  // cudaIpcOpenMemHandle and adds each kernel's offset.
+  const std::string& ipc_handle() const { return ipc_handle_; }
+
+ private:
+  DeviceArena() = default;
+  void* base_ = nullptr;
+  int64_t data_bytes_ = 0;
+  int device_index_ = -1;
+  std::string ipc_handle_;
+};
+
+// What an engine compares before it trusts an arena's bytes: the fields
+// vLLM's weight cache keys on, each hash 16 hex digits of XXH3-64.
+struct LayoutIdentity {
+  std::string architecture;  // config.json's architectures[0]
+  int64_t tp_rank = 0;
+  int64_t tp_size = 1;
+  std::string checkpoint_dtype;   // "bfloat16", "float16", "float32"
+  std::string quantization;       // QuantSchemeName
+  std::string quant_config_hash;  // the scheme and its parameters (FP8 format, block)
+  std::string tensors_hash;       // every kernel's name, dtype and shape
+  std::string checkpoint_id;      // the model config (ModelConfig::ToJson)
+  std::string fingerprint;        // LayoutFingerprint: over all of the above
+};
+LayoutIdentity IdentifyLayout(const ModelLayout& layout);
+
+// torch's name of a kernel dtype ("float8_e4m3fn", "bfloat16", ...).
+absl::string_view TorchDTypeName(DType dtype);
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_ARENA_H_

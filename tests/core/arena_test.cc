@@ -1,0 +1,246 @@
+// HostArena (the sealed memfd, its header and seqlock), the store's kernels
+// in it, and the store's commit coordinator hook with RefitSession's two
+// answers to engines that did not quiesce.
+#include "core/arena.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/fixture_model.h"
+#include "core/model_layout.h"
+#include "core/refit_session.h"
+#include "core/shard_store.h"
+#include "core/snapshot.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/refit_helpers.h"
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+
+namespace refit::core {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<OwnedTensor> Weights(uint64_t seed) {
+  absl::StatusOr<std::vector<OwnedTensor>> w = MakeFixtureWeights(FixtureConfig(), seed);
+  EXPECT_TRUE(w.ok()) << w.status();
+  return w.ok() ? *std::move(w) : std::vector<OwnedTensor>{};
+}
+
+TEST(HostArenaTest, HeaderHoldsMagicSizesAndLayoutHash) {
+  absl::StatusOr<std::unique_ptr<HostArena>> arena =
+      HostArena::Create("test", 1000, 0x1234, /*populate=*/true);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const ArenaHeader& h = (*arena)->header();
+  EXPECT_EQ(std::string(h.magic, 8), "REFITAR1");
+  EXPECT_EQ(h.format, kArenaFormat);
+  EXPECT_EQ(h.header_bytes, 4096u);
+  EXPECT_EQ(h.data_offset, 4096u);
+  EXPECT_EQ(h.data_bytes, 1000u);
+  EXPECT_EQ(h.layout_hash, 0x1234u);
+  EXPECT_EQ(h.seq.load(), 0u);
+  EXPECT_EQ(h.version.load(), 0u);
+  EXPECT_EQ((*arena)->size(), 5096);
+  // Zero-filled.
+  EXPECT_EQ((*arena)->data()[0], 0);
+  EXPECT_EQ((*arena)->data()[999], 0);
+}
+
+TEST(HostArenaTest, NegativeSizeIsInvalidArgument) {
+  EXPECT_EQ(HostArena::Create("test", -1, 0, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(HostArenaTest, ReadOnlyDescriptorMapsReadOnlyOnlyAndSeesWrites) {
+  absl::StatusOr<std::unique_ptr<HostArena>> arena = HostArena::Create("test", 4096, 0, true);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  absl::StatusOr<int> fd = (*arena)->OpenReadOnly();
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  const size_t length = static_cast<size_t>((*arena)->size());
+  errno = 0;
+  EXPECT_EQ(::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0), MAP_FAILED);
+  EXPECT_EQ(errno, EACCES);
+  void* p = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, *fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  // A read-only shared mapping cannot be made writable either.
+  EXPECT_NE(::mprotect(p, length, PROT_READ | PROT_WRITE), 0);
+  std::memcpy((*arena)->data(), "hello", 5);
+  EXPECT_EQ(std::string(static_cast<char*>(p) + kArenaDataOffset, 5), "hello");
+  // Nobody can shrink it under the mappings.
+  EXPECT_NE(::ftruncate(*fd, 0), 0);
+  const int seals = ::fcntl(*fd, F_GET_SEALS);
+  EXPECT_NE(seals & F_SEAL_SHRINK, 0);
+  EXPECT_NE(seals & F_SEAL_GROW, 0);
+  if ((*arena)->sealed()) {
+    EXPECT_NE(seals & F_SEAL_FUTURE_WRITE, 0);
+  }
+  ::munmap(p, length);
+  ::close(*fd);
+}
+
+TEST(HostArenaTest, SeqIsOddWhileWritingAndEvenWithTheVersionAfter) {
+  absl::StatusOr<std::unique_ptr<HostArena>> arena = HostArena::Create("test", 64, 0, true);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  (*arena)->BeginWrite();
+  EXPECT_EQ((*arena)->header().seq.load() % 2, 1u);
+  (*arena)->EndWrite(7);
+  EXPECT_EQ((*arena)->header().seq.load(), 2u);
+  EXPECT_EQ((*arena)->header().version.load(), 7u);
+}
+
+class StoreArenaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    store_ = testing::MakeStore(FixtureConfig());
+    ASSERT_NE(store_, nullptr);
+  }
+  std::unique_ptr<ShardStore> store_;
+};
+
+TEST_F(StoreArenaTest, KernelsLieInTheArenaAtAlignedOffsets) {
+  const ArenaInfo arena = store_->arena();
+  EXPECT_FALSE(arena.on_device);
+  EXPECT_EQ(arena.device_index, -1);
+  EXPECT_EQ(arena.host_bytes, kArenaDataOffset + arena.data_bytes);
+  EXPECT_EQ(absl::StrFormat("%016x", arena.layout_hash), LayoutFingerprint(store_->layout()));
+  const std::vector<KernelView> kernels = store_->Kernels();
+  ASSERT_FALSE(kernels.empty());
+  const char* base = static_cast<const char*>(kernels[0].data) - kernels[0].arena_offset;
+  int64_t end = 0;
+  for (const KernelView& k : kernels) {
+    EXPECT_EQ(k.arena_offset % kArenaAlign, 0) << k.spec->name;
+    EXPECT_GE(k.arena_offset, end) << k.spec->name;
+    EXPECT_EQ(static_cast<const char*>(k.data), base + k.arena_offset) << k.spec->name;
+    end = k.arena_offset + k.nbytes;
+  }
+  EXPECT_LE(end, arena.data_bytes);
+}
+
+TEST_F(StoreArenaTest, AnEngineMappingSeesEachCommitWithItsVersionAndAnEvenSeq) {
+  absl::StatusOr<int> fd = store_->OpenArenaReadOnly();
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  const ArenaInfo arena = store_->arena();
+  void* p = ::mmap(nullptr, static_cast<size_t>(arena.host_bytes), PROT_READ, MAP_SHARED, *fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  ::close(*fd);
+  const auto* header = static_cast<const ArenaHeader*>(p);
+  EXPECT_EQ(header->version.load(), 0u);
+  ASSERT_TRUE(testing::PushAll(*store_, Weights(1)).ok());
+  EXPECT_EQ(header->version.load(), 1u);
+  EXPECT_EQ(header->seq.load(), 2u);
+  const KernelView k = store_->Kernels()[2];
+  std::string live;
+  ASSERT_TRUE(store_->ReadKernel(k.spec->name, &live, nullptr).ok());
+  EXPECT_EQ(std::string(static_cast<const char*>(p) + kArenaDataOffset + k.arena_offset,
+                        static_cast<size_t>(k.nbytes)),
+            live);
+  ASSERT_TRUE(testing::PushAll(*store_, Weights(2)).ok());
+  EXPECT_EQ(header->version.load(), 2u);
+  EXPECT_EQ(header->seq.load(), 4u);
+  ::munmap(p, static_cast<size_t>(arena.host_bytes));
+}
+
+// Records the calls; BeforeCommit answers with `answer`.
+class FakeCoordinator : public CommitCoordinator {
+ public:
+  absl::Status BeforeCommit(absl::string_view refit_id, uint64_t next_version) override {
+    before.push_back(absl::StrCat(refit_id, "@", next_version));
+    return answer;
+  }
+  void AfterCommit(absl::string_view refit_id, const absl::StatusOr<CommitStats>& result) override {
+    after.push_back(absl::StrCat(refit_id, "@", result.ok() ? result->version : 0));
+  }
+  absl::Status answer = absl::OkStatus();
+  std::vector<std::string> before;
+  std::vector<std::string> after;
+};
+
+TEST_F(StoreArenaTest, CoordinatorIsToldBeforeAndAfterEachCommit) {
+  FakeCoordinator coordinator;
+  store_->SetCommitCoordinator(&coordinator);
+  RefitOptions options;
+  options.refit_id = "r-1";
+  ASSERT_TRUE(testing::PushAll(*store_, Weights(1), options).ok());
+  EXPECT_THAT(coordinator.before, ::testing::ElementsAre("r-1@1"));
+  EXPECT_THAT(coordinator.after, ::testing::ElementsAre("r-1@1"));
+  store_->SetCommitCoordinator(nullptr);
+}
+
+TEST_F(StoreArenaTest, OnePhaseRefitThatEnginesDidNotQuiesceForIsAbortedNamingThem) {
+  FakeCoordinator coordinator;
+  coordinator.answer = NotQuiescedError("engine \"e-1\" did not quiesce within 1s");
+  store_->SetCommitCoordinator(&coordinator);
+  RefitOptions options;
+  options.refit_id = "r-1";
+  absl::StatusOr<RefitResult> result = testing::PushAll(*store_, Weights(1), options);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(result.status().message(), HasSubstr("refit \"r-1\" aborted: engine \"e-1\""));
+  EXPECT_FALSE(IsNotQuiesced(result.status()));
+  EXPECT_EQ(store_->version(), 0u);
+  EXPECT_EQ(store_->arena().layout_hash != 0, true);
+  EXPECT_TRUE(coordinator.after.empty());
+  EXPECT_EQ(store_->active_session(), "");  // the slot is free again
+  store_->SetCommitCoordinator(nullptr);
+}
+
+TEST_F(StoreArenaTest, PreparedRefitThatEnginesDidNotQuiesceForStaysPrepared) {
+  FakeCoordinator coordinator;
+  coordinator.answer = NotQuiescedError("engine \"e-1\" did not quiesce within 1s");
+  store_->SetCommitCoordinator(&coordinator);
+  RefitOptions options;
+  options.refit_id = "r-1";
+  absl::StatusOr<std::unique_ptr<RefitSession>> session =
+      RefitSession::Begin(store_.get(), options);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE(testing::IngestAll(**session, Weights(1)).ok());
+  ASSERT_TRUE((*session)->Prepare().ok());
+  absl::StatusOr<RefitResult> committed = (*session)->Commit();
+  EXPECT_EQ(committed.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(committed.status().message(), HasSubstr("engine \"e-1\""));
+  EXPECT_THAT(committed.status().message(), HasSubstr("stays PREPARED"));
+  EXPECT_EQ((*session)->state(), SessionState::kPrepared);
+  EXPECT_EQ(store_->version(), 0u);
+  EXPECT_EQ(store_->active_session(), "r-1");
+  // Once the engines let it through, the same refit commits.
+  coordinator.answer = absl::OkStatus();
+  committed = (*session)->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->version, 1u);
+  EXPECT_EQ((*session)->state(), SessionState::kCommitted);
+  store_->SetCommitCoordinator(nullptr);
+}
+
+TEST(LayoutIdentityTest, NamesTheFieldsAnEngineChecks) {
+  absl::StatusOr<std::shared_ptr<const ModelLayout>> layout =
+      ModelLayout::Build(FixtureConfig(), {1, 2}, QuantScheme::kPerChannel);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const LayoutIdentity id = IdentifyLayout(**layout);
+  EXPECT_EQ(id.architecture, "LlamaForCausalLM");
+  EXPECT_EQ(id.tp_rank, 1);
+  EXPECT_EQ(id.tp_size, 2);
+  EXPECT_EQ(id.checkpoint_dtype, "bfloat16");
+  EXPECT_EQ(id.quantization, "per-channel");
+  EXPECT_EQ(id.fingerprint, LayoutFingerprint(**layout));
+  EXPECT_EQ(id.tensors_hash.size(), 16u);
+  EXPECT_EQ(id.checkpoint_id.size(), 16u);
+  absl::StatusOr<std::shared_ptr<const ModelLayout>> other =
+      ModelLayout::Build(FixtureConfig(), {1, 2}, QuantScheme::kPerTensor);
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(IdentifyLayout(**other).quant_config_hash, id.quant_config_hash);
+  EXPECT_EQ(IdentifyLayout(**other).checkpoint_id, id.checkpoint_id);
+}
+
+}  // namespace
+}  // namespace refit::core

@@ -102,6 +102,32 @@ void AttentionKernels(const LayerSpec& spec, const LayerBuffers& buffers,
   }
 }
 
+// An experts layer's kernels, as the daemon makes them: every expert's w13
+// and w2 (core::LayerPart) quantized on its own into its place.
+absl::Status ExpertKernels(const ModelLayout& layout, const LayerSpec& spec,
+                           const LayerBuffers& buffers, std::vector<std::string>& kernels) {
+  for (size_t k = 0; k < spec.kernels.size(); ++k) {
+    kernels[k].assign(static_cast<size_t>(spec.kernels[k].nbytes()), '\0');
+  }
+  for (const core::LayerPart& part : spec.parts) {
+    const ParamSpec& param = spec.params[part.param];
+    const int64_t elem = static_cast<int64_t>(core::DTypeSize(param.dtype));
+    const uint8_t* src = buffers.params[part.param].data() + part.row0 * part.cols * elem;
+    char* dst = kernels[part.kernel].data() + part.kernel_offset;
+    if (part.scale < 0) {
+      std::memcpy(dst, src, static_cast<size_t>(part.kernel_bytes));
+      continue;
+    }
+    core::Fp8QuantizeOptions options;
+    options.scheme = layout.quant();
+    absl::Status quantized = core::QuantizeFp8(
+        src, param.dtype, part.rows, part.cols, options, reinterpret_cast<uint8_t*>(dst),
+        reinterpret_cast<float*>(kernels[part.scale].data() + part.scale_offset), part.name);
+    if (!quantized.ok()) return quantized;
+  }
+  return absl::OkStatus();
+}
+
 // The kernels of a complete layer, as the daemon would stage them.
 absl::Status LayerKernels(const ModelLayout& layout, const LayerSpec& spec, LayerBuffers& buffers,
                           std::vector<std::string>& kernels) {
@@ -110,6 +136,7 @@ absl::Status LayerKernels(const ModelLayout& layout, const LayerSpec& spec, Laye
     AttentionKernels(spec, buffers, kernels);
     return absl::OkStatus();
   }
+  if (spec.kind == LayerKind::kExperts) return ExpertKernels(layout, spec, buffers, kernels);
   for (size_t k = 0; k < spec.kernels.size(); ++k) {
     const KernelSpec& kernel = spec.kernels[k];
     if (kernel.suffix == "weight_scale" || kernel.suffix == "weight_scale_inv") continue;
@@ -259,6 +286,9 @@ absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& op
   parallel.tp_rank = options.tp_rank >= 0 ? options.tp_rank : status->model().tp_rank();
   parallel.tp_size =
       options.tp_size > 0 ? options.tp_size : std::max<int64_t>(1, status->model().tp_size());
+  // Expert parallelism as the daemon serves it.
+  parallel.ep_rank = status->model().ep_rank();
+  parallel.ep_size = std::max<int64_t>(1, status->model().ep_size());
   std::string quant_name = !options.quant.empty() ? options.quant : status->model().quantization();
   if (quant_name.empty()) quant_name = "per-tensor";
   absl::StatusOr<core::QuantScheme> quant = core::ParseQuantScheme(quant_name);

@@ -429,6 +429,10 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   model->set_checkpoint_dtype(std::string(core::DTypeName(layout.config().dtype)));
   model->set_num_kernel_tensors(static_cast<uint32_t>(layout.num_kernels()));
   model->set_kernel_bytes(static_cast<uint64_t>(layout.kernel_bytes()));
+  model->set_num_experts(static_cast<uint32_t>(layout.config().num_experts));
+  model->set_experts_per_token(static_cast<uint32_t>(layout.config().num_experts_per_tok));
+  model->set_ep_rank(static_cast<uint32_t>(layout.parallel().ep_rank));
+  model->set_ep_size(static_cast<uint32_t>(layout.parallel().ep_size));
   response->set_last_commit_unix_seconds(UnixSecondsOf(live.last_commit));
   response->set_server_version(
       absl::StrCat("refitd ", core::VersionString(), ", LibTorch ", core::TorchVersion()));

@@ -238,6 +238,7 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const Tensor
   refit_options->set_allow_partial_layers(options.allow_partial_layers);
   refit_options->set_require_complete(options.require_complete);
   refit_options->set_label(options.label);
+  refit_options->set_fleet_refit_id(options.fleet_refit_id);
   if (!writer->Write(begin_request)) return finish();
 
   refit::v1::PushRequest bucket;

@@ -117,6 +117,9 @@ struct PushOptions {
   // Off here as on the wire; refitctl push turns it on unless --partial.
   bool require_complete = false;
   std::string label;
+  // RefitOptions.fleet_refit_id (a fleet coordinator's prepare; needs
+  // COMPLETION_MODE_PREPARE): "" outside fleet refits.
+  std::string fleet_refit_id;
   // Tensor bytes per Chunks message (a message may hold many small tensors).
   size_t bucket_bytes = kDefaultBucketBytes;
   // Upper bound on one Chunk's bytes; larger tensors are split.

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "client/fleet_command.h"
 #include "client/progress_bar.h"
 #include "client/refit_client.h"
 #include "client/safetensors_view.h"
@@ -846,6 +847,11 @@ int ExitCodeFor(const absl::Status& status) {
 }
 
 int RunRefitctl(int argc, char** argv) {
+  // `refitctl [flags] fleet ...` has its own flags (client/fleet_command.h).
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "fleet") return RunFleetCommand(argc - i, argv + i);
+    if (argv[i][0] != '-') break;
+  }
   CommandLine cl;
   std::string error = Parse(argc, argv, &cl);
   if (error.empty() && (cl.Has("help") || cl.command == "help")) {

@@ -1,8 +1,11 @@
 #include "server/grpc_convert.h"
 
+#include <algorithm>
 #include <string>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "core/text.h"
 
 namespace refit::server {
 
@@ -97,6 +100,21 @@ absl::StatusOr<ConvertedRefitOptions> FromProtoRefitOptions(const v1::RefitOptio
   out.core.staging_budget_bytes = staging_budget_bytes;
   out.label = options.label();
   out.core.label = out.label;
+  if (!options.fleet_refit_id().empty()) {
+    const std::string& id = options.fleet_refit_id();
+    if (!out.prepare_only) {
+      return absl::InvalidArgumentError(
+          "options.fleet_refit_id needs COMPLETION_MODE_PREPARE: a fleet refit commits when the "
+          "fleet decides, not at End");
+    }
+    if (id.size() > 128 || !std::all_of(id.begin(), id.end(), [](char c) {
+          return absl::ascii_isalnum(c) || c == '-' || c == '_' || c == '.';
+        })) {
+      return absl::InvalidArgumentError(absl::StrCat("options.fleet_refit_id ", core::QuoteText(id),
+                                                     ": up to 128 characters of [A-Za-z0-9._-]"));
+    }
+    out.fleet_refit_id = id;
+  }
   return out;
 }
 

@@ -36,6 +36,9 @@ struct ConvertedRefitOptions {
   core::RefitOptions core;
   bool prepare_only = false;
   std::string label;
+  // RefitOptions.fleet_refit_id: one member's part of a fleet refit
+  // (server/fleet_member.h); only with COMPLETION_MODE_PREPARE.
+  std::string fleet_refit_id;
 };
 absl::StatusOr<ConvertedRefitOptions> FromProtoRefitOptions(const v1::RefitOptions& options,
                                                             int64_t staging_budget_bytes);

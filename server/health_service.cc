@@ -46,12 +46,32 @@ HealthService::HealthService() {
 HealthService::~HealthService() = default;
 
 void HealthService::SetServing(const std::string& service, bool serving) {
-  const ServingStatus status =
-      serving ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING;
+  Update(service, serving, std::nullopt);
+}
+
+void HealthService::SetGate(const std::string& service, bool open) {
+  Update(service, std::nullopt, open);
+}
+
+void HealthService::Update(const std::string& service, std::optional<bool> serving,
+                           std::optional<bool> gate_open) {
   std::vector<Watcher*> targets;
+  ServingStatus status;
   {
     absl::MutexLock lock(&mu_);
     if (shut_down_) return;
+    if (serving.has_value()) requested_[service] = *serving;
+    if (gate_open.has_value()) {
+      if (*gate_open) {
+        closed_gates_.erase(service);
+      } else {
+        closed_gates_.insert(service);
+      }
+    }
+    auto requested = requested_.find(service);
+    const bool effective =
+        requested != requested_.end() && requested->second && closed_gates_.count(service) == 0;
+    status = effective ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING;
     auto it = statuses_.find(service);
     if (it != statuses_.end() && it->second == status) return;
     statuses_[service] = status;

@@ -13,6 +13,8 @@
 #define REFIT_SERVER_HEALTH_SERVICE_H_
 
 #include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,10 @@ class HealthService final : public grpc::health::v1::Health::CallbackService {
   ~HealthService() override;
 
   void SetServing(const std::string& service, bool serving);
+  // A closed gate makes `service` NOT_SERVING whatever SetServing says; the
+  // fleet closes it while this member is behind the fleet's version
+  // (server/fleet_member.h). Gates are open until closed.
+  void SetGate(const std::string& service, bool open);
   // Everything NOT_SERVING, watchers told and their streams ended; later
   // updates are ignored.
   void Shutdown();
@@ -46,9 +52,13 @@ class HealthService final : public grpc::health::v1::Health::CallbackService {
  private:
   friend class Watcher;
   void Unsubscribe(Watcher* watcher);
+  void Update(const std::string& service, std::optional<bool> serving,
+              std::optional<bool> gate_open);
 
   absl::Mutex mu_;
-  std::map<std::string, ServingStatus> statuses_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, ServingStatus> statuses_ ABSL_GUARDED_BY(mu_);  // what is reported
+  std::map<std::string, bool> requested_ ABSL_GUARDED_BY(mu_);          // by SetServing
+  std::set<std::string> closed_gates_ ABSL_GUARDED_BY(mu_);
   std::vector<Watcher*> watchers_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 };

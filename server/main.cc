@@ -28,6 +28,7 @@
 #include "core/runtime_info.h"
 #include "core/snapshot.h"
 #include "core/version.h"
+#include "server/fleet_member.h"
 #include "server/refit_server.h"
 #include "server/sd_notify.h"
 #include "server/server_options.h"
@@ -90,6 +91,22 @@ ABSL_FLAG(std::string, state_recovery, "fallback",
           "With --state-dir, a corrupt snapshot at start: \"fallback\" (log it, set it aside, "
           "serve the previous snapshot or else --model) or \"fail\" (exit non-zero with the "
           "reason).");
+ABSL_FLAG(std::string, fleet, "",
+          "Join the fleet NAME (with --etcd): register in etcd, follow fleet refits' decisions, "
+          "be ready only while serving the fleet's version (docs/fleet.md).");
+ABSL_FLAG(std::vector<std::string>, etcd, {},
+          "etcd endpoints of --fleet, host:port, comma-separated (http:// accepted).");
+ABSL_FLAG(std::string, fleet_member, "",
+          "This daemon's member id in --fleet (default <hostname>-r<tp rank>).");
+ABSL_FLAG(std::string, fleet_advertise, "",
+          "The address fleet coordinators dial to reach this daemon (default: the first "
+          "--listen address as bound).");
+ABSL_FLAG(absl::Duration, fleet_lease_ttl, absl::Seconds(10),
+          "The fleet registration's etcd lease: a daemon that dies leaves the fleet this long "
+          "after its last keep-alive.");
+ABSL_FLAG(absl::Duration, fleet_prepared_timeout, absl::Seconds(30),
+          "A fleet refit PREPARED this long with no decision in etcd is aborted, and abort is "
+          "recorded (presumed abort).");
 
 namespace {
 
@@ -209,6 +226,15 @@ int main(int argc, char** argv) {
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.state_recovery = absl::GetFlag(FLAGS_state_recovery);
+  options.fleet = absl::GetFlag(FLAGS_fleet);
+  options.etcd_endpoints = absl::GetFlag(FLAGS_etcd);
+  options.fleet_member = absl::GetFlag(FLAGS_fleet_member);
+  options.fleet_advertise = absl::GetFlag(FLAGS_fleet_advertise);
+  options.fleet_lease_ttl = absl::GetFlag(FLAGS_fleet_lease_ttl);
+  options.fleet_prepared_timeout = absl::GetFlag(FLAGS_fleet_prepared_timeout);
+  if (options.fleet.empty() != options.etcd_endpoints.empty()) {
+    return UsageError(absl::InvalidArgumentError("--fleet and --etcd go together"));
+  }
   if (absl::Status s = refit::core::ParseRecoveryPolicy(options.state_recovery).status(); !s.ok()) {
     return UsageError(s);
   }
@@ -253,7 +279,24 @@ int main(int argc, char** argv) {
     NotifyServiceManager("STOPPING=1\nSTATUS=stopping");
     (*server)->Shutdown();
   });
+  // A fleet member is ready only once it knows that it serves the fleet's
+  // version.
+  if (!options.fleet.empty()) {
+    (*server)->health()->SetGate(refit::server::kRefitServiceName, false);
+  }
   absl::Status loaded = (*server)->LoadInitialModel();
+  std::unique_ptr<refit::server::FleetMember> fleet;
+  if (loaded.ok() && !options.fleet.empty()) {
+    absl::StatusOr<std::unique_ptr<refit::server::FleetMember>> joined =
+        refit::server::JoinFleet(options, server->get());
+    if (!joined.ok() && !signalled.load()) {
+      REFIT_LOG(ERROR) << "refitd failed to join the fleet: " << joined.status().ToString();
+      (*server)->Shutdown();
+      waiter.detach();
+      std::exit(1);
+    }
+    if (joined.ok()) fleet = std::move(*joined);
+  }
   if (!loaded.ok() && !signalled.load()) {
     REFIT_LOG(ERROR) << "refitd failed to start: " << loaded.ToString();
     (*server)->Shutdown();
@@ -270,6 +313,11 @@ int main(int argc, char** argv) {
   }
   waiter.join();
   (*server)->Wait();
+  if (fleet != nullptr) {
+    (*server)->service()->SetFleet(nullptr);
+    fleet->Stop();
+    fleet.reset();
+  }
   server->reset();
   return 0;
 }

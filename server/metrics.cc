@@ -76,9 +76,14 @@ std::string LabelValue(absl::string_view value) {
 
 }  // namespace
 
+void Metrics::SetFleetText(std::string text) {
+  absl::MutexLock lock(&mu_);
+  fleet_text_ = std::move(text);
+}
+
 std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
   absl::MutexLock lock(&mu_);
-  std::string out;
+  std::string out = fleet_text_;
   out +=
       "# HELP refitd_build_info The refitd build: version and git description.\n"
       "# TYPE refitd_build_info gauge\n";

@@ -58,6 +58,9 @@ class Metrics {
   // Observes the four phases and sets the last commit pause.
   void RecordCommitted(const core::PhaseTimings& timings);
   std::string Render(const std::vector<GroupGauges>& groups) const;
+  // Lines Render adds as they are: the fleet's gauges (refitd_fleet_*,
+  // server/fleet_member.h), replaced whole at each update.
+  void SetFleetText(std::string text);
 
   struct Histogram {
     std::array<uint64_t, kBuckets.size()> counts{};  // cumulative
@@ -75,6 +78,7 @@ class Metrics {
   Histogram finalize_ ABSL_GUARDED_BY(mu_);
   Histogram commit_ ABSL_GUARDED_BY(mu_);
   double last_commit_pause_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string fleet_text_ ABSL_GUARDED_BY(mu_);
 };
 
 class MetricsHttpServer {

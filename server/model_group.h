@@ -85,6 +85,8 @@ struct RefitEntry {
   std::string kind;   // "push" | "reload"
   std::string label;
   std::shared_ptr<core::RefitSession> session;
+  // RefitOptions.fleet_refit_id; "" outside fleet refits.
+  std::string fleet_refit_id;
   bool prepared = false;
   // On the server's Clock: the refit is aborted when the earlier of the two
   // passes (--refit-timeout from its start; --prepared-timeout from

@@ -169,6 +169,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     absl::StatusOr<ConvertedRefitOptions> options =
         FromProtoRefitOptions(begin.options(), service_->options().staging_budget_bytes);
     if (!options.ok()) return options.status();
+    if (absl::Status s = service_->CheckFleetRefit(options->fleet_refit_id); !s.ok()) return s;
     options->core.host_staging = service_->options().host_staging;
     options->core.announce_start = false;  // once Abort/Commit can find it
     absl::StatusOr<std::unique_ptr<core::RefitSession>> session =
@@ -190,6 +191,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     entry.owner = caller_.name;
     entry.kind = "push";
     entry.label = options->label;
+    entry.fleet_refit_id = options->fleet_refit_id;
     entry.session = session_;
     service_->Register(group_, std::move(entry), this);
     // A shutdown that started between the check above and Add has already

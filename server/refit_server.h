@@ -70,6 +70,10 @@ class RefitServer {
   int metrics_port() const;
   ModelGroup* default_group() const;
   grpc::Server* grpc_server() const { return server_.get(); }
+  // For the fleet membership (server/fleet_member.h), set up by main.
+  RefitServiceImpl* service() const { return service_.get(); }
+  HealthService* health() const { return health_.get(); }
+  Metrics* metrics() { return &metrics_; }
   // The checkpoint files of the first load (for --model demo, in a temp dir
   // that lives as long as the server).
   const std::vector<std::string>& model_files() const { return model_files_; }

@@ -18,6 +18,7 @@
 #include "core/safetensors.h"
 #include "core/text.h"
 #include "core/version.h"
+#include "server/fleet_member.h"
 #include "server/grpc_convert.h"
 
 namespace refit::server {
@@ -203,8 +204,26 @@ void RefitServiceImpl::Register(ModelGroup* group, RefitEntry entry, RefitDriver
 }
 
 void RefitServiceImpl::MarkPrepared(ModelGroup* group, absl::string_view refit_id) {
+  FleetMember* fleet = fleet_.load();
+  if (fleet != nullptr) {
+    absl::StatusOr<ModelGroup::Found> found = group->Find(refit_id);
+    if (found.ok() && !found->entry.fleet_refit_id.empty()) {
+      // Its deadline is the fleet's: at it, abort is recorded before the
+      // refit is aborted (presumed abort), never a silent local abort.
+      group->MarkPrepared(refit_id);
+      fleet->OnPrepared(std::string(refit_id), found->entry.fleet_refit_id);
+      return;
+    }
+  }
   group->MarkPrepared(refit_id, clock_->Now() + options_.prepared_timeout);
   watchdog_.Wake();
+}
+
+absl::Status RefitServiceImpl::CheckFleetRefit(absl::string_view fleet_refit_id) const {
+  if (fleet_refit_id.empty() || fleet_.load() != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("options.fleet_refit_id \"", fleet_refit_id,
+                   "\": this daemon is in no fleet (start it with --fleet and --etcd)"));
 }
 
 void RefitServiceImpl::AddStream(RefitDriver* stream) {
@@ -324,16 +343,43 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
   absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
   if (!group.ok()) return Reply(context, group.status());
   if (absl::Status s = CheckAcceptingRefits(); !s.ok()) return Reply(context, s);
-  std::string id;
+  std::string id, fleet_refit_id;
+  FleetMember* const fleet = fleet_.load();
+  // A fleet refit this member already committed on its decision: the
+  // coordinator's Commit is answered with that commit.
+  auto fleet_committed = [&](const std::string& refit_id) -> grpc::ServerUnaryReactor* {
+    if (fleet == nullptr || refit_id.empty()) return nullptr;
+    std::optional<core::RefitResult> done = fleet->RecentCommit(refit_id);
+    if (!done.has_value()) return nullptr;
+    ToProtoResult(*done, v1::REFIT_STATE_COMMITTED, response->mutable_result());
+    return Reply(context, absl::OkStatus());
+  };
   {
     absl::StatusOr<ModelGroup::Found> found = FindRefit(**group, *caller, request->refit_id());
-    if (!found.ok()) return Reply(context, found.status());
+    if (!found.ok()) {
+      if (auto* reply = fleet_committed(request->refit_id()); reply != nullptr) return reply;
+      return Reply(context, found.status());
+    }
     id = found->entry.refit_id;
     absl::Status owner = Authenticator::CheckOwner(*caller, found->entry.owner, id, "Commit");
     if (!owner.ok()) return Reply(context, owner);
+    fleet_refit_id = found->entry.fleet_refit_id;
+  }
+  uint64_t fleet_version = 0;
+  if (!fleet_refit_id.empty()) {
+    if (fleet == nullptr) {
+      return Reply(context, absl::UnavailableError("the fleet membership has stopped"));
+    }
+    // Committed only on etcd's word, never on the caller's.
+    absl::StatusOr<uint64_t> decided = fleet->CheckCommit(fleet_refit_id);
+    if (!decided.ok()) return Reply(context, decided.status());
+    fleet_version = *decided;
   }
   absl::StatusOr<RefitEntry> entry = (*group)->TakePrepared(id);
-  if (!entry.ok()) return Reply(context, entry.status());
+  if (!entry.ok()) {
+    if (auto* reply = fleet_committed(id); reply != nullptr) return reply;
+    return Reply(context, entry.status());
+  }
   absl::StatusOr<core::RefitResult> result = entry->session->Commit();
   if (!result.ok()) {
     metrics_->RecordOutcome("failed");
@@ -348,6 +394,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
           .Field("caller", caller->name)
           .Field("version", absl::StrCat(result->version))
       << "prepared refit committed";
+  if (!fleet_refit_id.empty()) fleet->OnCommitted(fleet_refit_id, fleet_version, *result);
   ToProtoResult(*result, v1::REFIT_STATE_COMMITTED, response->mutable_result());
   return Reply(context, absl::OkStatus());
 }
@@ -364,6 +411,15 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* c
   const std::string& id = found->entry.refit_id;
   absl::Status owner = Authenticator::CheckOwner(*caller, found->entry.owner, id, "Abort");
   if (!owner.ok()) return Reply(context, owner);
+  if (!found->driver && !found->entry.fleet_refit_id.empty()) {
+    // A PREPARED fleet refit: abort is recorded first, and refused once the
+    // fleet has decided commit.
+    FleetMember* fleet = fleet_.load();
+    if (fleet != nullptr) {
+      absl::Status recorded = fleet->RecordAbort(found->entry.fleet_refit_id);
+      if (!recorded.ok()) return Reply(context, recorded);
+    }
+  }
   const std::string reason = absl::StrCat(
       "Abort by ", caller->name,
       request->reason().empty() ? "" : absl::StrCat(": ", core::BoundedText(request->reason())));
@@ -398,6 +454,19 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   response->set_fingerprint(live.fingerprint);
   response->set_device(store->device());
   response->set_ready(!shutting_down_.load() && live.version > 0);
+  if (FleetMember* fleet = fleet_.load();
+      fleet != nullptr && response->model_group() == kDefaultGroup) {
+    const FleetStatus status = fleet->status();
+    v1::FleetMembership* membership = response->mutable_fleet();
+    membership->set_fleet(status.fleet);
+    membership->set_member_id(status.member_id);
+    membership->set_fleet_version(status.fleet_version);
+    membership->set_consistent(status.consistent);
+    if (!status.consistent) {
+      response->set_ready(false);
+      response->set_not_ready_reason(status.not_ready_reason);
+    }
+  }
   // The active refit is the one holding the store's refit slot, the same
   // test a Begin makes: a refit that has aborted but not yet given the slot
   // back is still reported, so "idle" means a Begin now can start.

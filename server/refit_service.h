@@ -42,6 +42,8 @@
 
 namespace refit::server {
 
+class FleetMember;  // server/fleet_member.h
+
 class RefitServiceImpl final : public v1::RefitService::CallbackService {
  public:
   // `groups`, `auth` and `metrics` must outlive the service.
@@ -73,6 +75,12 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
 
   void BeginShutdown();
   void Join();
+  // The daemon's fleet membership (--fleet), or nullptr. Set once the first
+  // version is loaded and cleared before the member goes.
+  void SetFleet(FleetMember* fleet) { fleet_.store(fleet); }
+  // OK for "" (not a fleet refit); FAILED_PRECONDITION for a fleet refit on
+  // a daemon that is in no fleet.
+  absl::Status CheckFleetRefit(absl::string_view fleet_refit_id) const;
   bool shutting_down() const { return shutting_down_.load(); }
 
   // For the reactors (server/*_reactor.cc).
@@ -103,6 +111,7 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
   const Authenticator* auth_;
   Metrics* metrics_;
   std::atomic<bool> shutting_down_{false};
+  std::atomic<FleetMember*> fleet_{nullptr};
   // Aborts refits past their deadline (--refit-timeout, --prepared-timeout):
   // one watchdog target for all of them.
   class Deadlines final : public IdleWatchdog::Target {

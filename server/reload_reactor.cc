@@ -48,6 +48,7 @@ class ReloadReactor final : public QueuedWriteReactor<v1::ReloadProgress>, publi
     entry.owner = caller_.name;
     entry.kind = "reload";
     entry.label = options_.label;
+    entry.fleet_refit_id = options_.fleet_refit_id;
     entry.session = session_;
     service_->Register(group_, std::move(entry), this);
     registered_ = true;
@@ -201,6 +202,9 @@ grpc::ServerWriteReactor<v1::ReloadProgress>* NewReloadReactor(RefitServiceImpl*
   absl::StatusOr<ConvertedRefitOptions> options =
       FromProtoRefitOptions(request->options(), service->options().staging_budget_bytes);
   if (!options.ok()) return FailedStream<Fail>(options.status());
+  if (absl::Status s = service->CheckFleetRefit(options->fleet_refit_id); !s.ok()) {
+    return FailedStream<Fail>(s);
+  }
   options->core.host_staging = service->options().host_staging;
   absl::StatusOr<std::vector<std::string>> files =
       ResolveReloadPath(service->options().reload_root, request->path());

@@ -71,6 +71,13 @@ struct ServerOptions {
   // A corrupt snapshot at start: "fallback" (the previous one, then --model)
   // or "fail" (the start fails with the reason).
   std::string state_recovery = "fallback";
+  // Fleet membership (server/fleet_member.h, docs/fleet.md); "" fleet: none.
+  std::string fleet;
+  std::vector<std::string> etcd_endpoints;
+  std::string fleet_member;     // "": <hostname>-r<tp rank>
+  std::string fleet_advertise;  // the address coordinators dial; "": the first bound one
+  absl::Duration fleet_lease_ttl = absl::Seconds(10);
+  absl::Duration fleet_prepared_timeout = absl::Seconds(30);
 };
 
 inline constexpr int64_t kMessageHeadroomBytes = int64_t{1} << 20;

@@ -10,6 +10,7 @@
 # checkpoint once (bench/results/tmp/, ignored by git), runs
 #   build-bench/bench/quantizer_bench   FP8 quantizer vs the LibTorch op chain vs memcpy
 #   build-bench/bench/refit_core_bench  commit, assembler, scaling, memory (in process)
+#   build-bench/bench/moe_bench         a MoE refit vs a dense one of the same size, peak staging
 #   build-bench/bench/refit_e2e_bench   refitd + client vs bare gRPC / raw socket / tmpfs Reload
 #   bench/python/push_bench.py          the Python client's Push vs refitctl push, same refitd
 #   bench/python/durability_bench.py    --state-dir: restart from a snapshot vs a cold load,
@@ -43,7 +44,7 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
 fi
 log "building in $BUILD_DIR"
 cmake --build "$BUILD_DIR" -j"$JOBS" --target refitd refitctl refit_make_fixture quantizer_bench \
-  refit_core_bench refit_e2e_bench refit_bench_sink >&2
+  refit_core_bench refit_e2e_bench refit_bench_sink moe_bench >&2
 
 # --- the 1 GiB checkpoint (same shapes as refit_core_bench's models) ---------
 if [ "$QUICK" = 1 ]; then
@@ -76,6 +77,10 @@ rm -f "$TMP/quantizer.json"
 log "refit_core_bench (sizes $SIZES MiB)"
 "$BUILD_DIR/bench/refit_core_bench" --sizes="$SIZES" --reps="$REPS" \
   > "$TMP/core.json" 2> "$TMP/core.log" || { log "refit_core_bench failed (see $TMP/core.log)"; status=1; }
+
+log "moe_bench (a mixture-of-experts refit vs a dense one of the same size)"
+"$BUILD_DIR/bench/moe_bench" --size_mib="$([ "$QUICK" = 1 ] && echo 256 || echo 1024)" --reps="$REPS" \
+  > "$TMP/moe.json" 2> "$TMP/moe.log" || { log "moe_bench failed (see $TMP/moe.log)"; status=1; }
 
 log "refit_e2e_bench ($MODEL_DIR, $E2E_REPS repetitions)"
 SHM_DIR=/dev/shm/refit-bench-$$
@@ -196,6 +201,10 @@ core = load("core.json")
 if core:
     figures += core["figures"]
     series["core"] = core["series"]
+moe = load("moe.json")
+if moe:
+    figures += moe["figures"]
+    series["moe"] = moe["series"]
 e2e = load("e2e.json")
 if e2e:
     figures += e2e["figures"]

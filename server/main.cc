@@ -66,6 +66,11 @@ ABSL_FLAG(absl::Duration, refit_timeout, absl::Hours(1),
           "busy its stream is.");
 ABSL_FLAG(absl::Duration, shutdown_timeout, absl::Seconds(10),
           "On SIGTERM/SIGINT, in-flight RPCs get this long before they are cancelled.");
+ABSL_FLAG(absl::Duration, engine_quiesce_timeout, absl::Seconds(5),
+          "How long a commit waits for attached engines (EngineService.Attach with coordinate) "
+          "to answer CommitPending with Quiesced. Past it the commit does not happen: a PREPARED "
+          "refit stays PREPARED (Commit is DEADLINE_EXCEEDED naming the engines), a one-phase "
+          "push is ABORTED naming them.");
 ABSL_FLAG(std::string, reload_root, "",
           "Directory that Reload may read from (paths are resolved with realpath); empty: "
           "Reload is refused with PERMISSION_DENIED.");
@@ -217,6 +222,7 @@ int main(int argc, char** argv) {
   options.prepared_timeout = absl::GetFlag(FLAGS_prepared_timeout);
   options.refit_timeout = absl::GetFlag(FLAGS_refit_timeout);
   options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
+  options.engine_quiesce_timeout = absl::GetFlag(FLAGS_engine_quiesce_timeout);
   options.reload_root = absl::GetFlag(FLAGS_reload_root);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);

@@ -120,7 +120,31 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
       "# HELP refitd_last_commit_pause_seconds Readers' pause during the last commit.\n"
       "# TYPE refitd_last_commit_pause_seconds gauge\n";
   absl::StrAppend(&out, "refitd_last_commit_pause_seconds ", Num(last_commit_pause_), "\n");
+  out +=
+      "# HELP refitd_attached_engines Engines attached to the model group's arena.\n"
+      "# TYPE refitd_attached_engines gauge\n";
+  for (const GroupGauges& g : groups) {
+    absl::StrAppend(&out, "refitd_attached_engines{group=\"", g.group, "\"} ", g.attached_engines,
+                    "\n");
+  }
+  out +=
+      "# HELP refitd_engine_pause_seconds A coordinated engine's pause per commit, from its "
+      "Quiesced to its Committed.\n"
+      "# TYPE refitd_engine_pause_seconds histogram\n";
+  for (size_t i = 0; i < kBuckets.size(); ++i) {
+    absl::StrAppend(&out, "refitd_engine_pause_seconds_bucket{le=\"", Num(kBuckets[i]), "\"} ",
+                    engine_pause_.counts[i], "\n");
+  }
+  absl::StrAppend(&out, "refitd_engine_pause_seconds_bucket{le=\"+Inf\"} ", engine_pause_.count,
+                  "\n");
+  absl::StrAppend(&out, "refitd_engine_pause_seconds_sum ", Num(engine_pause_.sum), "\n");
+  absl::StrAppend(&out, "refitd_engine_pause_seconds_count ", engine_pause_.count, "\n");
   return out;
+}
+
+void Metrics::RecordEnginePause(double seconds) {
+  absl::MutexLock lock(&mu_);
+  engine_pause_.Observe(seconds);
 }
 
 namespace {

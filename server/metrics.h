@@ -46,6 +46,7 @@ struct GroupGauges {
   std::string group;
   uint64_t version = 0;
   int64_t staging_bytes = 0;
+  int64_t attached_engines = 0;
 };
 
 class Metrics {
@@ -57,6 +58,8 @@ class Metrics {
   void AddBytesReceived(int64_t bytes);
   // Observes the four phases and sets the last commit pause.
   void RecordCommitted(const core::PhaseTimings& timings);
+  // A coordinated engine's pause: from its Quiesced to its Committed.
+  void RecordEnginePause(double seconds);
   std::string Render(const std::vector<GroupGauges>& groups) const;
   // Lines Render adds as they are: the fleet's gauges (refitd_fleet_*,
   // server/fleet_member.h), replaced whole at each update.
@@ -78,6 +81,7 @@ class Metrics {
   Histogram finalize_ ABSL_GUARDED_BY(mu_);
   Histogram commit_ ABSL_GUARDED_BY(mu_);
   double last_commit_pause_ ABSL_GUARDED_BY(mu_) = 0;
+  Histogram engine_pause_ ABSL_GUARDED_BY(mu_);
   std::string fleet_text_ ABSL_GUARDED_BY(mu_);
 };
 

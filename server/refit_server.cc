@@ -203,11 +203,15 @@ absl::Status RefitServer::StartGrpc() {
   }
 
   service_ = std::make_unique<RefitServiceImpl>(options_, &groups_, auth_.get(), &metrics_);
+  attach_ = std::make_unique<AttachService>(service_.get(), options_.engine_quiesce_timeout,
+                                            &metrics_);
+  service_->SetAttachService(attach_.get());
   health_ = std::make_unique<HealthService>();
   health_->SetServing(kRefitServiceName, false);
   reflection_ = std::make_unique<ReflectionService>(
       std::vector<std::string>{kRefitServiceName, "grpc.health.v1.Health",
-                               "grpc.reflection.v1alpha.ServerReflection"},
+                               "grpc.reflection.v1alpha.ServerReflection",
+                               "refit.v1.EngineService"},
       auth_.get());
   grpc::ServerBuilder builder;
   std::vector<int> ports(options_.listen.size(), 0);
@@ -220,6 +224,7 @@ absl::Status RefitServer::StartGrpc() {
   builder.RegisterService(service_.get());
   builder.RegisterService(health_.get());
   builder.RegisterService(reflection_.get());
+  builder.RegisterService(attach_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
     return absl::UnavailableError(
@@ -238,6 +243,18 @@ absl::Status RefitServer::StartGrpc() {
     bound_addresses_.push_back(bound);
     REFIT_LOG(INFO).Field("address", bound) << "refitd listening";
   }
+  // Engine attach hands descriptors over a Unix socket beside the first
+  // unix: listen address (server/attach_fd_server.h).
+  for (const std::string& address : options_.listen) {
+    if (!absl::StartsWith(address, "unix:")) continue;
+    std::string path = address.substr(5);
+    if (absl::StartsWith(path, "//")) path = path.substr(2);
+    if (absl::Status s = attach_->StartFdSocket(path + ".fd"); !s.ok()) {
+      server_->Shutdown();
+      return s;
+    }
+    break;
+  }
 
   if (!options_.metrics_listen.empty()) {
     RefitServer* self = this;
@@ -251,6 +268,7 @@ absl::Status RefitServer::StartGrpc() {
             for (const auto& session : group->Sessions()) {
               g.staging_bytes += session->progress().staging_bytes;
             }
+            g.attached_engines = static_cast<int64_t>(self->attach_->Engines(name).size());
             gauges.push_back(std::move(g));
           }
           return self->metrics_.Render(gauges);
@@ -401,6 +419,7 @@ void RefitServer::Shutdown() {
   }
   REFIT_LOG(INFO) << "shutting down: readiness NOT_SERVING, refusing new refits";
   if (service_ != nullptr) service_->BeginShutdown();
+  if (attach_ != nullptr) attach_->Shutdown();
   if (health_ != nullptr) health_->Shutdown();
   if (server_ != nullptr) {
     server_->Shutdown(std::chrono::system_clock::now() +
@@ -426,6 +445,7 @@ RefitServer::~RefitServer() {
   Shutdown();
   if (server_ != nullptr) server_->Wait();
   server_.reset();
+  attach_.reset();
   service_.reset();
   if (!demo_dir_.empty()) RemoveTree(demo_dir_);
 }

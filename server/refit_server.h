@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/snapshot.h"
+#include "server/attach_service.h"
 #include "server/auth.h"
 #include "server/health_service.h"
 #include "server/metrics.h"
@@ -101,6 +102,8 @@ class RefitServer {
   std::unique_ptr<Authenticator> auth_;
   Metrics metrics_;
   std::unique_ptr<RefitServiceImpl> service_;
+  // Engine attach; destroyed before service_ (it uses it) and the groups.
+  std::unique_ptr<AttachService> attach_;
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<ReflectionService> reflection_;
   std::unique_ptr<grpc::Server> server_;

@@ -19,6 +19,7 @@
 #include "core/text.h"
 #include "core/version.h"
 #include "server/fleet_member.h"
+#include "server/attach_service.h"
 #include "server/grpc_convert.h"
 
 namespace refit::server {
@@ -381,6 +382,14 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
     return Reply(context, entry.status());
   }
   absl::StatusOr<core::RefitResult> result = entry->session->Commit();
+  if (!result.ok() && entry->session->state() == core::SessionState::kPrepared) {
+    // Attached engines did not quiesce (DEADLINE_EXCEEDED): nothing changed
+    // and the refit stays PREPARED, registered as before, deadline and all.
+    REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
+        << "commit not done, still prepared: " << std::string(result.status().message());
+    (*group)->Add(*std::move(entry), nullptr);
+    return Reply(context, result.status());
+  }
   if (!result.ok()) {
     metrics_->RecordOutcome("failed");
     REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
@@ -505,6 +514,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   response->set_last_commit_unix_seconds(UnixSecondsOf(live.last_commit));
   response->set_server_version(
       absl::StrCat("refitd ", core::VersionString(), ", LibTorch ", core::TorchVersion()));
+  if (attach_ != nullptr) attach_->FillEngines((*group)->name(), response);
   return Reply(context, absl::OkStatus());
 }
 
@@ -568,6 +578,13 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
   uint64_t version = 0;
   absl::Status read = store->ReadKernelRange(request->name(), 0, chunk, &first, &version);
   if (!read.ok()) return FailStream<v1::ReadTensorResponse>(read);
+  // A pinned read: later chunks are checked against the first one's version
+  // anyway, so checking the first against the pin keeps the whole read in it.
+  if (request->has_version() && request->version() != version) {
+    return FailStream<v1::ReadTensorResponse>(absl::AbortedError(absl::StrCat(
+        "ReadTensor ", core::QuoteText(request->name()), ": the read is pinned to version ",
+        request->version(), " but version ", version, " is live; read every tensor again")));
+  }
   return new ReadTensorReactor(store, request->name(), std::move(info), version, std::move(first),
                                static_cast<size_t>(chunk));
 }

@@ -43,6 +43,7 @@
 namespace refit::server {
 
 class FleetMember;  // server/fleet_member.h
+class AttachService;  // server/attach_service.h
 
 class RefitServiceImpl final : public v1::RefitService::CallbackService {
  public:
@@ -75,6 +76,9 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
 
   void BeginShutdown();
   void Join();
+  // GetStatus lists the engines `attach` has attached (set once, before
+  // serving; it must outlive the service's RPCs).
+  void SetAttachService(const AttachService* attach) { attach_ = attach; }
   // The daemon's fleet membership (--fleet), or nullptr. Set once the first
   // version is loaded and cleared before the member goes.
   void SetFleet(FleetMember* fleet) { fleet_.store(fleet); }
@@ -110,6 +114,7 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
   const std::map<std::string, std::unique_ptr<ModelGroup>>* groups_;
   const Authenticator* auth_;
   Metrics* metrics_;
+  const AttachService* attach_ = nullptr;
   std::atomic<bool> shutting_down_{false};
   std::atomic<FleetMember*> fleet_{nullptr};
   // Aborts refits past their deadline (--refit-timeout, --prepared-timeout):

@@ -54,6 +54,9 @@ struct ServerOptions {
   Clock* clock = Clock::Real();
   // SIGTERM: in-flight RPCs get this long, then they are cancelled.
   absl::Duration shutdown_timeout = absl::Seconds(10);
+  // How long a commit waits for coordinated attached engines to answer
+  // CommitPending with Quiesced; past it the commit does not happen.
+  absl::Duration engine_quiesce_timeout = absl::Seconds(5);
   // Reload reads only below this directory; "" disables Reload.
   std::string reload_root;
   // "token role [name]" lines; "" disables authentication.

@@ -1,0 +1,150 @@
+#include "server/attach_fd_server.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+
+namespace refit::server {
+namespace {
+
+void SendAll(int fd, absl::string_view text) {
+  while (!text.empty()) {
+    ssize_t n = ::send(fd, text.data(), text.size(), MSG_NOSIGNAL);
+    if (n <= 0) return;
+    text.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttachFdServer>> AttachFdServer::Start(std::string path,
+                                                                      Redeem redeem) {
+  sockaddr_un addr{};
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attach socket path \"", path, "\" is empty or too long"));
+  }
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("attach socket ", path, " exists and is not a socket"));
+    }
+    ::unlink(path.c_str());
+  }
+  std::unique_ptr<AttachFdServer> server(new AttachFdServer(std::move(path), std::move(redeem)));
+  server->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (server->listen_fd_ < 0) {
+    return absl::UnavailableError(absl::StrCat("attach socket: ", std::strerror(errno)));
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, server->path_.data(), server->path_.size());
+  if (::bind(server->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(server->listen_fd_, 64) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on the attach socket ", server->path_,
+                                               ": ", std::strerror(errno)));
+  }
+  if (::pipe2(server->wake_, O_CLOEXEC) != 0) {
+    return absl::UnavailableError(absl::StrCat("attach socket pipe: ", std::strerror(errno)));
+  }
+  AttachFdServer* self = server.get();
+  server->thread_ = std::thread([self] { self->Run(); });
+  return server;
+}
+
+AttachFdServer::~AttachFdServer() {
+  Stop();
+  if (wake_[0] >= 0) ::close(wake_[0]);
+  if (wake_[1] >= 0) ::close(wake_[1]);
+}
+
+void AttachFdServer::Stop() {
+  if (thread_.joinable()) {
+    const char byte = 'x';
+    (void)!::write(wake_[1], &byte, 1);
+    thread_.join();
+  }
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    listen_fd_ = -1;
+    ::unlink(path_.c_str());
+  }
+}
+
+void AttachFdServer::Run() {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    int conn = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (conn < 0) continue;
+    Serve(conn);
+    ::close(conn);
+  }
+}
+
+void AttachFdServer::Serve(int conn) {
+  timeval timeout{1, 0};
+  ::setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  ::setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  std::string ticket;
+  char buf[128];
+  while (ticket.find('\n') == std::string::npos && ticket.size() < 256) {
+    ssize_t n = ::recv(conn, buf, sizeof(buf), 0);
+    if (n <= 0) return;  // closed or timed out
+    ticket.append(buf, static_cast<size_t>(n));
+  }
+  const size_t newline = ticket.find('\n');
+  if (newline == std::string::npos) {
+    SendAll(conn, "Eticket too long\n");
+    return;
+  }
+  ticket.resize(newline);
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    SendAll(conn, "Eno peer credentials\n");
+    return;
+  }
+  absl::StatusOr<int> fd = redeem_(ticket, cred.pid, cred.uid);
+  if (!fd.ok()) {
+    REFIT_LOG(WARNING).Field("pid", absl::StrCat(cred.pid)).Field("uid", absl::StrCat(cred.uid))
+        << "attach descriptor refused: " << std::string(fd.status().message());
+    SendAll(conn, absl::StrCat("E", fd.status().message(), "\n"));
+    return;
+  }
+  char ok = 'K';
+  iovec iov{&ok, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  cmsg->cmsg_level = SOL_SOCKET;
+  cmsg->cmsg_type = SCM_RIGHTS;
+  cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cmsg), &*fd, sizeof(int));
+  if (::sendmsg(conn, &msg, MSG_NOSIGNAL) != 1) {
+    REFIT_LOG(WARNING).Field("pid", absl::StrCat(cred.pid))
+        << "attach descriptor not delivered: " << std::strerror(errno);
+  }
+  ::close(*fd);
+}
+
+}  // namespace refit::server

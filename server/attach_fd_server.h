@@ -1,0 +1,66 @@
+// AttachFdServer: hands an attached engine the arena's descriptor.
+//
+// File descriptors cannot travel in gRPC messages, so Attach answers with a
+// one-time ticket and the path of this Unix socket, which sits beside the
+// daemon's gRPC socket (`<grpc socket>.fd`). The engine connects, sends the
+// ticket and a newline, and receives one byte 'K' with the descriptor
+// attached (SCM_RIGHTS) — the arena's memfd opened read-only, so the engine
+// can map it read-only only — or 'E' and the reason, then the connection is
+// closed. The peer's credentials (SO_PEERCRED: pid, uid) go to the redeemer,
+// which records them for the engine's status. Only a caller that the gRPC
+// service authorized holds a ticket; a ticket works once, and only while its
+// Attach stream is open.
+//
+// Lifecycle: Start binds and starts one thread; Stop (or the destructor)
+// ends it and removes the socket file. Connections are served one at a
+// time, each bounded to one second.
+//
+// Thread-safety: Start/Stop from one thread; the redeemer is called on the
+// server's thread.
+#ifndef REFIT_SERVER_ATTACH_FD_SERVER_H_
+#define REFIT_SERVER_ATTACH_FD_SERVER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace refit::server {
+
+class AttachFdServer {
+ public:
+  // A descriptor for the ticket (the server sends and closes it), or an
+  // error whose message the engine receives.
+  using Redeem =
+      std::function<absl::StatusOr<int>(absl::string_view ticket, int pid, uint32_t uid)>;
+
+  // Binds `path` (a stale socket file there is replaced; anything else
+  // there is FAILED_PRECONDITION). UNAVAILABLE if it cannot be bound.
+  static absl::StatusOr<std::unique_ptr<AttachFdServer>> Start(std::string path, Redeem redeem);
+  ~AttachFdServer();
+  AttachFdServer(const AttachFdServer&) = delete;
+  AttachFdServer& operator=(const AttachFdServer&) = delete;
+
+  const std::string& path() const { return path_; }
+  void Stop();
+
+ private:
+  AttachFdServer(std::string path, Redeem redeem)
+      : path_(std::move(path)), redeem_(std::move(redeem)) {}
+  void Run();
+  void Serve(int conn);
+
+  const std::string path_;
+  const Redeem redeem_;
+  int listen_fd_ = -1;
+  int wake_[2] = {-1, -1};
+  std::thread thread_;
+};
+
+}  // namespace refit::server
+
+#endif  // REFIT_SERVER_ATTACH_FD_SERVER_H_

@@ -1,0 +1,166 @@
+#include "server/engine_registry.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/log.h"
+#include "core/text.h"
+
+namespace refit::server {
+
+EngineRegistry::EngineRegistry(core::ShardStore* store, absl::Duration quiesce_timeout,
+                               Metrics* metrics)
+    : store_(store), quiesce_timeout_(quiesce_timeout), metrics_(metrics) {
+  listener_ = store_->AddListener([this](const core::StoreEvent& event) { OnStoreEvent(event); });
+  store_->SetCommitCoordinator(this);
+}
+
+EngineRegistry::~EngineRegistry() {
+  store_->SetCommitCoordinator(nullptr);
+  store_->RemoveListener(listener_);
+}
+
+std::string EngineRegistry::Add(absl::string_view name, bool coordinated, EngineSink* sink,
+                                absl::FunctionRef<uint64_t(const std::string&)> attached) {
+  absl::MutexLock lock(&mu_);
+  std::string id = absl::StrCat("e-", next_id_++);
+  Engine& engine = engines_[id];
+  engine.info.engine_id = id;
+  engine.info.name = std::string(name);
+  engine.info.coordinated = coordinated;
+  engine.info.attached = absl::Now();
+  engine.sink = sink;
+  engine.info.version = attached(id);
+  return id;
+}
+
+void EngineRegistry::Remove(absl::string_view engine_id) {
+  absl::MutexLock lock(&mu_);
+  const std::string id(engine_id);
+  engines_.erase(id);
+  told_.erase(id);
+  waiting_.erase(id);
+}
+
+void EngineRegistry::SetPeer(absl::string_view engine_id, int pid, uint32_t uid) {
+  absl::MutexLock lock(&mu_);
+  auto it = engines_.find(std::string(engine_id));
+  if (it == engines_.end()) return;
+  it->second.info.pid = pid;
+  it->second.info.uid = uid;
+}
+
+void EngineRegistry::OnQuiesced(absl::string_view engine_id, absl::string_view refit_id,
+                                uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  const std::string id(engine_id);
+  if (refit_id != pending_refit_ || version != pending_version_ || waiting_.count(id) == 0) return;
+  waiting_.erase(id);
+  auto it = engines_.find(id);
+  if (it != engines_.end()) it->second.quiesced_at = absl::Now();
+}
+
+std::vector<EngineInfo> EngineRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<EngineInfo> out;
+  for (const auto& [id, engine] : engines_) out.push_back(engine.info);
+  return out;
+}
+
+int EngineRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(engines_.size());
+}
+
+absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t next_version) {
+  absl::MutexLock lock(&mu_);
+  pending_refit_ = std::string(refit_id);
+  pending_version_ = next_version;
+  told_.clear();
+  waiting_.clear();
+  for (auto& [id, engine] : engines_) {
+    if (!engine.info.coordinated) continue;
+    v1::DaemonMessage message;
+    message.mutable_commit_pending()->set_refit_id(pending_refit_);
+    message.mutable_commit_pending()->set_version(next_version);
+    engine.quiesced_at = absl::InfinitePast();
+    engine.sink->Send(std::move(message));
+    told_.insert(id);
+    waiting_.insert(id);
+  }
+  if (waiting_.empty()) return absl::OkStatus();
+  const absl::Time deadline = absl::Now() + quiesce_timeout_;
+  mu_.AwaitWithDeadline(absl::Condition(this, &EngineRegistry::NoneWaitingLocked), deadline);
+  if (waiting_.empty()) return absl::OkStatus();
+  std::vector<std::string> names;
+  for (const std::string& id : waiting_) {
+    const EngineInfo& info = engines_.at(id).info;
+    names.push_back(
+        absl::StrCat("engine \"", id, "\"",
+                     info.name.empty() ? "" : absl::StrCat(" (", core::QuoteText(info.name), ")"),
+                     info.pid > 0 ? absl::StrCat(" pid ", info.pid) : ""));
+  }
+  const std::string reason =
+      absl::StrCat(absl::StrJoin(names, ", "), " did not quiesce within ",
+                   absl::FormatDuration(quiesce_timeout_), " (--engine-quiesce-timeout)");
+  REFIT_LOG(WARNING)
+          .Field("refit_id", refit_id)
+          .Field("group", store_->group())
+          .Field("version", absl::StrCat(next_version))
+      << reason << "; not committing";
+  SendAbortedLocked(refit_id, reason, /*told_only=*/true);
+  pending_refit_.clear();
+  pending_version_ = 0;
+  told_.clear();
+  waiting_.clear();
+  return core::NotQuiescedError(reason);
+}
+
+void EngineRegistry::AfterCommit(absl::string_view refit_id,
+                                 const absl::StatusOr<core::CommitStats>& result) {
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (result.ok()) {
+    for (auto& [id, engine] : engines_) {
+      v1::DaemonMessage message;
+      message.mutable_committed()->set_refit_id(std::string(refit_id));
+      message.mutable_committed()->set_version(result->version);
+      message.mutable_committed()->set_fingerprint(result->fingerprint);
+      engine.sink->Send(std::move(message));
+      engine.info.version = result->version;
+      if (told_.count(id) > 0 && engine.quiesced_at != absl::InfinitePast()) {
+        metrics_->RecordEnginePause(absl::ToDoubleSeconds(now - engine.quiesced_at));
+      }
+      engine.quiesced_at = absl::InfinitePast();
+    }
+  } else {
+    SendAbortedLocked(refit_id, result.status().message(), /*told_only=*/true);
+  }
+  pending_refit_.clear();
+  pending_version_ = 0;
+  told_.clear();
+  waiting_.clear();
+}
+
+void EngineRegistry::OnStoreEvent(const core::StoreEvent& event) {
+  if (event.type != core::StoreEventType::kAborted) return;
+  absl::MutexLock lock(&mu_);
+  SendAbortedLocked(event.refit_id, event.message, /*told_only=*/false);
+}
+
+void EngineRegistry::SendAbortedLocked(absl::string_view refit_id, absl::string_view reason,
+                                       bool told_only) {
+  const uint64_t live = store_->version();
+  for (auto& [id, engine] : engines_) {
+    if (told_only && told_.count(id) == 0) continue;
+    v1::DaemonMessage message;
+    message.mutable_aborted()->set_refit_id(std::string(refit_id));
+    message.mutable_aborted()->set_version(live);
+    message.mutable_aborted()->set_reason(std::string(reason));
+    engine.sink->Send(std::move(message));
+    engine.quiesced_at = absl::InfinitePast();
+  }
+}
+
+}  // namespace refit::server

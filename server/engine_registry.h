@@ -1,0 +1,118 @@
+// EngineRegistry: the inference engines attached to one model group's arena,
+// and the coordination of that group's commits with them.
+//
+// Pipeline position: the store's CommitCoordinator (core/shard_store.h).
+// Before a commit copies, every coordinated engine is sent CommitPending and
+// the commit waits until each has answered Quiesced (it is between forward
+// steps), has gone away, or --engine-quiesce-timeout has passed. Then the
+// copy runs and every attached engine is sent Committed. When the timeout
+// passes first the commit does not happen (NotQuiescedError naming the
+// engines: RefitSession keeps a PREPARED refit PREPARED, aborts a one-phase
+// one with ABORTED) and the engines that were told are sent Aborted so they
+// resume. An engine that detaches is released at once and never blocks a
+// commit. The pause of each coordinated engine (its Quiesced to its
+// Committed) is observed in Metrics.
+//
+// Lifecycle: created per group by the AttachService, registered as the
+// store's coordinator and listener; the destructor unregisters both.
+// Engines are added by their Attach stream and removed when it ends.
+//
+// Thread-safety: thread-safe. EngineSink::Send is called with the registry's
+// lock held, so it must only queue.
+#ifndef REFIT_SERVER_ENGINE_REGISTRY_H_
+#define REFIT_SERVER_ENGINE_REGISTRY_H_
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/shard_store.h"
+#include "refit/v1/engine.pb.h"
+#include "server/metrics.h"
+
+namespace refit::server {
+
+// Where an engine's events go (its Attach stream). Send queues; never blocks.
+class EngineSink {
+ public:
+  virtual ~EngineSink() = default;
+  virtual void Send(v1::DaemonMessage message) = 0;
+};
+
+struct EngineInfo {
+  std::string engine_id;
+  std::string name;
+  int pid = 0;  // from the descriptor socket's peer credentials (0 until then)
+  uint32_t uid = 0;
+  bool coordinated = false;
+  absl::Time attached;
+  uint64_t version = 0;  // the last version the engine was told of
+};
+
+class EngineRegistry final : public core::CommitCoordinator {
+ public:
+  // `store` and `metrics` must outlive the registry.
+  EngineRegistry(core::ShardStore* store, absl::Duration quiesce_timeout, Metrics* metrics);
+  ~EngineRegistry() override;
+  EngineRegistry(const EngineRegistry&) = delete;
+  EngineRegistry& operator=(const EngineRegistry&) = delete;
+
+  // Registers an engine and returns its id ("e-N"). `attached` runs with the
+  // registry's lock held: it sends the engine its first message and returns
+  // the version it told the engine of, so that no commit's Committed falls
+  // between the two.
+  std::string Add(absl::string_view name, bool coordinated, EngineSink* sink,
+                  absl::FunctionRef<uint64_t(const std::string& engine_id)> attached);
+  // Releases the engine: it no longer receives anything, and a commit
+  // waiting for it goes on without it.
+  void Remove(absl::string_view engine_id);
+  void SetPeer(absl::string_view engine_id, int pid, uint32_t uid);
+  // The engine reached its safe point for the pending commit of `version`.
+  // Acks for another refit or version (late ones) are ignored.
+  void OnQuiesced(absl::string_view engine_id, absl::string_view refit_id, uint64_t version);
+  std::vector<EngineInfo> List() const;
+  int size() const;
+
+  // core::CommitCoordinator
+  absl::Status BeforeCommit(absl::string_view refit_id, uint64_t next_version) override;
+  void AfterCommit(absl::string_view refit_id,
+                   const absl::StatusOr<core::CommitStats>& result) override;
+
+ private:
+  struct Engine {
+    EngineInfo info;
+    EngineSink* sink = nullptr;
+    absl::Time quiesced_at = absl::InfinitePast();  // during a pending commit
+  };
+  void OnStoreEvent(const core::StoreEvent& event);
+  void SendAbortedLocked(absl::string_view refit_id, absl::string_view reason, bool told_only)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool NoneWaitingLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return waiting_.empty(); }
+
+  core::ShardStore* const store_;
+  const absl::Duration quiesce_timeout_;
+  Metrics* const metrics_;
+  int listener_ = -1;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, Engine> engines_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // The commit in BeforeCommit..AfterCommit, if any (one at a time: the
+  // store's refit slot).
+  std::string pending_refit_ ABSL_GUARDED_BY(mu_);
+  uint64_t pending_version_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<std::string> told_ ABSL_GUARDED_BY(mu_);     // sent CommitPending
+  std::set<std::string> waiting_ ABSL_GUARDED_BY(mu_);  // told, not yet quiesced
+};
+
+}  // namespace refit::server
+
+#endif  // REFIT_SERVER_ENGINE_REGISTRY_H_

@@ -1,0 +1,304 @@
+// EngineService.Attach against an in-process refitd: the manifest, the
+// descriptor handover (one-time ticket, read-only memfd, peer credentials in
+// GetStatus), the refusals (TCP, layout mismatch, a first message that is not
+// attach), and commit coordination in every branch: acked, never acked for a
+// one-phase push (ABORTED naming the engine) and for a PREPARED refit
+// (DEADLINE_EXCEEDED, stays PREPARED), and an engine that detaches released.
+#include "server/attach_service.h"
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "core/arena.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "refit/v1/engine.grpc.pb.h"
+#include "tests/server/server_test_util.h"
+
+namespace refit::server::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Redeems `ticket` at the descriptor socket: the fd, or -1 and the daemon's
+// refusal in *error.
+int ReceiveFd(const std::string& path, const std::string& ticket, std::string* error) {
+  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    *error = absl::StrCat("connect: ", std::strerror(errno));
+    ::close(s);
+    return -1;
+  }
+  const std::string line = ticket + "\n";
+  (void)!::send(s, line.data(), line.size(), MSG_NOSIGNAL);
+  char buf[512];
+  iovec iov{buf, sizeof(buf)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n = ::recvmsg(s, &msg, 0);
+  ::close(s);
+  if (n > 0 && buf[0] == 'K') {
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    if (cmsg != nullptr && cmsg->cmsg_type == SCM_RIGHTS) {
+      int fd = -1;
+      std::memcpy(&fd, CMSG_DATA(cmsg), sizeof(int));
+      return fd;
+    }
+  }
+  *error = n > 1 ? std::string(buf + 1, static_cast<size_t>(n - 1)) : "nothing";
+  return -1;
+}
+
+// One engine's Attach stream.
+class Engine {
+ public:
+  Engine(v1::EngineService::Stub* stub, bool coordinate, v1::EngineLayout expect = {}) {
+    stream_ = stub->Attach(&context_);
+    v1::EngineMessage first;
+    first.mutable_attach()->set_coordinate(coordinate);
+    first.mutable_attach()->set_engine_name("test-engine");
+    *first.mutable_attach()->mutable_expect() = std::move(expect);
+    stream_->Write(first);
+  }
+  ~Engine() { Close(); }
+
+  bool Read(v1::DaemonMessage* message) { return stream_->Read(message); }
+  void Quiesced(const v1::CommitPending& pending) {
+    v1::EngineMessage ack;
+    ack.mutable_quiesced()->set_refit_id(pending.refit_id());
+    ack.mutable_quiesced()->set_version(pending.version());
+    stream_->Write(ack);
+  }
+  grpc::Status Close() {
+    if (closed_) return status_;
+    closed_ = true;
+    stream_->WritesDone();
+    v1::DaemonMessage rest;
+    while (stream_->Read(&rest)) {
+    }
+    status_ = stream_->Finish();
+    return status_;
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::EngineMessage, v1::DaemonMessage>> stream_;
+  bool closed_ = false;
+  grpc::Status status_;
+};
+
+class AttachTest : public ServerTest {
+ protected:
+  void SetUp() override {
+    ServerOptions options = TestOptions(dir_);
+    options.engine_quiesce_timeout = absl::Milliseconds(200);
+    StartServer(std::move(options));
+    engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
+  }
+
+  v1::Attached AttachOne(Engine& engine) {
+    v1::DaemonMessage message;
+    EXPECT_TRUE(engine.Read(&message));
+    EXPECT_TRUE(message.has_attached());
+    return message.attached();
+  }
+
+  std::unique_ptr<v1::EngineService::Stub> engine_stub_;
+};
+
+TEST_F(AttachTest, ManifestDescribesEveryKernelAndTheTicketGivesAReadOnlyMemfdOnce) {
+  Engine engine(engine_stub_.get(), /*coordinate=*/false);
+  const v1::Attached a = AttachOne(engine);
+  EXPECT_EQ(a.engine_id(), "e-1");
+  EXPECT_EQ(a.model_group(), "target");
+  EXPECT_EQ(a.version(), 1u);
+  EXPECT_EQ(a.fingerprint(), Status(stub_.get()).fingerprint());
+  EXPECT_EQ(a.layout().architecture(), "LlamaForCausalLM");
+  EXPECT_EQ(a.layout().quantization(), "per-tensor");
+  EXPECT_EQ(a.fd_socket(), absl::StrCat(dir_, "/refitd.sock.fd"));
+  ASSERT_EQ(a.regions_size(), 1);
+  EXPECT_EQ(a.regions(0).kind(), v1::ArenaRegion::KIND_HOST_MEMFD);
+  EXPECT_EQ(a.regions(0).data_offset(), static_cast<uint64_t>(core::kArenaDataOffset));
+  const core::ShardStore* store = server_->default_group()->store();
+  ASSERT_EQ(a.tensors_size(), static_cast<int>(store->Kernels().size()));
+  const v1::ArenaTensor& qkv = a.tensors(2);
+  EXPECT_EQ(qkv.name(), "model.layers.0.self_attn.qkv_proj.weight");
+  EXPECT_EQ(qkv.dtype(), "float8_e4m3fn");
+  EXPECT_THAT(qkv.shape(), ::testing::ElementsAre(256, 128));
+  EXPECT_THAT(qkv.strides(), ::testing::ElementsAre(128, 1));
+  EXPECT_EQ(qkv.byte_offset() % core::kArenaAlign, 0u);
+
+  std::string error;
+  int fd = ReceiveFd(a.fd_socket(), a.ticket(), &error);
+  ASSERT_GE(fd, 0) << error;
+  const size_t length = a.regions(0).bytes();
+  EXPECT_EQ(::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0), MAP_FAILED);
+  void* p = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  ::close(fd);
+  const auto* header = static_cast<const core::ArenaHeader*>(p);
+  EXPECT_EQ(std::string(header->magic, 8), "REFITAR1");
+  EXPECT_EQ(header->version.load(), 1u);
+  std::string live;
+  ASSERT_TRUE(store->ReadKernel(qkv.name(), &live, nullptr).ok());
+  EXPECT_EQ(std::string(static_cast<const char*>(p) + core::kArenaDataOffset + qkv.byte_offset(),
+                        qkv.nbytes()),
+            live);
+  ::munmap(p, length);
+
+  // Once only.
+  EXPECT_EQ(ReceiveFd(a.fd_socket(), a.ticket(), &error), -1);
+  EXPECT_THAT(error, HasSubstr("unknown attach ticket"));
+
+  const v1::GetStatusResponse status = Status(stub_.get());
+  ASSERT_EQ(status.engines_size(), 1);
+  EXPECT_EQ(status.engines(0).engine_id(), "e-1");
+  EXPECT_EQ(status.engines(0).pid(), ::getpid());
+  EXPECT_EQ(status.engines(0).uid(), ::getuid());
+  EXPECT_FALSE(status.engines(0).coordinated());
+  EXPECT_TRUE(engine.Close().ok());
+}
+
+TEST_F(AttachTest, AttachOverTcpIsFailedPrecondition) {
+  ServerOptions options = TestOptions(dir_);
+  options.listen.push_back("127.0.0.1:0");
+  StartServer(std::move(options));
+  auto tcp = v1::EngineService::NewStub(
+      grpc::CreateChannel(server_->bound_addresses().back(), grpc::InsecureChannelCredentials()));
+  Engine engine(tcp.get(), true);
+  v1::DaemonMessage message;
+  EXPECT_FALSE(engine.Read(&message));
+  const grpc::Status status = engine.Close();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("attach needs a local Unix socket"));
+}
+
+TEST_F(AttachTest, LayoutMismatchIsFailedPreconditionNamingTheFields) {
+  v1::EngineLayout expect;
+  expect.set_tp_size(2);
+  expect.set_quantization("block");
+  expect.set_architecture("LlamaForCausalLM");  // the same: not named
+  Engine engine(engine_stub_.get(), true, expect);
+  v1::DaemonMessage message;
+  EXPECT_FALSE(engine.Read(&message));
+  const grpc::Status status = engine.Close();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("tp_size (engine expects 2, daemon serves 1)"));
+  EXPECT_THAT(status.error_message(), HasSubstr("quantization (engine expects \"block\""));
+  EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr("architecture")));
+  EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr("tp_rank")));
+  EXPECT_EQ(Status(stub_.get()).engines_size(), 0);
+}
+
+TEST_F(AttachTest, CoordinatedEngineQuiescesThenIsToldOfTheCommit) {
+  Engine engine(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(engine);
+  std::thread pusher([&] {
+    const PushOutcome outcome = PushMessages(stub_.get(), FullPush(2));
+    EXPECT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  });
+  v1::DaemonMessage message;
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_commit_pending());
+  EXPECT_EQ(message.commit_pending().version(), 2u);
+  // Not copied before the ack.
+  EXPECT_EQ(server_->default_group()->store()->version(), 1u);
+  engine.Quiesced(message.commit_pending());
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_committed());
+  EXPECT_EQ(message.committed().version(), 2u);
+  pusher.join();
+  EXPECT_EQ(message.committed().fingerprint(), Status(stub_.get()).fingerprint());
+  EXPECT_EQ(Status(stub_.get()).engines(0).version(), 2u);
+}
+
+TEST_F(AttachTest, OnePhasePushWithAnEngineThatNeverAcksIsAbortedNamingIt) {
+  Engine engine(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(engine);
+  const PushOutcome outcome = PushMessages(stub_.get(), FullPush(2));
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("engine \"e-1\" (\"test-engine\")"));
+  EXPECT_THAT(outcome.status.error_message(),
+              HasSubstr("did not quiesce within 200ms (--engine-quiesce-timeout)"));
+  EXPECT_EQ(Version(), 1u);
+  v1::DaemonMessage message;
+  ASSERT_TRUE(engine.Read(&message));
+  EXPECT_TRUE(message.has_commit_pending());
+  ASSERT_TRUE(engine.Read(&message));
+  EXPECT_TRUE(message.has_aborted());
+  EXPECT_EQ(message.aborted().version(), 1u);
+}
+
+TEST_F(AttachTest, PreparedRefitStaysPreparedUntilTheSilentEngineDetaches) {
+  auto engine = std::make_unique<Engine>(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(*engine);
+  const PushOutcome prepared = PushMessages(stub_.get(), FullPush(2, v1::COMPLETION_MODE_PREPARE));
+  ASSERT_TRUE(prepared.status.ok()) << prepared.status.error_message();
+  const std::string refit_id = prepared.response.result().refit_id();
+  v1::CommitRequest request;
+  request.set_refit_id(refit_id);
+  {
+    grpc::ClientContext context;
+    v1::CommitResponse response;
+    const grpc::Status status = stub_->Commit(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_THAT(status.error_message(), HasSubstr("engine \"e-1\""));
+    EXPECT_THAT(status.error_message(), HasSubstr("stays PREPARED"));
+  }
+  const v1::GetStatusResponse status = Status(stub_.get());
+  EXPECT_EQ(status.version(), 1u);
+  EXPECT_EQ(status.active_refit().refit_id(), refit_id);
+  EXPECT_EQ(status.active_refit().state(), v1::REFIT_STATE_PREPARED);
+  // The engine goes: released, and the same refit commits.
+  EXPECT_TRUE(engine->Close().ok());
+  engine.reset();
+  grpc::ClientContext context;
+  v1::CommitResponse response;
+  const grpc::Status committed = stub_->Commit(&context, request, &response);
+  ASSERT_TRUE(committed.ok()) << committed.error_message();
+  EXPECT_EQ(response.result().version(), 2u);
+  EXPECT_EQ(Status(stub_.get()).engines_size(), 0);
+}
+
+TEST_F(AttachTest, FirstMessageThatIsNotAttachIsFailedPrecondition) {
+  grpc::ClientContext context;
+  auto stream = engine_stub_->Attach(&context);
+  v1::EngineMessage ack;
+  ack.mutable_quiesced()->set_version(1);
+  stream->Write(ack);
+  stream->WritesDone();
+  v1::DaemonMessage message;
+  EXPECT_FALSE(stream->Read(&message));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("first message of Attach must be attach"));
+}
+
+TEST(CompareLayoutsTest, UnsetFieldsAreNotCompared) {
+  v1::EngineLayout actual;
+  actual.set_architecture("LlamaForCausalLM");
+  actual.set_tp_size(1);
+  EXPECT_TRUE(CompareLayouts(v1::EngineLayout(), actual).ok());
+  EXPECT_TRUE(IsUnixPeer("unix:/tmp/x.sock"));
+  EXPECT_FALSE(IsUnixPeer("ipv4:127.0.0.1:5000"));
+}
+
+}  // namespace
+}  // namespace refit::server::testing

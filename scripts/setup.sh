@@ -50,10 +50,12 @@ fi
 # install time, so a change of the proto or of the package's build files
 # reinstalls it.
 client_stamp="$VENV/.refit-client.sha"
-client_sha=$(cat client/python/pyproject.toml client/python/setup.py proto/refit/v1/refit.proto |
+client_sha=$(cat client/python/pyproject.toml client/python/setup.py proto/refit/v1/refit.proto \
+  proto/refit/v1/engine.proto |
   sha256sum | cut -d' ' -f1)
 if [ "$(cat "$client_stamp" 2>/dev/null)" != "$client_sha" ] || \
-   ! "$VENV/bin/python" -c "import refit_client._proto.refit_pb2" 2>/dev/null; then
+   ! "$VENV/bin/python" -c "import refit_client._proto.refit_pb2, refit_client._proto.engine_pb2" \
+     2>/dev/null; then
   echo "setup: installing the Python client (client/python, editable) into $VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation \
     --no-deps -e client/python

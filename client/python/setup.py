@@ -1,7 +1,7 @@
 """Build hook of refit-client: generates the gRPC stubs at build time.
 
 `build_py` (which both `pip install` and editable installs run) calls
-grpc_tools.protoc on proto/refit/v1/refit.proto into refit_client/_proto/,
+grpc_tools.protoc on proto/refit/v1/refit.proto and engine.proto into refit_client/_proto/,
 before the package's files are collected. The proto is found at
 $REFIT_PROTO_DIR or ../../proto (this directory inside the refitd tree).
 """
@@ -19,25 +19,27 @@ def generate_stubs() -> None:
     from grpc_tools import protoc  # a build requirement (pyproject.toml)
 
     proto_root = pathlib.Path(os.environ.get("REFIT_PROTO_DIR", HERE.parent.parent / "proto"))
-    source = proto_root / "refit" / "v1" / "refit.proto"
-    if not source.is_file():
-        raise RuntimeError(f"refit-client: {source} not found (set REFIT_PROTO_DIR)")
     out = HERE / "refit_client" / "_proto"
     out.mkdir(exist_ok=True)
-    # The virtual include path makes protoc name the file
-    # refit_client/_proto/refit.proto, so the generated gRPC module imports
-    # its messages as refit_client._proto.refit_pb2 (a package-absolute path).
-    args = [
-        "grpc_tools.protoc",
-        f"--proto_path=refit_client/_proto={source.parent}",
-        f"--python_out={HERE}",
-        f"--pyi_out={HERE}",
-        f"--grpc_python_out={HERE}",
-        "refit_client/_proto/refit.proto",
-    ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"refit-client: protoc failed on {source}")
-    (out / "__init__.py").write_text('"""Generated from proto/refit/v1/refit.proto at build time."""\n')
+    # refit.proto (RefitService) and engine.proto (EngineService: attach).
+    for name in ("refit", "engine"):
+        source = proto_root / "refit" / "v1" / f"{name}.proto"
+        if not source.is_file():
+            raise RuntimeError(f"refit-client: {source} not found (set REFIT_PROTO_DIR)")
+        # The virtual include path makes protoc name the file
+        # refit_client/_proto/NAME.proto, so the generated gRPC module imports
+        # its messages as refit_client._proto.NAME_pb2 (a package-absolute path).
+        args = [
+            "grpc_tools.protoc",
+            f"--proto_path=refit_client/_proto={source.parent}",
+            f"--python_out={HERE}",
+            f"--pyi_out={HERE}",
+            f"--grpc_python_out={HERE}",
+            f"refit_client/_proto/{name}.proto",
+        ]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"refit-client: protoc failed on {source}")
+    (out / "__init__.py").write_text('"""Generated from proto/refit/v1/*.proto at build time."""\n')
 
 
 class BuildPyWithStubs(build_py):

@@ -9,6 +9,7 @@
 See docs/python.md in the refitd repository for the whole API.
 """
 
+from ._attach import AttachedEngine, EngineEvent, attach
 from ._client import DEFAULT_CHUNK_BYTES, EventStream, Refit, RefitClient, Tls
 from ._progress import TqdmProgress
 from ._tensors import TensorData, bf16
@@ -46,6 +47,9 @@ from .types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "attach",
+    "AttachedEngine",
+    "EngineEvent",
     "TqdmProgress",
     "RefitClient",
     "Refit",

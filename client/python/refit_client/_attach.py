@@ -1,0 +1,395 @@
+"""Engine attach: serve a model group straight from refitd's memory.
+
+    from refit_client import attach
+
+    engine = attach("unix:/run/refitd.sock")         # coordinate=True
+    w = engine.tensors["model.layers.0.mlp.down_proj.weight"]   # zero-copy, read-only
+    while serving:
+        engine.safe_point()       # between forward steps; blocks only during a commit
+        logits = forward(engine.tensors, tokens)
+
+`attach` opens the lease (an EngineService.Attach stream over the daemon's
+Unix socket), receives the manifest and the arena's memfd (SCM_RIGHTS on the
+socket beside it), maps it read-only and builds one torch tensor per kernel
+over the mapping. The tensors keep their storage for the daemon's lifetime:
+every commit writes the new version into the same bytes. A CUDA store's
+kernels are opened from their CUDA IPC handle instead (CUDA tensors).
+
+With coordinate=True the daemon waits, before each commit copies, until the
+engine has passed a safe_point() (or --engine-quiesce-timeout passes: then the
+commit does not happen). Without it the engine only learns of versions, and
+`consistent(fn)` re-runs `fn` until it read one version (the arena's seqlock).
+The tensors are views of memory mapped read-only: writing to one kills the
+process (SIGSEGV).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import grpc
+
+from ._proto import engine_pb2 as epb
+from ._proto import engine_pb2_grpc as epb_grpc
+from .errors import FailedPrecondition, InvalidArgument, PermissionDenied, RefitError, from_rpc_error
+
+__all__ = ["attach", "AttachedEngine", "EngineEvent", "LAYOUT_FIELDS"]
+
+# Offsets of the arena header (core/arena.h): magic, then seq and version.
+_MAGIC = b"REFITAR1"
+_SEQ_OFFSET = 40
+_VERSION_OFFSET = 48
+
+LAYOUT_FIELDS = (
+    "architecture",
+    "tp_rank",
+    "tp_size",
+    "checkpoint_dtype",
+    "quantization",
+    "quant_config_hash",
+    "tensors_hash",
+    "checkpoint_id",
+    "fingerprint",
+)
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """A version event: kind is "commit_pending", "committed" or "aborted"."""
+
+    kind: str
+    refit_id: str
+    version: int
+    fingerprint: str = ""
+    reason: str = ""
+    time: float = 0.0  # time.monotonic() when it arrived
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument(f"arena tensor dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+def _receive_fd(path: str, ticket: str, timeout: float) -> int:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(ticket.encode() + b"\n")
+        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
+        if msg[:1] == b"K" and fds:
+            return fds[0]
+        for fd in fds:
+            os.close(fd)
+        text = msg[1:].decode(errors="replace").strip() or "no descriptor"
+        raise PermissionDenied(f"attach: the daemon refused the arena descriptor: {text}")
+
+
+class _CudaIpc:
+    """cudaIpcOpenMemHandle through the CUDA runtime torch has loaded."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.cuda.init()
+        lib = None
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libcudart" in line:
+                    lib = line.split()[-1]
+                    break
+        if lib is None:
+            raise RefitError("attach: no CUDA runtime loaded in this process")
+        self.rt = ctypes.CDLL(lib)
+
+    def open(self, handle: bytes, device: int) -> int:
+        import torch
+
+        with torch.cuda.device(device):
+            ptr = ctypes.c_void_p()
+            h = (ctypes.c_byte * 64).from_buffer_copy(handle)
+            # cudaIpcMemLazyEnablePeerAccess = 1; the handle is passed by value.
+            self.rt.cudaIpcOpenMemHandle.argtypes = [
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_byte * 64,
+                ctypes.c_uint,
+            ]
+            err = self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, 1)
+            if err != 0:
+                raise RefitError(f"attach: cudaIpcOpenMemHandle failed (CUDA error {err})")
+            return int(ptr.value or 0)
+
+
+class _DevicePointer:
+    """Presents a device allocation to torch.as_tensor as uint8 bytes."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, True),
+            "version": 2,
+        }
+
+
+class AttachedEngine:
+    """An engine's lease on a model group's kernels. Thread-safe."""
+
+    def __init__(
+        self,
+        address: str,
+        group: Optional[str],
+        coordinate: bool,
+        name: str,
+        expect: Optional[Dict[str, Any]],
+        token: Optional[str],
+        timeout: float,
+    ) -> None:
+        if not address.startswith("unix:"):
+            raise FailedPrecondition(f"attach needs a local Unix socket; {address!r} is not unix:")
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._requests: "queue.Queue[Optional[Any]]" = queue.Queue()
+        request = epb.AttachRequest(model_group=group or "", coordinate=coordinate, engine_name=name)
+        for key, value in (expect or {}).items():
+            if key not in LAYOUT_FIELDS:
+                raise InvalidArgument(f"attach: expect has an unknown field {key!r}")
+            setattr(request.expect, key, value)
+        self._requests.put(epb.EngineMessage(attach=request))
+        stub = epb_grpc.EngineServiceStub(self._channel)
+        self._call = stub.Attach(self._request_iter(), metadata=metadata, wait_for_ready=True)
+        try:
+            first = next(self._call)
+        except grpc.RpcError as e:
+            self._channel.close()
+            raise from_rpc_error(e, "attach") from None
+        except StopIteration:
+            self._channel.close()
+            raise RefitError("attach: the daemon ended the stream without a manifest") from None
+        a = first.attached
+        self.engine_id: str = a.engine_id
+        self.group: str = a.model_group
+        self.coordinated: bool = a.coordinated
+        self.layout: Dict[str, Any] = {f: getattr(a.layout, f) for f in LAYOUT_FIELDS}
+        self.layout_fingerprint: str = a.layout.fingerprint
+        self._cv = threading.Condition()
+        self._version: int = a.version
+        self._fingerprint: str = a.fingerprint
+        self._pending: Optional[Tuple[str, int]] = None
+        self._acked = False
+        self._closed: Optional[BaseException] = None
+        self._callbacks: List[Callable[[EngineEvent], None]] = []
+        self._events: "queue.Queue[Optional[EngineEvent]]" = queue.Queue()
+        self.pauses: List[Tuple[int, float]] = []  # (version, seconds) of each safe_point pause
+        try:
+            self._build(a, timeout)
+        except BaseException:
+            self.close()
+            raise
+        self._reader = threading.Thread(target=self._read_events, daemon=True)
+        self._reader.start()
+
+    # -- setup -------------------------------------------------------------
+
+    def _request_iter(self) -> Iterator[Any]:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            yield item
+
+    def _build(self, a: Any, timeout: float) -> None:
+        import torch
+
+        host = a.regions[0]
+        fd = _receive_fd(a.fd_socket, a.ticket, timeout)
+        try:
+            self._map = mmap.mmap(fd, host.bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if self._map[:8] != _MAGIC:
+            raise FailedPrecondition("attach: the arena does not start with the refitd header")
+        bases: Dict[int, Any] = {}
+        with warnings.catch_warnings():
+            # The mapping is read-only by design; torch warns about that.
+            warnings.simplefilter("ignore", UserWarning)
+            bases[0] = torch.frombuffer(self._map, dtype=torch.uint8)[host.data_offset :]
+        for index, region in enumerate(a.regions):
+            if region.kind == epb.ArenaRegion.KIND_CUDA_IPC:
+                ptr = _CudaIpc().open(region.cuda_ipc_handle, region.cuda_device)
+                bases[index] = torch.as_tensor(
+                    _DevicePointer(ptr, region.bytes), device=f"cuda:{region.cuda_device}"
+                )
+        self.tensors: Dict[str, Any] = {}
+        for t in a.tensors:
+            dtype = _torch_dtype(t.dtype)
+            raw = bases[t.region][t.byte_offset : t.byte_offset + t.nbytes]
+            flat = raw.view(dtype) if t.nbytes else torch.empty(0, dtype=dtype, device=raw.device)
+            self.tensors[t.name] = flat.as_strided(tuple(t.shape), tuple(t.strides))
+
+    # -- events --------------------------------------------------------------
+
+    def _read_events(self) -> None:
+        try:
+            for message in self._call:
+                kind = message.WhichOneof("kind")
+                now = time.monotonic()
+                if kind == "commit_pending":
+                    p = message.commit_pending
+                    event = EngineEvent("commit_pending", p.refit_id, p.version, time=now)
+                    with self._cv:
+                        self._pending = (p.refit_id, p.version)
+                        self._acked = False
+                        self._cv.notify_all()
+                elif kind == "committed":
+                    c = message.committed
+                    event = EngineEvent("committed", c.refit_id, c.version, c.fingerprint, time=now)
+                    with self._cv:
+                        self._version = c.version
+                        self._fingerprint = c.fingerprint
+                        self._pending = None
+                        self._cv.notify_all()
+                elif kind == "aborted":
+                    b = message.aborted
+                    event = EngineEvent("aborted", b.refit_id, b.version, reason=b.reason, time=now)
+                    with self._cv:
+                        self._pending = None
+                        self._cv.notify_all()
+                else:
+                    continue
+                self._events.put(event)
+                for callback in list(self._callbacks):
+                    callback(event)
+            error: BaseException = RefitError("attach: the daemon ended the lease")
+        except grpc.RpcError as e:
+            error = from_rpc_error(e, "attach")
+        with self._cv:
+            self._closed = error
+            self._pending = None
+            self._cv.notify_all()
+        self._events.put(None)
+
+    @property
+    def version(self) -> int:
+        with self._cv:
+            return self._version
+
+    @property
+    def fingerprint(self) -> str:
+        with self._cv:
+            return self._fingerprint
+
+    @property
+    def closed(self) -> Optional[BaseException]:
+        """Why the lease ended, or None while it holds."""
+        with self._cv:
+            return self._closed
+
+    def on_event(self, callback: Callable[[EngineEvent], None]) -> None:
+        """Calls `callback(event)` on the reader thread for every later event."""
+        self._callbacks.append(callback)
+
+    def events(self, timeout: Optional[float] = None) -> Iterator[EngineEvent]:
+        """Every event since attach, in order; ends with the lease (or after
+        `timeout` seconds without one)."""
+        while True:
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                return
+            if event is None:
+                return
+            yield event
+
+    def safe_point(self, timeout: Optional[float] = None) -> bool:
+        """Call between forward steps. Returns at once unless a coordinated
+        commit is pending; then acks it and blocks until the daemon has copied
+        (Committed) or given up (Aborted). True if it paused."""
+        with self._cv:
+            if self._pending is None:
+                return False
+            refit_id, version = self._pending
+            if not self._acked:
+                self._acked = True
+                self._requests.put(
+                    epb.EngineMessage(quiesced=epb.Quiesced(refit_id=refit_id, version=version))
+                )
+            start = time.monotonic()
+            self._cv.wait_for(lambda: self._pending != (refit_id, version), timeout)
+            self.pauses.append((version, time.monotonic() - start))
+            return True
+
+    def header(self) -> Tuple[int, int]:
+        """(seq, version) from the arena header, read without any RPC: seq is
+        odd while a commit copies."""
+        seq, version = struct.unpack_from("<QQ", self._map, _SEQ_OFFSET)
+        return seq, version
+
+    def consistent(self, fn: Callable[[], Any], attempts: int = 1000) -> Any:
+        """Runs `fn` until it ran entirely inside one version (the seqlock:
+        seq even and unchanged around it). For a CUDA arena, `fn` must
+        synchronize its reads before it returns."""
+        for _ in range(attempts):
+            before, _version = self.header()
+            if before % 2:
+                time.sleep(0)
+                continue
+            result = fn()
+            after, _version = self.header()
+            if after == before:
+                return result
+        raise RefitError(f"attach: no read inside one version in {attempts} attempts")
+
+    def close(self) -> None:
+        """Ends the lease (the daemon releases the engine at once)."""
+        self._requests.put(None)
+        try:
+            self._call.cancel()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+        self._channel.close()
+
+    def __enter__(self) -> "AttachedEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def attach(
+    address: str,
+    group: Optional[str] = None,
+    coordinate: bool = True,
+    *,
+    name: str = "",
+    expect: Optional[Dict[str, Any]] = None,
+    token: Optional[str] = None,
+    token_file: Optional[str] = None,
+    timeout: float = 10.0,
+) -> AttachedEngine:
+    """Attaches to `group` (None: the daemon's default) of the refitd at
+    `address` (a unix: address). `expect` holds layout fields the engine
+    requires (LAYOUT_FIELDS); a difference is FailedPrecondition naming
+    them. Raises the typed errors of refit_client.errors."""
+    if token is not None and token_file is not None:
+        raise InvalidArgument("give token or token_file, not both")
+    if token_file is not None:
+        with open(token_file) as f:
+            lines = f.read().splitlines()
+        token = lines[0].strip() if lines else ""
+    return AttachedEngine(address, group, coordinate, name, expect, token, timeout)
+

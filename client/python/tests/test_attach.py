@@ -1,0 +1,198 @@
+"""Engine attach against real refitd processes: the manifest and the
+read-only mapping, the refusals (TCP, a layout mismatch), coordinated commits
+in every branch (acked, never acked for a one-phase push and for a PREPARED
+refit, released by a disconnect), and the tiny engine following a refit bit
+for bit."""
+
+from __future__ import annotations
+
+import itertools
+import pathlib
+import sys
+import threading
+
+import grpc
+import pytest
+import torch
+
+from refit_client import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    RefitClient,
+    RefitConflict,
+    attach,
+)
+from refit_client._proto import engine_pb2 as epb
+from refit_client._proto import engine_pb2_grpc as epb_grpc
+from refit_client._proto import refit_pb2 as pb
+from refit_client._proto import refit_pb2_grpc as pb_grpc
+
+from conftest import load_state_dict
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import tiny_engine  # noqa: E402
+
+# Generous: only reached when something hangs.
+LIMIT = 60.0
+
+
+def first_events(engine, n: int):
+    """The engine's first `n` events (waits for them, bounded)."""
+    return list(itertools.islice(engine.events(timeout=LIMIT), n))
+
+
+def engines_of(address: str):
+    with grpc.insecure_channel(address) as channel:
+        return list(pb_grpc.RefitServiceStub(channel).GetStatus(pb.GetStatusRequest()).engines)
+
+
+def test_attach_maps_every_kernel_zero_copy_and_read_only(daemon, client):
+    with attach(daemon.address, coordinate=False, name="probe") as engine:
+        names = [t.name for t in client.tensors()]
+        assert sorted(engine.tensors) == sorted(names)
+        assert engine.version == 1
+        assert engine.fingerprint == client.status().fingerprint
+        assert engine.layout["architecture"] == "LlamaForCausalLM"
+        assert (engine.layout["tp_rank"], engine.layout["tp_size"]) == (0, 1)
+        assert engine.layout["quantization"] == "per-tensor"
+        assert engine.layout_fingerprint
+        for name in ("model.layers.0.self_attn.qkv_proj.weight", "lm_head.weight",
+                     "model.layers.1.mlp.down_proj.weight_scale"):
+            t = engine.tensors[name]
+            assert t.data_ptr() % 256 == 0
+            got = t.contiguous().view(torch.uint8).numpy().tobytes()
+            assert got == client.read_raw(name)[2], name
+        assert engine.tensors["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+        seq, version = engine.header()
+        assert seq % 2 == 0 and version == 1
+        with pytest.raises(TypeError):
+            engine._map[0:1] = b"x"  # the mapping is read-only
+        (listed,) = engines_of(daemon.address)
+        assert listed.engine_id == engine.engine_id
+        assert listed.coordinated is False
+        assert listed.pid > 0 and listed.version == 1
+
+
+def test_attach_over_tcp_is_failed_precondition(start_daemon):
+    d = start_daemon(tcp=True)
+    with grpc.insecure_channel(d.address) as channel:
+        call = epb_grpc.EngineServiceStub(channel).Attach(
+            iter([epb.EngineMessage(attach=epb.AttachRequest())]), timeout=LIMIT
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "attach needs a local Unix socket" in e.value.details()
+
+
+def test_layout_mismatch_names_the_fields(daemon):
+    with pytest.raises(FailedPrecondition) as e:
+        attach(daemon.address, expect={"tp_size": 2, "architecture": "Qwen2ForCausalLM"})
+    assert "tp_size (engine expects 2, daemon serves 1)" in str(e.value)
+    assert "architecture" in str(e.value)
+    assert "quantization" not in str(e.value)
+    assert engines_of(daemon.address) == []
+
+
+def test_uncoordinated_engine_is_told_of_commits_without_being_asked(daemon, client, weights):
+    with attach(daemon.address, coordinate=False) as engine:
+        result = client.push(load_state_dict(weights(2)))
+        events = first_events(engine, 1)
+        assert [(e.kind, e.version, e.fingerprint) for e in events] == [
+            ("committed", 2, result.fingerprint)
+        ]
+        assert engine.version == 2
+        assert engine.header()[1] == 2
+
+
+def test_one_phase_push_with_an_engine_that_never_acks_is_aborted_naming_it(start_daemon, weights):
+    d = start_daemon("--engine-quiesce-timeout=300ms")
+    with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address, name="stuck") as engine:
+        with pytest.raises(RefitConflict) as e:
+            client.push(load_state_dict(weights(2)))
+        assert e.value.code == grpc.StatusCode.ABORTED
+        assert f'engine "{engine.engine_id}"' in str(e.value)
+        assert "did not quiesce within 300ms (--engine-quiesce-timeout)" in str(e.value)
+        assert client.status().version == 1
+        kinds = [ev.kind for ev in first_events(engine, 2)]
+        assert kinds == ["commit_pending", "aborted"]
+        assert engine.version == 1
+        assert engine.closed is None  # the lease holds
+
+
+def test_prepared_refit_stays_prepared_until_the_engine_goes(start_daemon, weights):
+    d = start_daemon("--engine-quiesce-timeout=300ms")
+    with RefitClient(d.address, timeout=LIMIT) as client:
+        engine = attach(d.address, name="stuck")
+        prepared = client.push(load_state_dict(weights(2)), prepare=True)
+        assert prepared.state == "PREPARED"
+        with pytest.raises(DeadlineExceeded) as e:
+            client.commit(prepared.refit_id)
+        assert "stays PREPARED" in str(e.value)
+        assert engine.engine_id in str(e.value)
+        status = client.status()
+        assert status.version == 1
+        assert status.active_refit is not None and status.active_refit.refit_id == prepared.refit_id
+        # An engine that goes away is released and never blocks a commit.
+        engine.close()
+        d.wait_for_line("engine detached")
+        committed = client.commit(prepared.refit_id)
+        assert committed.version == 2
+        assert engines_of(d.address) == []
+
+
+def test_tiny_engine_follows_a_refit_bit_for_bit_without_reattaching(start_daemon, weights):
+    shape = tiny_engine.Shape(2, 4, 2, 32, 1000)
+    prompt = [1, 2, 3, 4]
+    served = start_daemon()
+    engine = attach(served.address, name="tiny")
+    ptrs = {name: t.data_ptr() for name, t in engine.tensors.items()}
+    before = tiny_engine.forward(engine.tensors, shape, prompt).clone()
+    tiny_engine.generate(engine, shape, prompt, 3)
+    assert engine.pauses == []
+
+    # The engine generates in a loop, a safe point before every step, while
+    # the trainer pushes; the commit lands between two steps.
+    stop = threading.Event()
+    after: list = []
+
+    def run() -> None:
+        tokens = list(prompt)
+        while engine.version < 2 and not stop.is_set():
+            engine.safe_point(timeout=LIMIT)
+            if engine.version >= 2:
+                break
+            tokens.append(int(tiny_engine.forward(engine.tensors, shape, tokens).argmax()))
+            del tokens[len(prompt) + 8 :]
+        after.append(tiny_engine.forward(engine.tensors, shape, prompt))
+
+    loop = threading.Thread(target=run)
+    loop.start()
+    try:
+        with RefitClient(served.address, timeout=LIMIT) as client:
+            result = client.push(load_state_dict(weights(2)))
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        loop.join(LIMIT)
+    assert not loop.is_alive()
+    assert result.version == 2 and engine.version == 2
+    assert engine.fingerprint == result.fingerprint
+
+    fresh = start_daemon(f"--model={weights(2)}")
+    with attach(fresh.address, coordinate=False) as reference:
+        assert reference.fingerprint == result.fingerprint
+        expected = tiny_engine.forward(reference.tensors, shape, prompt)
+    (logits,) = after
+    assert torch.equal(logits, expected)  # bit for bit
+    assert not torch.equal(logits, before)
+    # Same storage, same lease.
+    assert {name: t.data_ptr() for name, t in engine.tensors.items()} == ptrs
+    (listed,) = engines_of(served.address)
+    assert listed.engine_id == engine.engine_id and listed.version == 2
+    # Paused once, for that commit only.
+    assert [version for version, _ in engine.pauses] == [2]
+    kinds = [(e.kind, e.version) for e in first_events(engine, 2)]
+    assert kinds == [("commit_pending", 2), ("committed", 2)]
+    engine.close()

@@ -38,11 +38,17 @@ ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:50051"},
           "port) and/or unix:/path/to.sock. Addresses beyond loopback need --auth-tokens or "
           "--tls-client-ca, or --allow-insecure-remote.");
 ABSL_FLAG(std::string, model, "demo",
-          "\"demo\" (the built-in fixture model: a tiny Llama, generated at start) or a "
+          "\"demo\" (the built-in fixture model: a tiny Llama, generated at start), "
+          "\"demo:qwen3_moe\" or \"demo:mixtral\" (the same with 8 experts a layer), or a "
           "checkpoint directory (config.json + *.safetensors), loaded as the first version.");
 ABSL_FLAG(uint64_t, demo_seed, 0, "Seed of the --model demo weights.");
 ABSL_FLAG(int64_t, tp_rank, 0, "Tensor-parallel rank this daemon serves.");
 ABSL_FLAG(int64_t, tp_size, 1, "Tensor-parallel size.");
+ABSL_FLAG(int64_t, ep, 1,
+          "Expert-parallel size (Qwen3-MoE, Mixtral): this daemon serves the contiguous experts "
+          "[ep-rank * E / ep, (ep-rank + 1) * E / ep), whole, as vLLM's FusedMoE under expert "
+          "parallelism (experts are then not tensor-parallel); E must be divisible by it.");
+ABSL_FLAG(int64_t, ep_rank, 0, "Expert-parallel rank this daemon serves (with --ep).");
 ABSL_FLAG(std::string, device, "cpu", "Where the kernel tensors live: cpu or cuda:N.");
 ABSL_FLAG(std::string, quant, "per-tensor",
           "FP8 scheme of the linear layers: per-tensor, per-channel, block (128x128) or none.");
@@ -207,6 +213,8 @@ int main(int argc, char** argv) {
   options.demo_seed = absl::GetFlag(FLAGS_demo_seed);
   options.tp_rank = absl::GetFlag(FLAGS_tp_rank);
   options.tp_size = absl::GetFlag(FLAGS_tp_size);
+  options.ep_size = absl::GetFlag(FLAGS_ep);
+  options.ep_rank = absl::GetFlag(FLAGS_ep_rank);
   options.device = absl::GetFlag(FLAGS_device);
   options.quant = absl::GetFlag(FLAGS_quant);
   absl::StatusOr<int64_t> budget =

@@ -120,7 +120,7 @@ absl::Status RefitServer::BuildModel() {
   absl::StatusOr<core::QuantScheme> quant = core::ParseQuantScheme(options_.quant);
   if (!quant.ok()) return quant.status();
   core::ModelConfig config;
-  if (options_.model == "demo") {
+  if (options_.model == "demo" || absl::StartsWith(options_.model, "demo:")) {
     const char* tmp = getenv("TMPDIR");
     std::string pattern =
         absl::StrCat(tmp != nullptr && *tmp ? tmp : "/tmp", "/refitd-demo-XXXXXX");
@@ -128,7 +128,18 @@ absl::Status RefitServer::BuildModel() {
       return absl::InternalError(absl::StrCat("cannot create a temp dir from ", pattern));
     }
     demo_dir_ = pattern;
-    config = core::FixtureConfig();
+    // "demo:qwen3_moe" / "demo:mixtral": the tiny mixture-of-experts fixture.
+    core::Architecture arch = core::Architecture::kLlama;
+    if (options_.model == "demo:qwen3_moe") {
+      arch = core::Architecture::kQwen3Moe;
+    } else if (options_.model == "demo:mixtral") {
+      arch = core::Architecture::kMixtral;
+    } else if (options_.model != "demo") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model \"", options_.model,
+                       "\": the demo models are demo, demo:qwen3_moe and demo:mixtral"));
+    }
+    config = core::FixtureConfig(arch);
     if (absl::Status s = core::WriteFixtureModel(demo_dir_, config, options_.demo_seed); !s.ok()) {
       return s;
     }
@@ -144,8 +155,8 @@ absl::Status RefitServer::BuildModel() {
     if (!files.ok()) return files.status();
     model_files_ = std::move(*files);
   }
-  absl::StatusOr<std::shared_ptr<const core::ModelLayout>> layout =
-      core::ModelLayout::Build(config, {options_.tp_rank, options_.tp_size}, *quant);
+  absl::StatusOr<std::shared_ptr<const core::ModelLayout>> layout = core::ModelLayout::Build(
+      config, {options_.tp_rank, options_.tp_size, options_.ep_rank, options_.ep_size}, *quant);
   if (!layout.ok()) return layout.status();
   core::ShardStoreOptions store_options;
   store_options.group = kDefaultGroup;

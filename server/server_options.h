@@ -27,6 +27,10 @@ struct ServerOptions {
   uint64_t demo_seed = 0;
   int64_t tp_rank = 0;
   int64_t tp_size = 1;
+  // Expert parallelism (--ep, --ep-rank): this rank serves the contiguous
+  // experts [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size), whole.
+  int64_t ep_rank = 0;
+  int64_t ep_size = 1;
   std::string device = "cpu";
   std::string quant = "per-tensor";  // per-tensor | per-channel | block | none
   int64_t staging_budget_bytes = int64_t{4} << 30;

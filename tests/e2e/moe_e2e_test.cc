@@ -136,5 +136,27 @@ TEST_F(MoeE2eTest, MixtralBlockScalesRefitOverPushAndReloadAndVerify) {
   RefitAndVerify("mixtral");
 }
 
+// --ep and the MoE demo models.
+TEST_F(MoeE2eTest, ExpertParallelDemoRankRefitsAndVerifies) {
+  StartDaemon({"--model=demo:qwen3_moe", "--ep=2", "--ep-rank=1"});
+  client::ClientOptions options;
+  options.address = socket_;
+  options.timeout = absl::Seconds(30);
+  auto c = client::RefitClient::Create(options);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto status = (*c)->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->model().ep_rank(), 1u);
+  EXPECT_EQ(status->model().ep_size(), 2u);
+  RefitAndVerify("qwen3_moe");
+}
+
+TEST_F(MoeE2eTest, ExpertsNotDivisibleByEpStopTheStartNamingTheNumbers) {
+  CommandResult r =
+      Run({BinPath("refitd"), "--listen=" + socket_, "--model=demo:mixtral", "--ep=3"});
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.err, HasSubstr("num_experts 8 is not divisible by ep_size 3"));
+}
+
 }  // namespace
 }  // namespace refit::e2e

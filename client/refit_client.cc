@@ -416,11 +416,13 @@ absl::StatusOr<refit::v1::ListTensorsResponse> RefitClient::ListTensors(
 
 absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& model_group,
                                                          const std::string& name,
-                                                         uint32_t max_chunk_bytes) {
+                                                         uint32_t max_chunk_bytes,
+                                                         std::optional<uint64_t> version) {
   refit::v1::ReadTensorRequest request;
   request.set_model_group(model_group);
   request.set_name(name);
   request.set_max_chunk_bytes(max_chunk_bytes);
+  if (version.has_value()) request.set_version(*version);
   ReadTensorResult result;
   absl::Status status = RetryReadOnly([&]() -> absl::Status {
     grpc::ClientContext context;

@@ -252,11 +252,15 @@ class RefitClient {
   //                       its pieces do not add up to info.nbytes (the message
   //                       names the tensor and expected vs got)
   //   NOT_FOUND           unknown kernel tensor or model group (the daemon's)
+  //   ABORTED             with `version`: another version is live, or a commit
+  //                       landed during the read (reads of several tensors
+  //                       pinned to one version never mix versions)
   //   and GetStatus's UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED,
   //   PERMISSION_DENIED.
   absl::StatusOr<ReadTensorResult> ReadTensor(const std::string& model_group,
                                               const std::string& name,
-                                              uint32_t max_chunk_bytes = 0);
+                                              uint32_t max_chunk_bytes = 0,
+                                              std::optional<uint64_t> version = std::nullopt);
 
   // Calls `on_event` for every event (the first is a snapshot) until it
   // returns false, the stream ends or `deadline` passes. Returns OK when the

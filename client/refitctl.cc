@@ -65,6 +65,8 @@ Commands:
   tensors                    list the kernel tensors (--checkpoint: the checkpoint
                              tensors a trainer pushes)
   read NAME [--out FILE]     read a kernel tensor (--out - writes raw bytes to stdout)
+      --at-version N         only version N: exit 5 (ABORTED) if another is live or a
+                             commit lands during the read
   verify FILES|DIR...        quantize the files locally as the daemon does and compare
                              every kernel tensor and the fingerprint with the daemon's
       --config FILE          config.json (default: beside the files)
@@ -131,6 +133,7 @@ const std::map<std::string, FlagSpec>& KnownFlags() {
       {"reason", {true}},
       {"checkpoint", {false}},
       {"out", {true}},
+      {"at-version", {true}},
       {"config", {true}},
       {"quant", {true}},
       {"tp-rank", {true}},
@@ -232,7 +235,7 @@ std::string CheckUsage(const CommandLine& cl) {
                         cl.args.size());
   }
   for (const char* name :
-       {"base-version", "bucket-mib", "chunk-mib", "tp-rank", "tp-size", "count"}) {
+       {"base-version", "bucket-mib", "chunk-mib", "tp-rank", "tp-size", "count", "at-version"}) {
     uint64_t value = 0;
     if (cl.Has(name) && !absl::SimpleAtoi(cl.Get(name), &value)) {
       return absl::StrCat("--", name, " needs a non-negative integer, got '", cl.Get(name), "'");
@@ -676,7 +679,9 @@ class Refitctl {
   }
 
   int Read() {
-    auto result = client_->ReadTensor(cl_.Get("group"), cl_.args[0]);
+    std::optional<uint64_t> pin;
+    if (cl_.Has("at-version")) pin = ParseUint(cl_, "at-version", 0);
+    auto result = client_->ReadTensor(cl_.Get("group"), cl_.args[0], 0, pin);
     if (!result.ok()) return Fail(result.status());
     const std::string out = cl_.Get("out");
     std::string summary = absl::StrFormat(

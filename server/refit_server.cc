@@ -214,8 +214,8 @@ absl::Status RefitServer::StartGrpc() {
   }
 
   service_ = std::make_unique<RefitServiceImpl>(options_, &groups_, auth_.get(), &metrics_);
-  attach_ = std::make_unique<AttachService>(service_.get(), options_.engine_quiesce_timeout,
-                                            &metrics_);
+  attach_ =
+      std::make_unique<AttachService>(service_.get(), options_.engine_quiesce_timeout, &metrics_);
   service_->SetAttachService(attach_.get());
   health_ = std::make_unique<HealthService>();
   health_->SetServing(kRefitServiceName, false);

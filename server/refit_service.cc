@@ -18,8 +18,8 @@
 #include "core/safetensors.h"
 #include "core/text.h"
 #include "core/version.h"
-#include "server/fleet_member.h"
 #include "server/attach_service.h"
+#include "server/fleet_member.h"
 #include "server/grpc_convert.h"
 
 namespace refit::server {

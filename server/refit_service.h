@@ -42,7 +42,7 @@
 
 namespace refit::server {
 
-class FleetMember;  // server/fleet_member.h
+class FleetMember;    // server/fleet_member.h
 class AttachService;  // server/attach_service.h
 
 class RefitServiceImpl final : public v1::RefitService::CallbackService {

@@ -199,8 +199,7 @@ TEST_F(AttachTest, LayoutMismatchIsFailedPreconditionNamingTheFields) {
   EXPECT_FALSE(engine.Read(&message));
   const grpc::Status status = engine.Close();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(status.error_message(),
-              HasSubstr("tp_size (engine expects 2, daemon serves 1)"));
+  EXPECT_THAT(status.error_message(), HasSubstr("tp_size (engine expects 2, daemon serves 1)"));
   EXPECT_THAT(status.error_message(), HasSubstr("quantization (engine expects \"block\""));
   EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr("architecture")));
   EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr("tp_rank")));

@@ -36,6 +36,7 @@ Usage:
 
 Flags: --etcd host:port[,host:port]  --fleet NAME  --timeout D (each member's prepare, 30m)
        --lock-ttl D (the fleet lock's lease, 10s)  --token T (refitd bearer token)
+       --tls-ca FILE [--tls-server-name NAME] (TLS to the members)
 Exit: 0 done; 1 usage; 5 ABORTED (another fleet refit runs, a prepare failed, a member's
 deadline recorded abort first: nobody committed, retry); 7 etcd unreachable, or committed
 but a member did not confirm (it is NOT_SERVING until it catches up; see fleet status).
@@ -211,6 +212,8 @@ int RunFleetCommand(int argc, char** argv) {
   options.fleet = args.flags["fleet"];
   options.token = args.flags["token"];
   options.label = args.flags["label"];
+  options.tls_ca_file = args.flags["tls-ca"];
+  options.tls_server_name = args.flags["tls-server-name"];
   if (args.flags.count("timeout")) absl::ParseDuration(args.flags["timeout"], &options.timeout);
   if (args.flags.count("lock-ttl")) absl::ParseDuration(args.flags["lock-ttl"], &options.lock_ttl);
   absl::StatusOr<std::unique_ptr<FleetCoordinator>> coordinator =

@@ -67,6 +67,18 @@ FleetCoordinator::FleetCoordinator(FleetCoordinatorOptions options,
       prefix_(absl::StrCat("/refitd/fleet/", options_.fleet, "/")),
       etcd_(std::move(etcd)) {}
 
+ClientOptions FleetCoordinator::MemberClient(const std::string& address,
+                                             absl::Duration timeout) const {
+  ClientOptions client;
+  client.address = address;
+  client.token = options_.token;
+  client.timeout = timeout;
+  client.tls = !options_.tls_ca_file.empty();
+  client.tls_ca_file = options_.tls_ca_file;
+  client.tls_server_name = options_.tls_server_name;
+  return client;
+}
+
 void FleetCoordinator::Step(absl::string_view step, int n) {
   if (options_.on_step) options_.on_step(step, n);
 }
@@ -117,10 +129,7 @@ absl::StatusOr<FleetRefitResult> FleetCoordinator::Push(const std::vector<std::s
   std::atomic<bool> sending{false};
   return Run([&](const FleetMemberInfo& member,
                  const std::string& fleet_refit_id) -> absl::StatusOr<std::string> {
-    ClientOptions client;
-    client.address = member.address;
-    client.token = options_.token;
-    client.timeout = options_.timeout;
+    ClientOptions client = MemberClient(member.address, options_.timeout);
     absl::StatusOr<std::unique_ptr<RefitClient>> c = RefitClient::Create(client);
     if (!c.ok()) return c.status();
     PushOptions push;
@@ -140,10 +149,7 @@ absl::StatusOr<FleetRefitResult> FleetCoordinator::Push(const std::vector<std::s
 absl::StatusOr<FleetRefitResult> FleetCoordinator::Reload(const std::string& path) {
   return Run([&](const FleetMemberInfo& member,
                  const std::string& fleet_refit_id) -> absl::StatusOr<std::string> {
-    ClientOptions client;
-    client.address = member.address;
-    client.token = options_.token;
-    client.timeout = options_.timeout;
+    ClientOptions client = MemberClient(member.address, options_.timeout);
     absl::StatusOr<std::unique_ptr<RefitClient>> c = RefitClient::Create(client);
     if (!c.ok()) return c.status();
     v1::ReloadRequest request;
@@ -246,10 +252,7 @@ absl::StatusOr<FleetRefitResult> FleetCoordinator::Run(const PrepareFn& prepare)
     (void)etcd_->PutIfAbsent(decision_key, abort.dump());
     ForEachParallel(members.size(), [&](size_t i) {
       if (result.members[i].refit_id.empty()) return;
-      ClientOptions client;
-      client.address = members[i].address;
-      client.token = options_.token;
-      client.timeout = absl::Seconds(10);
+      ClientOptions client = MemberClient(members[i].address, absl::Seconds(10));
       absl::StatusOr<std::unique_ptr<RefitClient>> c = RefitClient::Create(client);
       if (c.ok()) (void)(*c)->Abort("", result.members[i].refit_id, why);
     });
@@ -330,10 +333,7 @@ absl::StatusOr<FleetRefitResult> FleetCoordinator::Run(const PrepareFn& prepare)
   int committed = 0;
   ForEachParallel(members.size(), [&](size_t i) {
     FleetMemberResult& r = result.members[i];
-    ClientOptions client;
-    client.address = members[i].address;
-    client.token = options_.token;
-    client.timeout = absl::Seconds(30);
+    ClientOptions client = MemberClient(members[i].address, absl::Seconds(30));
     absl::StatusOr<std::unique_ptr<RefitClient>> c = RefitClient::Create(client);
     absl::Status status = c.status();
     if (c.ok()) {

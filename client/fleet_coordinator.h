@@ -37,6 +37,10 @@ struct FleetCoordinatorOptions {
   std::vector<std::string> etcd;  // endpoints
   std::string fleet;
   std::string token;  // bearer token for the members (refitd --auth-tokens)
+  // TLS to the members (refitd --tls-cert): the CA, and the name their
+  // certificate carries when it is not the registered address's host.
+  std::string tls_ca_file;
+  std::string tls_server_name;
   std::string label;
   // Deadline of each member's prepare (the whole stream) and commit.
   absl::Duration timeout = absl::Minutes(30);
@@ -120,6 +124,8 @@ class FleetCoordinator {
   FleetCoordinator(FleetCoordinatorOptions options, std::unique_ptr<server::EtcdClient> etcd);
   absl::StatusOr<FleetRefitResult> Run(const PrepareFn& prepare);
   void Step(absl::string_view step, int n);
+  // How to reach a member.
+  struct ClientOptions MemberClient(const std::string& address, absl::Duration timeout) const;
 
   const FleetCoordinatorOptions options_;
   const std::string prefix_;

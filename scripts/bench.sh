@@ -15,6 +15,8 @@
 #   bench/python/push_bench.py          the Python client's Push vs refitctl push, same refitd
 #   bench/python/durability_bench.py    --state-dir: restart from a snapshot vs a cold load,
 #                                       commit pause with vs without
+#   bench/python/fleet_bench.py         a fleet refit of 4 daemons (real etcd) vs 4
+#                                       independent pushes; flip skew p50/p99
 # and writes bench/results/latest.json, bench/results/latest.md (the table),
 # bench/results/refit_time_vs_size.png and bench/results/throughput_per_phase.png,
 # and puts the table into README.md between <!-- bench:begin --> and
@@ -105,6 +107,12 @@ rm -f "$TMP/durability.json"
   --refitd="$BUILD_DIR/bin/refitd" --refitctl="$BUILD_DIR/bin/refitctl" \
   --workdir="$WORK_DIR/durability" > "$TMP/durability.json" 2> "$TMP/durability.log" \
   || { log "durability_bench.py failed (see $TMP/durability.log)"; status=1; }
+log "fleet_bench.py (a fleet refit of 4 daemons vs 4 independent pushes; $((E2E_REPS * 3)) repetitions)"
+rm -f "$TMP/fleet.json"
+"$PY" bench/python/fleet_bench.py --model_dir="$MODEL_DIR" --reps="$((E2E_REPS * 3))" \
+  --refitd="$BUILD_DIR/bin/refitd" --refitctl="$BUILD_DIR/bin/refitctl" \
+  --workdir="$WORK_DIR/fleet" > "$TMP/fleet.json" 2> "$TMP/fleet.log" \
+  || { log "fleet_bench.py failed (see $TMP/fleet.log)"; status=1; }
 cp "$WORK_DIR"/*.log "$WORK_DIR"/python/*.log "$TMP/" 2>/dev/null || true
 mkdir -p "$TMP/durability" && cp "$WORK_DIR"/durability/*.log "$TMP/durability/" 2>/dev/null || true
 
@@ -217,6 +225,10 @@ dur = load("durability.json")
 if dur:
     figures += dur["figures"]
     series["durability"] = dur["series"]
+fleet = load("fleet.json")
+if fleet:
+    figures += fleet["figures"]
+    series["fleet"] = fleet["series"]
 
 out = {"machine": machine(),
        "generated_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

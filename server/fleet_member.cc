@@ -196,11 +196,6 @@ absl::Status FleetMember::Join() {
   Recompute();
   if (absl::Status s = Register(); !s.ok()) return s;
   StartWatch();
-  REFIT_LOG(INFO)
-          .Field("fleet", options_.fleet)
-          .Field("member", options_.member_id)
-          .Field("address", options_.address)
-      << "joined the fleet";
   return absl::OkStatus();
 }
 
@@ -691,6 +686,7 @@ absl::StatusOr<std::unique_ptr<FleetMember>> JoinFleet(const ServerOptions& opti
   if (fleet.address.empty() && !server->bound_addresses().empty()) {
     fleet.address = server->bound_addresses().front();
   }
+  const std::string fleet_address = fleet.address;
   fleet.lease_ttl = options.fleet_lease_ttl;
   fleet.prepared_timeout = options.fleet_prepared_timeout;
   HealthService* health = server->health();
@@ -699,6 +695,12 @@ absl::StatusOr<std::unique_ptr<FleetMember>> JoinFleet(const ServerOptions& opti
                          [health](bool ready) { health->SetGate(kRefitServiceName, ready); });
   if (!member.ok()) return member.status();
   server->service()->SetFleet(member->get());
+  // Logged once the service reports the membership (tests wait for it).
+  REFIT_LOG(INFO)
+          .Field("fleet", options.fleet)
+          .Field("member", (*member)->status().member_id)
+          .Field("address", fleet_address)
+      << "joined the fleet";
   return member;
 }
 

@@ -134,6 +134,32 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start_etcd(directory):
+    """A real etcd on loopback for the fleet flags (Debian's etcd-server,
+    which scripts/setup.sh installs); returns (process, "127.0.0.1:PORT")."""
+    import shutil
+    import time
+    import urllib.request
+
+    etcd = shutil.which("etcd") or "/usr/bin/etcd"
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [etcd, "--name=t", f"--data-dir={directory}", f"--listen-client-urls={client}",
+         f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}",
+         f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=t={peer}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(client + "/health", timeout=1) as r:
+                if b"true" in r.read():
+                    return proc, client.removeprefix("http://")
+        except OSError:
+            time.sleep(0.1)  # the next health check, bounded by the deadline
+    proc.kill()
+    pytest.fail("etcd did not become healthy within 30 s")
+
+
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_probes_pass_against_refitd_started_with_the_manifest(path, tmp_path, build_dir):
     """refitd started with the workload's own arguments (on loopback, the demo
@@ -159,6 +185,13 @@ def test_probes_pass_against_refitd_started_with_the_manifest(path, tmp_path, bu
             return value.replace("0.0.0.0:50051", f"127.0.0.1:{port}").replace(
                 "0.0.0.0:9464", "127.0.0.1:0").replace("127.0.0.1:50051", f"127.0.0.1:{port}")
 
+        etcd = None
+        if any(a.startswith("--fleet=") for a in container["args"]):
+            etcd, etcd_endpoint = start_etcd(root / "etcd")
+        env = {"TP_RANK": "0", "POD_NAME": "refitd-0", "POD_NAMESPACE": "default",
+               "NODE_NAME": "node-0", "POD_IP": "127.0.0.1"}
+        if etcd is not None:
+            env["ETCD_ENDPOINTS"] = etcd_endpoint
         args = []
         for arg in container["args"]:
             name = arg.split("=")[0]
@@ -166,14 +199,19 @@ def test_probes_pass_against_refitd_started_with_the_manifest(path, tmp_path, bu
                 arg = "--model=demo"
             elif name == "--device":
                 arg = "--device=cpu"
-            args.append(local(arg.replace("$(TP_RANK)", "0")))
+            for var, value in env.items():
+                arg = arg.replace(f"$({var})", value)
+            assert "$(" not in arg, f"{path.name}: {arg} names a variable the test does not set"
+            args.append(local(arg))
+        # A fleet member is ready once it has joined its fleet.
+        served = "joined the fleet" if etcd is not None else "first version loaded; ready"
         proc = subprocess.Popen([str(build_dir / "bin" / "refitd"), *args],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         lines = queue.Queue()
         threading.Thread(target=lambda: [lines.put(l) for l in proc.stderr], daemon=True).start()
         try:
             log = []
-            while not any("first version loaded; ready" in l for l in log):
+            while not any(served in l for l in log):
                 try:
                     log.append(lines.get(timeout=120))
                 except queue.Empty:
@@ -189,4 +227,9 @@ def test_probes_pass_against_refitd_started_with_the_manifest(path, tmp_path, bu
             assert result.returncode == 7, f"plaintext health check got through: {result.stdout}"
         finally:
             proc.terminate()
-            assert proc.wait(timeout=60) == 0
+            try:
+                assert proc.wait(timeout=60) == 0
+            finally:
+                if etcd is not None:
+                    etcd.kill()
+                    etcd.wait()

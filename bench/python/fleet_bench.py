@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""fleet_bench: a fleet refit of 4 daemons against 4 independent pushes, one run.
+
+A real etcd (Debian's etcd-server) and `--members` refitd processes on Unix
+sockets, all in a fleet. Interleaved, `--reps` of each:
+  - fleet: `refitctl fleet push DIR` (prepare on every member in parallel,
+    the decision CAS-written once in etcd, commit on every member);
+  - independent: `refitctl push DIR` to every member at once, uncoordinated
+    (the same bytes, the same parallelism, one-phase commits).
+Throughput = members x checkpoint bytes / wall time of the whole command(s);
+the figure is fleet / independent (target >= 0.9). Flip skew (the time
+between the first and the last member's commit, from `fleet push --json`)
+p50 and p99 over the fleet refits (target <= 10 ms on loopback).
+
+Prints {"figures": [...], "series": {...}} on stdout, the format
+scripts/bench.sh merges into bench/results/latest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import List, Optional, Sequence
+
+
+def log(msg: str) -> None:
+    print(f"fleet_bench: {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)  # the next check, bounded by the deadline
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def figure(name, value, unit, ref_name, ref_value, target, met, note=""):
+    ratio = value / ref_value if ref_value else None
+    d = {"name": name, "value": value, "unit": unit, "reference_name": ref_name,
+         "reference_value": ref_value, "ratio": ratio, "target": target, "met": met}
+    if note:
+        d["note"] = note
+    return d
+
+
+def percentile(values: List[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return 0.0
+    k = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
+    return s[k]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--model_dir", required=True, help="checkpoint to serve and push")
+    p.add_argument("--refitd", required=True)
+    p.add_argument("--refitctl", required=True)
+    p.add_argument("--etcd", default=shutil.which("etcd") or "/usr/bin/etcd")
+    p.add_argument("--members", type=int, default=4)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--workdir", default="")
+    a = p.parse_args(argv)
+
+    work = pathlib.Path(a.workdir or tempfile.mkdtemp(prefix="fleet-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model_bytes = sum(f.stat().st_size for f in pathlib.Path(a.model_dir).glob("*.safetensors"))
+    client = f"http://127.0.0.1:{free_port()}"
+    peer = f"http://127.0.0.1:{free_port()}"
+    procs = []
+    etcd_log = open(work / "etcd.log", "w")
+    procs.append(subprocess.Popen(
+        [a.etcd, "--name=bench", f"--data-dir={work}/etcd", f"--listen-client-urls={client}",
+         f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}",
+         f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=bench={peer}"],
+        stdout=etcd_log, stderr=etcd_log))
+
+    def etcd_healthy() -> bool:
+        try:
+            with urllib.request.urlopen(client + "/health", timeout=1) as r:
+                return b"true" in r.read()
+        except OSError:
+            return False
+
+    endpoint = client.removeprefix("http://")
+    fleet = ["--etcd", endpoint, "--fleet", "bench"]
+    try:
+        wait_for(etcd_healthy, "etcd")
+        sockets = []
+        for i in range(a.members):
+            sock = f"unix:{work}/m{i}.sock"
+            sockets.append(sock)
+            logf = open(work / f"m{i}.log", "w")
+            procs.append(subprocess.Popen(
+                [a.refitd, f"--model={a.model_dir}", f"--listen={sock}", "--fleet=bench",
+                 f"--etcd={endpoint}", f"--fleet-member=m{i}"],
+                stdout=subprocess.DEVNULL, stderr=logf))
+        for i in range(a.members):
+            wait_for(lambda i=i: "joined the fleet" in (work / f"m{i}.log").read_text(),
+                     f"member {i} to join")
+        fleet_s, independent_s, skews = [], [], []
+        for rep in range(a.reps):
+            t0 = time.perf_counter()
+            r = subprocess.run([a.refitctl, "fleet", "push", a.model_dir, *fleet, "--json"],
+                               capture_output=True, text=True, timeout=600)
+            fleet_s.append(time.perf_counter() - t0)
+            if r.returncode != 0:
+                raise RuntimeError(f"fleet push failed: {r.stdout}{r.stderr}")
+            skews.append(json.loads(r.stdout)["flip_skew_seconds"])
+            t0 = time.perf_counter()
+            pushes = [subprocess.Popen([a.refitctl, f"--addr={s}", "push", a.model_dir],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       text=True) for s in sockets]
+            for q in pushes:
+                _, err = q.communicate(timeout=600)
+                if q.returncode != 0:
+                    raise RuntimeError(f"push failed: {err}")
+            independent_s.append(time.perf_counter() - t0)
+            log(f"rep {rep}: fleet {fleet_s[-1]:.3f} s (skew {skews[-1] * 1e3:.2f} ms), "
+                f"independent {independent_s[-1]:.3f} s")
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+    med = statistics.median
+    total = a.members * model_bytes
+    fleet_tp, indep_tp = total / med(fleet_s), total / med(independent_s)
+    p50, p99 = percentile(skews, 0.5), percentile(skews, 0.99)
+    load = os.getloadavg()[0]
+    figures = [
+        figure(f"fleet refit of {a.members} daemons (refitctl fleet push), throughput", fleet_tp / 2**20,
+               "MiB/s", f"{a.members} independent pushes of the same bytes", indep_tp / 2**20,
+               ">= 0.9", fleet_tp / indep_tp >= 0.9,
+               f"medians of {a.reps}, interleaved; {model_bytes / 2**20:.1f} MiB checkpoint per "
+               f"member; loopback Unix sockets; load {load:.1f}"),
+        figure("fleet flip skew p50 (first to last member's commit)", p50 * 1e3, "ms",
+               "target", 10.0, "<= 10 ms", p50 <= 0.010, f"{a.reps} fleet refits"),
+        figure("fleet flip skew p99", p99 * 1e3, "ms", "target", 10.0, "<= 10 ms", p99 <= 0.010,
+               f"{a.reps} fleet refits"),
+    ]
+    series = {"fleet_s": fleet_s, "independent_s": independent_s, "flip_skew_s": skews,
+              "members": a.members, "model_bytes": model_bytes}
+    json.dump({"figures": figures, "series": series}, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

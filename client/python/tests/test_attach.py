@@ -196,3 +196,47 @@ def test_tiny_engine_follows_a_refit_bit_for_bit_without_reattaching(start_daemo
     kinds = [(e.kind, e.version) for e in first_events(engine, 2)]
     assert kinds == [("commit_pending", 2), ("committed", 2)]
     engine.close()
+
+
+ENGINE_PROCESS = """
+import sys, time
+from refit_client import attach
+engine = attach(sys.argv[1], name="doomed")
+engine.on_event(lambda e: print(e.kind, flush=True))
+print(engine.engine_id, flush=True)
+time.sleep(3600)  # never reaches a safe point
+"""
+
+
+def test_an_engine_process_that_dies_during_a_commit_is_released_and_the_commit_goes_on(
+        start_daemon, weights):
+    import subprocess
+
+    # A timeout far beyond the test: the commit must go on because the lease
+    # ended, not because the wait ran out.
+    d = start_daemon("--engine-quiesce-timeout=600s")
+    child = subprocess.Popen([sys.executable, "-c", ENGINE_PROCESS, d.address],
+                             stdout=subprocess.PIPE, text=True)
+    outcome: list = []
+    try:
+        engine_id = child.stdout.readline().strip()
+        assert engine_id.startswith("e-"), engine_id
+        with RefitClient(d.address, timeout=LIMIT) as client:
+            pusher = threading.Thread(
+                target=lambda: outcome.append(client.push(load_state_dict(weights(2)))))
+            pusher.start()
+            # The commit is waiting for this engine's ack when it dies.
+            assert child.stdout.readline().strip() == "commit_pending"
+            assert client.status().version == 1
+            child.kill()
+            child.wait(timeout=LIMIT)
+            pusher.join(LIMIT)
+        assert not pusher.is_alive()
+        (result,) = outcome
+        assert result.version == 2
+        d.wait_for_line("engine detached")
+        assert engines_of(d.address) == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

@@ -233,6 +233,23 @@ TEST_F(FleetFaultTest, FleetRefitFlipsEveryMemberAndStatusIsConsistent) {
   EXPECT_EQ(s->fleet().fleet_version(), state->fleet_version);
 }
 
+TEST_F(FleetFaultTest, MemberWithADifferentLayoutIsRefusedNamingTheFields) {
+  auto odd = Child::Start({BinPath("refitd"), "--model=demo", "--quant=per-channel",
+                           "--listen=unix:" + Path("odd.sock"), absl::StrCat("--fleet=", kFleet),
+                           "--etcd=" + etcd_->endpoint(), "--fleet-member=odd"},
+                          Path("odd.out"), Path("odd.log"));
+  ASSERT_NE(odd, nullptr);
+  EXPECT_EQ(odd->Wait(), 1) << odd->Stderr();
+  EXPECT_TRUE(absl::StrContains(odd->Stderr(), "FAILED_PRECONDITION")) << odd->Stderr();
+  EXPECT_TRUE(absl::StrContains(odd->Stderr(),
+                                "quantization \"per-channel\" here, "
+                                "\"per-tensor\" on member"))
+      << odd->Stderr();
+  absl::StatusOr<client::FleetState> state = Coordinator()->Status();
+  ASSERT_TRUE(state.ok());
+  EXPECT_EQ(state->members.size(), static_cast<size_t>(kMembers));
+}
+
 TEST_F(FleetFaultTest, CoordinatorKilledBeforeAnyPrepareCompletesChangesNothing) {
   const std::string before = LiveFingerprint();
   auto c = RunCoordinator(3, {"--die-at", "sending:0"});

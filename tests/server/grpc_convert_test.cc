@@ -127,6 +127,22 @@ TEST(GrpcConvertTest, RefitOptionsWithoutBaseVersionLeaveItUnset) {
   EXPECT_EQ(converted->core.base_version, std::optional<uint64_t>(0));
 }
 
+TEST(GrpcConvertTest, FleetRefitIdNeedsPrepareAndAPlainId) {
+  v1::RefitOptions options = ValidOptions();
+  options.set_fleet_refit_id("fleet-20261201-abc");
+  absl::Status commit = FromProtoRefitOptions(options, 4096).status();
+  EXPECT_EQ(commit.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(commit.message(), ::testing::HasSubstr("COMPLETION_MODE_PREPARE"));
+  options.set_completion(v1::COMPLETION_MODE_PREPARE);
+  absl::StatusOr<ConvertedRefitOptions> converted = FromProtoRefitOptions(options, 4096);
+  ASSERT_TRUE(converted.ok()) << converted.status();
+  EXPECT_EQ(converted->fleet_refit_id, "fleet-20261201-abc");
+  options.set_fleet_refit_id("../decisions/x");
+  absl::Status odd = FromProtoRefitOptions(options, 4096).status();
+  EXPECT_EQ(odd.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(odd.message(), ::testing::HasSubstr("fleet_refit_id"));
+}
+
 TEST(GrpcConvertTest, UnspecifiedOrUnknownEnumsInRefitOptionsAreInvalidArgument) {
   struct Case {
     std::string name;

@@ -399,6 +399,15 @@ TEST_F(RefitServiceTest, IdleTimerRestartsWithEveryMessage) {
   EXPECT_EQ(Version(), 2u);
 }
 
+TEST_F(RefitServiceTest, FleetRefitOnADaemonInNoFleetIsFailedPrecondition) {
+  std::vector<v1::PushRequest> messages = FullPush(8, v1::COMPLETION_MODE_PREPARE);
+  messages[0].mutable_begin()->mutable_options()->set_fleet_refit_id("fleet-1");
+  PushOutcome push = PushMessages(stub_.get(), messages);
+  EXPECT_EQ(push.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(push.status.error_message(), ::testing::HasSubstr("in no fleet"));
+  EXPECT_EQ(Version(), 1u);
+}
+
 TEST_F(RefitServiceTest, PrepareThenCommit) {
   PushOutcome push = PushMessages(stub_.get(), FullPush(8, v1::COMPLETION_MODE_PREPARE));
   ASSERT_TRUE(push.status.ok()) << push.status.error_message();

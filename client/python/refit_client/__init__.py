@@ -11,6 +11,7 @@ See docs/python.md in the refitd repository for the whole API.
 
 from ._attach import AttachedEngine, EngineEvent, attach
 from ._client import DEFAULT_CHUNK_BYTES, EventStream, Refit, RefitClient, Tls
+from ._fleet import FleetClient, FleetMemberResult, FleetRefitResult
 from ._progress import TqdmProgress
 from ._tensors import TensorData, bf16
 from .errors import (
@@ -52,6 +53,9 @@ __all__ = [
     "EngineEvent",
     "TqdmProgress",
     "RefitClient",
+    "FleetClient",
+    "FleetMemberResult",
+    "FleetRefitResult",
     "Refit",
     "Tls",
     "EventStream",

@@ -1,0 +1,291 @@
+"""FleetClient: a fleet refit from Python, all members or none (docs/fleet.md).
+
+The coordinator side of refitd's fleets, as `refitctl fleet push` does it:
+the fleet lock (compare-and-swap on a lease), a prepare on every member in
+parallel (the whole checkpoint, with RefitOptions.fleet_refit_id), the
+decision written once in etcd with a compare-and-swap, then Commit on every
+member. etcd is reached through its v3 JSON gateway (/v3/kv/range etc.,
+base64 keys) over urllib, so nothing beyond grpcio is needed.
+
+    from refit_client import FleetClient
+    result = FleetClient(etcd="127.0.0.1:2379", fleet="llama").push("/ckpt/step-100")
+    print(result.fleet_version, result.flip_skew_seconds, result.members)
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import dataclasses
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+import urllib.request
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+import grpc
+
+from ._proto import refit_pb2 as pb
+from ._proto import refit_pb2_grpc as pb_grpc
+from .errors import RefitConflict, RefitError, Unavailable, from_rpc_error
+
+_DTYPES = {"BF16": pb.DTYPE_BF16, "F16": pb.DTYPE_F16, "F32": pb.DTYPE_F32}
+_CHUNK = 32 << 20
+
+
+@dataclasses.dataclass
+class FleetMemberResult:
+    member_id: str
+    address: str
+    refit_id: str = ""
+    committed: bool = False
+    version: int = 0
+    fingerprint: str = ""
+    error: str = ""
+
+
+@dataclasses.dataclass
+class FleetRefitResult:
+    fleet_refit_id: str
+    fleet_version: int
+    members: List[FleetMemberResult]
+    flip_skew_seconds: float
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _unb64(text: str) -> str:
+    return base64.b64decode(text).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    b = bytearray(prefix.encode())
+    b[-1] += 1
+    return bytes(b).decode()
+
+
+class _Etcd:
+    def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
+        self.base = endpoint if endpoint.startswith("http") else "http://" + endpoint
+        self.timeout = timeout
+
+    def call(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
+        request = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as r:
+                return json.loads(r.read() or b"{}")
+        except OSError as e:
+            raise Unavailable(f"etcd {self.base}{path}: {e}") from None
+
+    def get_prefix(self, prefix: str) -> List[Dict[str, Any]]:
+        r = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
+        return r.get("kvs", [])
+
+    def get(self, key: str) -> Optional[Dict[str, Any]]:
+        kvs = self.call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        return kvs[0] if kvs else None
+
+    def put(self, key: str, value: str, lease: str = "0") -> None:
+        self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": lease})
+
+
+def _safetensors_chunks(files: Sequence[str]) -> Iterator[pb.Chunk]:
+    for path in files:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+            base = 8 + length
+            for name, t in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = t["data_offsets"]
+                dtype = _DTYPES.get(t["dtype"])
+                if dtype is None:
+                    raise RefitError(f"{path}: tensor {name}: dtype {t['dtype']} is not pushed")
+                for off in range(0, max(end - begin, 1), _CHUNK):
+                    f.seek(base + begin + off)
+                    data = f.read(min(_CHUNK, end - begin - off))
+                    yield pb.Chunk(tensor_name=name, dtype=dtype, shape=t["shape"],
+                                   byte_offset=off, data=data)
+
+
+def _expand(paths: Union[str, Sequence[str]]) -> List[str]:
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    files: List[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += sorted(os.path.join(p, n) for n in os.listdir(p) if n.endswith(".safetensors"))
+        else:
+            files.append(p)
+    if not files:
+        raise RefitError(f"no .safetensors files in {paths}")
+    return files
+
+
+class FleetClient:
+    """A coordinator of fleet refits through etcd (one refit at a time per
+    fleet, whoever runs it). ``etcd``: an endpoint "host:port"; ``token``: the
+    members' bearer token (refitd --auth-tokens); ``lock_ttl``: seconds of the
+    fleet lock's lease."""
+
+    def __init__(self, etcd: str, fleet: str, *, token: Optional[str] = None,
+                 lock_ttl: int = 10, timeout: Optional[float] = None) -> None:
+        self._etcd = _Etcd(etcd.split(",")[0])
+        self.fleet = fleet
+        self._prefix = f"/refitd/fleet/{fleet}/"
+        self._metadata = [("authorization", f"Bearer {token}")] if token else []
+        self._lock_ttl = lock_ttl
+        self._timeout = timeout
+
+    def status(self) -> Dict[str, Any]:
+        """The members' registrations and the fleet version, as refitctl fleet
+        status --json shows them. Raises Unavailable when etcd is."""
+        members = [json.loads(_unb64(kv["value"]))
+                   for kv in self._etcd.get_prefix(self._prefix + "members/")]
+        v = self._etcd.get(self._prefix + "version")
+        version = json.loads(_unb64(v["value"])) if v else {}
+        fleet_version = int(version.get("fleet_version", 0))
+        return {"fleet": self.fleet, "fleet_version": fleet_version, "members": members,
+                "last_flip_skew_seconds": version.get("flip_skew_seconds", 0.0),
+                "consistent": bool(members) and all(
+                    m.get("ready") and m.get("fleet_version") == fleet_version for m in members)}
+
+    def _stub(self, address: str) -> pb_grpc.RefitServiceStub:
+        return pb_grpc.RefitServiceStub(grpc.insecure_channel(
+            address, options=[("grpc.max_send_message_length", 256 << 20)]))
+
+    def push(self, paths: Union[str, Sequence[str]], *, label: str = "") -> FleetRefitResult:
+        """Every member gets the safetensors files of ``paths`` (a directory
+        or files), prepared everywhere, then committed everywhere, or nowhere.
+        Raises RefitConflict (another fleet refit holds the lock, a prepare
+        failed, a member's deadline recorded abort first: nobody committed),
+        Unavailable (etcd went away before the decision)."""
+        files = _expand(paths)
+        members = self.status()["members"]
+        if not members:
+            raise RefitError(f"fleet {self.fleet} has no members registered in etcd")
+        frid = f"fleet-py-{int(time.time())}-{secrets.token_hex(5)}"
+        lease = self._etcd.call("/v3/lease/grant", {"TTL": str(self._lock_ttl)})["ID"]
+        holder = json.dumps({"fleet_refit_id": frid, "coordinator": f"{socket.gethostname()}:"
+                             f"{os.getpid()} (python)"})
+        lock = self._etcd.call("/v3/kv/txn", {
+            "compare": [{"key": _b64(self._prefix + "lock"), "target": "CREATE",
+                         "result": "EQUAL", "create_revision": "0"}],
+            "success": [{"request_put": {"key": _b64(self._prefix + "lock"),
+                                         "value": _b64(holder), "lease": lease}}]})
+        if not lock.get("succeeded"):
+            self._etcd.call("/v3/lease/revoke", {"ID": lease})
+            raise RefitConflict(f"fleet {self.fleet}: a fleet refit is in progress; retry "
+                                "once it has ended")
+        done = threading.Event()
+
+        def keepalive() -> None:
+            while not done.wait(self._lock_ttl / 3):
+                try:
+                    self._etcd.call("/v3/lease/keepalive", {"ID": lease})
+                except Unavailable:
+                    pass
+
+        keeper = threading.Thread(target=keepalive, daemon=True)
+        keeper.start()
+        try:
+            return self._run(files, members, frid, label)
+        finally:
+            done.set()
+            keeper.join()
+            try:
+                self._etcd.call("/v3/lease/revoke", {"ID": lease})
+            except Unavailable:
+                pass
+
+    def _run(self, files: List[str], members: List[Dict[str, Any]], frid: str,
+             label: str) -> FleetRefitResult:
+        v = self._etcd.get(self._prefix + "version")
+        version_mod = v["mod_revision"] if v else "0"
+        fleet_version = (int(json.loads(_unb64(v["value"])).get("fleet_version", 0)) if v else 0) + 1
+        results = [FleetMemberResult(m["member_id"], m["address"]) for m in members]
+
+        def prepare(r: FleetMemberResult) -> None:
+            options = pb.RefitOptions(completion=pb.COMPLETION_MODE_PREPARE,
+                                      non_finite=pb.NON_FINITE_POLICY_REJECT,
+                                      require_complete=True, label=label, fleet_refit_id=frid)
+
+            def requests() -> Iterator[pb.PushRequest]:
+                yield pb.PushRequest(begin=pb.Begin(options=options))
+                for chunk in _safetensors_chunks(files):
+                    yield pb.PushRequest(chunks=pb.Chunks(chunks=[chunk]))
+                yield pb.PushRequest(end=pb.End())
+
+            try:
+                response = self._stub(r.address).Push(requests(), metadata=self._metadata,
+                                                      timeout=self._timeout)
+                r.refit_id = response.result.refit_id
+            except grpc.RpcError as e:
+                r.error = str(from_rpc_error(e, f"prepare on {r.address}"))
+
+        with concurrent.futures.ThreadPoolExecutor(len(results)) as pool:
+            list(pool.map(prepare, results))
+        decision_key = self._prefix + "decisions/" + frid
+        failed = [r for r in results if r.error]
+        if failed:
+            self._abort(results, decision_key, "prepare failed")
+            raise RefitConflict(f"fleet refit {frid} aborted: " +
+                                "; ".join(f"{r.member_id}: {r.error}" for r in failed))
+        decision = json.dumps({"decision": "commit", "fleet_version": fleet_version,
+                               "members": [r.member_id for r in results], "by": "python"})
+        version = {"fleet_version": fleet_version, "fleet_refit_id": frid}
+        txn = self._etcd.call("/v3/kv/txn", {
+            "compare": [{"key": _b64(decision_key), "target": "CREATE", "result": "EQUAL",
+                         "create_revision": "0"},
+                        {"key": _b64(self._prefix + "version"), "target": "MOD",
+                         "result": "EQUAL", "mod_revision": version_mod}],
+            "success": [{"request_put": {"key": _b64(decision_key), "value": _b64(decision)}},
+                        {"request_put": {"key": _b64(self._prefix + "version"),
+                                         "value": _b64(json.dumps(version))}}]})
+        if not txn.get("succeeded"):
+            self._abort(results, decision_key, "the fleet decided otherwise first")
+            raise RefitConflict(f"fleet refit {frid} aborted: a decision was recorded first or "
+                                "the fleet version moved on")
+
+        def commit(r: FleetMemberResult) -> float:
+            try:
+                stub = self._stub(r.address)
+                c = stub.Commit(pb.CommitRequest(refit_id=r.refit_id), metadata=self._metadata,
+                                timeout=30)
+                r.committed, r.version, r.fingerprint = True, c.result.version, c.result.fingerprint
+                s = stub.GetStatus(pb.GetStatusRequest(), metadata=self._metadata, timeout=30)
+                return s.last_commit_unix_seconds
+            except grpc.RpcError as e:
+                r.error = str(from_rpc_error(e, f"commit on {r.address}"))
+                return 0.0
+
+        with concurrent.futures.ThreadPoolExecutor(len(results)) as pool:
+            times = [t for t in pool.map(commit, results) if t > 0]
+        skew = max(times) - min(times) if times else 0.0
+        version["flip_skew_seconds"] = skew
+        self._etcd.put(self._prefix + "version", json.dumps(version))
+        return FleetRefitResult(frid, fleet_version, results, skew)
+
+    def _abort(self, results: List[FleetMemberResult], decision_key: str, why: str) -> None:
+        try:
+            self._etcd.call("/v3/kv/txn", {
+                "compare": [{"key": _b64(decision_key), "target": "CREATE", "result": "EQUAL",
+                             "create_revision": "0"}],
+                "success": [{"request_put": {"key": _b64(decision_key), "value": _b64(
+                    json.dumps({"decision": "abort", "by": "python", "why": why}))}}]})
+        except Unavailable:
+            pass
+        for r in results:
+            if r.refit_id:
+                try:
+                    self._stub(r.address).Abort(pb.AbortRequest(refit_id=r.refit_id, reason=why),
+                                                metadata=self._metadata, timeout=10)
+                except grpc.RpcError:
+                    pass

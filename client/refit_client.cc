@@ -368,6 +368,25 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Commit(const std::string& mo
   return response.result();
 }
 
+absl::StatusOr<refit::v1::CommitResponse> RefitClient::CommitLinked(
+    const std::string& model_group, const std::string& refit_id,
+    const std::vector<RefitRef>& linked) {
+  grpc::ClientContext context;
+  PrepareContext(&context, /*with_token=*/true);
+  refit::v1::CommitRequest request;
+  request.set_model_group(model_group);
+  request.set_refit_id(refit_id);
+  for (const RefitRef& ref : linked) {
+    refit::v1::RefitRef* out = request.add_linked();
+    out->set_model_group(ref.model_group);
+    out->set_refit_id(ref.refit_id);
+  }
+  refit::v1::CommitResponse response;
+  grpc::Status status = stub_->Commit(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
 absl::StatusOr<refit::v1::AbortResponse> RefitClient::Abort(const std::string& model_group,
                                                             const std::string& refit_id,
                                                             const std::string& reason) {
@@ -385,8 +404,19 @@ absl::StatusOr<refit::v1::AbortResponse> RefitClient::Abort(const std::string& m
 
 absl::StatusOr<refit::v1::GetStatusResponse> RefitClient::GetStatus(
     const std::string& model_group) {
+  return GetStatusOf(model_group, /*all_groups=*/false);
+}
+
+absl::StatusOr<refit::v1::GetStatusResponse> RefitClient::GetStatusAllGroups(
+    const std::string& model_group) {
+  return GetStatusOf(model_group, /*all_groups=*/true);
+}
+
+absl::StatusOr<refit::v1::GetStatusResponse> RefitClient::GetStatusOf(
+    const std::string& model_group, bool all_groups) {
   refit::v1::GetStatusRequest request;
   request.set_model_group(model_group);
+  request.set_all_groups(all_groups);
   refit::v1::GetStatusResponse response;
   absl::Status status = RetryReadOnly([&] {
     grpc::ClientContext context;
@@ -506,11 +536,11 @@ absl::StatusOr<HealthCheckResponse::ServingStatus> RefitClient::HealthCheck(
   return response.status();
 }
 
-absl::Status RefitClient::WaitUntilServing(absl::Time deadline) {
+absl::Status RefitClient::WaitUntilServing(absl::Time deadline, const std::string& readiness) {
   std::string last = "unreachable";
   for (;;) {
     HealthCheckRequest request;
-    request.set_service(kReadinessService);
+    request.set_service(readiness);
     bool ready = false;
     grpc::Status status;
     {

@@ -222,6 +222,20 @@ class RefitClient {
   //   UNAUTHENTICATED     missing or unknown token
   absl::StatusOr<refit::v1::RefitResult> Commit(const std::string& model_group,
                                                 const std::string& refit_id);
+  // Commits the refit `refit_id` of `model_group` and the PREPARED refits
+  // `linked` (model group, refit id) of other groups at one commit point:
+  // all of them or none. Never retried. The response holds the results in
+  // the order of the request (result, then linked).
+  // Errors (the daemon's, each naming the group): Commit's, and
+  //   INVALID_ARGUMENT    a group named twice
+  //   FAILED_PRECONDITION one of them is still receiving (nothing changes)
+  struct RefitRef {
+    std::string model_group;
+    std::string refit_id;
+  };
+  absl::StatusOr<refit::v1::CommitResponse> CommitLinked(const std::string& model_group,
+                                                         const std::string& refit_id,
+                                                         const std::vector<RefitRef>& linked);
   // Aborts a prepared or running refit; "" = the caller's own active refit
   // (a trainer's own, any for an operator). Never retried.
   // Errors (the daemon's):
@@ -242,6 +256,10 @@ class RefitClient {
   //   DEADLINE_EXCEEDED   options().timeout passed
   //   UNAUTHENTICATED / PERMISSION_DENIED  missing token / role may not read
   absl::StatusOr<refit::v1::GetStatusResponse> GetStatus(const std::string& model_group = "");
+  // GetStatus of `model_group` with `groups` holding every group the daemon
+  // serves (GetStatusRequest.all_groups), all as of one instant.
+  absl::StatusOr<refit::v1::GetStatusResponse> GetStatusAllGroups(
+      const std::string& model_group = "");
   // Read-only; retried on UNAVAILABLE.
   // Errors: as GetStatus, and INVALID_ARGUMENT for LAYOUT_UNSPECIFIED.
   absl::StatusOr<refit::v1::ListTensorsResponse> ListTensors(
@@ -258,8 +276,7 @@ class RefitClient {
   //   and GetStatus's UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED,
   //   PERMISSION_DENIED.
   absl::StatusOr<ReadTensorResult> ReadTensor(const std::string& model_group,
-                                              const std::string& name,
-                                              uint32_t max_chunk_bytes = 0,
+                                              const std::string& name, uint32_t max_chunk_bytes = 0,
                                               std::optional<uint64_t> version = std::nullopt);
 
   // Calls `on_event` for every event (the first is a snapshot) until it
@@ -292,7 +309,10 @@ class RefitClient {
   //                       was seen last (unreachable, NOT_SERVING)
   //   NOT_FOUND           the daemon does not know the readiness service
   //   UNIMPLEMENTED       the server has no health service
-  absl::Status WaitUntilServing(absl::Time deadline);
+  // `readiness`: the service to wait for, e.g. one model group's
+  // ("refit.v1.RefitService/draft").
+  absl::Status WaitUntilServing(absl::Time deadline,
+                                const std::string& readiness = kReadinessService);
   // grpc.health.v1 Watch; same contract as Watch. An unknown service is not
   // an error: it is reported as SERVICE_UNKNOWN until the daemon learns it.
   // Errors: UNAVAILABLE (unreachable, or the daemon shut down).
@@ -307,6 +327,8 @@ class RefitClient {
                       bool read_only = false) const;
   // Runs `call` up to retry.max_attempts times while it returns UNAVAILABLE.
   absl::Status RetryReadOnly(const std::function<absl::Status()>& call) const;
+  absl::StatusOr<refit::v1::GetStatusResponse> GetStatusOf(const std::string& model_group,
+                                                           bool all_groups);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

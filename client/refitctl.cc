@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/fleet_command.h"
@@ -38,9 +39,11 @@ constexpr char kUsage[] = R"(refitctl: drive a refitd weight-reload daemon.
 Usage: refitctl [global flags] COMMAND [args] [flags]
 
 Commands:
-  status                     served version, fingerprint, active refit, memory, model
+  status                     served version, fingerprint, active refit, memory, model;
+                             of every model group (of one with --group)
   health                     grpc.health.v1 Check of "" (live) and "refit.v1.RefitService"
-                             (ready); exits 0 only when both are SERVING
+                             (ready: every group; with --group NAME that group's
+                             "refit.v1.RefitService/NAME"); exits 0 only when both are SERVING
       --wait                 wait until both are SERVING (scripts, init systems): exit 0
                              once they are, 7 when --timeout (default 60s) passes first
   push FILES|DIR...          push *.safetensors as one refit (a progress bar on a
@@ -56,10 +59,14 @@ Commands:
                              their old values (default: every checkpoint tensor must be
                              sent, FAILED_PRECONDITION names the missing ones)
       --vllm-non-finite      accept NaN/Inf the way vLLM does (default: reject)
+      --link GROUP=DIR[,GROUP=DIR...]   also push DIR to GROUP and commit all the
+                             groups at one commit point; any failure aborts them all
   reload --from PATH         the daemon reloads safetensors from PATH (under its root)
       --prepare, --base-version N, --label TEXT, --partial as for push
   commit [REFIT_ID]          commit a prepared refit (default: your own active one;
                              an operator's: whichever is active)
+      --linked GROUP=ID[,GROUP=ID...]   and these prepared refits of other groups, at
+                             one commit point: all of them or none
   abort [REFIT_ID]           abort a prepared or running refit (default: as commit)
       --reason TEXT
   tensors                    list the kernel tensors (--checkpoint: the checkpoint
@@ -139,6 +146,8 @@ const std::map<std::string, FlagSpec>& KnownFlags() {
       {"tp-rank", {true}},
       {"tp-size", {true}},
       {"count", {true}},
+      {"linked", {true}},
+      {"link", {true}},
   };
   return *flags;
 }
@@ -413,37 +422,61 @@ class Refitctl {
   }
 
   int Status() {
-    auto status = client_->GetStatus(cl_.Get("group"));
+    // Without --group: every group the daemon serves (the default one first,
+    // as a single-group daemon shows it, then the others).
+    const bool all = !cl_.Has("group");
+    auto status = all ? client_->GetStatusAllGroups("") : client_->GetStatus(cl_.Get("group"));
     if (!status.ok()) return Fail(status.status());
     const refit::v1::GetStatusResponse& s = *status;
     if (json_) {
-      Json j{{"model_group", s.model_group()},
-             {"version", s.version()},
-             {"fingerprint", s.fingerprint()},
-             {"ready", s.ready()},
-             {"device", s.device()},
-             {"server_version", s.server_version()},
-             {"last_commit_unix_seconds", s.last_commit_unix_seconds()},
-             {"memory",
-              {{"kernel_bytes", s.memory().kernel_bytes()},
-               {"staging_bytes", s.memory().staging_bytes()},
-               {"peak_staging_bytes", s.memory().peak_staging_bytes()},
-               {"staging_budget_bytes", s.memory().staging_budget_bytes()},
-               {"resident_bytes", s.memory().resident_bytes()}}},
-             {"model",
-              {{"architecture", s.model().architecture()},
-               {"num_layers", s.model().num_layers()},
-               {"tp_rank", s.model().tp_rank()},
-               {"tp_size", s.model().tp_size()},
-               {"quantization", s.model().quantization()},
-               {"checkpoint_dtype", s.model().checkpoint_dtype()},
-               {"num_kernel_tensors", s.model().num_kernel_tensors()},
-               {"kernel_bytes", s.model().kernel_bytes()}}},
-             {"active_refit", nullptr}};
-      if (s.has_active_refit()) j["active_refit"] = ProgressJson(s.active_refit());
+      Json j = StatusJson(s);
+      if (all) {
+        j["groups"] = Json::array();
+        for (const refit::v1::GetStatusResponse& g : s.groups()) {
+          j["groups"].push_back(StatusJson(g));
+        }
+      }
       std::cout << j.dump(2) << std::endl;
       return kExitOk;
     }
+    PrintStatus(s);
+    for (const refit::v1::GetStatusResponse& g : s.groups()) {
+      if (g.model_group() == s.model_group()) continue;
+      std::cout << "\n";
+      PrintStatus(g);
+    }
+    return kExitOk;
+  }
+
+  static Json StatusJson(const refit::v1::GetStatusResponse& s) {
+    Json j{{"model_group", s.model_group()},
+           {"version", s.version()},
+           {"fingerprint", s.fingerprint()},
+           {"ready", s.ready()},
+           {"device", s.device()},
+           {"server_version", s.server_version()},
+           {"last_commit_unix_seconds", s.last_commit_unix_seconds()},
+           {"memory",
+            {{"kernel_bytes", s.memory().kernel_bytes()},
+             {"staging_bytes", s.memory().staging_bytes()},
+             {"peak_staging_bytes", s.memory().peak_staging_bytes()},
+             {"staging_budget_bytes", s.memory().staging_budget_bytes()},
+             {"resident_bytes", s.memory().resident_bytes()}}},
+           {"model",
+            {{"architecture", s.model().architecture()},
+             {"num_layers", s.model().num_layers()},
+             {"tp_rank", s.model().tp_rank()},
+             {"tp_size", s.model().tp_size()},
+             {"quantization", s.model().quantization()},
+             {"checkpoint_dtype", s.model().checkpoint_dtype()},
+             {"num_kernel_tensors", s.model().num_kernel_tensors()},
+             {"kernel_bytes", s.model().kernel_bytes()}}},
+           {"active_refit", nullptr}};
+    if (s.has_active_refit()) j["active_refit"] = ProgressJson(s.active_refit());
+    return j;
+  }
+
+  static void PrintStatus(const refit::v1::GetStatusResponse& s) {
     std::cout << absl::StrFormat("group        %s\nversion      %d\nfingerprint  %s\n",
                                  s.model_group(), s.version(), s.fingerprint())
               << absl::StrFormat("ready        %s\ndevice       %s\n", s.ready() ? "yes" : "no",
@@ -472,19 +505,23 @@ class Refitctl {
       std::cout << "active refit none\n";
     }
     if (!s.server_version().empty()) std::cout << "server       " << s.server_version() << "\n";
-    return kExitOk;
   }
 
   int Health() {
+    // --group NAME: that group's readiness ("refit.v1.RefitService/NAME")
+    // instead of the daemon's (every group ready).
+    const std::string readiness = cl_.Has("group")
+                                      ? absl::StrCat(kReadinessService, "/", cl_.Get("group"))
+                                      : std::string(kReadinessService);
     if (cl_.Has("wait")) {
       absl::Duration limit = kDefaultHealthWait;
       if (cl_.Has("timeout")) ParseTimeout(cl_.Get("timeout"), &limit);
-      absl::Status serving = client_->WaitUntilServing(absl::Now() + limit);
+      absl::Status serving = client_->WaitUntilServing(absl::Now() + limit, readiness);
       if (!serving.ok()) return Fail(serving);
     }
     auto live = client_->HealthCheck("");
     if (!live.ok()) return Fail(live.status());
-    auto ready = client_->HealthCheck(kReadinessService);
+    auto ready = client_->HealthCheck(readiness);
     if (!ready.ok()) return Fail(ready.status());
     const bool ok = *live == HealthCheckResponse::SERVING && *ready == HealthCheckResponse::SERVING;
     if (json_) {
@@ -513,6 +550,38 @@ class Refitctl {
     options.non_finite = cl_.Has("vllm-non-finite") ? refit::v1::NON_FINITE_POLICY_VLLM_COMPATIBLE
                                                     : refit::v1::NON_FINITE_POLICY_REJECT;
     return options;
+  }
+
+  // "GROUP=VALUE[,GROUP=VALUE...]" (--linked, --link). INVALID_ARGUMENT
+  // naming `flag` for an empty part or one without '='.
+  static absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseGroupPairs(
+      const std::string& text, absl::string_view flag, absl::string_view form) {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (absl::string_view part : absl::StrSplit(text, ',')) {
+      const size_t eq = part.find('=');
+      if (eq == absl::string_view::npos || eq == 0 || eq + 1 == part.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(flag, " \"", part, "\": expected ", form, "[,", form, "...]"));
+      }
+      out.emplace_back(std::string(part.substr(0, eq)), std::string(part.substr(eq + 1)));
+    }
+    return out;
+  }
+
+  // The results of a linked commit: the first group's, then the linked ones.
+  void PrintLinked(const refit::v1::CommitResponse& response, absl::Duration elapsed) {
+    if (json_) {
+      Json j = ResultJson(response.result());
+      j["elapsed_seconds"] = absl::ToDoubleSeconds(elapsed);
+      j["linked"] = Json::array();
+      for (const refit::v1::RefitResult& r : response.linked())
+        j["linked"].push_back(ResultJson(r));
+      std::cout << j.dump(2) << std::endl;
+      return;
+    }
+    std::cout << "linked commit of " << 1 + response.linked_size() << " groups, one commit point\n";
+    PrintResult(response.result(), elapsed);
+    for (const refit::v1::RefitResult& r : response.linked()) PrintResult(r, elapsed);
   }
 
   void PrintResult(const refit::v1::RefitResult& r, absl::Duration elapsed) {
@@ -552,6 +621,7 @@ class Refitctl {
     PushOptions options = MakePushOptions();
     absl::StatusOr<std::vector<std::string>> files = ExpandSafetensorsPaths(cl_.args);
     if (!files.ok()) return Fail(files.status());
+    if (cl_.Has("link")) return PushLinked(*files, options);
     ProgressBar bar = ProgressBar::ForStream(stderr, !json_);
     std::optional<ProgressSample> last;
     options.on_progress = [&](const PushProgress& p) {
@@ -568,6 +638,82 @@ class Refitctl {
     bar.Finish(result.ok() ? last : std::nullopt);
     if (!result.ok()) return Fail(result.status());
     PrintResult(*result, absl::Now() - start);
+    return kExitOk;
+  }
+
+  // push --link GROUP=DIR[,...]: the files to --group and each DIR to its
+  // group, every refit stopped at PREPARED, then one linked commit (unless
+  // --prepare). Any failure aborts the refits already prepared, so a bad
+  // chunk for one group leaves no group's refit behind; live versions never
+  // change unless all commit together.
+  int PushLinked(const std::vector<std::string>& files, PushOptions options) {
+    absl::StatusOr<std::vector<std::pair<std::string, std::string>>> links =
+        ParseGroupPairs(cl_.Get("link"), "--link", "GROUP=FILES_OR_DIR");
+    if (!links.ok()) return Fail(links.status());
+    const bool stop_at_prepared = cl_.Has("prepare");
+    struct Part {
+      std::string group;
+      std::vector<std::string> files;
+      std::string refit_id;
+    };
+    std::vector<Part> parts = {{options.model_group, files, ""}};
+    for (const auto& [group, path] : *links) {
+      absl::StatusOr<std::vector<std::string>> expanded = ExpandSafetensorsPaths({path});
+      if (!expanded.ok()) return Fail(expanded.status());
+      parts.push_back({group, *std::move(expanded), ""});
+    }
+    auto abort_prepared = [&](const std::string& why) {
+      for (const Part& p : parts) {
+        if (p.refit_id.empty()) continue;
+        auto aborted = client_->Abort(p.group, p.refit_id, why);
+        if (!aborted.ok() && aborted.status().code() != absl::StatusCode::kNotFound) {
+          std::cerr << "refitctl push: could not abort refit " << p.refit_id << ": "
+                    << aborted.status() << std::endl;
+        }
+      }
+    };
+    absl::Time start = absl::Now();
+    std::vector<refit::v1::RefitResult> prepared;
+    for (Part& part : parts) {
+      PushOptions each = options;
+      each.model_group = part.group;
+      each.completion = refit::v1::COMPLETION_MODE_PREPARE;
+      // --base-version is the first group's.
+      if (&part != &parts.front()) each.base_version.reset();
+      absl::StatusOr<refit::v1::RefitResult> result = client_->PushFiles(part.files, each);
+      if (!result.ok()) {
+        const std::string group = part.group.empty() ? "(default)" : part.group;
+        abort_prepared(absl::StrCat("linked push to model group ", group, " failed"));
+        return Fail(
+            absl::Status(result.status().code(),
+                         absl::StrCat("model group ", group, ": ", result.status().message(),
+                                      " (the linked refits were aborted)")));
+      }
+      part.refit_id = result->refit_id();
+      prepared.push_back(*std::move(result));
+    }
+    if (stop_at_prepared) {
+      for (const refit::v1::RefitResult& r : prepared) PrintResult(r, absl::Now() - start);
+      std::vector<std::string> linked;
+      for (size_t i = 1; i < parts.size(); ++i) {
+        linked.push_back(absl::StrCat(parts[i].group, "=", parts[i].refit_id));
+      }
+      if (!json_) {
+        std::cout << "  run `refitctl"
+                  << (parts[0].group.empty() ? "" : absl::StrCat(" --group ", parts[0].group))
+                  << " commit " << parts[0].refit_id << " --linked " << absl::StrJoin(linked, ",")
+                  << "` to make them live together\n";
+      }
+      return kExitOk;
+    }
+    std::vector<RefitClient::RefitRef> refs;
+    for (size_t i = 1; i < parts.size(); ++i) refs.push_back({parts[i].group, parts[i].refit_id});
+    auto committed = client_->CommitLinked(parts[0].group, parts[0].refit_id, refs);
+    if (!committed.ok()) {
+      abort_prepared("the linked commit failed");
+      return Fail(committed.status());
+    }
+    PrintLinked(*committed, absl::Now() - start);
     return kExitOk;
   }
 
@@ -624,6 +770,17 @@ class Refitctl {
     // "" is resolved by the daemon: the caller's own active refit.
     const std::string id = cl_.args.empty() ? "" : cl_.args[0];
     absl::Time start = absl::Now();
+    if (cl_.Has("linked")) {
+      absl::StatusOr<std::vector<std::pair<std::string, std::string>>> linked =
+          ParseGroupPairs(cl_.Get("linked"), "--linked", "GROUP=REFIT_ID");
+      if (!linked.ok()) return Fail(linked.status());
+      std::vector<RefitClient::RefitRef> refs;
+      for (const auto& [group, refit_id] : *linked) refs.push_back({group, refit_id});
+      auto response = client_->CommitLinked(cl_.Get("group"), id, refs);
+      if (!response.ok()) return Fail(response.status());
+      PrintLinked(*response, absl::Now() - start);
+      return kExitOk;
+    }
     auto result = client_->Commit(cl_.Get("group"), id);
     if (!result.ok()) return Fail(result.status());
     PrintResult(*result, absl::Now() - start);

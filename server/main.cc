@@ -41,6 +41,18 @@ ABSL_FLAG(std::string, model, "demo",
           "\"demo\" (the built-in fixture model: a tiny Llama, generated at start), "
           "\"demo:qwen3_moe\" or \"demo:mixtral\" (the same with 8 experts a layer), or a "
           "checkpoint directory (config.json + *.safetensors), loaded as the first version.");
+// Repeated, with commas inside a value: taken off the command line before
+// absl's parser (see TakeGroupFlags); declared for --help.
+ABSL_FLAG(std::string, group, "",
+          "A model group to serve, repeated for several: NAME=MODEL[,key=value...] with MODEL "
+          "\"demo\" or a checkpoint directory and keys seed, tp, tp-rank, ep, ep-rank, device, "
+          "quant, host-staging (defaults: --demo-seed, --tp-size, --tp-rank, --ep, --ep-rank, "
+          "--device, --quant, "
+          "--host-staging). The first is the default group (a request's model_group \"\"); "
+          "without --group, one group \"target\" of --model. Each group has its own version, "
+          "refit slot, readiness (health service refit.v1.RefitService/NAME) and snapshots "
+          "(--state-dir for the default group, --state-dir/groups/NAME for the others). "
+          "Example: --group target=/ckpt/llama --group draft=/ckpt/draft,tp=1.");
 ABSL_FLAG(uint64_t, demo_seed, 0, "Seed of the --model demo weights.");
 ABSL_FLAG(int64_t, tp_rank, 0, "Tensor-parallel rank this daemon serves.");
 ABSL_FLAG(int64_t, tp_size, 1, "Tensor-parallel size.");
@@ -166,6 +178,31 @@ std::vector<std::string> NormalizeArgs(int argc, char** argv) {
   return args;
 }
 
+// Removes every --group=V / --group V from `args` (after NormalizeArgs) and
+// returns the values in order: absl keeps only a flag's last occurrence,
+// and would split a list flag at the commas inside a group's keys.
+absl::StatusOr<std::vector<std::string>> TakeGroupFlags(std::vector<std::string>& args) {
+  std::vector<std::string> values;
+  std::vector<std::string> kept;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (i > 0 && arg == "--") {
+      kept.insert(kept.end(), args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
+      break;
+    }
+    if (arg == "--group") {
+      if (i + 1 >= args.size()) return absl::InvalidArgumentError("--group needs a value");
+      values.push_back(args[++i]);
+    } else if (absl::StartsWith(arg, "--group=")) {
+      values.push_back(arg.substr(8));
+    } else {
+      kept.push_back(arg);
+    }
+  }
+  args = std::move(kept);
+  return values;
+}
+
 // sd_notify without systemd is a no-op; a failure to reach the service
 // manager is logged and does not stop the daemon (systemd then reports the
 // start as timed out, with this line in the journal).
@@ -197,6 +234,11 @@ int main(int argc, char** argv) {
   }
   absl::SetProgramUsageMessage(kUsage);
   std::vector<std::string> normalized = NormalizeArgs(argc, argv);
+  absl::StatusOr<std::vector<std::string>> group_flags = TakeGroupFlags(normalized);
+  if (!group_flags.ok()) return UsageError(group_flags.status());
+  const bool model_given = std::any_of(
+      normalized.begin(), normalized.end(),
+      [](const std::string& a) { return a == "--model" || absl::StartsWith(a, "--model="); });
   std::vector<char*> args;
   for (std::string& arg : normalized) args.push_back(arg.data());
   args.push_back(nullptr);
@@ -240,6 +282,21 @@ int main(int argc, char** argv) {
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.state_recovery = absl::GetFlag(FLAGS_state_recovery);
+  if (!group_flags->empty()) {
+    if (model_given) {
+      return UsageError(absl::InvalidArgumentError(
+          "--model and --group go not together: name the default group's model in its --group "
+          "(the first one)"));
+    }
+    // The single-group flags are the defaults of every group's keys.
+    const refit::server::GroupOptions defaults = refit::server::EffectiveGroups(options).front();
+    for (const std::string& spec : *group_flags) {
+      absl::StatusOr<refit::server::GroupOptions> group =
+          refit::server::ParseGroupSpec(spec, defaults);
+      if (!group.ok()) return UsageError(group.status());
+      options.groups.push_back(*std::move(group));
+    }
+  }
   options.fleet = absl::GetFlag(FLAGS_fleet);
   options.etcd_endpoints = absl::GetFlag(FLAGS_etcd);
   options.fleet_member = absl::GetFlag(FLAGS_fleet_member);

@@ -35,6 +35,11 @@ void Metrics::RecordOutcome(absl::string_view outcome) {
   ++outcomes_[std::string(outcome)];
 }
 
+void Metrics::RecordGroupOutcome(absl::string_view group, absl::string_view outcome) {
+  absl::MutexLock lock(&mu_);
+  ++group_outcomes_[std::string(group)][std::string(outcome)];
+}
+
 void Metrics::AddBytesReceived(int64_t bytes) {
   absl::MutexLock lock(&mu_);
   bytes_received_ += static_cast<uint64_t>(bytes);
@@ -94,6 +99,21 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
     auto it = outcomes_.find(outcome);
     absl::StrAppend(&out, "refitd_refits_total{outcome=\"", outcome, "\"} ",
                     it == outcomes_.end() ? 0 : it->second, "\n");
+  }
+  out +=
+      "# HELP refitd_group_refits_total Refits of each model group by outcome.\n"
+      "# TYPE refitd_group_refits_total counter\n";
+  for (const GroupGauges& g : groups) {
+    auto by_group = group_outcomes_.find(g.group);
+    for (const char* outcome : {"committed", "prepared", "aborted"}) {
+      uint64_t n = 0;
+      if (by_group != group_outcomes_.end()) {
+        auto it = by_group->second.find(outcome);
+        if (it != by_group->second.end()) n = it->second;
+      }
+      absl::StrAppend(&out, "refitd_group_refits_total{group=\"", LabelValue(g.group),
+                      "\",outcome=\"", outcome, "\"} ", n, "\n");
+    }
   }
   out +=
       "# HELP refitd_bytes_received_total Tensor payload bytes received by Push and Reload.\n"

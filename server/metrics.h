@@ -9,6 +9,9 @@
 //   refitd_bytes_received_total       counter; chunk payload bytes of Push and Reload
 //   refitd_phase_seconds{phase}       histogram; phase = receive | quantize | finalize | commit,
 //                                     one observation per committed refit
+//   refitd_group_refits_total{group,outcome}
+//                                     counter; outcome = committed | prepared | aborted, from
+//                                     each group's store events (a failed refit is aborted)
 //   refitd_version{group}             gauge; live version
 //   refitd_staging_bytes{group}       gauge; high-precision staging of the active refit
 //   refitd_last_commit_pause_seconds  gauge; readers' pause of the last commit
@@ -55,6 +58,8 @@ class Metrics {
                                                       1,     2.5,   5,    10,   30,  60,   300};
 
   void RecordOutcome(absl::string_view outcome);
+  // One refit event of `group`: "committed", "prepared" or "aborted".
+  void RecordGroupOutcome(absl::string_view group, absl::string_view outcome);
   void AddBytesReceived(int64_t bytes);
   // Observes the four phases and sets the last commit pause.
   void RecordCommitted(const core::PhaseTimings& timings);
@@ -75,6 +80,9 @@ class Metrics {
  private:
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, uint64_t> outcomes_ ABSL_GUARDED_BY(mu_);
+  // By group, then outcome.
+  absl::flat_hash_map<std::string, absl::flat_hash_map<std::string, uint64_t>> group_outcomes_
+      ABSL_GUARDED_BY(mu_);
   uint64_t bytes_received_ ABSL_GUARDED_BY(mu_) = 0;
   Histogram receive_ ABSL_GUARDED_BY(mu_);
   Histogram quantize_ ABSL_GUARDED_BY(mu_);

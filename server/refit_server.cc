@@ -116,58 +116,94 @@ absl::Status RefitServer::Init() {
 }
 
 absl::Status RefitServer::BuildModel() {
-  if (absl::Status s = core::ValidateDevice(options_.device); !s.ok()) return s;
-  absl::StatusOr<core::QuantScheme> quant = core::ParseQuantScheme(options_.quant);
+  std::vector<GroupOptions> groups = EffectiveGroups(options_);
+  for (const GroupOptions& g : groups) {
+    if (absl::Status s = ValidateGroupName(g.name); !s.ok()) return s;
+    if (groups_.count(g.name) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model group \"", g.name, "\" is given twice (--group)"));
+    }
+    if (absl::Status s = BuildGroup(g); !s.ok()) {
+      if (groups.size() == 1) return s;
+      return absl::Status(s.code(), absl::StrCat("model group \"", g.name, "\": ", s.message()));
+    }
+  }
+  default_group_name_ = groups.front().name;
+  return absl::OkStatus();
+}
+
+absl::Status RefitServer::BuildGroup(const GroupOptions& g) {
+  if (absl::Status s = core::ValidateDevice(g.device); !s.ok()) return s;
+  absl::StatusOr<core::QuantScheme> quant = core::ParseQuantScheme(g.quant);
   if (!quant.ok()) return quant.status();
+  GroupFiles& files_of = group_files_[g.name];
+  files_of.options = g;
   core::ModelConfig config;
-  if (options_.model == "demo" || absl::StartsWith(options_.model, "demo:")) {
+  if (g.model == "demo" || absl::StartsWith(g.model, "demo:")) {
     const char* tmp = getenv("TMPDIR");
     std::string pattern =
         absl::StrCat(tmp != nullptr && *tmp ? tmp : "/tmp", "/refitd-demo-XXXXXX");
     if (mkdtemp(pattern.data()) == nullptr) {
       return absl::InternalError(absl::StrCat("cannot create a temp dir from ", pattern));
     }
-    demo_dir_ = pattern;
+    files_of.demo_dir = pattern;
     // "demo:qwen3_moe" / "demo:mixtral": the tiny mixture-of-experts fixture.
     core::Architecture arch = core::Architecture::kLlama;
-    if (options_.model == "demo:qwen3_moe") {
+    if (g.model == "demo:qwen3_moe") {
       arch = core::Architecture::kQwen3Moe;
-    } else if (options_.model == "demo:mixtral") {
+    } else if (g.model == "demo:mixtral") {
       arch = core::Architecture::kMixtral;
-    } else if (options_.model != "demo") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("model \"", options_.model,
-                       "\": the demo models are demo, demo:qwen3_moe and demo:mixtral"));
+    } else if (g.model != "demo") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model \"", g.model, "\": the demo models are demo, demo:qwen3_moe and demo:mixtral"));
     }
     config = core::FixtureConfig(arch);
-    if (absl::Status s = core::WriteFixtureModel(demo_dir_, config, options_.demo_seed); !s.ok()) {
+    if (absl::Status s = core::WriteFixtureModel(files_of.demo_dir, config, g.demo_seed); !s.ok()) {
       return s;
     }
-    absl::StatusOr<std::vector<std::string>> files = core::ListSafetensorsFiles(demo_dir_);
+    absl::StatusOr<std::vector<std::string>> files = core::ListSafetensorsFiles(files_of.demo_dir);
     if (!files.ok()) return files.status();
-    model_files_ = std::move(*files);
+    files_of.files = std::move(*files);
   } else {
     absl::StatusOr<core::ModelConfig> parsed =
-        core::ModelConfig::FromFile(options_.model + "/config.json");
+        core::ModelConfig::FromFile(g.model + "/config.json");
     if (!parsed.ok()) return parsed.status();
     config = std::move(*parsed);
-    absl::StatusOr<std::vector<std::string>> files = core::ListSafetensorsFiles(options_.model);
+    absl::StatusOr<std::vector<std::string>> files = core::ListSafetensorsFiles(g.model);
     if (!files.ok()) return files.status();
-    model_files_ = std::move(*files);
+    files_of.files = std::move(*files);
   }
-  absl::StatusOr<std::shared_ptr<const core::ModelLayout>> layout = core::ModelLayout::Build(
-      config, {options_.tp_rank, options_.tp_size, options_.ep_rank, options_.ep_size}, *quant);
+  absl::StatusOr<std::shared_ptr<const core::ModelLayout>> layout =
+      core::ModelLayout::Build(config, {g.tp_rank, g.tp_size, g.ep_rank, g.ep_size}, *quant);
   if (!layout.ok()) return layout.status();
   core::ShardStoreOptions store_options;
-  store_options.group = kDefaultGroup;
-  store_options.device = options_.device;
+  store_options.group = g.name;
+  store_options.device = g.device;
   // With a state dir the kernels are most likely filled by a snapshot
   // restore: its reads fault the pages in, rather than Create first.
   store_options.prefault_host = options_.state_dir.empty();
   absl::StatusOr<std::unique_ptr<core::ShardStore>> store =
       core::ShardStore::Create(*layout, store_options);
   if (!store.ok()) return store.status();
-  groups_[kDefaultGroup] = std::make_unique<ModelGroup>(std::move(*store));
+  // Per-group outcome counters from the group's own events: every path
+  // (Push, Reload, Commit, Abort, deadlines, the first load) ends in one.
+  const std::string name = g.name;
+  files_of.metrics_listener = (*store)->AddListener([this, name](const core::StoreEvent& event) {
+    switch (event.type) {
+      case core::StoreEventType::kCommitted:
+        metrics_.RecordGroupOutcome(name, "committed");
+        break;
+      case core::StoreEventType::kPrepared:
+        metrics_.RecordGroupOutcome(name, "prepared");
+        break;
+      case core::StoreEventType::kAborted:
+        metrics_.RecordGroupOutcome(name, "aborted");
+        break;
+      case core::StoreEventType::kStagingStarted:
+        break;
+    }
+  });
+  groups_[g.name] = std::make_unique<ModelGroup>(std::move(*store));
   return absl::OkStatus();
 }
 
@@ -219,6 +255,7 @@ absl::Status RefitServer::StartGrpc() {
   service_->SetAttachService(attach_.get());
   health_ = std::make_unique<HealthService>();
   health_->SetServing(kRefitServiceName, false);
+  for (const auto& [name, group] : groups_) health_->SetServing(GroupHealthName(name), false);
   reflection_ = std::make_unique<ReflectionService>(
       std::vector<std::string>{kRefitServiceName, "grpc.health.v1.Health",
                                "grpc.reflection.v1alpha.ServerReflection",
@@ -296,8 +333,8 @@ absl::Status RefitServer::StartGrpc() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<core::RefitResult> RefitServer::LoadFirstVersion(ModelGroup* group,
-                                                                const core::RefitOptions& options) {
+absl::StatusOr<core::RefitResult> RefitServer::LoadFirstVersion(
+    ModelGroup* group, const std::vector<std::string>& files, const core::RefitOptions& options) {
   absl::StatusOr<std::unique_ptr<core::RefitSession>> begun =
       core::RefitSession::Begin(group->store(), options);
   if (!begun.ok()) return begun.status();
@@ -315,7 +352,7 @@ absl::StatusOr<core::RefitResult> RefitServer::LoadFirstVersion(ModelGroup* grou
     session->Abort("refitd is shutting down");
     result = session->abort_status();
   } else {
-    absl::Status ingested = core::IngestSafetensors(model_files_, *session, {});
+    absl::Status ingested = core::IngestSafetensors(files, *session, {});
     if (ingested.ok()) {
       result = session->Commit();
     } else {
@@ -327,19 +364,28 @@ absl::StatusOr<core::RefitResult> RefitServer::LoadFirstVersion(ModelGroup* grou
   return result;
 }
 
+std::string RefitServer::StateDirOf(const std::string& group) const {
+  if (options_.state_dir.empty()) return "";
+  // The default group's snapshots stay where a single-group daemon keeps
+  // them, so that its state dir recovers after --group is added.
+  if (group == default_group_name_) return options_.state_dir;
+  return absl::StrCat(options_.state_dir, "/groups/", group);
+}
+
 absl::StatusOr<bool> RefitServer::RecoverState(ModelGroup* group) {
+  const std::string state_dir = StateDirOf(group->name());
   absl::StatusOr<core::RecoveryPolicy> policy = core::ParseRecoveryPolicy(options_.state_recovery);
   if (!policy.ok()) return policy.status();
   REFIT_LOG(INFO)
           .Field("group", group->name())
-          .Field("state_dir", options_.state_dir)
+          .Field("state_dir", state_dir)
           .Field("state_recovery", options_.state_recovery)
       << "looking for a snapshot to recover";
   absl::StatusOr<core::RecoveryResult> recovered =
-      core::RecoverFromSnapshots(group->store(), options_.state_dir, *policy);
+      core::RecoverFromSnapshots(group->store(), state_dir, *policy);
   if (!recovered.ok()) return recovered.status();
   core::SnapshotWriterOptions writer_options;
-  writer_options.dir = options_.state_dir;
+  writer_options.dir = state_dir;
   // Test hook of the end-to-end tests: stop a snapshot write part way, so
   // that a SIGKILL then lands in the middle of it.
   if (const char* pause = getenv("REFIT_TEST_SNAPSHOT_PAUSE_AFTER_BYTES");
@@ -351,11 +397,11 @@ absl::StatusOr<bool> RefitServer::RecoverState(ModelGroup* group) {
   absl::StatusOr<std::unique_ptr<core::SnapshotWriter>> writer =
       core::SnapshotWriter::Create(group->store(), writer_options);
   if (!writer.ok()) return writer.status();
-  snapshot_writer_ = std::move(*writer);
+  group_files_[group->name()].snapshot_writer = std::move(*writer);
   if (!recovered->restored.has_value()) {
     REFIT_LOG(INFO)
             .Field("group", group->name())
-            .Field("state_dir", options_.state_dir)
+            .Field("state_dir", state_dir)
             .Field("rejected", absl::StrCat(recovered->rejected.size()))
             .Field("next_version", absl::StrCat(recovered->highest_version + 1))
         << "no usable snapshot; loading --model";
@@ -375,35 +421,55 @@ absl::StatusOr<bool> RefitServer::RecoverState(ModelGroup* group) {
 }
 
 absl::Status RefitServer::LoadInitialModel() {
-  ModelGroup* group = default_group();
+  // The default group first; readiness of each group as it is loaded, the
+  // daemon's once all are.
+  std::vector<std::string> order = {default_group_name_};
+  for (const auto& [name, group] : groups_) {
+    if (name != default_group_name_) order.push_back(name);
+  }
+  for (const std::string& name : order) {
+    absl::Status loaded = LoadGroup(groups_.at(name).get());
+    if (!loaded.ok()) {
+      if (groups_.size() == 1) return loaded;
+      return absl::Status(loaded.code(),
+                          absl::StrCat("model group \"", name, "\": ", loaded.message()));
+    }
+    absl::MutexLock lock(&shutdown_mu_);
+    if (!shut_down_) health_->SetServing(GroupHealthName(name), true);
+  }
+  absl::MutexLock lock(&shutdown_mu_);
+  if (!shut_down_) health_->SetServing(kRefitServiceName, true);
+  return absl::OkStatus();
+}
+
+absl::Status RefitServer::LoadGroup(ModelGroup* group) {
+  GroupFiles& files = group_files_.at(group->name());
+  auto remove_demo = [&files] {
+    if (!files.demo_dir.empty()) {
+      RemoveTree(files.demo_dir);
+      files.demo_dir.clear();
+    }
+  };
   if (!options_.state_dir.empty()) {
     absl::StatusOr<bool> restored = RecoverState(group);
     if (restored.ok() && *restored) {
-      if (!demo_dir_.empty()) {
-        RemoveTree(demo_dir_);
-        demo_dir_.clear();
-      }
-      absl::MutexLock lock(&shutdown_mu_);
-      if (!shut_down_) health_->SetServing(kRefitServiceName, true);
+      remove_demo();
       return absl::OkStatus();
     }
     if (!restored.ok()) return restored.status();
   }
   core::RefitOptions options;
   options.staging_budget_bytes = options_.staging_budget_bytes;
-  options.host_staging = options_.host_staging;
+  options.host_staging = files.options.host_staging;
   REFIT_LOG(INFO)
           .Field("group", group->name())
-          .Field("model", options_.model)
-          .Field("device", options_.device)
-          .Field("quant", options_.quant)
-          .Field("files", absl::StrCat(model_files_.size()))
+          .Field("model", files.options.model)
+          .Field("device", files.options.device)
+          .Field("quant", files.options.quant)
+          .Field("files", absl::StrCat(files.files.size()))
       << "loading the first version";
-  absl::StatusOr<core::RefitResult> result = LoadFirstVersion(group, options);
-  if (!demo_dir_.empty()) {
-    RemoveTree(demo_dir_);
-    demo_dir_.clear();
-  }
+  absl::StatusOr<core::RefitResult> result = LoadFirstVersion(group, files.files, options);
+  remove_demo();
   if (!result.ok()) {
     metrics_.RecordOutcome("failed");
     return result.status();
@@ -416,8 +482,6 @@ absl::Status RefitServer::LoadInitialModel() {
           .Field("version", absl::StrCat(result->version))
           .Field("fingerprint", result->fingerprint)
       << "first version loaded; ready";
-  absl::MutexLock lock(&shutdown_mu_);
-  if (!shut_down_) health_->SetServing(kRefitServiceName, true);
   return absl::OkStatus();
 }
 
@@ -426,7 +490,10 @@ void RefitServer::Shutdown() {
     absl::MutexLock lock(&shutdown_mu_);
     if (shut_down_) return;
     shut_down_ = true;
-    if (health_ != nullptr) health_->SetServing(kRefitServiceName, false);
+    if (health_ != nullptr) {
+      health_->SetServing(kRefitServiceName, false);
+      for (const auto& [name, group] : groups_) health_->SetServing(GroupHealthName(name), false);
+    }
   }
   REFIT_LOG(INFO) << "shutting down: readiness NOT_SERVING, refusing new refits";
   if (service_ != nullptr) service_->BeginShutdown();
@@ -438,14 +505,17 @@ void RefitServer::Shutdown() {
   }
   if (service_ != nullptr) service_->Join();
   // No refit runs any more: write the pending snapshot, if any, and stop.
-  if (snapshot_writer_ != nullptr) snapshot_writer_->Stop();
+  for (auto& [name, files] : group_files_) {
+    if (files.snapshot_writer != nullptr) files.snapshot_writer->Stop();
+  }
   metrics_http_.reset();
-  ModelGroup* group = default_group();
-  REFIT_LOG(INFO)
-          .Field("group", group != nullptr ? group->name() : std::string("-"))
-          .Field("version", group != nullptr ? absl::StrCat(group->store()->version()) : "-")
-          .Field("fingerprint", group != nullptr ? group->store()->fingerprint() : "-")
-      << "refitd stopped";
+  for (const auto& [name, group] : groups_) {
+    REFIT_LOG(INFO)
+            .Field("group", name)
+            .Field("version", absl::StrCat(group->store()->version()))
+            .Field("fingerprint", group->store()->fingerprint())
+        << "refitd stopped";
+  }
 }
 
 void RefitServer::Wait() {
@@ -458,16 +528,29 @@ RefitServer::~RefitServer() {
   server_.reset();
   attach_.reset();
   service_.reset();
-  if (!demo_dir_.empty()) RemoveTree(demo_dir_);
+  for (auto& [name, files] : group_files_) {
+    if (!files.demo_dir.empty()) RemoveTree(files.demo_dir);
+    if (auto it = groups_.find(name); it != groups_.end() && files.metrics_listener >= 0) {
+      it->second->store()->RemoveListener(files.metrics_listener);
+    }
+  }
 }
 
 int RefitServer::metrics_port() const {
   return metrics_http_ != nullptr ? metrics_http_->port() : 0;
 }
 
-ModelGroup* RefitServer::default_group() const {
-  auto it = groups_.find(kDefaultGroup);
+ModelGroup* RefitServer::default_group() const { return group(default_group_name_); }
+
+ModelGroup* RefitServer::group(const std::string& name) const {
+  auto it = groups_.find(name);
   return it == groups_.end() ? nullptr : it->second.get();
+}
+
+const std::vector<std::string>& RefitServer::model_files() const {
+  static const std::vector<std::string> kNone;
+  auto it = group_files_.find(default_group_name_);
+  return it == group_files_.end() ? kNone : it->second.files;
 }
 
 }  // namespace refit::server

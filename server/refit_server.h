@@ -8,9 +8,13 @@
 //                  reader role, like the data it describes)) on every listen address, and the
 //                  /metrics endpoint. Liveness ("") is SERVING, readiness
 //                  ("refit.v1.RefitService") NOT_SERVING.
-//   LoadInitialModel  loads the first version (--model demo: the fixture
-//                  model written to a temp dir; else the checkpoint dir) and
-//                  turns readiness SERVING.
+//   LoadInitialModel  loads the first version of every model group, the
+//                  default group first (--model demo: the fixture model
+//                  written to a temp dir; else the checkpoint dir; with
+//                  --state-dir the newest snapshot), turning each group's
+//                  readiness ("refit.v1.RefitService/NAME") SERVING as it
+//                  is loaded and the daemon's ("refit.v1.RefitService") once
+//                  all are.
 //   Shutdown       readiness NOT_SERVING, new refits UNAVAILABLE, running and
 //                  prepared refits aborted, Watch streams ended, gRPC stopped
 //                  (in-flight RPCs cancelled after options.shutdown_timeout),
@@ -57,7 +61,7 @@ class RefitServer {
   RefitServer(const RefitServer&) = delete;
   RefitServer& operator=(const RefitServer&) = delete;
 
-  // Loads version 1 of the default group and sets readiness SERVING.
+  // Loads version 1 of every group and sets readiness SERVING.
   // ABORTED when Shutdown is called meanwhile (from another thread).
   absl::Status LoadInitialModel();
   void Shutdown();
@@ -70,6 +74,8 @@ class RefitServer {
   // 0 when /metrics is off.
   int metrics_port() const;
   ModelGroup* default_group() const;
+  // nullptr for a group the daemon does not serve.
+  ModelGroup* group(const std::string& name) const;
   grpc::Server* grpc_server() const { return server_.get(); }
   // For the fleet membership (server/fleet_member.h), set up by main.
   RefitServiceImpl* service() const { return service_.get(); }
@@ -77,12 +83,20 @@ class RefitServer {
   Metrics* metrics() { return &metrics_; }
   // The checkpoint files of the first load (for --model demo, in a temp dir
   // that lives as long as the server).
-  const std::vector<std::string>& model_files() const { return model_files_; }
+  const std::vector<std::string>& model_files() const;
 
  private:
   explicit RefitServer(ServerOptions options);
   absl::Status Init();
+  // Every group of EffectiveGroups(options_): INVALID_ARGUMENT for a bad or
+  // repeated name, and BuildGroup's errors prefixed with the group.
   absl::Status BuildModel();
+  absl::Status BuildGroup(const GroupOptions& group);
+  // Recovers or loads the first version of `group`.
+  absl::Status LoadGroup(ModelGroup* group);
+  // Where `group` keeps its snapshots: --state-dir for the default group (as
+  // a single-group daemon), --state-dir/groups/NAME for the others.
+  std::string StateDirOf(const std::string& group) const;
   absl::Status StartGrpc();
   // --state-dir: restores the newest verified snapshot into `group` (true)
   // or leaves it empty (false), then starts the snapshot writer.
@@ -90,15 +104,23 @@ class RefitServer {
   // Begin + ingest of model_files_ + Commit, registered in `group` so that
   // Shutdown aborts it (ABORTED).
   absl::StatusOr<core::RefitResult> LoadFirstVersion(ModelGroup* group,
+                                                     const std::vector<std::string>& files,
                                                      const core::RefitOptions& options);
 
   ServerOptions options_;
-  std::string demo_dir_;  // removed in the destructor
-  std::vector<std::string> model_files_;
+  std::string default_group_name_ = kDefaultGroup;
   std::map<std::string, std::unique_ptr<ModelGroup>> groups_;
-  // --state-dir: snapshots the default group's commits; destroyed before
-  // the groups.
-  std::unique_ptr<core::SnapshotWriter> snapshot_writer_;
+  // Per group, declared after groups_ so that the snapshot writers go
+  // first.
+  struct GroupFiles {
+    GroupOptions options;
+    std::string demo_dir;            // --model demo: removed once loaded, or in the destructor
+    std::vector<std::string> files;  // the checkpoint of the first load
+    // --state-dir: snapshots the group's commits.
+    std::unique_ptr<core::SnapshotWriter> snapshot_writer;
+    int metrics_listener = -1;  // the store listener counting outcomes
+  };
+  std::map<std::string, GroupFiles> group_files_;
   std::unique_ptr<Authenticator> auth_;
   Metrics metrics_;
   std::unique_ptr<RefitServiceImpl> service_;

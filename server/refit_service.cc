@@ -158,6 +158,7 @@ RefitServiceImpl::RefitServiceImpl(const ServerOptions& options,
                                    const std::map<std::string, std::unique_ptr<ModelGroup>>* groups,
                                    const Authenticator* auth, Metrics* metrics)
     : options_(options),
+      default_group_(EffectiveGroups(options).front().name),
       groups_(groups),
       auth_(auth),
       metrics_(metrics),
@@ -172,7 +173,7 @@ RefitServiceImpl::~RefitServiceImpl() {
 }
 
 absl::StatusOr<ModelGroup*> RefitServiceImpl::FindGroup(absl::string_view name) const {
-  const std::string key = name.empty() ? std::string(kDefaultGroup) : std::string(name);
+  const std::string key = name.empty() ? default_group_ : std::string(name);
   auto it = groups_->find(key);
   if (it == groups_->end()) {
     return absl::NotFoundError(absl::StrCat("unknown model group ", core::QuoteText(key)));
@@ -344,6 +345,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
   absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
   if (!group.ok()) return Reply(context, group.status());
   if (absl::Status s = CheckAcceptingRefits(); !s.ok()) return Reply(context, s);
+  if (request->linked_size() > 0) return CommitLinked(context, *caller, *group, request, response);
   std::string id, fleet_refit_id;
   FleetMember* const fleet = fleet_.load();
   // A fleet refit this member already committed on its decision: the
@@ -408,6 +410,101 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
   return Reply(context, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerContext* context,
+                                                         const Principal& caller, ModelGroup* first,
+                                                         const v1::CommitRequest* request,
+                                                         v1::CommitResponse* response) {
+  // Every refit is looked up and checked before any is touched: a refusal
+  // leaves them all as they were (PREPARED ones stay PREPARED).
+  struct Part {
+    ModelGroup* group;
+    std::string id;
+  };
+  std::vector<Part> parts;
+  auto add = [&](ModelGroup* group, const std::string& refit_id) -> absl::Status {
+    for (const Part& p : parts) {
+      if (p.group == group) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("Commit: model group \"", group->name(),
+                         "\" is named twice; a linked commit takes one refit per group"));
+      }
+    }
+    absl::StatusOr<ModelGroup::Found> found = FindRefit(*group, caller, refit_id);
+    if (!found.ok()) return found.status();
+    const std::string& id = found->entry.refit_id;
+    absl::Status owner = Authenticator::CheckOwner(caller, found->entry.owner, id, "Commit");
+    if (!owner.ok()) {
+      return absl::Status(owner.code(),
+                          absl::StrCat("model group \"", group->name(), "\": ", owner.message()));
+    }
+    if (!found->entry.prepared) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("Commit: refit \"", id, "\" of model group \"", group->name(),
+                       "\" is still receiving; a linked commit needs every refit PREPARED"));
+    }
+    parts.push_back({group, id});
+    return absl::OkStatus();
+  };
+  if (absl::Status s = add(first, request->refit_id()); !s.ok()) return Reply(context, s);
+  for (const v1::RefitRef& ref : request->linked()) {
+    absl::StatusOr<ModelGroup*> group = FindGroup(ref.model_group());
+    if (!group.ok()) return Reply(context, group.status());
+    if (absl::Status s = add(*group, ref.refit_id()); !s.ok()) return Reply(context, s);
+  }
+  // Taken out of the registry, so that no Abort or deadline ends one of
+  // them between the checks and the commit; put back if the commit is
+  // refused.
+  std::vector<RefitEntry> entries;
+  auto put_back = [&] {
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (entries[i].session->state() == core::SessionState::kPrepared) {
+        parts[i].group->Add(std::move(entries[i]), nullptr);
+      }
+    }
+    watchdog_.Wake();
+  };
+  for (const Part& p : parts) {
+    absl::StatusOr<RefitEntry> entry = p.group->TakePrepared(p.id);
+    if (!entry.ok()) {
+      put_back();
+      return Reply(context, absl::Status(entry.status().code(),
+                                         absl::StrCat("model group \"", p.group->name(),
+                                                      "\": ", entry.status().message())));
+    }
+    entries.push_back(*std::move(entry));
+  }
+  std::vector<core::RefitSession*> sessions;
+  for (const RefitEntry& e : entries) sessions.push_back(e.session.get());
+  absl::StatusOr<std::vector<core::RefitResult>> results =
+      core::RefitSession::CommitLinked(sessions);
+  if (!results.ok()) {
+    const bool aborted = entries.front().session->state() == core::SessionState::kAborted;
+    if (aborted) {
+      for (size_t i = 0; i < entries.size(); ++i) metrics_->RecordOutcome("failed");
+    } else {
+      put_back();
+    }
+    REFIT_LOG(WARNING).Field("refit_id", entries.front().refit_id).Field("caller", caller.name)
+        << "linked commit " << (aborted ? "failed, all aborted: " : "refused: ")
+        << std::string(results.status().message());
+    return Reply(context, results.status());
+  }
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const core::RefitResult& result = (*results)[i];
+    metrics_->RecordOutcome("committed");
+    metrics_->RecordCommitted(result.timings);
+    REFIT_LOG(INFO)
+            .Field("refit_id", entries[i].refit_id)
+            .Field("group", parts[i].group->name())
+            .Field("caller", caller.name)
+            .Field("version", absl::StrCat(result.version))
+        << "prepared refit committed (linked, " << entries.size() << " groups)";
+    ToProtoResult(result, v1::REFIT_STATE_COMMITTED,
+                  i == 0 ? response->mutable_result() : response->add_linked());
+  }
+  return Reply(context, absl::OkStatus());
+}
+
 grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* context,
                                                   const v1::AbortRequest* request,
                                                   v1::AbortResponse* response) {
@@ -455,10 +552,45 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   if (!caller.ok()) return Reply(context, caller.status());
   absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
   if (!group.ok()) return Reply(context, group.status());
-  core::ShardStore* store = (*group)->store();
+  if (!request->all_groups()) {
+    FillStatus(*group, (*group)->store()->live_version(), response);
+    return Reply(context, absl::OkStatus());
+  }
+  // The live versions of all groups as of one instant: collected until two
+  // passes agree (versions only grow, so an unchanged pass means every
+  // version held between the two), so that a linked commit is seen in all
+  // of its groups or in none.
+  // The default group first, then the others by name.
+  std::vector<ModelGroup*> order;
+  if (auto it = groups_->find(default_group_); it != groups_->end())
+    order.push_back(it->second.get());
+  for (const auto& [name, g] : *groups_) {
+    if (name != default_group_) order.push_back(g.get());
+  }
+  std::vector<core::LiveVersion> lives;
+  for (int pass = 0; pass < 100; ++pass) {
+    std::vector<core::LiveVersion> again;
+    for (ModelGroup* g : order) again.push_back(g->store()->live_version());
+    const bool same = again.size() == lives.size() &&
+                      std::equal(again.begin(), again.end(), lives.begin(),
+                                 [](const core::LiveVersion& a, const core::LiveVersion& b) {
+                                   return a.version == b.version && a.fingerprint == b.fingerprint;
+                                 });
+    lives = std::move(again);
+    if (same) break;
+  }
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (order[i] == *group) FillStatus(order[i], lives[i], response);
+    FillStatus(order[i], lives[i], response->add_groups());
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+void RefitServiceImpl::FillStatus(ModelGroup* group, const core::LiveVersion& live,
+                                  v1::GetStatusResponse* response) const {
+  core::ShardStore* store = group->store();
   const core::ModelLayout& layout = store->layout();
-  response->set_model_group((*group)->name());
-  const core::LiveVersion live = store->live_version();
+  response->set_model_group(group->name());
   response->set_version(live.version);
   response->set_fingerprint(live.fingerprint);
   response->set_device(store->device());
@@ -481,7 +613,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   // back is still reported, so "idle" means a Begin now can start.
   const std::string active = store->active_session();
   int64_t staging = 0, peak = 0;
-  for (const auto& session : (*group)->Sessions()) {
+  for (const auto& session : group->Sessions()) {
     core::SessionProgress progress = session->progress();
     staging += progress.staging_bytes;
     peak = std::max(peak, progress.peak_staging_bytes);
@@ -514,8 +646,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::GetStatus(grpc::CallbackServerContex
   response->set_last_commit_unix_seconds(UnixSecondsOf(live.last_commit));
   response->set_server_version(
       absl::StrCat("refitd ", core::VersionString(), ", LibTorch ", core::TorchVersion()));
-  if (attach_ != nullptr) attach_->FillEngines((*group)->name(), response);
-  return Reply(context, absl::OkStatus());
+  if (attach_ != nullptr) attach_->FillEngines(group->name(), response);
 }
 
 grpc::ServerUnaryReactor* RefitServiceImpl::ListTensors(grpc::CallbackServerContext* context,

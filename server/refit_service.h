@@ -110,7 +110,22 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
   void RunWorker(std::function<void()> work);
 
  private:
+  // Commit with CommitRequest.linked: this refit and the linked ones at one
+  // commit point (core::RefitSession::CommitLinked), all or none. Refusals
+  // (NOT_FOUND for an unknown group or refit, PERMISSION_DENIED for another
+  // client's, FAILED_PRECONDITION for one still receiving, INVALID_ARGUMENT
+  // for a group named twice; each naming the group) leave every refit as
+  // it was; a commit that fails in the store aborts them all.
+  grpc::ServerUnaryReactor* CommitLinked(grpc::CallbackServerContext* context,
+                                         const Principal& caller, ModelGroup* first,
+                                         const v1::CommitRequest* request,
+                                         v1::CommitResponse* response);
+  // GetStatus of one group, with `live` its live version.
+  void FillStatus(ModelGroup* group, const core::LiveVersion& live,
+                  v1::GetStatusResponse* response) const;
+
   ServerOptions options_;
+  const std::string default_group_;  // what model_group "" names
   const std::map<std::string, std::unique_ptr<ModelGroup>>* groups_;
   const Authenticator* auth_;
   Metrics* metrics_;

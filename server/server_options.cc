@@ -5,12 +5,96 @@
 #include <limits>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
 namespace refit::server {
+
+std::vector<GroupOptions> EffectiveGroups(const ServerOptions& options) {
+  if (!options.groups.empty()) return options.groups;
+  GroupOptions group;
+  group.name = kDefaultGroup;
+  group.model = options.model;
+  group.demo_seed = options.demo_seed;
+  group.tp_rank = options.tp_rank;
+  group.tp_size = options.tp_size;
+  group.ep_rank = options.ep_rank;
+  group.ep_size = options.ep_size;
+  group.device = options.device;
+  group.quant = options.quant;
+  group.host_staging = options.host_staging;
+  return {group};
+}
+
+absl::Status ValidateGroupName(absl::string_view name) {
+  const bool valid = !name.empty() && name.size() <= 64 && name != "." && name != ".." &&
+                     std::all_of(name.begin(), name.end(), [](char c) {
+                       return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
+                              c == '_' || c == '-';
+                     });
+  if (valid) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "model group name \"", absl::CHexEscape(name.substr(0, 80)),
+      "\" is not 1 to 64 of [A-Za-z0-9._-] (it names a health service and a directory)"));
+}
+
+absl::StatusOr<GroupOptions> ParseGroupSpec(absl::string_view text, const GroupOptions& defaults) {
+  auto invalid = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--group \"", absl::CHexEscape(text), "\": ", why,
+                     " (expected NAME=MODEL[,key=value...], keys "
+                     "seed, tp, tp-rank, ep, ep-rank, device, quant, host-staging)"));
+  };
+  const size_t eq = text.find('=');
+  if (eq == absl::string_view::npos) return invalid("no '=' after the group name");
+  GroupOptions group = defaults;
+  group.name = std::string(text.substr(0, eq));
+  if (absl::Status s = ValidateGroupName(group.name); !s.ok()) return invalid(s.message());
+  std::vector<std::string> parts = absl::StrSplit(text.substr(eq + 1), ',');
+  group.model = parts[0];
+  if (group.model.empty()) return invalid("no model (a checkpoint directory or demo)");
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string& part = parts[i];
+    const size_t at = part.find('=');
+    if (at == std::string::npos) return invalid(absl::StrCat("\"", part, "\" is not key=value"));
+    const std::string key = part.substr(0, at);
+    const std::string value = part.substr(at + 1);
+    auto number = [&](int64_t* out) -> absl::Status {
+      if (!absl::SimpleAtoi(value, out) || *out < 0) {
+        return invalid(absl::StrCat(key, "=", value, " is not a non-negative integer"));
+      }
+      return absl::OkStatus();
+    };
+    if (key == "seed") {
+      if (!absl::SimpleAtoi(value, &group.demo_seed)) {
+        return invalid(absl::StrCat("seed=", value, " is not a non-negative integer"));
+      }
+    } else if (key == "tp") {
+      if (absl::Status s = number(&group.tp_size); !s.ok()) return s;
+    } else if (key == "tp-rank") {
+      if (absl::Status s = number(&group.tp_rank); !s.ok()) return s;
+    } else if (key == "ep") {
+      if (absl::Status s = number(&group.ep_size); !s.ok()) return s;
+    } else if (key == "ep-rank") {
+      if (absl::Status s = number(&group.ep_rank); !s.ok()) return s;
+    } else if (key == "device") {
+      group.device = value;
+    } else if (key == "quant") {
+      group.quant = value;
+    } else if (key == "host-staging") {
+      if (value != "true" && value != "false") {
+        return invalid(absl::StrCat("host-staging=", value, " is not true or false"));
+      }
+      group.host_staging = value == "true";
+    } else {
+      return invalid(absl::StrCat("unknown key \"", key, "\""));
+    }
+  }
+  return group;
+}
 
 std::vector<std::string> SplitListenAddresses(const std::vector<std::string>& values) {
   std::vector<std::string> out;

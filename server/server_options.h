@@ -18,7 +18,31 @@ namespace refit::server {
 inline constexpr char kRefitServiceName[] = "refit.v1.RefitService";
 inline constexpr char kDefaultGroup[] = "target";
 
+// The readiness service of one model group: "refit.v1.RefitService/NAME".
+inline std::string GroupHealthName(absl::string_view group) {
+  return std::string(kRefitServiceName) + "/" + std::string(group);
+}
+
+// One model group the daemon serves: its own store, version, fingerprint,
+// refit slot, readiness and snapshots (--group NAME=MODEL[,key=value...]).
+struct GroupOptions {
+  std::string name = kDefaultGroup;  // 1 to 64 of [A-Za-z0-9._-]
+  std::string model = "demo";        // "demo" or a checkpoint directory
+  uint64_t demo_seed = 0;
+  int64_t tp_rank = 0;
+  int64_t tp_size = 1;
+  int64_t ep_rank = 0;  // expert parallelism (mixture-of-experts models)
+  int64_t ep_size = 1;
+  std::string device = "cpu";
+  std::string quant = "per-tensor";
+  bool host_staging = false;
+};
+
 struct ServerOptions {
+  // The model groups, the default group (a request's model_group "") first.
+  // Empty: one group, kDefaultGroup, made of the single-group fields below
+  // (model, demo_seed, tp_rank, tp_size, device, quant, host_staging).
+  std::vector<GroupOptions> groups;
   // gRPC listen addresses: "host:port" (port 0 picks one) or "unix:/path".
   std::vector<std::string> listen = {"127.0.0.1:50051"};
   // "demo" (the fixture model, written to a temp dir and loaded) or a
@@ -91,6 +115,21 @@ inline constexpr int64_t kMessageHeadroomBytes = int64_t{1} << 20;
 // The smallest ReadTensor chunk a request may ask for (smaller requests are
 // raised to it).
 inline constexpr int64_t kMinReadChunkBytes = int64_t{64} << 10;
+
+// The groups `options` serves: options.groups, or the one default group
+// made of its single-group fields.
+std::vector<GroupOptions> EffectiveGroups(const ServerOptions& options);
+
+// Parses a --group value, "NAME=MODEL[,key=value...]" (MODEL "demo" or a
+// checkpoint directory; keys seed, tp, tp-rank, ep, ep-rank, device,
+// quant, host-staging); `defaults` gives what the keys leave out. INVALID_ARGUMENT
+// naming the value and the bad part (a name outside [A-Za-z0-9._-]{1,64}, a
+// missing model, an unknown key, a malformed number).
+absl::StatusOr<GroupOptions> ParseGroupSpec(absl::string_view text, const GroupOptions& defaults);
+
+// OK for 1 to 64 of [A-Za-z0-9._-] (a group name is part of a health
+// service name and of a directory name); INVALID_ARGUMENT naming it.
+absl::Status ValidateGroupName(absl::string_view name);
 
 // Splits comma-separated entries and drops empty ones.
 std::vector<std::string> SplitListenAddresses(const std::vector<std::string>& values);

@@ -17,6 +17,64 @@ TEST(ServerOptionsTest, SplitsCommaSeparatedAndRepeatedAddresses) {
               ElementsAre("127.0.0.1:1", "unix:/tmp/a.sock", "[::1]:3"));
 }
 
+TEST(ServerOptionsTest, ParsesAGroupWithItsKeysOverTheDefaults) {
+  GroupOptions defaults;
+  defaults.device = "cuda:1";
+  defaults.quant = "per-channel";
+  absl::StatusOr<GroupOptions> group =
+      ParseGroupSpec("draft=/ckpt/draft,tp=2,tp-rank=1,seed=9,host-staging=true", defaults);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_EQ(group->name, "draft");
+  EXPECT_EQ(group->model, "/ckpt/draft");
+  EXPECT_EQ(group->tp_size, 2);
+  EXPECT_EQ(group->tp_rank, 1);
+  EXPECT_EQ(group->demo_seed, 9u);
+  EXPECT_TRUE(group->host_staging);
+  EXPECT_EQ(group->device, "cuda:1");  // from the defaults
+  EXPECT_EQ(group->quant, "per-channel");
+  absl::StatusOr<GroupOptions> plain = ParseGroupSpec("target=demo", defaults);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->model, "demo");
+  EXPECT_EQ(plain->tp_size, 1);
+}
+
+TEST(ServerOptionsTest, RefusesMalformedGroups) {
+  const struct {
+    const char* spec;
+    const char* why;
+  } cases[] = {
+      {"draft", "no '='"},
+      {"=demo", "model group name \"\""},
+      {"dr/aft=demo", "model group name \"dr/aft\""},
+      {"..=demo", "model group name \"..\""},
+      {"draft=", "no model"},
+      {"draft=demo,tp", "\"tp\" is not key=value"},
+      {"draft=demo,tp=two", "tp=two is not a non-negative integer"},
+      {"draft=demo,color=red", "unknown key \"color\""},
+      {"draft=demo,host-staging=yes", "host-staging=yes is not true or false"},
+  };
+  for (const auto& c : cases) {
+    absl::StatusOr<GroupOptions> group = ParseGroupSpec(c.spec, GroupOptions());
+    EXPECT_EQ(group.status().code(), absl::StatusCode::kInvalidArgument) << c.spec;
+    EXPECT_THAT(group.status().message(), HasSubstr(c.why)) << c.spec;
+    EXPECT_THAT(group.status().message(), HasSubstr(absl::StrCat("--group \"", c.spec, "\"")));
+  }
+}
+
+TEST(ServerOptionsTest, WithoutGroupsTheSingleGroupFieldsMakeTheDefaultGroup) {
+  ServerOptions options;
+  options.model = "/ckpt";
+  options.tp_size = 4;
+  options.tp_rank = 3;
+  std::vector<GroupOptions> groups = EffectiveGroups(options);
+  ASSERT_EQ(groups.size(), 1u);
+  EXPECT_EQ(groups[0].name, kDefaultGroup);
+  EXPECT_EQ(groups[0].model, "/ckpt");
+  EXPECT_EQ(groups[0].tp_size, 4);
+  EXPECT_EQ(groups[0].tp_rank, 3);
+  EXPECT_EQ(GroupHealthName("draft"), "refit.v1.RefitService/draft");
+}
+
 TEST(ServerOptionsTest, ListenAddressesNeedAPortInRange) {
   for (const char* ok : {"127.0.0.1:0", "127.0.0.1:50051", "0.0.0.0:65535", "[::1]:50051",
                          "localhost:1", "unix:/tmp/refitd.sock", "unix-abstract:refitd"}) {

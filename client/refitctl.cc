@@ -39,6 +39,8 @@ constexpr char kUsage[] = R"(refitctl: drive a refitd weight-reload daemon.
 Usage: refitctl [global flags] COMMAND [args] [flags]
 
 Commands:
+  fleet status|push|reload   a whole fleet of daemons through etcd, all or none
+                             (`refitctl fleet --help`, docs/fleet.md)
   status                     served version, fingerprint, active refit, memory, model;
                              of every model group (of one with --group)
   health                     grpc.health.v1 Check of "" (live) and "refit.v1.RefitService"

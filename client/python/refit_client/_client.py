@@ -7,7 +7,19 @@ import dataclasses
 import pathlib
 import threading
 import time
-from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Deque,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import grpc
 import numpy as np
@@ -132,6 +144,40 @@ def _read_file(path: str, what: str) -> bytes:
 
 def _state_name(value: int) -> str:
     return pb.RefitState.Name(value).replace("REFIT_STATE_", "")
+
+
+def _status(r: Any) -> Status:
+    """A GetStatusResponse (or one of its groups) as a Status."""
+    m, mem = r.model, r.memory
+    return Status(
+        model_group=r.model_group,
+        version=r.version,
+        fingerprint=r.fingerprint,
+        device=r.device,
+        ready=r.ready,
+        active_refit=ActiveRefit(**_progress_fields(r.active_refit))
+        if r.HasField("active_refit")
+        else None,
+        memory=MemoryUsage(
+            mem.kernel_bytes,
+            mem.staging_bytes,
+            mem.peak_staging_bytes,
+            mem.staging_budget_bytes,
+            mem.resident_bytes,
+        ),
+        model=ModelSummary(
+            m.architecture,
+            m.num_layers,
+            m.tp_rank,
+            m.tp_size,
+            m.quantization,
+            m.checkpoint_dtype,
+            m.num_kernel_tensors,
+            m.kernel_bytes,
+        ),
+        last_commit_unix_seconds=r.last_commit_unix_seconds,
+        server_version=r.server_version,
+    )
 
 
 def _result(msg: Any) -> RefitResult:
@@ -762,19 +808,73 @@ class RefitClient:
             raise error_for(grpc.StatusCode.DATA_LOSS, "reload: the stream ended without a result")
         return result
 
-    def commit(self, refit_id: str, *, group: str = "", timeout: Optional[float] = None) -> RefitResult:
+    def commit(
+        self,
+        refit_id: str,
+        *,
+        group: str = "",
+        linked: Optional[Sequence[Tuple[str, str]]] = None,
+        timeout: Optional[float] = None,
+    ) -> RefitResult:
         """Commits a refit pushed with prepare=True. Never retried.
-        Raises NotFound (unknown refit), FailedPrecondition (still receiving),
-        PermissionDenied (another trainer's refit), Unavailable."""
+        ``linked``: (group, refit_id) pairs of PREPARED refits of other groups
+        committed with this one at one commit point, all or none (their
+        results: commit_linked). Raises NotFound (unknown refit or group),
+        FailedPrecondition (still receiving), PermissionDenied (another
+        trainer's refit), InvalidArgument (a group named twice), Unavailable;
+        a refused linked commit leaves every refit as it was."""
+        return self.commit_linked([(group, refit_id)] + list(linked or ()), timeout=timeout)[0]
+
+    def commit_linked(
+        self, refits: Sequence[Tuple[str, str]], *, timeout: Optional[float] = None
+    ) -> List[RefitResult]:
+        """Commits the PREPARED refits ``refits`` ((group, refit_id) pairs, one
+        per group; "" is the default group, or the caller's active refit) at
+        one commit point: readers see all their groups' old versions or all
+        the new ones. Results in the order given. Errors as commit()."""
+        if not refits:
+            raise InvalidArgument("commit_linked: no refits")
+        (group, refit_id), rest = refits[0], refits[1:]
+        request = pb.CommitRequest(model_group=group, refit_id=refit_id)
+        for g, r in rest:
+            request.linked.add(model_group=g, refit_id=r)
         try:
             response = self._stub.Commit(
-                pb.CommitRequest(model_group=group, refit_id=refit_id),
-                timeout=self._deadline(timeout),
-                metadata=self._metadata,
+                request, timeout=self._deadline(timeout), metadata=self._metadata
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e, f"commit on {self.address}") from None
-        return _result(response.result)
+        return [_result(response.result)] + [_result(r) for r in response.linked]
+
+    def push_linked(
+        self,
+        tensors_by_group: Mapping[str, Any],
+        *,
+        label: str = "",
+        timeout: Optional[float] = None,
+        **push_kwargs: Any,
+    ) -> Dict[str, RefitResult]:
+        """Pushes each group's tensors (a target and its draft, say) as a
+        PREPARED refit, then commits them all at one commit point. Any
+        failure (a bad tensor for one group, a refused commit) aborts the
+        refits already prepared and raises that error: no group changes
+        unless all do. Returns the committed results by group."""
+        prepared: List[Tuple[str, str]] = []
+        try:
+            for group, tensors in tensors_by_group.items():
+                r = self.push(
+                    tensors, prepare=True, label=label, group=group, timeout=timeout, **push_kwargs
+                )
+                prepared.append((group, r.refit_id))
+            results = self.commit_linked(prepared, timeout=timeout)
+        except BaseException:
+            for group, refit_id in prepared:
+                try:
+                    self.abort(refit_id, "linked push failed", group=group, timeout=timeout)
+                except RefitError:
+                    pass  # already gone (aborted by a failed commit, or expired)
+            raise
+        return {group: result for (group, _), result in zip(prepared, results)}
 
     def abort(
         self, refit_id: str = "", reason: str = "", *, group: str = "", timeout: Optional[float] = None
@@ -799,36 +899,16 @@ class RefitClient:
         r = self._unary_read(
             self._stub.GetStatus, pb.GetStatusRequest(model_group=group), "status", timeout
         )
-        m, mem = r.model, r.memory
-        return Status(
-            model_group=r.model_group,
-            version=r.version,
-            fingerprint=r.fingerprint,
-            device=r.device,
-            ready=r.ready,
-            active_refit=ActiveRefit(**_progress_fields(r.active_refit))
-            if r.HasField("active_refit")
-            else None,
-            memory=MemoryUsage(
-                mem.kernel_bytes,
-                mem.staging_bytes,
-                mem.peak_staging_bytes,
-                mem.staging_budget_bytes,
-                mem.resident_bytes,
-            ),
-            model=ModelSummary(
-                m.architecture,
-                m.num_layers,
-                m.tp_rank,
-                m.tp_size,
-                m.quantization,
-                m.checkpoint_dtype,
-                m.num_kernel_tensors,
-                m.kernel_bytes,
-            ),
-            last_commit_unix_seconds=r.last_commit_unix_seconds,
-            server_version=r.server_version,
+        return _status(r)
+
+    def statuses(self, *, timeout: Optional[float] = None) -> List[Status]:
+        """status() of every model group the daemon serves, the default group
+        first, all as of one instant (a linked commit shows in all its groups
+        or in none)."""
+        r = self._unary_read(
+            self._stub.GetStatus, pb.GetStatusRequest(all_groups=True), "status", timeout
         )
+        return [_status(g) for g in r.groups]
 
     def tensors(
         self, layout: str = "kernel", *, group: str = "", timeout: Optional[float] = None
@@ -908,12 +988,15 @@ class RefitClient:
         call = self._stub.Watch(pb.WatchRequest(model_group=group), metadata=self._metadata)
         return EventStream(call, self.address)
 
-    def health(self, *, timeout: Optional[float] = None) -> Health:
-        """grpc.health.v1 Check of "" (live) and refit.v1.RefitService (ready).
-        Sends no token. Raises Unavailable when unreachable by the deadline."""
+    def health(self, *, group: str = "", timeout: Optional[float] = None) -> Health:
+        """grpc.health.v1 Check of "" (live) and refit.v1.RefitService (ready:
+        every model group loaded; with ``group``, that group's
+        "refit.v1.RefitService/GROUP"). Sends no token. Raises Unavailable
+        when unreachable by the deadline."""
         deadline = self._deadline(timeout)
         out = []
-        for service in (_health.LIVENESS_SERVICE, _health.READINESS_SERVICE):
+        readiness = _health.READINESS_SERVICE + (f"/{group}" if group else "")
+        for service in (_health.LIVENESS_SERVICE, readiness):
             try:
                 out.append(self._health_check(service, timeout=deadline, wait_for_ready=True))
             except grpc.RpcError as e:

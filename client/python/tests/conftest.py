@@ -48,7 +48,9 @@ class Daemon:
             # Unix socket paths are limited to ~108 bytes: a short dir of its own.
             self._sock_dir = tempfile.mkdtemp(prefix="rfp-", dir="/tmp")
             listen = f"unix:{self._sock_dir}/refitd.sock"
-        self.args = [_require(REFITD), "--model=demo", f"--listen={listen}", *args]
+        # --group names each group's model itself (refitd refuses --model with it).
+        model = [] if any(a.startswith("--group") for a in args) else ["--model=demo"]
+        self.args = [_require(REFITD), *model, f"--listen={listen}", *args]
         self._cv = threading.Condition()
         self._lines: List[str] = []
         self._ended = False

@@ -1,0 +1,122 @@
+"""Several model groups in one refitd (a target and a draft of other shapes):
+status of every group, per-group readiness, linked commits from Python and
+from refitctl, and a failure in one group leaving every group unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import load_state_dict, refitctl
+from refit_client import InvalidArgument, NotFound, RefitClient
+
+GROUPS = ("--group=target=demo", "--group=draft=demo,tp=2,quant=block,seed=5")
+
+
+@pytest.fixture
+def two_groups(start_daemon):
+    return start_daemon(*GROUPS)
+
+
+@pytest.fixture
+def gclient(two_groups):
+    with RefitClient(two_groups.address, timeout=30) as c:
+        yield c
+
+
+def versions(client):
+    return {s.model_group: s.version for s in client.statuses()}
+
+
+def test_statuses_list_every_group_default_first(gclient):
+    statuses = gclient.statuses()
+    assert [s.model_group for s in statuses] == ["target", "draft"]
+    assert [s.model.tp_size for s in statuses] == [1, 2]
+    assert statuses[1].model.quantization == "block"
+    assert gclient.status(group="draft").model.tp_size == 2
+    assert gclient.health().ready == "SERVING"
+    assert gclient.health(group="draft").ready == "SERVING"
+    assert gclient.health(group="eagle").ready == "SERVICE_UNKNOWN"
+    with pytest.raises(NotFound, match="eagle"):
+        gclient.status(group="eagle")
+
+
+def test_push_linked_commits_both_groups(gclient, weights):
+    new = load_state_dict(weights(2))
+    results = gclient.push_linked({"target": new, "draft": new}, label="step 1")
+    assert {g: r.version for g, r in results.items()} == {"target": 2, "draft": 2}
+    assert versions(gclient) == {"target": 2, "draft": 2}
+    statuses = {s.model_group: s for s in gclient.statuses()}
+    assert statuses["draft"].fingerprint == results["draft"].fingerprint
+    assert statuses["target"].active_refit is None and statuses["draft"].active_refit is None
+
+
+def test_a_bad_tensor_for_the_draft_aborts_the_target_too(gclient, weights):
+    new = load_state_dict(weights(2))
+    bad = dict(new)
+    bad["model.norm.weight"] = torch.full_like(new["model.norm.weight"], float("nan"))
+    with pytest.raises(InvalidArgument, match="model.norm.weight"):
+        gclient.push_linked({"target": new, "draft": bad})
+    assert versions(gclient) == {"target": 1, "draft": 1}
+    # The target's prepared refit was aborted: its slot is free.
+    assert all(s.active_refit is None for s in gclient.statuses())
+
+
+def test_commit_with_linked_refits(gclient, weights):
+    new = load_state_dict(weights(3))
+    target = gclient.push(new, prepare=True, group="target")
+    draft = gclient.push(new, prepare=True, group="draft")
+    result = gclient.commit(target.refit_id, group="target", linked=[("draft", draft.refit_id)])
+    assert result.version == 2 and result.refit_id == target.refit_id
+    assert versions(gclient) == {"target": 2, "draft": 2}
+
+
+def test_refitctl_status_push_link_and_commit_linked(two_groups, weights):
+    addr = two_groups.address
+    out = refitctl(addr, "status")
+    assert out.returncode == 0, out.stderr
+    assert "group        target" in out.stdout and "group        draft" in out.stdout
+    status = json.loads(refitctl(addr, "status", "--json").stdout)
+    assert status["model_group"] == "target"
+    assert [g["model_group"] for g in status["groups"]] == ["target", "draft"]
+    one = json.loads(refitctl(addr, "--group=draft", "status", "--json").stdout)
+    assert one["model_group"] == "draft" and "groups" not in one
+
+    health = refitctl(addr, "--group=draft", "health")
+    assert health.returncode == 0, health.stderr
+
+    push = refitctl(addr, "push", str(weights(2)), f"--link=draft={weights(2)}", "--json")
+    assert push.returncode == 0, push.stderr
+    pushed = json.loads(push.stdout)
+    assert pushed["version"] == 2 and pushed["linked"][0]["version"] == 2
+
+    prepared = refitctl(addr, "push", str(weights(4)), f"--link=draft={weights(4)}", "--prepare")
+    assert prepared.returncode == 0, prepared.stderr
+    assert "--linked draft=" in prepared.stdout
+    statuses = json.loads(refitctl(addr, "status", "--json").stdout)["groups"]
+    target_id = statuses[0]["active_refit"]["refit_id"]
+    draft_id = statuses[1]["active_refit"]["refit_id"]
+    commit = refitctl(addr, "commit", target_id, f"--linked=draft={draft_id}")
+    assert commit.returncode == 0, commit.stderr
+    assert "linked commit of 2 groups" in commit.stdout
+    after = json.loads(refitctl(addr, "status", "--json").stdout)["groups"]
+    assert [g["version"] for g in after] == [3, 3]
+
+
+def test_refitctl_push_link_with_a_bad_draft_aborts_the_target_too(two_groups, weights, tmp_path):
+    from safetensors.torch import save_file
+
+    addr = two_groups.address
+    bad = load_state_dict(weights(2))
+    bad["model.norm.weight"] = torch.full_like(bad["model.norm.weight"], float("inf"))
+    bad_dir = tmp_path / "bad-draft"
+    bad_dir.mkdir()
+    save_file(bad, str(bad_dir / "model.safetensors"))
+    push = refitctl(addr, "push", str(weights(2)), f"--link=draft={bad_dir}")
+    assert push.returncode == 2, push.stderr
+    assert "model group draft" in push.stderr and "INVALID_ARGUMENT" in push.stderr
+    after = json.loads(refitctl(addr, "status", "--json").stdout)["groups"]
+    assert [g["version"] for g in after] == [1, 1]
+    assert all(g["active_refit"] is None for g in after)

@@ -240,3 +240,28 @@ def test_an_engine_process_that_dies_during_a_commit_is_released_and_the_commit_
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+@pytest.mark.gpu
+def test_attach_to_a_gpu_store_gives_cuda_tensors_over_the_ipc_handle(start_daemon, weights):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    d = start_daemon("--device=cuda:0")
+    with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address) as engine:
+        name = "model.layers.0.self_attn.qkv_proj.weight"
+        t = engine.tensors[name]
+        assert t.is_cuda and t.dtype == torch.float8_e4m3fn
+        ptr = t.data_ptr()
+        assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
+
+        def serve() -> None:
+            while engine.version < 2 and engine.closed is None:
+                engine.safe_point(timeout=LIMIT)
+
+        loop = threading.Thread(target=serve)
+        loop.start()
+        client.push(load_state_dict(weights(2)))
+        loop.join(LIMIT)
+        assert engine.version == 2 and t.data_ptr() == ptr
+        torch.cuda.synchronize()
+        assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]

@@ -3,8 +3,9 @@
 // refitd's own implementation rather than gRPC's built-in one so that
 // shutdown is prompt: Shutdown() sends NOT_SERVING to every watcher and then
 // ends their streams, instead of leaving them open until the server's
-// shutdown deadline. Services: "" (liveness, SERVING while the process runs)
-// and "refit.v1.RefitService" (readiness, set by RefitServer). Check of an
+// shutdown deadline. Services: "" (liveness, SERVING while the process runs),
+// "refit.v1.RefitService" (readiness: every model group loaded) and
+// "refit.v1.RefitService/NAME" (one group's readiness), set by RefitServer. Check of an
 // unknown service is NOT_FOUND; Watch of one reports SERVICE_UNKNOWN and
 // stays open, as the protocol says.
 //

@@ -1,35 +1,52 @@
-// The Push RPC: one client stream is one refit transaction.
+// The Push RPC: one client stream feeds one refit transaction, alone or with
+// other streams that joined it (server/push_refit.h).
 //
 //   Begin          -> RefitSession::Begin (ABORTED naming the active refit,
-//                     ABORTED for a base_version mismatch)
+//                     ABORTED for a base_version mismatch), or, with
+//                     join_refit_id, joins the open refit of that id
 //   Chunks*        -> RefitSession::Ingest per chunk
-//   End            -> Commit, or Prepare for COMPLETION_MODE_PREPARE (the
-//                     session then waits in the group registry for Commit/Abort)
-// Anything else ends the stream with an error and aborts the session: a first
-// message that is not Begin (INVALID_ARGUMENT), an invalid chunk (core's
-// status), a cancel/disconnect/deadline (CANCELLED), an idle stream
-// (DEADLINE_EXCEEDED after --push-idle-timeout), an Abort RPC or a shutdown
-// (ABORTED), a stream closed without End (ABORTED).
+//   End            -> once every stream of the refit sent End: Commit, or
+//                     Prepare for COMPLETION_MODE_PREPARE (the session then
+//                     waits in the group registry for Commit/Abort)
+// Anything else ends the stream with an error and aborts the refit (every
+// stream of it): a first message that is not Begin (INVALID_ARGUMENT), an
+// invalid chunk (core's status), a cancel/disconnect/deadline (CANCELLED),
+// an idle stream (DEADLINE_EXCEEDED after --push-idle-timeout), an Abort RPC
+// or a shutdown (ABORTED), a stream closed without End (ABORTED). The other
+// streams of an aborted refit end with ABORTED naming the reason.
 //
-// The work of a message (Ingest, Commit) runs on the gRPC thread that
-// delivered it; messages of one stream are handled one at a time, since the
-// next read starts only when the previous message is done.
+// Threads. gRPC's reactions only move messages: each stream has an ingest
+// thread of the daemon's own (RefitServiceImpl::RunWorker) that handles its
+// messages in order (Ingest, Commit), while the reactor already reads the
+// next one (double buffering). Back-pressure: a stream owns
+// kMessagesInFlight PushRequest buffers; a read needs a free one, so at most
+// that many messages of a stream are in memory (one being ingested, one
+// being received), each at most --max-receive-message-size. The buffers are
+// reused message after message (protobuf keeps the capacity of the chunk
+// bytes), so a stream allocates them once.
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "server/grpc_convert.h"
+#include "server/push_refit.h"
 #include "server/refit_service.h"
 
 namespace refit::server {
 namespace {
 
+// PushRequest buffers per stream: one being ingested, one being received.
+constexpr int kMessagesInFlight = 2;
+
 class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
                           public RefitDriver,
+                          public PushMember,
                           public IdleWatchdog::Target {
  public:
   PushReactor(RefitServiceImpl* service, grpc::CallbackServerContext* context,
@@ -37,25 +54,37 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
       : service_(service), context_(context), response_(response) {
     absl::StatusOr<Principal> caller = service_->Authorize(context_, Action::kPush, "Push");
     if (!caller.ok()) {
-      Fail(caller.status());
+      Finish(ToGrpcStatus(caller.status()));
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
       return;
     }
     caller_ = *caller;
+    for (int i = 0; i < kMessagesInFlight; ++i) {
+      free_.push_back(std::make_unique<v1::PushRequest>());
+    }
     service_->watchdog()->Add(this);
     service_->AddStream(this);
     watched_ = true;
-    Read();
+    Ref();  // the ingest thread's
+    service_->RunWorker([this] { IngestLoop(); });
+    std::unique_ptr<v1::PushRequest> buffer;
+    {
+      absl::MutexLock lock(&mu_);
+      buffer = std::move(free_.back());
+      free_.pop_back();
+    }
+    StartReadInto(std::move(buffer));
   }
 
-  // RefitDriver / IdleWatchdog::Target
+  // RefitDriver / PushMember / IdleWatchdog::Target
   void Ref() override { refs_.fetch_add(1, std::memory_order_relaxed); }
   void Unref() override {
     if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
 
   void Cancel(const grpc::Status& status, absl::string_view reason) override {
-    if (auto session = SharedSession()) session->Abort(reason);
-    FinishOnce(status, "aborted");
+    AbortAll(std::string(reason), status, status);
   }
 
   absl::Time IdleDeadline() const override {
@@ -67,49 +96,53 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     const std::string reason =
         absl::StrCat("no message for ", absl::FormatDuration(service_->options().push_idle_timeout),
                      " (--push-idle-timeout)");
-    std::string message = absl::StrCat("Push idle: ", reason);
-    if (auto session = SharedSession()) {
-      session->Abort(reason);
-      message = absl::StrCat("refit \"", session->refit_id(), "\" aborted: ", reason);
-    }
-    FinishOnce(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, message), "aborted");
+    AbortAll(reason,
+             grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, Described(reason, "Push idle")),
+             std::nullopt);
   }
 
   // grpc::ServerReadReactor
   void OnReadDone(bool ok) override {
     idle_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
+    Item item;
     if (!ok) {
       // The client half-closed without End, sent a message that does not
       // parse (gRPC reports both as a failed read, so the reason names
-      // both), or the call is gone.
-      const std::string reason =
+      // both), or the call is gone. Handled in order, after the messages
+      // that came before.
+      item.closed_reason =
           context_->IsCancelled()
               ? "the client cancelled the Push (cancel, disconnect or deadline)"
               : "the stream ended without End: the client closed it early, or sent a message "
                 "that is not a valid PushRequest (malformed protobuf)";
-      std::string message = absl::StrCat("Push: ", reason);
-      if (session_ != nullptr) {
-        session_->Abort(reason);
-        message = absl::StrCat("refit \"", session_->refit_id(), "\" aborted: ", reason);
+    }
+    std::unique_ptr<v1::PushRequest> next;
+    {
+      absl::MutexLock lock(&mu_);
+      item.message = std::move(reading_);
+      if (finished_) return;
+      const bool last = !ok || item.message->kind_case() == v1::PushRequest::kEnd;
+      if (!ok) free_.push_back(std::move(item.message));
+      queue_.push_back(std::move(item));
+      if (!last) {
+        if (free_.empty()) {
+          read_wanted_ = true;  // the ingest thread starts it when a buffer is free
+        } else {
+          next = std::move(free_.back());
+          free_.pop_back();
+        }
       }
-      FinishOnce(grpc::Status(grpc::StatusCode::ABORTED, message), "aborted");
-      return;
     }
-    absl::Status status = Handle();
-    if (!status.ok()) {
-      Fail(status);
-      return;
-    }
-    if (!done_) Read();
+    if (next != nullptr) StartReadInto(std::move(next));
   }
 
   void OnCancel() override {
+    const std::string reason = "the client cancelled the Push (cancel, disconnect or deadline)";
     if (auto session = SharedSession()) {
       REFIT_LOG(WARNING).Field("refit_id", session->refit_id())
           << "Push cancelled by the client (cancel, disconnect or deadline)";
-      session->Abort("the client cancelled the Push (cancel, disconnect or deadline)");
     }
-    FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "Push cancelled"), "aborted");
+    AbortAll(reason, grpc::Status(grpc::StatusCode::CANCELLED, "Push cancelled"), std::nullopt);
   }
 
   void OnDone() override {
@@ -117,36 +150,133 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
       service_->watchdog()->Remove(this);
       service_->RemoveStream(this);
     }
-    if (session_ != nullptr) {
-      if (group_ != nullptr) group_->RemoveDriver(session_->refit_id(), this);
-      if (session_->state() == core::SessionState::kReceiving) {
-        session_->Abort("the Push stream ended");
+    std::shared_ptr<PushRefit> refit;
+    {
+      absl::MutexLock lock(&mu_);
+      refit = shared_refit_;
+    }
+    if (refit != nullptr) {
+      if (!refit->closed()) {
+        AbortAll("the Push stream ended", grpc::Status(grpc::StatusCode::ABORTED, "Push ended"),
+                 std::nullopt);
+      }
+      if (opener_) refit->group()->RemoveDriver(refit->id(), this);
+      if (refit->session()->state() == core::SessionState::kReceiving) {
+        refit->session()->Abort("the Push stream ended");
       }
     }
     Unref();
   }
 
  private:
+  // A received message, or the end of the stream without End.
+  struct Item {
+    std::unique_ptr<v1::PushRequest> message;
+    std::string closed_reason;
+  };
+
   ~PushReactor() override = default;
 
-  void Read() {
+  // Starts a read into `buffer` unless the RPC is finished. Callable from a
+  // reaction or from the ingest thread: a Finish that comes while the read
+  // is being started waits for StartRead to return (a read started after
+  // Finish completed would reach a call that is gone).
+  void StartReadInto(std::unique_ptr<v1::PushRequest> buffer) {
+    v1::PushRequest* target = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      if (finished_) return;
+      if (finished_) {
+        free_.push_back(std::move(buffer));
+        return;
+      }
+      ++ops_starting_;
+      reading_ = std::move(buffer);
+      target = reading_.get();
     }
     idle_deadline_ns_.store(
         absl::ToUnixNanos(service_->clock()->Now() + service_->options().push_idle_timeout));
     service_->watchdog()->Wake();
-    StartRead(&request_);
+    StartRead(target);
+    EndOpStart();
   }
 
-  absl::Status Handle() {
-    switch (request_.kind_case()) {
+  // Tells the client that its Begin was accepted: initial metadata
+  // "refit-id" (a client that opens a refit for other streams waits for it
+  // before they join). Same protocol as StartReadInto.
+  void SendBegun(const std::string& refit_id) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      ++ops_starting_;
+    }
+    context_->AddInitialMetadata("refit-id", refit_id);
+    StartSendInitialMetadata();
+    EndOpStart();
+  }
+
+  // An operation started outside a reaction returned: issue the Finish that
+  // waited for it, if any.
+  void EndOpStart() {
+    std::optional<grpc::Status> deferred;
+    {
+      absl::MutexLock lock(&mu_);
+      if (--ops_starting_ == 0 && deferred_finish_.has_value()) {
+        deferred = std::move(deferred_finish_);
+        deferred_finish_.reset();
+      }
+    }
+    if (deferred.has_value()) Finish(*deferred);
+  }
+
+  // The ingest thread: the stream's messages in order, until End, an error
+  // or the end of the RPC.
+  void IngestLoop() {
+    while (true) {
+      Item item;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](PushReactor* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+              return !self->queue_.empty() || self->finished_;
+            },
+            this));
+        if (finished_) break;
+        item = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (item.message == nullptr) {
+        HandleClosed(item.closed_reason);
+        break;
+      }
+      absl::Status status = Handle(*item.message);
+      const bool end = item.message->kind_case() == v1::PushRequest::kEnd;
+      std::unique_ptr<v1::PushRequest> next;
+      {
+        absl::MutexLock lock(&mu_);
+        if (read_wanted_) {
+          read_wanted_ = false;
+          next = std::move(item.message);
+        } else {
+          free_.push_back(std::move(item.message));
+        }
+      }
+      if (!status.ok()) {
+        Fail(status);
+        break;
+      }
+      if (end) break;
+      if (next != nullptr) StartReadInto(std::move(next));
+    }
+    Unref();
+  }
+
+  absl::Status Handle(const v1::PushRequest& request) {
+    switch (request.kind_case()) {
       case v1::PushRequest::kBegin:
-        return HandleBegin(request_.begin());
+        return HandleBegin(request.begin());
       case v1::PushRequest::kChunks:
         if (session_ == nullptr) break;
-        return HandleChunks(request_.chunks());
+        return HandleChunks(request.chunks());
       case v1::PushRequest::kEnd:
         if (session_ == nullptr) break;
         return HandleEnd();
@@ -164,67 +294,143 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
           absl::StrCat("refit \"", session_->refit_id(), "\": Begin sent twice"));
     }
     if (absl::Status s = service_->CheckAcceptingRefits(); !s.ok()) return s;
+    if (!begin.join_refit_id().empty()) return HandleJoin(begin);
+    if (begin.streams() > static_cast<uint32_t>(PushRefit::kMaxStreams)) {
+      return absl::InvalidArgumentError(absl::StrCat("Begin.streams ", begin.streams(),
+                                                     " is more than ", PushRefit::kMaxStreams));
+    }
+    if (!begin.refit_id().empty()) {
+      if (absl::Status s = PushRefits::ValidateId(begin.refit_id()); !s.ok()) return s;
+      if (absl::Status s = service_->push_refits()->CheckUnused(begin.refit_id()); !s.ok()) {
+        return s;
+      }
+    }
     absl::StatusOr<ModelGroup*> group = service_->FindGroup(begin.model_group());
     if (!group.ok()) return group.status();
+    if (!begin.refit_id().empty() && (*group)->Find(begin.refit_id()).ok()) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("a refit with id \"", begin.refit_id(), "\" is already known"));
+    }
     absl::StatusOr<ConvertedRefitOptions> options =
         FromProtoRefitOptions(begin.options(), service_->options().staging_budget_bytes);
     if (!options.ok()) return options.status();
     if (absl::Status s = service_->CheckFleetRefit(options->fleet_refit_id); !s.ok()) return s;
     options->core.host_staging = service_->options().host_staging;
     options->core.announce_start = false;  // once Abort/Commit can find it
-    absl::StatusOr<std::unique_ptr<core::RefitSession>> session =
+    if (!begin.refit_id().empty()) options->core.refit_id = begin.refit_id();
+    absl::StatusOr<std::unique_ptr<core::RefitSession>> began =
         core::RefitSession::Begin((*group)->store(), options->core);
-    if (!session.ok()) {
+    if (!began.ok()) {
       REFIT_LOG(WARNING).Field("group", (*group)->name()).Field("caller", caller_.name)
-          << "Push refused: " << std::string(session.status().message());
-      return session.status();
+          << "Push refused: " << std::string(began.status().message());
+      return began.status();
     }
-    group_ = *group;
-    prepare_only_ = options->prepare_only;
-    session_ = std::shared_ptr<core::RefitSession>(std::move(*session));
-    {
-      absl::MutexLock lock(&mu_);
-      shared_session_ = session_;
+    std::shared_ptr<core::RefitSession> session(std::move(*began));
+    const int streams = begin.streams() > 1 ? static_cast<int>(begin.streams()) : 1;
+    auto refit = std::make_shared<PushRefit>(service_->push_refits(), caller_.name, *group, session,
+                                             streams, options->prepare_only);
+    if (absl::Status s = refit->Join(this); !s.ok()) return s;
+    if (absl::Status s = service_->push_refits()->Add(refit); !s.ok()) {
+      session->Abort(s.message());
+      return s;
     }
+    opener_ = true;
+    session_ = session;
+    refit_ = refit;
     RefitEntry entry;
-    entry.refit_id = session_->refit_id();
+    entry.refit_id = session->refit_id();
     entry.owner = caller_.name;
     entry.kind = "push";
     entry.label = options->label;
     entry.fleet_refit_id = options->fleet_refit_id;
-    entry.session = session_;
-    service_->Register(group_, std::move(entry), this);
+    entry.session = session;
+    service_->Register(*group, std::move(entry), this);
+    if (absl::Status s = Publish(); !s.ok()) return s;
     // A shutdown that started between the check above and Add has already
     // swept the registry; do not leave this refit behind it.
     if (service_->shutting_down()) {
-      session_->Abort("refitd is shutting down");
       return absl::UnavailableError("refitd is shutting down; no new refits are accepted");
     }
-    session_->AnnounceStart();
+    session->AnnounceStart();
+    SendBegun(session->refit_id());
     REFIT_LOG(INFO)
-            .Field("refit_id", session_->refit_id())
-            .Field("group", group_->name())
+            .Field("refit_id", session->refit_id())
+            .Field("group", (*group)->name())
             .Field("caller", caller_.name)
             .Field("label", options->label)
-            .Field("mode", prepare_only_ ? "prepare" : "commit")
+            .Field("mode", options->prepare_only ? "prepare" : "commit")
+            .Field("streams", absl::StrCat(streams))
         << "Push began";
     return absl::OkStatus();
+  }
+
+  absl::Status HandleJoin(const v1::Begin& begin) {
+    if (begin.has_options() || !begin.model_group().empty() || begin.streams() != 0 ||
+        !begin.refit_id().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Begin.join_refit_id \"", begin.join_refit_id(),
+                       "\": a joining stream takes the refit's options and group; leave options, "
+                       "model_group, streams and refit_id unset"));
+    }
+    absl::StatusOr<std::shared_ptr<PushRefit>> refit =
+        service_->push_refits()->Find(begin.join_refit_id());
+    if (!refit.ok()) return refit.status();
+    if (absl::Status s =
+            Authenticator::CheckOwner(caller_, (*refit)->owner(), (*refit)->id(), "Push");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = (*refit)->Join(this); !s.ok()) return s;
+    session_ = (*refit)->session();
+    refit_ = *refit;
+    if (absl::Status s = Publish(); !s.ok()) return s;
+    SendBegun(refit_->id());
+    REFIT_LOG(INFO)
+            .Field("refit_id", refit_->id())
+            .Field("group", refit_->group()->name())
+            .Field("caller", caller_.name)
+        << "Push stream joined";
+    return absl::OkStatus();
+  }
+
+  // Makes the refit visible to the other threads (Cancel, OnIdle, OnDone).
+  // When the RPC finished meanwhile, OnDone may have run without seeing it:
+  // the refit is aborted here instead.
+  absl::Status Publish() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!finished_) {
+        shared_session_ = session_;
+        shared_refit_ = refit_;
+        return absl::OkStatus();
+      }
+    }
+    const std::string reason = "the Push stream ended while it began";
+    session_->Abort(reason);
+    for (PushMember* member : refit_->Close()) {
+      static_cast<PushReactor*>(member)->EndStream(
+          grpc::Status(grpc::StatusCode::ABORTED, Described(reason, "Push")), "aborted");
+      member->Unref();
+    }
+    if (opener_) refit_->group()->RemoveDriver(refit_->id(), this);
+    return absl::AbortedError(Described(reason, "Push"));
   }
 
   absl::Status HandleChunks(const v1::Chunks& chunks) {
     const int64_t max_bytes = service_->options().max_chunk_bytes;
     for (const v1::Chunk& chunk : chunks.chunks()) {
+      if (chunk.has_region()) {
+        return absl::UnimplementedError(absl::StrCat(
+            "refit \"", session_->refit_id(), "\": tensor ", chunk.tensor_name(),
+            ": Chunk.region (shared-memory chunks) is not implemented by this refitd"));
+      }
       if (static_cast<int64_t>(chunk.data().size()) > max_bytes) {
-        session_->Abort("oversized chunk");
         return absl::InvalidArgumentError(absl::StrCat(
             "refit \"", session_->refit_id(), "\": tensor ", chunk.tensor_name(), ": chunk of ",
             chunk.data().size(), " bytes exceeds --max-chunk-bytes ", max_bytes));
       }
       absl::StatusOr<core::DType> dtype = FromProtoDType(chunk.dtype(), chunk.tensor_name());
-      if (!dtype.ok()) {
-        session_->Abort(dtype.status().message());
-        return dtype.status();
-      }
+      if (!dtype.ok()) return dtype.status();
       core::Chunk c;
       c.name = chunk.tensor_name();
       c.dtype = *dtype;
@@ -233,8 +439,8 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
       c.data = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(chunk.data().data()),
                                    chunk.data().size());
       if (chunk.has_xxh3()) c.xxh3 = chunk.xxh3();
-      // After an abort from elsewhere (Abort RPC, shutdown) this is the
-      // abort's own status.
+      // After an abort from elsewhere (Abort RPC, shutdown, another stream)
+      // this is the abort's own status.
       absl::Status ingested = session_->Ingest(c);
       if (!ingested.ok()) return ingested;
       service_->metrics()->AddBytesReceived(static_cast<int64_t>(chunk.data().size()));
@@ -243,56 +449,119 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
   }
 
   absl::Status HandleEnd() {
-    if (prepare_only_) {
-      absl::StatusOr<core::RefitResult> result = session_->Prepare();
-      if (!result.ok()) return result.status();
-      service_->MarkPrepared(group_, session_->refit_id());
-      ToProtoResult(*result, v1::REFIT_STATE_PREPARED, response_->mutable_result());
-      REFIT_LOG(INFO).Field("refit_id", result->refit_id).Field("group", group_->name())
-          << "Push prepared; waiting for Commit or Abort";
-      done_ = true;
-      FinishOnce(grpc::Status::OK, "prepared");
+    if (!refit_->EndClean()) {
+      REFIT_LOG(INFO)
+              .Field("refit_id", refit_->id())
+              .Field("outstanding", absl::StrCat(refit_->Outstanding()))
+          << "Push stream ended; waiting for the refit's other streams";
       return absl::OkStatus();
     }
-    absl::StatusOr<core::RefitResult> result = session_->Commit();
-    if (!result.ok()) return result.status();
-    service_->metrics()->RecordCommitted(result->timings);
-    ToProtoResult(*result, v1::REFIT_STATE_COMMITTED, response_->mutable_result());
-    REFIT_LOG(INFO)
-            .Field("refit_id", result->refit_id)
-            .Field("group", group_->name())
-            .Field("version", absl::StrCat(result->version))
-            .Field("bytes", absl::StrCat(result->bytes_received))
-        << "Push committed";
-    done_ = true;
-    FinishOnce(grpc::Status::OK, "committed");
+    ModelGroup* group = refit_->group();
+    v1::PushResponse response;
+    std::string outcome;
+    if (refit_->prepare_only()) {
+      absl::StatusOr<core::RefitResult> result = session_->Prepare();
+      if (!result.ok()) return result.status();
+      service_->MarkPrepared(group, session_->refit_id());
+      ToProtoResult(*result, v1::REFIT_STATE_PREPARED, response.mutable_result());
+      REFIT_LOG(INFO).Field("refit_id", result->refit_id).Field("group", group->name())
+          << "Push prepared; waiting for Commit or Abort";
+      outcome = "prepared";
+    } else {
+      absl::StatusOr<core::RefitResult> result = session_->Commit();
+      if (!result.ok()) return result.status();
+      service_->metrics()->RecordCommitted(result->timings);
+      ToProtoResult(*result, v1::REFIT_STATE_COMMITTED, response.mutable_result());
+      REFIT_LOG(INFO)
+              .Field("refit_id", result->refit_id)
+              .Field("group", group->name())
+              .Field("version", absl::StrCat(result->version))
+              .Field("bytes", absl::StrCat(result->bytes_received))
+          << "Push committed";
+      outcome = "committed";
+    }
+    for (PushMember* member : refit_->Close()) {
+      static_cast<PushReactor*>(member)->EndStream(grpc::Status::OK, outcome, &response);
+      member->Unref();
+    }
     return absl::OkStatus();
+  }
+
+  // The stream was closed without End (on the ingest thread, in order).
+  void HandleClosed(const std::string& reason) {
+    AbortAll(reason, grpc::Status(grpc::StatusCode::ABORTED, Described(reason, "Push")),
+             std::nullopt);
   }
 
   void Fail(const absl::Status& status) {
     if (session_ != nullptr) {
-      session_->Abort(status.message());
       REFIT_LOG(WARNING).Field("refit_id", session_->refit_id()).Field("caller", caller_.name)
           << "Push failed: " << absl::StatusCodeToString(status.code()) << ": "
           << std::string(status.message());
     }
-    const bool aborted_elsewhere = status.code() == absl::StatusCode::kAborted ||
-                                   status.code() == absl::StatusCode::kUnavailable;
-    FinishOnce(ToGrpcStatus(status), aborted_elsewhere ? "aborted" : "failed");
+    AbortAll(std::string(status.message()), ToGrpcStatus(status), std::nullopt,
+             status.code() == absl::StatusCode::kAborted ||
+                     status.code() == absl::StatusCode::kUnavailable
+                 ? "aborted"
+                 : "failed");
   }
 
-  // The first call ends the RPC and counts the outcome (only for refits that
-  // began).
-  void FinishOnce(const grpc::Status& status, absl::string_view outcome) {
-    bool began = false;
+  // "refit "ID" aborted: REASON" once a refit began, else "PREFIX: REASON".
+  std::string Described(absl::string_view reason, absl::string_view prefix) {
+    if (auto session = SharedSession()) {
+      return absl::StrCat("refit \"", session->refit_id(), "\" aborted: ", reason);
+    }
+    return absl::StrCat(prefix, ": ", reason);
+  }
+
+  // Aborts the refit (if one began) and ends this stream with `mine` and
+  // the refit's other streams with `others` (by default ABORTED naming the
+  // reason).
+  void AbortAll(const std::string& reason, const grpc::Status& mine,
+                std::optional<grpc::Status> others, absl::string_view outcome = "aborted") {
+    std::shared_ptr<PushRefit> refit = SharedRefit();
+    if (refit == nullptr) {
+      EndStream(mine, outcome);
+      return;
+    }
+    refit->session()->Abort(reason);
+    const grpc::Status other_status =
+        others.has_value() ? *others
+                           : grpc::Status(grpc::StatusCode::ABORTED,
+                                          absl::StrCat("refit \"", refit->id(),
+                                                       "\" aborted: another of its Push streams "
+                                                       "failed: ",
+                                                       reason));
+    for (PushMember* member : refit->Close()) {
+      auto* stream = static_cast<PushReactor*>(member);
+      stream->EndStream(stream == this ? mine : other_status, outcome);
+      member->Unref();
+    }
+    EndStream(mine, outcome);  // if this stream was no (longer a) member
+  }
+
+  // The first call ends the RPC (with `response` on success) and, for the
+  // stream that opened the refit, counts the outcome.
+  void EndStream(const grpc::Status& status, absl::string_view outcome,
+                 const v1::PushResponse* response = nullptr) {
+    bool count = false;
     {
       absl::MutexLock lock(&mu_);
       if (finished_) return;
       finished_ = true;
-      began = shared_session_ != nullptr;
+      count = opener_.load() && shared_session_ != nullptr;
+      // gRPC reads the response only after Finish, which has not been
+      // called yet: writing it here, under the lock, is safe.
+      if (response != nullptr && status.ok()) *response_ = *response;
+      if (ops_starting_ > 0) {
+        deferred_finish_ = status;
+        idle_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
+        if (count) service_->metrics()->RecordOutcome(outcome);
+        return;
+      }
     }
     idle_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
-    if (began) service_->metrics()->RecordOutcome(outcome);
+    if (count) service_->metrics()->RecordOutcome(outcome);
     Finish(status);
   }
 
@@ -300,25 +569,37 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     absl::MutexLock lock(&mu_);
     return shared_session_;
   }
+  std::shared_ptr<PushRefit> SharedRefit() {
+    absl::MutexLock lock(&mu_);
+    return shared_refit_;
+  }
 
   RefitServiceImpl* service_;
-  grpc::CallbackServerContext* context_;
-  v1::PushResponse* response_;
+  grpc::CallbackServerContext* context_;  // reactions only
+  v1::PushResponse* response_;            // until Finish
   Principal caller_;
   bool watched_ = false;
-  v1::PushRequest request_;
-  ModelGroup* group_ = nullptr;
-  // The reactor's reactions (one at a time) use session_; other threads
-  // (Cancel, OnIdle, OnCancel) use shared_session_, set under mu_ when Begin
-  // succeeds.
+
+  // The ingest thread's (set in its HandleBegin, read after Publish by
+  // others only through the shared_ copies).
   std::shared_ptr<core::RefitSession> session_;
-  bool prepare_only_ = false;
-  bool done_ = false;
+  std::shared_ptr<PushRefit> refit_;
+  std::atomic<bool> opener_{false};
+
   std::atomic<int> refs_{1};
   std::atomic<int64_t> idle_deadline_ns_{absl::ToUnixNanos(absl::InfiniteFuture())};
   absl::Mutex mu_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // Operations (a read, the initial metadata) being started outside a
+  // reaction, and the Finish that waits for them.
+  int ops_starting_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<grpc::Status> deferred_finish_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<v1::PushRequest> reading_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<v1::PushRequest>> free_ ABSL_GUARDED_BY(mu_);
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  bool read_wanted_ ABSL_GUARDED_BY(mu_) = false;
   std::shared_ptr<core::RefitSession> shared_session_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<PushRefit> shared_refit_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -279,8 +279,27 @@ void RefitServiceImpl::Deadlines::OnIdle() {
 }
 
 void RefitServiceImpl::RunWorker(std::function<void()> work) {
-  absl::MutexLock lock(&workers_mu_);
-  workers_.emplace_back(std::move(work));
+  std::vector<Worker> finished;
+  {
+    absl::MutexLock lock(&workers_mu_);
+    // Every Push stream runs a worker: join those that are done rather than
+    // keep their threads' resources until shutdown.
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      if (it->done->load(std::memory_order_acquire)) {
+        finished.push_back(std::move(*it));
+        it = workers_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    workers_.push_back(Worker{std::thread([work = std::move(work), done] {
+                                work();
+                                done->store(true, std::memory_order_release);
+                              }),
+                              done});
+  }
+  for (Worker& w : finished) w.thread.join();
 }
 
 void RefitServiceImpl::BeginShutdown() {
@@ -317,13 +336,13 @@ void RefitServiceImpl::BeginShutdown() {
 }
 
 void RefitServiceImpl::Join() {
-  std::vector<std::thread> workers;
+  std::vector<Worker> workers;
   {
     absl::MutexLock lock(&workers_mu_);
     workers.swap(workers_);
   }
-  for (std::thread& t : workers) {
-    if (t.joinable()) t.join();
+  for (Worker& w : workers) {
+    if (w.thread.joinable()) w.thread.join();
   }
 }
 

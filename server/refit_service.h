@@ -37,6 +37,7 @@
 #include "server/clock.h"
 #include "server/metrics.h"
 #include "server/model_group.h"
+#include "server/push_refit.h"
 #include "server/reactor_util.h"
 #include "server/server_options.h"
 
@@ -107,7 +108,11 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
   // Open Push streams, ended at shutdown even before their Begin.
   void AddStream(RefitDriver* stream);
   void RemoveStream(RefitDriver* stream);
+  // Runs `work` on a thread of its own, joined by Join() (threads that
+  // finished are joined by the next RunWorker).
   void RunWorker(std::function<void()> work);
+  // Push refits by id (opened, joined by other streams).
+  PushRefits* push_refits() { return &push_refits_; }
 
  private:
   // Commit with CommitRequest.linked: this refit and the linked ones at one
@@ -152,7 +157,12 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
   absl::Mutex streams_mu_;
   absl::flat_hash_set<RefitDriver*> streams_ ABSL_GUARDED_BY(streams_mu_);
   absl::Mutex workers_mu_;
-  std::vector<std::thread> workers_ ABSL_GUARDED_BY(workers_mu_);
+  struct Worker {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);
+  PushRefits push_refits_;
 };
 
 // Implemented in push_reactor.cc and reload_reactor.cc.

@@ -3,10 +3,14 @@
 #include <grpcpp/grpcpp.h>
 #include <xxhash.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -16,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/safetensors_view.h"
 
@@ -101,6 +106,121 @@ absl::Status ValidateAddress(absl::string_view address) {
 }
 
 size_t SizeOf(const TensorRef& t) { return t.read ? t.size : t.data.size(); }
+
+// A refit id for a push over several streams: "push-" and 16 hex digits.
+std::string NewRefitId() {
+  static std::atomic<uint64_t> counter{0};
+  const uint64_t mixed =
+      XXH3_64bits_withSeed(&counter, sizeof(counter),
+                           static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
+                               (counter.fetch_add(1) << 48) ^ static_cast<uint64_t>(getpid()));
+  return absl::StrCat("push-", absl::Hex(mixed, absl::kZeroPad16));
+}
+
+// One Push stream: `begin` (a Begin that opens or joins the refit), the
+// tensors in buckets, End. `on_begun`, when set, runs once the daemon has
+// accepted the Begin (its initial metadata carries "refit-id"); if the
+// daemon refuses it, the stream's error is returned without calling it.
+absl::StatusOr<refit::v1::RefitResult> PushOneStream(
+    refit::v1::RefitService::Stub* stub,
+    const std::function<void(grpc::ClientContext*)>& prepare_context,
+    const refit::v1::PushRequest& begin, const std::vector<const TensorRef*>& tensors,
+    const PushOptions& options,
+    const std::function<void(uint64_t bytes, size_t tensors_done, bool message)>& report,
+    const std::function<void()>& on_begun) {
+  grpc::ClientContext context;
+  prepare_context(&context);
+  refit::v1::PushResponse response;
+  std::unique_ptr<grpc::ClientWriter<refit::v1::PushRequest>> writer =
+      stub->Push(&context, &response);
+
+  // A failed Write means the stream is broken (the daemon refused or went
+  // away); Finish then tells why. Nothing is resent: see the file comment.
+  auto finish = [&]() -> absl::StatusOr<refit::v1::RefitResult> {
+    grpc::Status status = writer->Finish();
+    if (!status.ok()) return FromGrpcStatus(status);
+    return response.result();
+  };
+
+  if (!writer->Write(begin)) return finish();
+  if (on_begun) {
+    writer->WaitForInitialMetadata();
+    if (context.GetServerInitialMetadata().count("refit-id") == 0) {
+      // Refused: the daemon ends the stream; Finish says why.
+      context.TryCancel();
+      absl::StatusOr<refit::v1::RefitResult> refused = finish();
+      if (!refused.ok()) return refused.status();
+      return absl::InternalError("push: the daemon did not acknowledge the refit's Begin");
+    }
+    on_begun();
+  }
+
+  refit::v1::PushRequest bucket;
+  size_t bucket_fill = 0;
+  auto flush = [&]() -> bool {
+    if (bucket.chunks().chunks_size() == 0) return true;
+    if (!writer->Write(bucket)) return false;
+    report(bucket_fill, 0, true);
+    bucket.Clear();
+    bucket_fill = 0;
+    return true;
+  };
+
+  for (const TensorRef* tp : tensors) {
+    const TensorRef& t = *tp;
+    const size_t elem = DTypeBytes(t.dtype);
+    const size_t nbytes = SizeOf(t);
+    // Chunks are element-aligned and hold at least one element.
+    const size_t cap = std::max<size_t>(options.max_chunk_bytes / elem, 1) * elem;
+    size_t offset = 0;
+    // Zero-sized tensors still send one (empty) chunk so the daemon sees them.
+    do {
+      size_t room = options.bucket_bytes > bucket_fill ? options.bucket_bytes - bucket_fill : 0;
+      if (bucket_fill == 0) room = std::max(room, elem);
+      size_t piece = std::min({nbytes - offset, cap, room});
+      piece -= piece % elem;
+      if (piece == 0 && offset < nbytes) {
+        // Not even one element fits in this bucket: send it and start anew.
+        if (!flush()) return finish();
+        continue;
+      }
+      refit::v1::Chunk* chunk = bucket.mutable_chunks()->add_chunks();
+      chunk->set_tensor_name(t.name);
+      chunk->set_dtype(t.dtype);
+      for (int64_t d : t.shape) chunk->add_shape(d);
+      chunk->set_byte_offset(offset);
+      absl::Span<const uint8_t> data;
+      if (t.read) {
+        std::string* bytes = chunk->mutable_data();
+        bytes->resize(piece);
+        absl::Span<uint8_t> out(reinterpret_cast<uint8_t*>(bytes->data()), piece);
+        if (absl::Status read = t.read(offset, out); !read.ok()) {
+          // Nothing half-read is sent; the daemon aborts the refit.
+          context.TryCancel();
+          grpc::Status ignored = writer->Finish();
+          (void)ignored;
+          return read;
+        }
+        data = out;
+      } else {
+        data = t.data.subspan(offset, piece);
+        chunk->set_data(data.data(), data.size());
+      }
+      if (options.checksums) chunk->set_xxh3(ChunkChecksum(data));
+      offset += piece;
+      bucket_fill += piece;
+      if (bucket_fill >= options.bucket_bytes && !flush()) return finish();
+    } while (offset < nbytes);
+    report(0, 1, false);
+  }
+  if (!flush()) return finish();
+
+  refit::v1::PushRequest end_request;
+  end_request.mutable_end();
+  if (!writer->Write(end_request)) return finish();
+  writer->WritesDone();
+  return finish();
+}
 
 }  // namespace
 
@@ -213,20 +333,12 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const Tensor
     progress.bytes_total += SizeOf(t);
   }
 
-  grpc::ClientContext context;
-  PrepareContext(&context, /*with_token=*/true);
-  refit::v1::PushResponse response;
-  std::unique_ptr<grpc::ClientWriter<refit::v1::PushRequest>> writer =
-      stub_->Push(&context, &response);
-
-  const absl::Time start = absl::Now();
-  // A failed Write means the stream is broken (the daemon refused or went
-  // away); Finish then tells why. Nothing is resent: see the file comment.
-  auto finish = [&]() -> absl::StatusOr<refit::v1::RefitResult> {
-    grpc::Status status = writer->Finish();
-    if (!status.ok()) return FromGrpcStatus(status);
-    return response.result();
-  };
+  if (options.streams < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("push: streams must be at least 1, got ", options.streams));
+  }
+  // More streams than tensors would leave some with nothing to send.
+  const int streams = static_cast<int>(std::min<size_t>(options.streams, tensors.size()));
 
   refit::v1::PushRequest begin_request;
   refit::v1::Begin* begin = begin_request.mutable_begin();
@@ -239,75 +351,72 @@ absl::StatusOr<refit::v1::RefitResult> RefitClient::Push(absl::Span<const Tensor
   refit_options->set_require_complete(options.require_complete);
   refit_options->set_label(options.label);
   refit_options->set_fleet_refit_id(options.fleet_refit_id);
-  if (!writer->Write(begin_request)) return finish();
+  std::string refit_id = options.refit_id;
+  if (streams > 1 && refit_id.empty()) refit_id = NewRefitId();
+  begin->set_refit_id(refit_id);
+  if (streams > 1) begin->set_streams(static_cast<uint32_t>(streams));
 
-  refit::v1::PushRequest bucket;
-  size_t bucket_fill = 0;
-  auto flush = [&]() -> bool {
-    if (bucket.chunks().chunks_size() == 0) return true;
-    if (!writer->Write(bucket)) return false;
-    progress.bytes_sent += bucket_fill;
-    ++progress.messages_sent;
+  absl::Mutex progress_mu;
+  const absl::Time start = absl::Now();
+  auto report = [&](uint64_t bytes, size_t tensors_done, bool message) {
+    absl::MutexLock lock(&progress_mu);
+    progress.bytes_sent += bytes;
+    progress.tensors_done += tensors_done;
+    if (message) ++progress.messages_sent;
     progress.elapsed = absl::Now() - start;
-    bucket.Clear();
-    bucket_fill = 0;
-    if (options.on_progress) options.on_progress(progress);
-    return true;
+    if (message && options.on_progress) options.on_progress(progress);
   };
 
-  for (const TensorRef& t : tensors) {
-    const size_t elem = DTypeBytes(t.dtype);
-    const size_t nbytes = SizeOf(t);
-    // Chunks are element-aligned and hold at least one element.
-    const size_t cap = std::max<size_t>(options.max_chunk_bytes / elem, 1) * elem;
-    size_t offset = 0;
-    // Zero-sized tensors still send one (empty) chunk so the daemon sees them.
-    do {
-      size_t room = options.bucket_bytes > bucket_fill ? options.bucket_bytes - bucket_fill : 0;
-      if (bucket_fill == 0) room = std::max(room, elem);
-      size_t piece = std::min({nbytes - offset, cap, room});
-      piece -= piece % elem;
-      if (piece == 0 && offset < nbytes) {
-        // Not even one element fits in this bucket: send it and start anew.
-        if (!flush()) return finish();
-        continue;
-      }
-      refit::v1::Chunk* chunk = bucket.mutable_chunks()->add_chunks();
-      chunk->set_tensor_name(t.name);
-      chunk->set_dtype(t.dtype);
-      for (int64_t d : t.shape) chunk->add_shape(d);
-      chunk->set_byte_offset(offset);
-      absl::Span<const uint8_t> data;
-      if (t.read) {
-        std::string* bytes = chunk->mutable_data();
-        bytes->resize(piece);
-        absl::Span<uint8_t> out(reinterpret_cast<uint8_t*>(bytes->data()), piece);
-        if (absl::Status read = t.read(offset, out); !read.ok()) {
-          // Nothing half-read is sent; the daemon aborts the refit.
-          context.TryCancel();
-          grpc::Status ignored = writer->Finish();
-          (void)ignored;
-          return read;
-        }
-        data = out;
-      } else {
-        data = t.data.subspan(offset, piece);
-        chunk->set_data(data.data(), data.size());
-      }
-      if (options.checksums) chunk->set_xxh3(ChunkChecksum(data));
-      offset += piece;
-      bucket_fill += piece;
-      if (bucket_fill >= options.bucket_bytes && !flush()) return finish();
-    } while (offset < nbytes);
-    ++progress.tensors_done;
+  if (streams == 1) {
+    std::vector<const TensorRef*> all;
+    all.reserve(tensors.size());
+    for (const TensorRef& t : tensors) all.push_back(&t);
+    return PushOneStream(
+        stub_.get(), [this](grpc::ClientContext* c) { PrepareContext(c, true); }, begin_request,
+        all, options, report, nullptr);
   }
-  if (!flush()) return finish();
 
-  refit::v1::PushRequest end_request;
-  end_request.mutable_end();
-  if (!writer->Write(end_request)) return finish();
-  writer->WritesDone();
-  return finish();
+  // By tensor, balanced by bytes: each tensor goes to the stream with the
+  // fewest bytes so far, so every stream sends in checkpoint order and the
+  // streams move through the layers together (the daemon stages few
+  // partial layers at a time).
+  std::vector<std::vector<const TensorRef*>> parts(streams);
+  std::vector<uint64_t> part_bytes(streams, 0);
+  for (const TensorRef& t : tensors) {
+    const int k = static_cast<int>(std::min_element(part_bytes.begin(), part_bytes.end()) -
+                                   part_bytes.begin());
+    parts[k].push_back(&t);
+    part_bytes[k] += SizeOf(t);
+  }
+  refit::v1::PushRequest join_request;
+  join_request.mutable_begin()->set_join_refit_id(refit_id);
+
+  std::vector<absl::StatusOr<refit::v1::RefitResult>> results(
+      streams, absl::UnknownError("push: stream not run"));
+  auto prepare = [this](grpc::ClientContext* c) { PrepareContext(c, true); };
+  // The opener runs here; the others start once the daemon has accepted its
+  // Begin (its initial metadata names the refit), so that they find the
+  // refit to join.
+  std::vector<std::thread> joiners;
+  auto start_joiners = [&] {
+    for (int k = 1; k < streams; ++k) {
+      joiners.emplace_back([&, k] {
+        results[k] =
+            PushOneStream(stub_.get(), prepare, join_request, parts[k], options, report, nullptr);
+      });
+    }
+  };
+  results[0] =
+      PushOneStream(stub_.get(), prepare, begin_request, parts[0], options, report, start_joiners);
+  for (std::thread& t : joiners) t.join();
+  // The cause, rather than the ABORTED of the streams it took down.
+  for (const absl::StatusOr<refit::v1::RefitResult>& r : results) {
+    if (!r.ok() && r.status().code() != absl::StatusCode::kAborted) return r.status();
+  }
+  for (const absl::StatusOr<refit::v1::RefitResult>& r : results) {
+    if (!r.ok()) return r.status();
+  }
+  return results[0];
 }
 
 absl::StatusOr<refit::v1::RefitResult> RefitClient::PushFiles(const std::vector<std::string>& files,

@@ -126,6 +126,17 @@ struct PushOptions {
   size_t max_chunk_bytes = kDefaultMaxChunkBytes;
   // Attach an XXH3-64 of every chunk's bytes.
   bool checksums = true;
+  // Concurrent Push streams that carry the refit (Begin.streams): the
+  // tensors are split among them by tensor, balanced by bytes, each stream
+  // sending its share in checkpoint order. Above 1, the refit gets
+  // `refit_id` (one is made up when empty) so that the other streams can
+  // join it, they start once the daemon has accepted the first stream's
+  // Begin, and on_progress is called from the streams' threads (one call at
+  // a time). Capped at the number of tensors.
+  int streams = 1;
+  // The refit's id (Begin.refit_id): 1 to 64 of [A-Za-z0-9._-]; "" lets the
+  // daemon choose (for a single stream). ALREADY_EXISTS if in use.
+  std::string refit_id;
   std::function<void(const PushProgress&)> on_progress;
 };
 
@@ -187,6 +198,10 @@ class RefitClient {
   //                       answer: the refit may still have committed)
   //   UNAUTHENTICATED     missing or unknown token
   //   PERMISSION_DENIED   the token's role may not push
+  // With options.streams > 1, the first error of a stream that is not the
+  // ABORTED of the other streams (the cause), e.g. INVALID_ARGUMENT for
+  // streams < 1 or a malformed refit_id, ALREADY_EXISTS for a refit_id in
+  // use.
   absl::StatusOr<refit::v1::RefitResult> Push(absl::Span<const TensorRef> tensors,
                                               const PushOptions& options);
   // Push of every tensor of the given safetensors files (read with pread

@@ -55,6 +55,8 @@ Commands:
       --label TEXT           label shown in the daemon's logs and events
       --bucket-mib N         tensor bytes per message (default 32)
       --chunk-mib N          largest single chunk (default 32)
+      --streams K            carry the refit over K concurrent Push streams, the
+                             tensors split among them by bytes (default 1)
       --no-checksum          do not send XXH3 checksums
       --allow-partial        zero-fill layers the files cover only in part
       --partial              allow a refit of part of the model: tensors not sent keep
@@ -134,6 +136,7 @@ const std::map<std::string, FlagSpec>& KnownFlags() {
       {"label", {true}},
       {"bucket-mib", {true}},
       {"chunk-mib", {true}},
+      {"streams", {true}},
       {"no-checksum", {false}},
       {"allow-partial", {false}},
       {"partial", {false}},
@@ -254,6 +257,12 @@ std::string CheckUsage(const CommandLine& cl) {
     if (cl.Has(name) && value == 0 &&
         (std::string(name) == "bucket-mib" || std::string(name) == "chunk-mib")) {
       return "--bucket-mib and --chunk-mib must be positive";
+    }
+  }
+  if (cl.Has("streams")) {
+    uint64_t streams = 0;
+    if (!absl::SimpleAtoi(cl.Get("streams"), &streams) || streams == 0 || streams > 64) {
+      return absl::StrCat("--streams needs an integer from 1 to 64, got '", cl.Get("streams"), "'");
     }
   }
   absl::Duration timeout;
@@ -546,6 +555,7 @@ class Refitctl {
     options.label = cl_.Get("label");
     options.bucket_bytes = ParseUint(cl_, "bucket-mib", 32) << 20;
     options.max_chunk_bytes = ParseUint(cl_, "chunk-mib", 32) << 20;
+    options.streams = static_cast<int>(ParseUint(cl_, "streams", 1));
     options.checksums = !cl_.Has("no-checksum");
     options.allow_partial_layers = cl_.Has("allow-partial");
     options.require_complete = !cl_.Has("partial");

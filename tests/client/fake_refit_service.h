@@ -39,7 +39,18 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     PushRecord record;
     record.authorization = Authorization(context);
     refit::v1::PushRequest message;
-    while (reader->Read(&message)) record.messages.push_back(message);
+    bool acknowledged = false;
+    while (reader->Read(&message)) {
+      if (!acknowledged && message.has_begin()) {
+        // As refitd: initial metadata "refit-id" once Begin is accepted.
+        const refit::v1::Begin& begin = message.begin();
+        context->AddInitialMetadata(
+            "refit-id", begin.join_refit_id().empty() ? begin.refit_id() : begin.join_refit_id());
+        reader->SendInitialMetadata();
+        acknowledged = true;
+      }
+      record.messages.push_back(message);
+    }
     absl::MutexLock lock(&mu_);
     pushes_.push_back(std::move(record));
     if (!push_status_.ok()) return push_status_;

@@ -117,6 +117,77 @@ TEST(RefitClientTest, PushSendsBeginBucketsAndEnd) {
   EXPECT_EQ(got["c"], c);
 }
 
+TEST(RefitClientTest, PushOverStreamsSplitsTheTensorsByBytes) {
+  FakeServer server;
+  refit::v1::RefitResult result;
+  result.set_refit_id("multi");
+  server.service().SetPushResult(result);
+  auto client = Connect(server);
+  // 3000 + 1000 + 1000 + 600 + 400 bytes: 3000 on one stream, the rest
+  // (3000) on the other.
+  std::vector<uint8_t> a = Bytes(3000, 1), b = Bytes(1000, 2), c = Bytes(1000, 3),
+                       d = Bytes(600, 4), e = Bytes(400, 5);
+  std::vector<TensorRef> tensors = {
+      {"a", refit::v1::DTYPE_BF16, {1500}, a}, {"b", refit::v1::DTYPE_BF16, {500}, b},
+      {"c", refit::v1::DTYPE_BF16, {500}, c},  {"d", refit::v1::DTYPE_BF16, {300}, d},
+      {"e", refit::v1::DTYPE_BF16, {200}, e},
+  };
+  PushOptions options;
+  options.streams = 2;
+  options.refit_id = "multi";
+  options.label = "split";
+  std::vector<uint64_t> progress;
+  options.on_progress = [&](const PushProgress& p) { progress.push_back(p.bytes_sent); };
+  absl::StatusOr<refit::v1::RefitResult> pushed = client->Push(tensors, options);
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(pushed->refit_id(), "multi");
+
+  std::vector<testing::FakeRefitService::PushRecord> pushes = server.service().pushes();
+  ASSERT_EQ(pushes.size(), 2u);
+  std::map<std::string, std::vector<uint8_t>> all;
+  int openers = 0;
+  for (const auto& push : pushes) {
+    ASSERT_TRUE(push.messages.front().has_begin());
+    const refit::v1::Begin& begin = push.messages.front().begin();
+    if (begin.join_refit_id().empty()) {
+      ++openers;
+      EXPECT_EQ(begin.refit_id(), "multi");
+      EXPECT_EQ(begin.streams(), 2u);
+      EXPECT_EQ(begin.options().label(), "split");
+    } else {
+      EXPECT_EQ(begin.join_refit_id(), "multi");
+      EXPECT_FALSE(begin.has_options());
+      EXPECT_EQ(begin.model_group(), "");
+    }
+    EXPECT_TRUE(push.messages.back().has_end());
+    size_t bytes = 0;
+    for (const auto& [name, data] : Reassemble(push)) {
+      bytes += data.size();
+      EXPECT_TRUE(all.emplace(name, data).second) << name << " sent on two streams";
+    }
+    EXPECT_EQ(bytes, 3000u);  // balanced by bytes
+  }
+  EXPECT_EQ(openers, 1);
+  EXPECT_EQ(all["a"], a);
+  EXPECT_EQ(all["e"], e);
+  EXPECT_EQ(all.size(), 5u);
+  ASSERT_FALSE(progress.empty());
+  EXPECT_EQ(progress.back(), 6000u);
+}
+
+TEST(RefitClientTest, PushOverStreamsRefusesZeroStreamsLocally) {
+  FakeServer server;
+  auto client = Connect(server);
+  std::vector<uint8_t> a = Bytes(4, 1);
+  std::vector<TensorRef> tensors = {{"a", refit::v1::DTYPE_BF16, {2}, a}};
+  PushOptions options;
+  options.streams = 0;
+  absl::StatusOr<refit::v1::RefitResult> pushed = client->Push(tensors, options);
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(pushed.status().message(), HasSubstr("streams must be at least 1"));
+  EXPECT_TRUE(server.service().pushes().empty());
+}
+
 TEST(RefitClientTest, PushPacksSmallTensorsIntoOneMessage) {
   FakeServer server;
   auto client = Connect(server);

@@ -279,6 +279,45 @@ ProgressSample Sample(uint64_t done, uint64_t total, absl::Duration elapsed,
   return s;
 }
 
+TEST(RefitctlTest, PushOverStreamsOpensTheRefitOnOneAndJoinsItOnTheOther) {
+  FakeServer server;
+  char pattern[] = "/tmp/refitctl_test_XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  std::string dir = pattern;
+  {
+    std::ofstream f(dir + "/m.safetensors", std::ios::binary);
+    std::string header = R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
+                         R"("v":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})";
+    uint64_t n = header.size();
+    for (int i = 0; i < 8; ++i) f.put(static_cast<char>((n >> (8 * i)) & 0xff));
+    f << header << "abcd";
+  }
+  std::string err;
+  ASSERT_EQ(RunCtl({"--addr", server.address(), "push", "--streams", "2", dir}, nullptr, &err), 0)
+      << err;
+  const auto pushes = server.service().pushes();
+  ASSERT_EQ(pushes.size(), 2u);
+  std::string opened, joined;
+  for (const auto& push : pushes) {
+    ASSERT_FALSE(push.messages.empty());
+    const refit::v1::Begin& begin = push.messages[0].begin();
+    if (begin.join_refit_id().empty()) {
+      EXPECT_EQ(begin.streams(), 2u);
+      opened = begin.refit_id();
+    } else {
+      EXPECT_FALSE(begin.has_options());
+      joined = begin.join_refit_id();
+    }
+    EXPECT_TRUE(push.messages.back().has_end());
+  }
+  EXPECT_FALSE(opened.empty());
+  EXPECT_EQ(joined, opened);
+  EXPECT_EQ(RunCtl({"--addr", server.address(), "push", "--streams", "0", dir}, nullptr, &err), 1);
+  EXPECT_THAT(err, HasSubstr("--streams needs an integer from 1 to 64"));
+  ::unlink((dir + "/m.safetensors").c_str());
+  ::rmdir(dir.c_str());
+}
+
 TEST(ProgressBarTest, FormatsBytesRateAndEta) {
   EXPECT_EQ(FormatBytes(512), "512 B");
   EXPECT_EQ(FormatBytes(1536), "1.5 KiB");

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import pathlib
+import secrets
 import threading
 import time
 from typing import (
@@ -292,6 +293,38 @@ class _Pipe:
             yield item
 
 
+class _AggregateProgress:
+    """One PushProgress over the streams of a push: each stream reports its
+    own counts (stream(k)), the callback sees their sums."""
+
+    def __init__(self, progress: Callable[[PushProgress], None], total: Optional[int]) -> None:
+        self._progress = progress
+        self._total = total
+        self._start = time.monotonic()
+        self._last: dict = {}
+
+    def stream(self, k: int) -> Callable[[PushProgress], None]:
+        def report(p: PushProgress) -> None:
+            self._last[k] = p
+            parts = self._last.values()
+            self._progress(
+                PushProgress(
+                    bytes_sent=sum(q.bytes_sent for q in parts),
+                    tensors_done=sum(q.tensors_done for q in parts),
+                    messages_sent=sum(q.messages_sent for q in parts),
+                    elapsed_seconds=time.monotonic() - self._start,
+                    tensors_total=self._total,
+                )
+            )
+
+        return report
+
+    def close(self) -> None:
+        close = getattr(self._progress, "close", None)
+        if callable(close):
+            close()
+
+
 class Refit:
     """One refit transaction being streamed; made by RefitClient.refit().
 
@@ -442,11 +475,18 @@ class Refit:
         """Sends End and returns the daemon's result (the with block calls it)."""
         if self.result is not None:
             return self.result
+        self._send_end()
+        return self._await_result()
+
+    def _send_end(self, allow_empty: bool = False) -> None:
+        """Flushes the bucket and sends End, without waiting for the answer
+        (a stream of a refit over several streams is answered only once every
+        stream has ended)."""
         if self._ended:
             raise InvalidArgument("push: the refit was abandoned")
         self._ended = True
         try:
-            if self._tensors_done == 0:
+            if self._tensors_done == 0 and not allow_empty:
                 raise InvalidArgument("push: no tensors")
             self._flush()
             self._write(pb.PushRequest(end=pb.End()).SerializeToString())
@@ -455,6 +495,8 @@ class Refit:
             raise
         self._pipe.finish()
         self._close_progress()
+
+    def _await_result(self) -> RefitResult:
         try:
             response = self._call.result()
         except grpc.RpcError as e:
@@ -673,6 +715,7 @@ class RefitClient:
         progress: Union[None, str, Callable[[PushProgress], None]] = None,
         timeout: Optional[float] = None,
         _tensors_total: Optional[int] = None,
+        _refit_id: str = "",
     ) -> Refit:
         """Starts one refit to stream tensor by tensor::
 
@@ -689,6 +732,7 @@ class RefitClient:
             options=_options(
                 prepare, base_version, label, non_finite, allow_partial_layers, require_complete
             ),
+            refit_id=_refit_id,
         )
         return Refit(
             self,
@@ -717,6 +761,8 @@ class RefitClient:
         require_complete: bool = True,
         progress: Union[None, str, Callable[[PushProgress], None]] = None,
         timeout: Optional[float] = None,
+        streams: int = 1,
+        refit_id: str = "",
     ) -> RefitResult:
         """Pushes tensors as one refit transaction and returns its result.
 
@@ -739,6 +785,12 @@ class RefitClient:
         ``progress`` is called with a PushProgress after every
         message; ``progress="tqdm"`` draws a tqdm bar instead (TqdmProgress,
         needs tqdm). ``timeout``: deadline of the whole push (none by default).
+        ``streams``: how many concurrent Push streams carry the refit (the
+        tensors are split among them by tensor, balanced by bytes; the daemon
+        commits once every stream has ended; any stream failing aborts the
+        whole refit). ``refit_id``: the refit's id (1 to 64 of
+        [A-Za-z0-9._-]; AlreadyExists if in use); with streams > 1 one is
+        made up when empty.
 
         Never retried. Raises: InvalidArgument (a tensor this client cannot
         send, or one the daemon refuses), RefitConflict (another refit is
@@ -747,6 +799,23 @@ class RefitClient:
         tensors), ResourceExhausted, PermissionDenied, DeadlineExceeded,
         Unavailable (unreachable, or the answer was lost: check status()).
         """
+        if streams < 1:
+            raise InvalidArgument(f"push: streams must be at least 1, got {streams}")
+        if streams > 1:
+            return self._push_streams(
+                tensors,
+                streams,
+                refit_id or f"push-{secrets.token_hex(8)}",
+                begin_options=_options(
+                    prepare, base_version, label, non_finite, allow_partial_layers, require_complete
+                ),
+                group=group,
+                chunk_bytes=chunk_bytes,
+                bucket_bytes=bucket_bytes,
+                checksums=checksums,
+                progress=progress,
+                timeout=timeout,
+            )
         r = self.refit(
             prepare=prepare,
             base_version=base_version,
@@ -761,12 +830,94 @@ class RefitClient:
             progress=progress,
             timeout=timeout,
             _tensors_total=_tensors.count(tensors),
+            _refit_id=refit_id,
         )
         with r:
             for src in _tensors.iter_sources(tensors):
                 r._send_source(src)
         assert r.result is not None
         return r.result
+
+    def _push_streams(
+        self,
+        tensors: _tensors.TensorsArg,
+        streams: int,
+        refit_id: str,
+        *,
+        begin_options: Any,
+        group: str,
+        chunk_bytes: int,
+        bucket_bytes: int,
+        checksums: bool,
+        progress: Union[None, str, Callable[[PushProgress], None]],
+        timeout: Optional[float],
+    ) -> RefitResult:
+        """push() over several streams: the first opens the refit, the others
+        join it once the daemon has accepted the first one's Begin (its
+        initial metadata names the refit). One thread sends: each tensor goes
+        to the stream with the fewest bytes so far."""
+        if progress == "tqdm":
+            from ._progress import TqdmProgress
+
+            progress = TqdmProgress()
+        total = _tensors.count(tensors)
+        aggregate = _AggregateProgress(progress, total) if progress is not None else None
+        kwargs = dict(
+            chunk_bytes=chunk_bytes,
+            bucket_bytes=bucket_bytes,
+            checksums=checksums,
+            tensors_total=total,
+            timeout=timeout,
+        )
+        opener = Refit(
+            self,
+            pb.Begin(model_group=group, options=begin_options, streams=streams, refit_id=refit_id),
+            progress=aggregate.stream(0) if aggregate else None,
+            **kwargs,
+        )
+        refits = [opener]
+        try:
+            metadata = dict(opener._call.initial_metadata() or ())
+            if "refit-id" not in metadata:
+                opener._raise_call_error()  # refused: the daemon's reason
+            for k in range(1, streams):
+                refits.append(
+                    Refit(
+                        self,
+                        pb.Begin(join_refit_id=refit_id),
+                        progress=aggregate.stream(k) if aggregate else None,
+                        **kwargs,
+                    )
+                )
+            sent = [0] * streams
+            for src in _tensors.iter_sources(tensors):
+                k = sent.index(min(sent))
+                refits[k]._send_source(src)
+                sent[k] += src.nbytes
+            if sum(r._tensors_done for r in refits) == 0:
+                raise InvalidArgument("push: no tensors")
+            for r in refits:
+                r._send_end(allow_empty=True)
+        except BaseException:
+            for r in refits:
+                r.abandon()
+            if aggregate is not None:
+                aggregate.close()
+            raise
+        if aggregate is not None:
+            aggregate.close()
+        errors: List[RefitError] = []
+        for r in refits:
+            try:
+                r._await_result()
+            except RefitError as e:
+                errors.append(e)
+        if errors:
+            # The cause, rather than the ABORTED of the streams it took down.
+            causes = [e for e in errors if e.code != grpc.StatusCode.ABORTED]
+            raise (causes or errors)[0]
+        assert opener.result is not None
+        return opener.result
 
     def reload(
         self,

@@ -282,3 +282,32 @@ def test_push_of_part_of_the_model_is_refused_unless_asked_for(client, seed2):
     assert "model.embed_tokens" in result.kept_layers
     assert not result.unchanged
 
+
+def test_push_over_streams_matches_one_stream(client, daemon, weights, seed2):
+    """streams=3 splits the tensors over three Push streams of one refit: one
+    commit, the same kernels as refitctl push of the same files."""
+    expected = refitctl_fingerprint(daemon, weights(2))
+    refitctl_fingerprint(daemon, weights(3))
+    before = client.status().version
+    progress = []
+    result = client.push(seed2, streams=3, refit_id="py-streams.1", progress=progress.append)
+    assert result.state == "COMMITTED"
+    assert result.refit_id == "py-streams.1"
+    assert result.version == before + 1
+    assert result.fingerprint == expected
+    assert result.bytes_received == sum(t.numel() * t.element_size() for t in seed2.values())
+    assert progress[-1].bytes_sent == result.bytes_received
+
+
+def test_push_over_streams_refusals(client, seed2):
+    with pytest.raises(InvalidArgument, match="streams must be at least 1"):
+        client.push(seed2, streams=0)
+    with pytest.raises(InvalidArgument, match="refit_id"):
+        client.push(seed2, streams=2, refit_id="no spaces")
+    # A stream that fails aborts the whole refit; the cause is raised.
+    bad = dict(seed2)
+    bad["no.such.tensor"] = torch.zeros(2, dtype=torch.bfloat16)
+    before = client.status().version
+    with pytest.raises(NotFound, match="no.such.tensor"):
+        client.push(bad, streams=2)
+    assert client.status().version == before

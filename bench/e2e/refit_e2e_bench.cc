@@ -339,7 +339,8 @@ struct PushRun {
   int64_t peak_rss = 0;
 };
 
-PushRun Push(RefitClient& c, pid_t pid, const HostModel& m, bool checksums, bool prepare_only) {
+PushRun Push(RefitClient& c, pid_t pid, const HostModel& m, bool checksums, bool prepare_only,
+             int streams = 1) {
   PushRun run;
   const std::string p = std::to_string(pid);
   ResetPeakRss(p);
@@ -350,6 +351,7 @@ PushRun Push(RefitClient& c, pid_t pid, const HostModel& m, bool checksums, bool
   options.max_chunk_bytes = options.bucket_bytes;
   options.completion = prepare_only ? rv1::COMPLETION_MODE_PREPARE : rv1::COMPLETION_MODE_COMMIT;
   options.label = "refit_e2e_bench";
+  options.streams = streams;
   const double t0 = NowSeconds();
   absl::StatusOr<rv1::RefitResult> result = c.Push(m.tensors, options);
   run.seconds = NowSeconds() - t0;
@@ -503,7 +505,9 @@ int Run() {
   std::vector<PushRun> pushes, pushes_tight;
   std::vector<double> extra_rss_tight;
   std::vector<double> reload_write, reload_rpc, extra_rss, idle_rss;
-  std::vector<std::string> order = {"raw", "bare", "push", "push_nocs", "ingest", "reload"};
+  // push_s2, push_s4: the same full refit over 2 and 4 Push streams.
+  std::vector<std::string> order = {"raw",    "bare",   "push",    "push_nocs",
+                                    "ingest", "reload", "push_s2", "push_s4"};
   if (tight) order.push_back("push_tight");
   for (int r = 0; r < reps; ++r) {
     for (size_t k = 0; k < order.size(); ++k) {
@@ -533,6 +537,8 @@ int Run() {
         pushes_tight.push_back(run);
       } else if (what == "ingest") {
         t[what].push_back(Push(*b, pid_b, model, true, true).seconds);
+      } else if (what == "push_s2" || what == "push_s4") {
+        t[what].push_back(Push(*a, pid_a, model, true, false, what == "push_s2" ? 2 : 4).seconds);
       } else {
         ReloadRun run = Reload(*a, model, shm + "/rep" + std::to_string(r));
         reload_write.push_back(run.write_s);
@@ -574,6 +580,21 @@ int Run() {
                                "ingest-only Push (quant none, prepare)", gbps("ingest"),
                                gbps("push") / gbps("ingest"), ">= 0.8",
                                absl::StrCat("push ", cpu("push"), "; ingest ", cpu("ingest"))));
+  for (const char* k : {"push_s2", "push_s4"}) {
+    const bool two = std::string(k) == "push_s2";
+    const std::string streams = two ? "2" : "4";
+    const double gib = bytes / kGiB;
+    figures.push_back(
+        MakeFigure(absl::StrCat("Push, full refit over ", streams, " streams, ", size), gbps(k),
+                   "GB/s", "the same Push over 1 stream", gbps("push"), gbps(k) / gbps("push"),
+                   two ? ">= 1.0 (2 cores)" : ">= 2.5 (16 cores)",
+                   absl::StrCat(k, " ", cpu(k), "; 1 stream ", cpu("push"))));
+    const double v = Median(server_cpu[k]) / gib;
+    const double one = Median(server_cpu["push"]) / gib;
+    figures.push_back(MakeFigure(
+        absl::StrCat("receiver CPU per GiB, refitd full refit Push over ", streams, " streams"), v,
+        "CPU s/GiB", "the same over 1 stream", one, v / one, two ? "<= 1.1" : ""));
+  }
   {
     const double gib = bytes / kGiB;
     const double bare_cpu = Median(server_cpu["bare"]) / gib;

@@ -481,7 +481,12 @@ class Refitctl {
              {"quantization", s.model().quantization()},
              {"checkpoint_dtype", s.model().checkpoint_dtype()},
              {"num_kernel_tensors", s.model().num_kernel_tensors()},
-             {"kernel_bytes", s.model().kernel_bytes()}}},
+             {"kernel_bytes", s.model().kernel_bytes()},
+             {"num_experts", s.model().num_experts()},
+             {"experts_per_token", s.model().experts_per_token()},
+             {"ep_rank", s.model().ep_rank()},
+             {"ep_size", s.model().ep_size()}}},
+           {"not_ready_reason", s.not_ready_reason()},
            {"active_refit", nullptr}};
     if (s.has_active_refit()) j["active_refit"] = ProgressJson(s.active_refit());
     return j;
@@ -498,6 +503,14 @@ class Refitctl {
           "model        %s, %d layers, tp %d/%d, %s, checkpoint %s, %d kernel tensors (%s)\n",
           m.architecture(), m.num_layers(), m.tp_rank(), m.tp_size(), m.quantization(),
           m.checkpoint_dtype(), m.num_kernel_tensors(), FormatBytes(m.kernel_bytes()));
+      if (m.num_experts() > 0) {
+        std::cout << absl::StrFormat("experts      %d per layer, %d per token, ep %d/%d\n",
+                                     m.num_experts(), m.experts_per_token(), m.ep_rank(),
+                                     m.ep_size());
+      }
+    }
+    if (!s.ready() && !s.not_ready_reason().empty()) {
+      std::cout << absl::StrFormat("not ready    %s\n", s.not_ready_reason());
     }
     if (s.has_memory()) {
       const auto& m = s.memory();

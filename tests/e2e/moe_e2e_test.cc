@@ -148,6 +148,16 @@ TEST_F(MoeE2eTest, ExpertParallelDemoRankRefitsAndVerifies) {
   ASSERT_TRUE(status.ok()) << status.status();
   EXPECT_EQ(status->model().ep_rank(), 1u);
   EXPECT_EQ(status->model().ep_size(), 2u);
+  // refitctl shows them too.
+  nlohmann::json j = Status();
+  EXPECT_EQ(j["model"]["num_experts"], status->model().num_experts());
+  EXPECT_EQ(j["model"]["ep_rank"], 1);
+  EXPECT_EQ(j["model"]["ep_size"], 2);
+  CommandResult text = Ctl({"status"});
+  EXPECT_EQ(text.code, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr(absl::StrCat("experts      ", status->model().num_experts(),
+                                               " per layer, ")));
+  EXPECT_THAT(text.out, HasSubstr("ep 1/2"));
   RefitAndVerify("qwen3_moe");
 }
 

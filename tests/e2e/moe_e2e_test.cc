@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/e2e/daemon_dir_test.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace refit::e2e {
@@ -20,27 +21,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class MoeE2eTest : public ::testing::Test {
+class MoeE2eTest : public DaemonDirTest {
  protected:
-  void SetUp() override {
-    for (const char* bin : {"refitd", "refitctl", "refit_make_fixture"}) {
-      if (!std::filesystem::exists(BinPath(bin))) {
-        GTEST_SKIP() << BinPath(bin) << " is not built";
-      }
-    }
-    char pattern[] = "/tmp/refit_moe_e2e_XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern), nullptr);
-    dir_ = pattern;
-    socket_ = "unix:" + dir_ + "/refitd.sock";
-  }
-
-  void TearDown() override {
-    daemon_.reset();
-    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
-    if (HasFailure()) std::cerr << "e2e: files kept in " << dir_ << "\n";
-  }
-
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+  MoeE2eTest() : DaemonDirTest("refit_moe_e2e", {"--timeout=30s"}, absl::Seconds(90)) {}
 
   void StartDaemon(const std::vector<std::string>& flags) {
     std::vector<std::string> argv = {BinPath("refitd"), "--listen=" + socket_,
@@ -50,23 +33,6 @@ class MoeE2eTest : public ::testing::Test {
     ASSERT_NE(daemon_, nullptr);
     const bool ready = daemon_->AwaitStderr("ready");
     ASSERT_TRUE(ready && daemon_->running()) << "refitd did not start:\n" << daemon_->Stderr();
-  }
-
-  CommandResult Run(std::vector<std::string> argv) {
-    ++commands_;
-    auto child = Child::Start(argv, Path(absl::StrCat("cmd-", commands_, ".out")),
-                              Path(absl::StrCat("cmd-", commands_, ".err")));
-    CommandResult r;
-    r.code = child->Wait(absl::Seconds(90)).value_or(-1);
-    r.out = child->Stdout();
-    r.err = child->Stderr();
-    return r;
-  }
-
-  CommandResult Ctl(std::vector<std::string> args) {
-    std::vector<std::string> argv = {BinPath("refitctl"), "--addr=" + socket_, "--timeout=30s"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    return Run(argv);
   }
 
   nlohmann::json Status() {
@@ -107,11 +73,6 @@ class MoeE2eTest : public ::testing::Test {
     CommandResult other = Ctl({"verify", pushed});
     EXPECT_EQ(other.code, 6) << other.out << other.err;
   }
-
-  std::string dir_;
-  std::string socket_;
-  int commands_ = 0;
-  std::unique_ptr<Child> daemon_;
 };
 
 TEST_F(MoeE2eTest, Qwen3MoeTensorParallelRankRefitsOverPushAndReloadAndVerifies) {

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/e2e/daemon_dir_test.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace refit::e2e {
@@ -21,27 +22,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class MultiGroupE2eTest : public ::testing::Test {
+class MultiGroupE2eTest : public DaemonDirTest {
  protected:
-  void SetUp() override {
-    for (const char* bin : {"refitd", "refitctl", "refit_make_fixture"}) {
-      if (!std::filesystem::exists(BinPath(bin))) {
-        GTEST_SKIP() << BinPath(bin) << " is not built";
-      }
-    }
-    char pattern[] = "/tmp/refit_groups_e2e_XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern), nullptr);
-    dir_ = pattern;
-    socket_ = "unix:" + dir_ + "/refitd.sock";
-  }
-
-  void TearDown() override {
-    daemon_.reset();
-    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
-    if (HasFailure()) std::cerr << "e2e: files kept in " << dir_ << "\n";
-  }
-
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+  MultiGroupE2eTest() : DaemonDirTest("refit_groups_e2e", {}, absl::Seconds(120)) {}
 
   // refitd with both groups; returns once every group is ready (the
   // daemon's readiness, which `health --wait` follows).
@@ -56,23 +39,6 @@ class MultiGroupE2eTest : public ::testing::Test {
     ASSERT_NE(daemon_, nullptr);
     CommandResult health = Ctl({"health", "--wait", "--timeout=120s"});
     ASSERT_EQ(health.code, 0) << health.out << health.err << daemon_->Stderr();
-  }
-
-  CommandResult Run(std::vector<std::string> argv) {
-    ++commands_;
-    auto child = Child::Start(argv, Path(absl::StrCat("cmd-", commands_, ".out")),
-                              Path(absl::StrCat("cmd-", commands_, ".err")));
-    CommandResult r;
-    r.code = child->Wait(absl::Seconds(120)).value_or(-1);
-    r.out = child->Stdout();
-    r.err = child->Stderr();
-    return r;
-  }
-
-  CommandResult Ctl(std::vector<std::string> args) {
-    std::vector<std::string> argv = {BinPath("refitctl"), "--addr=" + socket_};
-    argv.insert(argv.end(), args.begin(), args.end());
-    return Run(argv);
   }
 
   // The groups of `refitctl status --json`, by name.
@@ -94,10 +60,6 @@ class MultiGroupE2eTest : public ::testing::Test {
     return out;
   }
 
-  std::string dir_;
-  std::string socket_;
-  std::unique_ptr<Child> daemon_;
-  int commands_ = 0;
   int starts_ = 0;
 };
 

@@ -86,9 +86,16 @@ absl::StatusOr<int> HostArena::OpenReadOnly() const {
 
 void HostArena::BeginWrite() {
   ArenaHeader* h = mutable_header();
-  h->seq.fetch_add(1, std::memory_order_relaxed);
   // The odd seq must be visible before any byte of the new version.
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer does not model fences (GCC refuses them under
+  // -fsanitize=thread); the readers are other processes, which it cannot
+  // see anyway.
+  h->seq.fetch_add(1, std::memory_order_seq_cst);
+#else
+  h->seq.fetch_add(1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
+#endif
 }
 
 void HostArena::EndWrite(uint64_t version) {

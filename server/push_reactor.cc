@@ -19,11 +19,13 @@
 // thread of the daemon's own (RefitServiceImpl::RunWorker) that handles its
 // messages in order (Ingest, Commit), while the reactor already reads the
 // next one (double buffering). Back-pressure: a stream owns
-// kMessagesInFlight PushRequest buffers; a read needs a free one, so at most
-// that many messages of a stream are in memory (one being ingested, one
-// being received), each at most --max-receive-message-size. The buffers are
-// reused message after message (protobuf keeps the capacity of the chunk
-// bytes), so a stream allocates them once.
+// kMessagesInFlight read buffers; a read needs a free one, so at most that
+// many messages of a stream are in memory (one being ingested, one being
+// received), each at most --max-receive-message-size. The method is
+// registered raw and each message is parsed, in the reaction, into the
+// buffer's PushMessage (server/push_message.h), whose Chunks keeps its
+// strings' capacity: a stream allocates its buffers once, not once per
+// message.
 #include <atomic>
 #include <deque>
 #include <memory>
@@ -35,22 +37,29 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "server/grpc_convert.h"
+#include "server/push_message.h"
 #include "server/push_refit.h"
 #include "server/refit_service.h"
 
 namespace refit::server {
 namespace {
 
-// PushRequest buffers per stream: one being ingested, one being received.
+// Read buffers per stream: one being ingested, one being received.
 constexpr int kMessagesInFlight = 2;
 
-class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
+// A read buffer: the message as received, then as parsed.
+struct ReadBuffer {
+  grpc::ByteBuffer raw;
+  PushMessage message;
+};
+
+class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
                           public RefitDriver,
                           public PushMember,
                           public IdleWatchdog::Target {
  public:
   PushReactor(RefitServiceImpl* service, grpc::CallbackServerContext* context,
-              v1::PushResponse* response)
+              grpc::ByteBuffer* response)
       : service_(service), context_(context), response_(response) {
     absl::StatusOr<Principal> caller = service_->Authorize(context_, Action::kPush, "Push");
     if (!caller.ok()) {
@@ -61,14 +70,14 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     }
     caller_ = *caller;
     for (int i = 0; i < kMessagesInFlight; ++i) {
-      free_.push_back(std::make_unique<v1::PushRequest>());
+      free_.push_back(std::make_unique<ReadBuffer>());
     }
     service_->watchdog()->Add(this);
     service_->AddStream(this);
     watched_ = true;
     Ref();  // the ingest thread's
     service_->RunWorker([this] { IngestLoop(); });
-    std::unique_ptr<v1::PushRequest> buffer;
+    std::unique_ptr<ReadBuffer> buffer;
     {
       absl::MutexLock lock(&mu_);
       buffer = std::move(free_.back());
@@ -105,23 +114,31 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
   void OnReadDone(bool ok) override {
     idle_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
     Item item;
-    if (!ok) {
-      // The client half-closed without End, sent a message that does not
-      // parse (gRPC reports both as a failed read, so the reason names
-      // both), or the call is gone. Handled in order, after the messages
-      // that came before.
-      item.closed_reason =
-          context_->IsCancelled()
-              ? "the client cancelled the Push (cancel, disconnect or deadline)"
-              : "the stream ended without End: the client closed it early, or sent a message "
-                "that is not a valid PushRequest (malformed protobuf)";
-    }
-    std::unique_ptr<v1::PushRequest> next;
+    std::unique_ptr<ReadBuffer> buffer;
     {
       absl::MutexLock lock(&mu_);
-      item.message = std::move(reading_);
-      if (finished_) return;
-      const bool last = !ok || item.message->kind_case() == v1::PushRequest::kEnd;
+      buffer = std::move(reading_);
+    }
+    if (!ok) {
+      // The client half-closed without End, or the call is gone. Handled in
+      // order, after the messages that came before.
+      item.closed_reason = context_->IsCancelled()
+                               ? "the client cancelled the Push (cancel, disconnect or deadline)"
+                               : "the stream ended without End: the client closed it early";
+    } else if (!buffer->message.Parse(&buffer->raw)) {
+      ok = false;
+      item.closed_reason =
+          "the client sent a message that is not a valid PushRequest (malformed protobuf)";
+    }
+    std::unique_ptr<ReadBuffer> next;
+    {
+      absl::MutexLock lock(&mu_);
+      item.message = std::move(buffer);
+      if (finished_) {
+        free_.push_back(std::move(item.message));
+        return;
+      }
+      const bool last = !ok || item.message->message.kind() == v1::PushRequest::kEnd;
       if (!ok) free_.push_back(std::move(item.message));
       queue_.push_back(std::move(item));
       if (!last) {
@@ -171,7 +188,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
  private:
   // A received message, or the end of the stream without End.
   struct Item {
-    std::unique_ptr<v1::PushRequest> message;
+    std::unique_ptr<ReadBuffer> message;
     std::string closed_reason;
   };
 
@@ -181,8 +198,8 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
   // reaction or from the ingest thread: a Finish that comes while the read
   // is being started waits for StartRead to return (a read started after
   // Finish completed would reach a call that is gone).
-  void StartReadInto(std::unique_ptr<v1::PushRequest> buffer) {
-    v1::PushRequest* target = nullptr;
+  void StartReadInto(std::unique_ptr<ReadBuffer> buffer) {
+    grpc::ByteBuffer* target = nullptr;
     {
       absl::MutexLock lock(&mu_);
       if (finished_) {
@@ -191,7 +208,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
       }
       ++ops_starting_;
       reading_ = std::move(buffer);
-      target = reading_.get();
+      target = &reading_->raw;
     }
     idle_deadline_ns_.store(
         absl::ToUnixNanos(service_->clock()->Now() + service_->options().push_idle_timeout));
@@ -248,9 +265,9 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
         HandleClosed(item.closed_reason);
         break;
       }
-      absl::Status status = Handle(*item.message);
-      const bool end = item.message->kind_case() == v1::PushRequest::kEnd;
-      std::unique_ptr<v1::PushRequest> next;
+      absl::Status status = Handle(item.message->message);
+      const bool end = item.message->message.kind() == v1::PushRequest::kEnd;
+      std::unique_ptr<ReadBuffer> next;
       {
         absl::MutexLock lock(&mu_);
         if (read_wanted_) {
@@ -270,13 +287,13 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
     Unref();
   }
 
-  absl::Status Handle(const v1::PushRequest& request) {
-    switch (request.kind_case()) {
+  absl::Status Handle(const PushMessage& message) {
+    switch (message.kind()) {
       case v1::PushRequest::kBegin:
-        return HandleBegin(request.begin());
+        return HandleBegin(message.request().begin());
       case v1::PushRequest::kChunks:
         if (session_ == nullptr) break;
-        return HandleChunks(request.chunks());
+        return HandleChunks(message.chunks());
       case v1::PushRequest::kEnd:
         if (session_ == nullptr) break;
         return HandleEnd();
@@ -552,7 +569,14 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
       count = opener_.load() && shared_session_ != nullptr;
       // gRPC reads the response only after Finish, which has not been
       // called yet: writing it here, under the lock, is safe.
-      if (response != nullptr && status.ok()) *response_ = *response;
+      if (response != nullptr && status.ok()) {
+        bool own_buffer = false;
+        grpc::Status serialized = grpc::SerializationTraits<v1::PushResponse>::Serialize(
+            *response, response_, &own_buffer);
+        if (!serialized.ok()) {
+          REFIT_LOG(ERROR) << "PushResponse not serialized: " << serialized.error_message();
+        }
+      }
       if (ops_starting_ > 0) {
         deferred_finish_ = status;
         idle_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
@@ -576,7 +600,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
 
   RefitServiceImpl* service_;
   grpc::CallbackServerContext* context_;  // reactions only
-  v1::PushResponse* response_;            // until Finish
+  grpc::ByteBuffer* response_;            // until Finish (a serialized PushResponse)
   Principal caller_;
   bool watched_ = false;
 
@@ -594,8 +618,8 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
   // reaction, and the Finish that waits for them.
   int ops_starting_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<grpc::Status> deferred_finish_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<v1::PushRequest> reading_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<v1::PushRequest>> free_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<ReadBuffer> reading_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<ReadBuffer>> free_ ABSL_GUARDED_BY(mu_);
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   bool read_wanted_ ABSL_GUARDED_BY(mu_) = false;
   std::shared_ptr<core::RefitSession> shared_session_ ABSL_GUARDED_BY(mu_);
@@ -604,9 +628,9 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushRequest>,
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::PushRequest>* NewPushReactor(RefitServiceImpl* service,
-                                                         grpc::CallbackServerContext* context,
-                                                         v1::PushResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewPushReactor(RefitServiceImpl* service,
+                                                          grpc::CallbackServerContext* context,
+                                                          grpc::ByteBuffer* response) {
   return new PushReactor(service, context, response);
 }
 

@@ -346,8 +346,8 @@ void RefitServiceImpl::Join() {
   }
 }
 
-grpc::ServerReadReactor<v1::PushRequest>* RefitServiceImpl::Push(
-    grpc::CallbackServerContext* context, v1::PushResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* RefitServiceImpl::Push(
+    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
   return NewPushReactor(this, context, response);
 }
 

@@ -46,7 +46,10 @@ namespace refit::server {
 class FleetMember;    // server/fleet_member.h
 class AttachService;  // server/attach_service.h
 
-class RefitServiceImpl final : public v1::RefitService::CallbackService {
+// Push is registered raw (grpc::ByteBuffer): its reactor parses messages
+// into buffers it reuses (server/push_message.h).
+class RefitServiceImpl final
+    : public v1::RefitService::WithRawCallbackMethod_Push<v1::RefitService::CallbackService> {
  public:
   // `groups`, `auth` and `metrics` must outlive the service.
   RefitServiceImpl(const ServerOptions& options,
@@ -54,8 +57,8 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
                    const Authenticator* auth, Metrics* metrics);
   ~RefitServiceImpl() override;
 
-  grpc::ServerReadReactor<v1::PushRequest>* Push(grpc::CallbackServerContext* context,
-                                                 v1::PushResponse* response) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Push(grpc::CallbackServerContext* context,
+                                                  grpc::ByteBuffer* response) override;
   grpc::ServerWriteReactor<v1::ReloadProgress>* Reload(grpc::CallbackServerContext* context,
                                                        const v1::ReloadRequest* request) override;
   grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* context,
@@ -166,9 +169,9 @@ class RefitServiceImpl final : public v1::RefitService::CallbackService {
 };
 
 // Implemented in push_reactor.cc and reload_reactor.cc.
-grpc::ServerReadReactor<v1::PushRequest>* NewPushReactor(RefitServiceImpl* service,
-                                                         grpc::CallbackServerContext* context,
-                                                         v1::PushResponse* response);
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewPushReactor(RefitServiceImpl* service,
+                                                          grpc::CallbackServerContext* context,
+                                                          grpc::ByteBuffer* response);
 grpc::ServerWriteReactor<v1::ReloadProgress>* NewReloadReactor(RefitServiceImpl* service,
                                                                grpc::CallbackServerContext* context,
                                                                const v1::ReloadRequest* request);

@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "gtest/gtest.h"
 
 namespace refit::core {
@@ -47,6 +50,42 @@ TEST(DTypeTest, ConvertRejectsTypesOtherThanTheThreeFloats) {
   status = ConvertFloats(f, DType::kFloat32, fp8, DType::kFloat8E4M3, 2);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("cannot convert F32 to F8_E4M3"), std::string_view::npos);
+}
+
+// The scan goes block by block: a NaN/Inf at every position around block
+// edges and in the tail is found, and the first of several is the one
+// reported, in every width.
+TEST(FindNonFiniteTest, FirstMatchAtBlockEdgesAndInTheTail) {
+  const int64_t count = 3 * 2048 + 37;
+  const std::vector<int64_t> positions = {0,    1,    2046, 2047, 2048,
+                                          2049, 4095, 6143, 6144, count - 1};
+  std::vector<uint16_t> bf16(count, 0x3F80);  // 1.0
+  std::vector<uint32_t> f32(count, 0x3F800000u);
+  std::vector<uint8_t> e4m3(count, 0x38);  // 1.0
+  for (int64_t at : positions) {
+    bf16[at] = 0xFF81;      // a negative NaN
+    f32[at] = 0x7F800000u;  // +Inf
+    e4m3[at] = 0xFF;        // NaN
+    EXPECT_EQ(FindNonFinite(bf16.data(), DType::kBFloat16, count), at);
+    EXPECT_EQ(FindNonFinite(f32.data(), DType::kFloat32, count), at);
+    EXPECT_EQ(FindNonFinite(e4m3.data(), DType::kFloat8E4M3, count), at);
+    // A later one does not hide it.
+    bf16[count - 1] = 0x7F80;
+    EXPECT_EQ(FindNonFinite(bf16.data(), DType::kBFloat16, count), at);
+    bf16[count - 1] = 0x3F80;
+    bf16[at] = 0x3F80;
+    f32[at] = 0x3F800000u;
+    e4m3[at] = 0x38;
+  }
+  EXPECT_EQ(FindNonFinite(bf16.data(), DType::kBFloat16, count), -1);
+  EXPECT_EQ(FindNonFinite(f32.data(), DType::kFloat32, count), -1);
+  // Largest finite values are not matches: every exponent bit but one set.
+  std::vector<uint16_t> big(count, 0x7F7F);
+  EXPECT_EQ(FindNonFinite(big.data(), DType::kBFloat16, count), -1);
+  // Only `count` elements are read.
+  bf16[2048] = 0x7F80;
+  EXPECT_EQ(FindNonFinite(bf16.data(), DType::kBFloat16, 2048), -1);
+  EXPECT_EQ(FindNonFinite(bf16.data(), DType::kBFloat16, 2049), 2048);
 }
 
 }  // namespace

@@ -28,7 +28,8 @@ void SendAll(int fd, absl::string_view text) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttachFdServer>> AttachFdServer::Start(std::string path,
-                                                                      Redeem redeem) {
+                                                                      Redeem redeem,
+                                                                      Deposit deposit) {
   sockaddr_un addr{};
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(
@@ -42,7 +43,8 @@ absl::StatusOr<std::unique_ptr<AttachFdServer>> AttachFdServer::Start(std::strin
     }
     ::unlink(path.c_str());
   }
-  std::unique_ptr<AttachFdServer> server(new AttachFdServer(std::move(path), std::move(redeem)));
+  std::unique_ptr<AttachFdServer> server(
+      new AttachFdServer(std::move(path), std::move(redeem), std::move(deposit)));
   server->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (server->listen_fd_ < 0) {
     return absl::UnavailableError(absl::StrCat("attach socket: ", std::strerror(errno)));
@@ -102,22 +104,56 @@ void AttachFdServer::Serve(int conn) {
   ::setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   ::setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
   std::string ticket;
+  int received = -1;  // a descriptor the peer sent (a region's), kept until handed on
   char buf[128];
   while (ticket.find('\n') == std::string::npos && ticket.size() < 256) {
-    ssize_t n = ::recv(conn, buf, sizeof(buf), 0);
-    if (n <= 0) return;  // closed or timed out
+    iovec iov{buf, sizeof(buf)};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    ssize_t n = ::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+    if (n <= 0) break;  // closed or timed out
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd = -1;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        if (received < 0) {
+          received = fd;
+        } else {
+          ::close(fd);  // one descriptor per ticket
+        }
+      }
+    }
     ticket.append(buf, static_cast<size_t>(n));
   }
   const size_t newline = ticket.find('\n');
   if (newline == std::string::npos) {
-    SendAll(conn, "Eticket too long\n");
+    if (received >= 0) ::close(received);
+    if (!ticket.empty()) SendAll(conn, "Eticket too long\n");
     return;
   }
   ticket.resize(newline);
   ucred cred{};
   socklen_t len = sizeof(cred);
   if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    if (received >= 0) ::close(received);
     SendAll(conn, "Eno peer credentials\n");
+    return;
+  }
+  if (received >= 0) {
+    if (deposit_ == nullptr) {
+      ::close(received);
+      SendAll(conn, "Ethis socket takes no descriptors\n");
+      return;
+    }
+    absl::Status deposited = deposit_(ticket, received, cred.pid, cred.uid);
+    SendAll(conn,
+            deposited.ok() ? std::string("K\n") : absl::StrCat("E", deposited.message(), "\n"));
     return;
   }
   absl::StatusOr<int> fd = redeem_(ticket, cred.pid, cred.uid);

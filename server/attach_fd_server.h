@@ -11,6 +11,11 @@
 // service authorized holds a ticket; a ticket works once, and only while its
 // Attach stream is open.
 //
+// The other direction: a trainer registering a shared-memory region
+// (server/region_service.h) sends its ticket line with the region's
+// descriptor attached (SCM_RIGHTS); the server passes both to the
+// depositor and answers 'K', or 'E' and the reason.
+//
 // Lifecycle: Start binds and starts one thread; Stop (or the destructor)
 // ends it and removes the socket file. Connections are served one at a
 // time, each bounded to one second.
@@ -38,9 +43,16 @@ class AttachFdServer {
   using Redeem =
       std::function<absl::StatusOr<int>(absl::string_view ticket, int pid, uint32_t uid)>;
 
+  // A descriptor the peer sent with its ticket (owned by the callee from
+  // then on, closed on error too); an error's message goes to the peer.
+  using Deposit =
+      std::function<absl::Status(absl::string_view ticket, int fd, int pid, uint32_t uid)>;
+
   // Binds `path` (a stale socket file there is replaced; anything else
   // there is FAILED_PRECONDITION). UNAVAILABLE if it cannot be bound.
-  static absl::StatusOr<std::unique_ptr<AttachFdServer>> Start(std::string path, Redeem redeem);
+  // Without `deposit`, a descriptor a peer sends is closed and refused.
+  static absl::StatusOr<std::unique_ptr<AttachFdServer>> Start(std::string path, Redeem redeem,
+                                                               Deposit deposit = nullptr);
   ~AttachFdServer();
   AttachFdServer(const AttachFdServer&) = delete;
   AttachFdServer& operator=(const AttachFdServer&) = delete;
@@ -49,13 +61,14 @@ class AttachFdServer {
   void Stop();
 
  private:
-  AttachFdServer(std::string path, Redeem redeem)
-      : path_(std::move(path)), redeem_(std::move(redeem)) {}
+  AttachFdServer(std::string path, Redeem redeem, Deposit deposit)
+      : path_(std::move(path)), redeem_(std::move(redeem)), deposit_(std::move(deposit)) {}
   void Run();
   void Serve(int conn);
 
   const std::string path_;
   const Redeem redeem_;
+  const Deposit deposit_;
   int listen_fd_ = -1;
   int wake_[2] = {-1, -1};
   std::thread thread_;

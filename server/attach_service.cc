@@ -345,12 +345,14 @@ AttachService::~AttachService() {
   registries_.clear();
 }
 
-absl::Status AttachService::StartFdSocket(std::string path) {
+absl::Status AttachService::StartFdSocket(std::string path, AttachFdServer::Deposit deposit) {
   AttachService* self = this;
-  absl::StatusOr<std::unique_ptr<AttachFdServer>> server =
-      AttachFdServer::Start(path, [self](absl::string_view ticket, int pid, uint32_t uid) {
+  absl::StatusOr<std::unique_ptr<AttachFdServer>> server = AttachFdServer::Start(
+      path,
+      [self](absl::string_view ticket, int pid, uint32_t uid) {
         return self->Redeem(ticket, pid, uid);
-      });
+      },
+      std::move(deposit));
   if (!server.ok()) return server.status();
   fd_server_ = std::move(*server);
   fd_socket_ = std::move(path);

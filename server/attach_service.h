@@ -60,8 +60,9 @@ class AttachService final : public v1::EngineService::CallbackService {
   AttachService(const AttachService&) = delete;
   AttachService& operator=(const AttachService&) = delete;
 
-  // Binds the descriptor socket at `path` (AttachFdServer::Start's errors).
-  absl::Status StartFdSocket(std::string path);
+  // Binds the descriptor socket at `path` (AttachFdServer::Start's errors);
+  // descriptors peers send go to `deposit` (trainers' regions).
+  absl::Status StartFdSocket(std::string path, AttachFdServer::Deposit deposit = nullptr);
   const std::string& fd_socket() const { return fd_socket_; }
 
   grpc::ServerBidiReactor<v1::EngineMessage, v1::DaemonMessage>* Attach(

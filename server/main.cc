@@ -89,6 +89,12 @@ ABSL_FLAG(absl::Duration, engine_quiesce_timeout, absl::Seconds(5),
           "to answer CommitPending with Quiesced. Past it the commit does not happen: a PREPARED "
           "refit stays PREPARED (Commit is DEADLINE_EXCEEDED naming the engines), a one-phase "
           "push is ABORTED naming them.");
+ABSL_FLAG(int, max_regions_per_caller, 64,
+          "Shared-memory regions (RegionService.RegisterRegion) one caller may hold at once; "
+          "more are RESOURCE_EXHAUSTED.");
+ABSL_FLAG(std::string, max_region_bytes_per_caller, "256GiB",
+          "Total size of the shared-memory regions one caller may hold at once; more is "
+          "RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, reload_root, "",
           "Directory that Reload may read from (paths are resolved with realpath); empty: "
           "Reload is refused with PERMISSION_DENIED.");
@@ -273,6 +279,14 @@ int main(int argc, char** argv) {
   options.refit_timeout = absl::GetFlag(FLAGS_refit_timeout);
   options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
   options.engine_quiesce_timeout = absl::GetFlag(FLAGS_engine_quiesce_timeout);
+  options.max_regions_per_caller = absl::GetFlag(FLAGS_max_regions_per_caller);
+  if (options.max_regions_per_caller < 0) {
+    return UsageError(absl::InvalidArgumentError("--max-regions-per-caller must be >= 0"));
+  }
+  absl::StatusOr<int64_t> region_bytes =
+      refit::server::ParseByteSize(absl::GetFlag(FLAGS_max_region_bytes_per_caller));
+  if (!region_bytes.ok()) return UsageError(region_bytes.status());
+  options.max_region_bytes_per_caller = *region_bytes;
   options.reload_root = absl::GetFlag(FLAGS_reload_root);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);

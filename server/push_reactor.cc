@@ -40,6 +40,7 @@
 #include "server/push_message.h"
 #include "server/push_refit.h"
 #include "server/refit_service.h"
+#include "server/region_service.h"
 
 namespace refit::server {
 namespace {
@@ -437,9 +438,13 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
     const int64_t max_bytes = service_->options().max_chunk_bytes;
     for (const v1::Chunk& chunk : chunks.chunks()) {
       if (chunk.has_region()) {
-        return absl::UnimplementedError(absl::StrCat(
-            "refit \"", session_->refit_id(), "\": tensor ", chunk.tensor_name(),
-            ": Chunk.region (shared-memory chunks) is not implemented by this refitd"));
+        // The bytes lie in the caller's shared-memory region
+        // (server/region_service.h).
+        absl::Status ingested =
+            IngestRegionChunk(service_->regions(), caller_.name, session_.get(), chunk, max_bytes);
+        if (!ingested.ok()) return ingested;
+        service_->metrics()->AddBytesReceived(static_cast<int64_t>(chunk.region().length()));
+        continue;
       }
       if (static_cast<int64_t>(chunk.data().size()) > max_bytes) {
         return absl::InvalidArgumentError(absl::StrCat(

@@ -253,13 +253,17 @@ absl::Status RefitServer::StartGrpc() {
   attach_ =
       std::make_unique<AttachService>(service_.get(), options_.engine_quiesce_timeout, &metrics_);
   service_->SetAttachService(attach_.get());
+  regions_ = std::make_unique<RegionService>(
+      service_.get(), RegionRegistry::Limits{options_.max_regions_per_caller,
+                                             options_.max_region_bytes_per_caller});
+  service_->SetRegions(regions_->registry());
   health_ = std::make_unique<HealthService>();
   health_->SetServing(kRefitServiceName, false);
   for (const auto& [name, group] : groups_) health_->SetServing(GroupHealthName(name), false);
   reflection_ = std::make_unique<ReflectionService>(
       std::vector<std::string>{kRefitServiceName, "grpc.health.v1.Health",
-                               "grpc.reflection.v1alpha.ServerReflection",
-                               "refit.v1.EngineService"},
+                               "grpc.reflection.v1alpha.ServerReflection", "refit.v1.EngineService",
+                               "refit.v1.RegionService"},
       auth_.get());
   grpc::ServerBuilder builder;
   std::vector<int> ports(options_.listen.size(), 0);
@@ -273,6 +277,7 @@ absl::Status RefitServer::StartGrpc() {
   builder.RegisterService(health_.get());
   builder.RegisterService(reflection_.get());
   builder.RegisterService(attach_.get());
+  builder.RegisterService(regions_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
     return absl::UnavailableError(
@@ -292,15 +297,23 @@ absl::Status RefitServer::StartGrpc() {
     REFIT_LOG(INFO).Field("address", bound) << "refitd listening";
   }
   // Engine attach hands descriptors over a Unix socket beside the first
-  // unix: listen address (server/attach_fd_server.h).
+  // unix: listen address (server/attach_fd_server.h); trainers hand their
+  // regions' descriptors to the same socket.
   for (const std::string& address : options_.listen) {
     if (!absl::StartsWith(address, "unix:")) continue;
     std::string path = address.substr(5);
     if (absl::StartsWith(path, "//")) path = path.substr(2);
-    if (absl::Status s = attach_->StartFdSocket(path + ".fd"); !s.ok()) {
+    RegionService* regions = regions_.get();
+    if (absl::Status s = attach_->StartFdSocket(
+            path + ".fd",
+            [regions](absl::string_view ticket, int fd, int pid, uint32_t uid) {
+              return regions->Deposit(ticket, fd, pid, uid);
+            });
+        !s.ok()) {
       server_->Shutdown();
       return s;
     }
+    regions_->SetFdSocket(path + ".fd");
     break;
   }
 
@@ -319,7 +332,7 @@ absl::Status RefitServer::StartGrpc() {
             g.attached_engines = static_cast<int64_t>(self->attach_->Engines(name).size());
             gauges.push_back(std::move(g));
           }
-          return self->metrics_.Render(gauges);
+          return self->metrics_.Render(gauges) + self->regions_->registry()->RenderMetrics();
         });
     if (!http.ok()) {
       server_->Shutdown();
@@ -498,6 +511,7 @@ void RefitServer::Shutdown() {
   REFIT_LOG(INFO) << "shutting down: readiness NOT_SERVING, refusing new refits";
   if (service_ != nullptr) service_->BeginShutdown();
   if (attach_ != nullptr) attach_->Shutdown();
+  if (regions_ != nullptr) regions_->Shutdown();
   if (health_ != nullptr) health_->Shutdown();
   if (server_ != nullptr) {
     server_->Shutdown(std::chrono::system_clock::now() +
@@ -528,6 +542,7 @@ RefitServer::~RefitServer() {
   server_.reset();
   attach_.reset();
   service_.reset();
+  regions_.reset();
   for (auto& [name, files] : group_files_) {
     if (!files.demo_dir.empty()) RemoveTree(files.demo_dir);
     if (auto it = groups_.find(name); it != groups_.end() && files.metrics_listener >= 0) {

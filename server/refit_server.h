@@ -43,6 +43,7 @@
 #include "server/model_group.h"
 #include "server/refit_service.h"
 #include "server/reflection_service.h"
+#include "server/region_service.h"
 #include "server/server_options.h"
 
 namespace refit::server {
@@ -126,6 +127,9 @@ class RefitServer {
   std::unique_ptr<RefitServiceImpl> service_;
   // Engine attach; destroyed before service_ (it uses it) and the groups.
   std::unique_ptr<AttachService> attach_;
+  // Trainers' shared-memory regions; destroyed after attach_ (whose
+  // descriptor socket deposits into it) and service_ (Push reads them).
+  std::unique_ptr<RegionService> regions_;
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<ReflectionService> reflection_;
   std::unique_ptr<grpc::Server> server_;

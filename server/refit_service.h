@@ -43,8 +43,9 @@
 
 namespace refit::server {
 
-class FleetMember;    // server/fleet_member.h
-class AttachService;  // server/attach_service.h
+class FleetMember;     // server/fleet_member.h
+class AttachService;   // server/attach_service.h
+class RegionRegistry;  // server/region_registry.h
 
 // Push is registered raw (grpc::ByteBuffer): its reactor parses messages
 // into buffers it reuses (server/push_message.h).
@@ -83,6 +84,10 @@ class RefitServiceImpl final
   // GetStatus lists the engines `attach` has attached (set once, before
   // serving; it must outlive the service's RPCs).
   void SetAttachService(const AttachService* attach) { attach_ = attach; }
+  // Trainers' shared-memory regions, which Push chunks may reference (set
+  // once, before serving; nullptr: Chunk.region is FAILED_PRECONDITION).
+  void SetRegions(const RegionRegistry* regions) { regions_ = regions; }
+  const RegionRegistry* regions() const { return regions_; }
   // The daemon's fleet membership (--fleet), or nullptr. Set once the first
   // version is loaded and cleared before the member goes.
   void SetFleet(FleetMember* fleet) { fleet_.store(fleet); }
@@ -138,6 +143,7 @@ class RefitServiceImpl final
   const Authenticator* auth_;
   Metrics* metrics_;
   const AttachService* attach_ = nullptr;
+  const RegionRegistry* regions_ = nullptr;
   std::atomic<bool> shutting_down_{false};
   std::atomic<FleetMember*> fleet_{nullptr};
   // Aborts refits past their deadline (--refit-timeout, --prepared-timeout):

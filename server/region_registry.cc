@@ -1,0 +1,222 @@
+#include "server/region_registry.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/text.h"
+
+namespace refit::server {
+namespace {
+
+std::string RandomRegionId() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  std::string out = "rg-";
+  for (unsigned char b : bytes) absl::StrAppendFormat(&out, "%02x", b);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uint64_t size) {
+  std::unique_ptr<Region> region(new Region(std::move(id), fd, size));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region \"", region->id_, "\": fstat: ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region \"", region->id_,
+                     "\": the descriptor is not a regular file (send a memfd or a file in "
+                     "/dev/shm)"));
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || (flags & O_ACCMODE) == O_WRONLY) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region \"", region->id_, "\": the descriptor is not open for reading"));
+  }
+  if (static_cast<uint64_t>(st.st_size) < size) {
+    return absl::InvalidArgumentError(absl::StrCat("region \"", region->id_, "\" is ", st.st_size,
+                                                   " bytes, smaller than its declared size ",
+                                                   size));
+  }
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals >= 0 && (seals & F_SEAL_SHRINK) != 0) {
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      return absl::InternalError(
+          absl::StrCat("region \"", region->id_, "\": cannot map it: ", std::strerror(errno)));
+    }
+    region->map_ = static_cast<const uint8_t*>(p);
+    region->access_ = Access::kMapped;
+  }
+  return region;
+}
+
+Region::~Region() {
+  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), size_);
+  ::close(fd_);
+}
+
+absl::StatusOr<absl::Span<const uint8_t>> Region::Read(absl::string_view tensor, uint64_t offset,
+                                                       uint64_t length,
+                                                       std::vector<uint8_t>* scratch) const {
+  if (offset > size_ || length > size_ - offset) {
+    return absl::OutOfRangeError(absl::StrCat("tensor ", core::QuoteText(tensor), ": region \"",
+                                              id_, "\" offset ", offset, " length ", length,
+                                              " reaches past its size ", size_));
+  }
+  if (access_ == Access::kMapped) return absl::MakeConstSpan(map_ + offset, length);
+  scratch->resize(length);
+  uint64_t done = 0;
+  while (done < length) {
+    ssize_t n =
+        ::pread(fd_, scratch->data() + done, length - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("tensor ", core::QuoteText(tensor), ": region \"", id_,
+                       "\" cannot be read: ", std::strerror(errno)));
+    }
+    if (n == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("tensor ", core::QuoteText(tensor), ": region \"", id_, "\" ends at byte ",
+                       offset + done, ", before offset ", offset, " + length ", length,
+                       ": it was truncated while in use (its registered size is ", size_, ")"));
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return absl::MakeConstSpan(scratch->data(), length);
+}
+
+absl::StatusOr<std::string> RegionRegistry::Reserve(const std::string& owner, uint64_t size) {
+  if (size == 0) return absl::InvalidArgumentError("RegisterRegion: size must be > 0");
+  absl::MutexLock lock(&mu_);
+  int64_t count = 0;
+  uint64_t bytes = 0;
+  for (const auto& [id, entry] : entries_) {
+    if (entry.owner != owner) continue;
+    ++count;
+    bytes += entry.size;
+  }
+  if (count >= limits_.max_regions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("caller ", core::QuoteText(owner), " holds ", count,
+                     " shared-memory regions already (--max-regions-per-caller ",
+                     limits_.max_regions, "): unregister one first"));
+  }
+  if (size > static_cast<uint64_t>(limits_.max_bytes) ||
+      bytes + size > static_cast<uint64_t>(limits_.max_bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "caller ", core::QuoteText(owner), ": a region of ", size, " bytes on top of the ", bytes,
+        " it holds exceeds --max-region-bytes-per-caller ", limits_.max_bytes));
+  }
+  std::string id = RandomRegionId();
+  entries_[id] = Entry{owner, size, nullptr};
+  return id;
+}
+
+absl::StatusOr<Region::Access> RegionRegistry::Activate(const std::string& id, int fd) {
+  uint64_t size = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(id);
+    if (it == entries_.end() || it->second.region != nullptr) {
+      ::close(fd);
+      return absl::NotFoundError(
+          absl::StrCat("region \"", id, "\" is not waiting for its descriptor"));
+    }
+    size = it->second.size;
+  }
+  // Outside the lock: fstat and mmap of a large region are not instant.
+  absl::StatusOr<std::unique_ptr<Region>> region = Region::Open(id, fd, size);
+  if (!region.ok()) return region.status();
+  const Region::Access access = (*region)->access();
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) {
+    return absl::NotFoundError(absl::StrCat("region \"", id, "\" was released meanwhile"));
+  }
+  it->second.region = std::move(*region);
+  return access;
+}
+
+void RegionRegistry::Release(const std::string& id) {
+  std::shared_ptr<const Region> last;  // unmapped outside the lock
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return;
+  last = std::move(it->second.region);
+  entries_.erase(it);
+}
+
+absl::Status RegionRegistry::CheckOwner(const std::string& owner, const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown shared-memory region ", core::QuoteText(id),
+                     " (never registered, unregistered, or its lease ended)"));
+  }
+  if (it->second.owner != owner) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("shared-memory region ", core::QuoteText(id), " belongs to another caller"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::Find(const std::string& owner,
+                                                                   const std::string& id) const {
+  if (absl::Status s = CheckOwner(owner, id); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end() || it->second.region == nullptr) {
+    return absl::NotFoundError(absl::StrCat("shared-memory region ", core::QuoteText(id),
+                                            " has not received its descriptor"));
+  }
+  return it->second.region;
+}
+
+RegionRegistry::Totals RegionRegistry::totals() const {
+  Totals t;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, entry] : entries_) {
+    if (entry.region == nullptr) {
+      ++t.pending;
+      continue;
+    }
+    ++t.regions;
+    t.bytes += static_cast<int64_t>(entry.size);
+  }
+  return t;
+}
+
+std::string RegionRegistry::RenderMetrics() const {
+  const Totals t = totals();
+  return absl::StrCat(
+      "# HELP refitd_trainer_regions Shared-memory regions trainers registered (RegionService).\n"
+      "# TYPE refitd_trainer_regions gauge\n"
+      "refitd_trainer_regions ",
+      t.regions,
+      "\n"
+      "# HELP refitd_trainer_region_bytes Bytes of the registered shared-memory regions.\n"
+      "# TYPE refitd_trainer_region_bytes gauge\n"
+      "refitd_trainer_region_bytes ",
+      t.bytes, "\n");
+}
+
+}  // namespace refit::server

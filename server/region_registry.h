@@ -1,0 +1,135 @@
+// RegionRegistry: the shared-memory regions trainers on the daemon's host
+// registered (refit.v1.RegionService), and the reads of Push chunks that
+// reference them (Chunk.region) instead of carrying bytes.
+//
+// Pipeline position: between the Push reactor and RefitSession::Ingest. A
+// chunk's RegionRef resolves here to the bytes of the caller's region, which
+// the session converts, slices and stages in one pass, as it does the bytes
+// of a chunk that carries them.
+//
+// Safety against a hostile or buggy trainer. A region that shrinks while it
+// is mapped would kill the daemon with SIGBUS at the first read past its new
+// end, so a region is mapped only when its descriptor is sealed against
+// shrinking (a memfd with F_SEAL_SHRINK, checked with F_GET_SEALS): then the
+// chunk is ingested straight from the mapping (Access::kMapped, no copy).
+// Any other descriptor (a /dev/shm file, torch's share_memory_(), a memfd
+// without the seal) is read with pread into a buffer of the reading thread
+// (Access::kPread, one copy): a region truncated under a refit reads short,
+// which is FAILED_PRECONDITION for that chunk, so the refit aborts and
+// nothing live changes. The trainer may still write into its region while a
+// refit reads it; that changes the bytes it pushes, never the daemon's
+// memory safety.
+//
+// Ownership: regions belong to a caller (the principal's name; "anonymous"
+// when authentication is off, where the region id, 128 random bits, is what
+// keeps others out). A chunk naming a region of another caller is
+// PERMISSION_DENIED. Limits per caller: a count and a total size, pending
+// registrations included (RESOURCE_EXHAUSTED).
+//
+// Lifecycle: Reserve (the id, counted against the limits) -> Activate (the
+// descriptor arrived: checked, mapped) -> Release. A chunk being read holds
+// its region (shared_ptr), so a release during a read unmaps after it.
+//
+// Thread-safety: thread-safe.
+#ifndef REFIT_SERVER_REGION_REGISTRY_H_
+#define REFIT_SERVER_REGION_REGISTRY_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+
+namespace refit::server {
+
+class Region {
+ public:
+  enum class Access { kMapped, kPread };
+
+  // Takes `fd` (closed on error too). INVALID_ARGUMENT when it is not a
+  // regular file, is not open for reading, or is smaller than `size`;
+  // INTERNAL when a sealed one cannot be mapped.
+  static absl::StatusOr<std::unique_ptr<Region>> Open(std::string id, int fd, uint64_t size);
+  ~Region();
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+
+  const std::string& id() const { return id_; }
+  uint64_t size() const { return size_; }
+  Access access() const { return access_; }
+
+  // The bytes [offset, offset + length): a span into the mapping, or read
+  // into *scratch (kPread; resized as needed). OUT_OF_RANGE past size()
+  // (naming `tensor`, the region, offset, length and size);
+  // FAILED_PRECONDITION when a kPread region ends early (truncated while in
+  // use) or cannot be read.
+  absl::StatusOr<absl::Span<const uint8_t>> Read(absl::string_view tensor, uint64_t offset,
+                                                 uint64_t length,
+                                                 std::vector<uint8_t>* scratch) const;
+
+ private:
+  Region(std::string id, int fd, uint64_t size) : id_(std::move(id)), fd_(fd), size_(size) {}
+
+  const std::string id_;
+  const int fd_;
+  const uint64_t size_;
+  Access access_ = Access::kPread;
+  const uint8_t* map_ = nullptr;
+};
+
+class RegionRegistry {
+ public:
+  struct Limits {
+    int max_regions = 64;                    // per caller
+    int64_t max_bytes = int64_t{256} << 30;  // per caller
+  };
+  struct Totals {
+    int64_t regions = 0;  // registered (descriptor received), all callers
+    int64_t bytes = 0;
+    int64_t pending = 0;  // reserved, descriptor not yet received
+  };
+
+  explicit RegionRegistry(Limits limits) : limits_(limits) {}
+
+  // A new region id for `owner`, counted against its limits until Release.
+  // INVALID_ARGUMENT size 0; RESOURCE_EXHAUSTED over a limit (naming the
+  // flag).
+  absl::StatusOr<std::string> Reserve(const std::string& owner, uint64_t size);
+  // The descriptor of a reserved region arrived: Region::Open's errors
+  // (the reservation stays until Release); NOT_FOUND if it was released.
+  absl::StatusOr<Region::Access> Activate(const std::string& id, int fd);
+  // Forgets the region (reserved or active); a no-op for an unknown id.
+  void Release(const std::string& id);
+  // OK if `id` is `owner`'s; NOT_FOUND unknown (or released),
+  // PERMISSION_DENIED another caller's.
+  absl::Status CheckOwner(const std::string& owner, const std::string& id) const;
+  // An active region of `owner`: CheckOwner's errors, and NOT_FOUND for one
+  // whose descriptor has not arrived yet.
+  absl::StatusOr<std::shared_ptr<const Region>> Find(const std::string& owner,
+                                                     const std::string& id) const;
+  Totals totals() const;
+  // refitd_trainer_regions / refitd_trainer_region_bytes (Prometheus text).
+  std::string RenderMetrics() const;
+
+ private:
+  struct Entry {
+    std::string owner;
+    uint64_t size = 0;
+    std::shared_ptr<const Region> region;  // null while pending
+  };
+
+  const Limits limits_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace refit::server
+
+#endif  // REFIT_SERVER_REGION_REGISTRY_H_

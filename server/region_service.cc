@@ -1,0 +1,382 @@
+#include "server/region_service.h"
+
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <deque>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/log.h"
+#include "core/text.h"
+#include "server/attach_service.h"
+#include "server/grpc_convert.h"
+
+namespace refit::server {
+namespace {
+
+std::string RandomRegionTicket() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  std::string out = "region-";
+  for (unsigned char b : bytes) absl::StrAppendFormat(&out, "%02x", b);
+  return out;
+}
+
+const char* AccessName(Region::Access access) {
+  return access == Region::Access::kMapped ? "mapped" : "pread";
+}
+
+}  // namespace
+
+absl::Status IngestRegionChunk(const RegionRegistry* regions, const std::string& caller,
+                               core::RefitSession* session, const v1::Chunk& chunk,
+                               int64_t max_chunk_bytes) {
+  const std::string prefix = absl::StrCat("refit \"", session->refit_id(), "\": tensor ",
+                                          core::QuoteText(chunk.tensor_name()), ": ");
+  if (regions == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(prefix, "shared-memory regions need a local Unix socket"));
+  }
+  if (!chunk.data().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "a chunk carries either data or a region, not both"));
+  }
+  const v1::RegionRef& ref = chunk.region();
+  if (ref.length() > static_cast<uint64_t>(max_chunk_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "region chunk of ", ref.length(),
+                                                   " bytes exceeds --max-chunk-bytes ",
+                                                   max_chunk_bytes));
+  }
+  absl::StatusOr<std::shared_ptr<const Region>> region = regions->Find(caller, ref.region_id());
+  if (!region.ok()) {
+    return absl::Status(region.status().code(), absl::StrCat(prefix, region.status().message()));
+  }
+  // One buffer per ingest thread (a Push stream's), reused chunk after
+  // chunk; only pread regions use it.
+  thread_local std::vector<uint8_t> scratch;
+  absl::StatusOr<absl::Span<const uint8_t>> bytes =
+      (*region)->Read(chunk.tensor_name(), ref.offset(), ref.length(), &scratch);
+  if (!bytes.ok()) {
+    return absl::Status(bytes.status().code(), absl::StrCat("refit \"", session->refit_id(),
+                                                            "\": ", bytes.status().message()));
+  }
+  absl::StatusOr<core::DType> dtype = FromProtoDType(chunk.dtype(), chunk.tensor_name());
+  if (!dtype.ok()) return dtype.status();
+  core::Chunk c;
+  c.name = chunk.tensor_name();
+  c.dtype = *dtype;
+  c.shape = absl::MakeConstSpan(chunk.shape().data(), chunk.shape().size());
+  c.offset = chunk.byte_offset();
+  c.data = *bytes;
+  if (chunk.has_xxh3()) c.xxh3 = chunk.xxh3();
+  return session->Ingest(c);
+}
+
+// One RegisterRegion stream: the region's lease.
+class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionEvent> {
+ public:
+  Reactor(RegionService* service, grpc::CallbackServerContext* context,
+          const v1::RegisterRegionRequest& request)
+      : service_(service) {
+    if (!IsUnixPeer(context->peer())) {
+      End(ToGrpcStatus(absl::FailedPreconditionError(
+          absl::StrCat("shared-memory regions need a local Unix socket; this call came over ",
+                       context->peer(), ": connect to the daemon's unix: listen address"))));
+      return;
+    }
+    absl::StatusOr<Principal> caller =
+        service_->refit_->Authorize(context, Action::kPush, "RegisterRegion");
+    if (!caller.ok()) {
+      End(ToGrpcStatus(caller.status()));
+      return;
+    }
+    if (service_->fd_socket_.empty()) {
+      End(ToGrpcStatus(absl::FailedPreconditionError(
+          "shared-memory regions need a local Unix socket: the daemon listens on none (add a "
+          "unix: address to --listen)")));
+      return;
+    }
+    absl::StatusOr<std::string> id = service_->registry_.Reserve(caller->name, request.size());
+    if (!id.ok()) {
+      REFIT_LOG(WARNING).Field("caller", caller->name)
+          << "RegisterRegion refused: " << std::string(id.status().message());
+      End(ToGrpcStatus(id.status()));
+      return;
+    }
+    const std::string ticket = RandomRegionTicket();
+    {
+      absl::MutexLock lock(&mu_);
+      region_id_ = *id;
+      owner_ = caller->name;
+      name_ = request.name();
+      size_ = request.size();
+    }
+    if (!service_->AddLease(*id, ticket, this)) {
+      End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is shutting down"));
+      return;
+    }
+    v1::RegionEvent event;
+    v1::RegionTicket* t = event.mutable_ticket();
+    t->set_region_id(*id);
+    t->set_ticket(ticket);
+    t->set_fd_socket(service_->fd_socket_);
+    Send(std::move(event));
+  }
+
+  // The descriptor was checked and mapped.
+  void Registered(Region::Access access, int pid, uint32_t uid) {
+    std::string id;
+    std::string owner;
+    std::string name;
+    uint64_t size = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      active_ = true;
+      id = region_id_;
+      owner = owner_;
+      name = name_;
+      size = size_;
+    }
+    REFIT_LOG(INFO)
+            .Field("region", id)
+            .Field("caller", owner)
+            .Field("name", name)
+            .Field("bytes", absl::StrCat(size))
+            .Field("access", AccessName(access))
+            .Field("pid", absl::StrCat(pid))
+            .Field("uid", absl::StrCat(uid))
+        << "region registered";
+    v1::RegionEvent event;
+    v1::RegionRegistered* r = event.mutable_registered();
+    r->set_region_id(id);
+    r->set_size(size);
+    r->set_access(access == Region::Access::kMapped ? v1::RegionRegistered::ACCESS_MAPPED
+                                                    : v1::RegionRegistered::ACCESS_PREAD);
+    Send(std::move(event));
+  }
+
+  // Ends the lease with `status` (first call wins) and releases the region.
+  void End(grpc::Status status, absl::string_view why = "") {
+    std::string id;
+    bool active = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (final_.has_value()) return;
+      final_ = std::move(status);
+      queue_.clear();
+      id = region_id_;
+      active = active_;
+    }
+    if (!id.empty()) {
+      service_->RemoveLease(id);
+      service_->registry_.Release(id);
+      if (active) {
+        REFIT_LOG(INFO).Field("region", id).Field("why", why.empty() ? "lease ended" : why)
+            << "region released";
+      }
+    }
+    MaybeFinish();
+  }
+
+  void OnWriteDone(bool ok) override {
+    bool start = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!ok) queue_.clear();
+      if (!queue_.empty()) {
+        current_ = std::move(queue_.front());
+        queue_.pop_front();
+        start = true;
+      } else {
+        writing_ = false;
+      }
+    }
+    if (start) {
+      StartWrite(&current_);
+    } else {
+      if (!ok) End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "region stream broke"));
+      MaybeFinish();
+    }
+  }
+
+  void OnCancel() override {
+    End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"),
+        "the client cancelled the lease or went away");
+  }
+
+  void OnDone() override {
+    End(grpc::Status::OK);
+    Unref();
+  }
+
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+ private:
+  ~Reactor() override = default;
+
+  void Send(v1::RegionEvent event) {
+    bool start = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (final_.has_value()) return;
+      queue_.push_back(std::move(event));
+      if (!writing_) {
+        writing_ = true;
+        current_ = std::move(queue_.front());
+        queue_.pop_front();
+        start = true;
+      }
+    }
+    if (start) StartWrite(&current_);
+  }
+
+  void MaybeFinish() {
+    std::optional<grpc::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!final_.has_value() || writing_ || finish_called_) return;
+      finish_called_ = true;
+      finish = *final_;
+    }
+    Finish(*finish);
+  }
+
+  RegionService* const service_;
+  std::atomic<int> refs_{1};  // gRPC's, until OnDone
+  absl::Mutex mu_;
+  std::string region_id_ ABSL_GUARDED_BY(mu_);
+  std::string owner_ ABSL_GUARDED_BY(mu_);
+  std::string name_ ABSL_GUARDED_BY(mu_);
+  uint64_t size_ ABSL_GUARDED_BY(mu_) = 0;
+  bool active_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<v1::RegionEvent> queue_ ABSL_GUARDED_BY(mu_);
+  v1::RegionEvent current_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> final_ ABSL_GUARDED_BY(mu_);
+  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+RegionService::RegionService(RefitServiceImpl* refit, RegionRegistry::Limits limits)
+    : refit_(refit), registry_(limits) {}
+
+RegionService::~RegionService() { Shutdown(); }
+
+grpc::ServerWriteReactor<v1::RegionEvent>* RegionService::RegisterRegion(
+    grpc::CallbackServerContext* context, const v1::RegisterRegionRequest* request) {
+  return new Reactor(this, context, *request);
+}
+
+grpc::ServerUnaryReactor* RegionService::UnregisterRegion(
+    grpc::CallbackServerContext* context, const v1::UnregisterRegionRequest* request,
+    v1::UnregisterRegionResponse* /*response*/) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Principal> caller = refit_->Authorize(context, Action::kPush, "UnregisterRegion");
+  if (!caller.ok()) {
+    reactor->Finish(ToGrpcStatus(caller.status()));
+    return reactor;
+  }
+  if (absl::Status s = registry_.CheckOwner(caller->name, request->region_id()); !s.ok()) {
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
+  Reactor* lease = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = leases_.find(request->region_id());
+    if (it != leases_.end()) {
+      lease = it->second;
+      lease->Ref();
+    }
+  }
+  if (lease != nullptr) {
+    lease->End(grpc::Status::OK, "UnregisterRegion");
+    lease->Unref();
+  } else {
+    registry_.Release(request->region_id());
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+absl::Status RegionService::Deposit(absl::string_view ticket, int fd, int pid, uint32_t uid) {
+  Reactor* lease = nullptr;
+  std::string id;
+  {
+    absl::MutexLock lock(&mu_);
+    auto t = tickets_.find(std::string(ticket));
+    if (t != tickets_.end()) {
+      id = t->second;
+      tickets_.erase(t);
+      auto it = leases_.find(id);
+      if (it != leases_.end()) {
+        lease = it->second;
+        lease->Ref();
+      }
+    }
+  }
+  if (lease == nullptr) {
+    ::close(fd);
+    return absl::PermissionDeniedError(
+        "unknown region ticket (used already, or its RegisterRegion stream ended)");
+  }
+  absl::StatusOr<Region::Access> access = registry_.Activate(id, fd);
+  if (!access.ok()) {
+    REFIT_LOG(WARNING).Field("region", id).Field("pid", absl::StrCat(pid))
+        << "region refused: " << std::string(access.status().message());
+    lease->End(ToGrpcStatus(access.status()));
+    lease->Unref();
+    return access.status();
+  }
+  lease->Registered(*access, pid, uid);
+  lease->Unref();
+  return absl::OkStatus();
+}
+
+bool RegionService::AddLease(const std::string& id, const std::string& ticket, Reactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return false;
+  leases_[id] = reactor;
+  tickets_[ticket] = id;
+  return true;
+}
+
+void RegionService::RemoveLease(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  leases_.erase(id);
+  for (auto it = tickets_.begin(); it != tickets_.end(); ++it) {
+    if (it->second == id) {
+      tickets_.erase(it);
+      break;
+    }
+  }
+}
+
+void RegionService::Shutdown() {
+  std::vector<Reactor*> leases;
+  {
+    absl::MutexLock lock(&mu_);
+    shut_down_ = true;
+    for (auto& [id, r] : leases_) {
+      r->Ref();
+      leases.push_back(r);
+    }
+  }
+  for (Reactor* r : leases) {
+    r->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is shutting down"), "shutdown");
+    r->Unref();
+  }
+}
+
+}  // namespace refit::server

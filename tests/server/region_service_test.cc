@@ -1,0 +1,459 @@
+// RegionService and Push chunks that reference shared-memory regions,
+// against an in-process refitd over its Unix socket: a sealed memfd is
+// mapped and a plain one read with pread, both committing the same
+// fingerprint as a push that carries the bytes; the refusals (TCP, limits,
+// bad offsets, unknown and foreign regions, a descriptor smaller than its
+// size, a reused ticket); a region truncated mid-refit fails the refit and
+// leaves the live version; a lease that ends releases its region.
+#include "server/region_service.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "refit/v1/region.grpc.pb.h"
+#include "tests/server/server_test_util.h"
+
+namespace refit::server::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Sends `ticket` with `fd` attached to the descriptor socket: the reply
+// ("K" or "E<reason>").
+std::string SendFd(const std::string& path, const std::string& ticket, int fd) {
+  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(s);
+    return absl::StrCat("Econnect: ", std::strerror(errno));
+  }
+  std::string line = ticket + "\n";
+  iovec iov{line.data(), line.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  cmsg->cmsg_level = SOL_SOCKET;
+  cmsg->cmsg_type = SCM_RIGHTS;
+  cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
+  (void)!::sendmsg(s, &msg, MSG_NOSIGNAL);
+  std::string reply;
+  char buf[512];
+  ssize_t n;
+  while ((n = ::recv(s, buf, sizeof(buf), 0)) > 0) reply.append(buf, static_cast<size_t>(n));
+  ::close(s);
+  while (!reply.empty() && reply.back() == '\n') reply.pop_back();
+  return reply;
+}
+
+// The fixture's tensors laid out in one memfd, 256-byte aligned.
+struct RegionFile {
+  int fd = -1;
+  uint64_t size = 0;
+  std::vector<uint64_t> offsets;
+  ~RegionFile() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+std::unique_ptr<RegionFile> MakeRegionFile(const std::vector<core::OwnedTensor>& tensors,
+                                           bool seal) {
+  auto file = std::make_unique<RegionFile>();
+  file->fd = ::memfd_create("weights", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  uint64_t at = 0;
+  for (const core::OwnedTensor& t : tensors) {
+    file->offsets.push_back(at);
+    at += (t.bytes.size() + 255) / 256 * 256;
+  }
+  file->size = at;
+  EXPECT_EQ(::ftruncate(file->fd, static_cast<off_t>(at)), 0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    EXPECT_EQ(::pwrite(file->fd, tensors[i].bytes.data(), tensors[i].bytes.size(),
+                       static_cast<off_t>(file->offsets[i])),
+              static_cast<ssize_t>(tensors[i].bytes.size()));
+  }
+  if (seal) {
+    EXPECT_EQ(::fcntl(file->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  }
+  return file;
+}
+
+// Chunk messages that reference the tensors in `region_id` at `file`'s
+// offsets, about `bucket` tensors per message.
+std::vector<v1::PushRequest> RegionChunkMessages(const std::vector<core::OwnedTensor>& tensors,
+                                                 const RegionFile& file,
+                                                 const std::string& region_id, size_t bucket = 8) {
+  std::vector<v1::PushRequest> out;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (i % bucket == 0) out.emplace_back();
+    v1::Chunk* chunk = out.back().mutable_chunks()->add_chunks();
+    chunk->set_tensor_name(tensors[i].name);
+    chunk->set_dtype(ToProtoDType(tensors[i].dtype));
+    for (int64_t d : tensors[i].shape) chunk->add_shape(d);
+    chunk->mutable_region()->set_region_id(region_id);
+    chunk->mutable_region()->set_offset(file.offsets[i]);
+    chunk->mutable_region()->set_length(tensors[i].bytes.size());
+  }
+  return out;
+}
+
+// One RegisterRegion stream (the lease).
+class Lease {
+ public:
+  Lease(v1::RegionService::Stub* stub, uint64_t size, const std::string& token = "") {
+    if (!token.empty()) context_.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+    v1::RegisterRegionRequest request;
+    request.set_size(size);
+    request.set_name("test-weights");
+    reader_ = stub->RegisterRegion(&context_, request);
+  }
+  ~Lease() {
+    Cancel();
+    Finish();
+  }
+
+  bool ReadTicket(v1::RegionTicket* ticket) {
+    v1::RegionEvent event;
+    if (!reader_->Read(&event) || !event.has_ticket()) return false;
+    *ticket = event.ticket();
+    return true;
+  }
+  bool ReadRegistered(v1::RegionRegistered* registered) {
+    v1::RegionEvent event;
+    if (!reader_->Read(&event) || !event.has_registered()) return false;
+    *registered = event.registered();
+    return true;
+  }
+  // Ticket, descriptor, Registered: the region id, or "" (see Finish()).
+  std::string Register(int fd, v1::RegionRegistered::Access* access = nullptr) {
+    v1::RegionTicket ticket;
+    if (!ReadTicket(&ticket)) return "";
+    reply_ = SendFd(ticket.fd_socket(), ticket.ticket(), fd);
+    v1::RegionRegistered registered;
+    if (!ReadRegistered(&registered)) return "";
+    if (access != nullptr) *access = registered.access();
+    return registered.region_id();
+  }
+  const std::string& reply() const { return reply_; }
+  void Cancel() { context_.TryCancel(); }
+  grpc::Status Finish() {
+    if (finished_) return status_;
+    finished_ = true;
+    v1::RegionEvent rest;
+    while (reader_->Read(&rest)) {
+    }
+    status_ = reader_->Finish();
+    return status_;
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<v1::RegionEvent>> reader_;
+  std::string reply_;
+  bool finished_ = false;
+  grpc::Status status_;
+};
+
+// A tiny HTTP/1.0 GET of /metrics.
+std::string Scrape(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return "";
+  }
+  const std::string request = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  (void)!::write(fd, request.data(), request.size());
+  std::string response;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buffer, sizeof(buffer))) > 0) response.append(buffer, n);
+  ::close(fd);
+  return response;
+}
+
+class RegionTest : public ServerTest {
+ protected:
+  void SetUp() override { Start(TestOptions(dir_)); }
+
+  void Start(ServerOptions options) {
+    options.metrics_listen = "127.0.0.1:0";
+    StartServer(std::move(options));
+    region_stub_ = v1::RegionService::NewStub(Connect(*server_));
+  }
+
+  // Begin, the region chunks, End.
+  PushOutcome PushRegion(const std::vector<core::OwnedTensor>& tensors, const RegionFile& file,
+                         const std::string& region_id, const std::string& token = "") {
+    std::vector<v1::PushRequest> messages = {BeginMessage()};
+    for (v1::PushRequest& m : RegionChunkMessages(tensors, file, region_id)) {
+      messages.push_back(std::move(m));
+    }
+    messages.push_back(EndMessage());
+    return PushMessages(stub_.get(), messages, token);
+  }
+
+  std::string MetricsText() { return Scrape(server_->metrics_port()); }
+
+  std::unique_ptr<v1::RegionService::Stub> region_stub_;
+};
+
+TEST_F(RegionTest, SealedRegionIsMappedAndCommitsTheFingerprintOfTheSameBytesPushedInline) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(7);
+  ASSERT_TRUE(PushMessages(stub_.get(), FullPush(7)).status.ok());
+  const v1::GetStatusResponse inline_status = Status(stub_.get());
+  ASSERT_EQ(inline_status.version(), 2u);
+
+  auto file = MakeRegionFile(tensors, /*seal=*/true);
+  Lease lease(region_stub_.get(), file->size);
+  v1::RegionRegistered::Access access = v1::RegionRegistered::ACCESS_UNSPECIFIED;
+  const std::string id = lease.Register(file->fd, &access);
+  ASSERT_FALSE(id.empty()) << lease.reply() << " " << lease.Finish().error_message();
+  EXPECT_EQ(lease.reply(), "K");
+  EXPECT_EQ(access, v1::RegionRegistered::ACCESS_MAPPED);
+  EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 1\n"));
+
+  const PushOutcome outcome = PushRegion(tensors, *file, id);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  const v1::GetStatusResponse status = Status(stub_.get());
+  EXPECT_EQ(status.version(), 3u);
+  EXPECT_EQ(status.fingerprint(), inline_status.fingerprint());
+  // A sealed region cannot shrink under the daemon.
+  EXPECT_NE(::ftruncate(file->fd, 0), 0);
+  EXPECT_EQ(errno, EPERM);
+}
+
+TEST_F(RegionTest, UnsealedRegionIsReadWithPreadAndCommitsTheSameFingerprint) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(9);
+  ASSERT_TRUE(PushMessages(stub_.get(), FullPush(9)).status.ok());
+  const std::string expected = Status(stub_.get()).fingerprint();
+  auto file = MakeRegionFile(tensors, /*seal=*/false);
+  Lease lease(region_stub_.get(), file->size);
+  v1::RegionRegistered::Access access = v1::RegionRegistered::ACCESS_UNSPECIFIED;
+  const std::string id = lease.Register(file->fd, &access);
+  ASSERT_FALSE(id.empty()) << lease.reply();
+  EXPECT_EQ(access, v1::RegionRegistered::ACCESS_PREAD);
+  const PushOutcome outcome = PushRegion(tensors, *file, id);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  EXPECT_EQ(Status(stub_.get()).fingerprint(), expected);
+}
+
+TEST_F(RegionTest, OffsetPastTheRegionIsOutOfRangeNamingTensorRegionOffsetLengthAndSize) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(3);
+  auto file = MakeRegionFile(tensors, true);
+  Lease lease(region_stub_.get(), file->size);
+  const std::string id = lease.Register(file->fd);
+  ASSERT_FALSE(id.empty());
+  const std::string before = Status(stub_.get()).fingerprint();
+  std::vector<v1::PushRequest> messages = {BeginMessage()};
+  for (v1::PushRequest& m : RegionChunkMessages(tensors, *file, id)) messages.push_back(m);
+  v1::Chunk* last = messages.back().mutable_chunks()->mutable_chunks(0);
+  last->mutable_region()->set_offset(file->size - 16);
+  last->mutable_region()->set_length(64);
+  messages.push_back(EndMessage());
+  const PushOutcome outcome = PushMessages(stub_.get(), messages);
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr(last->tensor_name()));
+  EXPECT_THAT(outcome.status.error_message(),
+              HasSubstr(absl::StrCat("region \"", id, "\" offset ", file->size - 16,
+                                     " length 64 reaches past its size ", file->size)));
+  const v1::GetStatusResponse status = Status(stub_.get());
+  EXPECT_EQ(status.version(), 1u);
+  EXPECT_EQ(status.fingerprint(), before);
+}
+
+TEST_F(RegionTest, UnknownRegionIsNotFound) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(3);
+  auto file = MakeRegionFile(tensors, true);
+  const PushOutcome outcome = PushRegion(tensors, *file, "rg-0123");
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(outcome.status.error_message(),
+              HasSubstr("unknown shared-memory region \"rg-0123\""));
+  EXPECT_EQ(Version(), 1u);
+
+  grpc::ClientContext context;
+  v1::UnregisterRegionRequest request;
+  request.set_region_id("rg-0123");
+  v1::UnregisterRegionResponse response;
+  EXPECT_EQ(region_stub_->UnregisterRegion(&context, request, &response).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(RegionTest, RegisterOverTcpIsFailedPrecondition) {
+  ServerOptions options = TestOptions(dir_);
+  options.listen.push_back("127.0.0.1:0");
+  Start(std::move(options));
+  auto tcp = v1::RegionService::NewStub(
+      grpc::CreateChannel(server_->bound_addresses().back(), grpc::InsecureChannelCredentials()));
+  Lease lease(tcp.get(), 4096);
+  v1::RegionTicket ticket;
+  EXPECT_FALSE(lease.ReadTicket(&ticket));
+  const grpc::Status status = lease.Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("shared-memory regions need a local Unix socket"));
+}
+
+TEST_F(RegionTest, DescriptorSmallerThanItsSizeIsInvalidArgumentAndTicketsWorkOnce) {
+  auto file = MakeRegionFile(FixtureWeights(3), true);
+  Lease lease(region_stub_.get(), file->size + 4096);
+  v1::RegionTicket ticket;
+  ASSERT_TRUE(lease.ReadTicket(&ticket));
+  EXPECT_THAT(SendFd(ticket.fd_socket(), ticket.ticket(), file->fd),
+              HasSubstr("smaller than its declared size"));
+  const grpc::Status status = lease.Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("smaller than its declared size"));
+  EXPECT_THAT(SendFd(ticket.fd_socket(), ticket.ticket(), file->fd),
+              HasSubstr("unknown region ticket"));
+  EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 0\n"));
+}
+
+TEST_F(RegionTest, LimitsPerCallerAreResourceExhausted) {
+  ServerOptions options = TestOptions(dir_);
+  options.max_regions_per_caller = 1;
+  options.max_region_bytes_per_caller = 1 << 20;
+  Start(std::move(options));
+  Lease too_big(region_stub_.get(), (1 << 20) + 1);
+  v1::RegionTicket ticket;
+  EXPECT_FALSE(too_big.ReadTicket(&ticket));
+  grpc::Status status = too_big.Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max-region-bytes-per-caller"));
+
+  Lease first(region_stub_.get(), 4096);
+  ASSERT_TRUE(first.ReadTicket(&ticket));  // pending counts too
+  Lease second(region_stub_.get(), 4096);
+  EXPECT_FALSE(second.ReadTicket(&ticket));
+  status = second.Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max-regions-per-caller 1"));
+}
+
+TEST_F(RegionTest, RegionTruncatedMidRefitFailsTheRefitAndTheLiveVersionStays) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(5);
+  auto file = MakeRegionFile(tensors, /*seal=*/false);
+  Lease lease(region_stub_.get(), file->size);
+  const std::string id = lease.Register(file->fd);
+  ASSERT_FALSE(id.empty());
+  const v1::GetStatusResponse before = Status(stub_.get());
+
+  std::vector<v1::PushRequest> chunks = RegionChunkMessages(tensors, *file, id, 4);
+  ASSERT_GE(chunks.size(), 2u);
+  grpc::ClientContext context;
+  v1::PushResponse response;
+  auto writer = stub_->Push(&context, &response);
+  ASSERT_TRUE(writer->Write(BeginMessage()));
+  ASSERT_TRUE(writer->Write(chunks[0]));
+  writer->WaitForInitialMetadata();  // the refit began
+  ASSERT_EQ(::ftruncate(file->fd, 0), 0);
+  for (size_t i = 1; i < chunks.size(); ++i) {
+    if (!writer->Write(chunks[i])) break;
+  }
+  writer->Write(EndMessage());
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("truncated while in use"));
+  const v1::GetStatusResponse after = Status(stub_.get());
+  EXPECT_EQ(after.version(), before.version());
+  EXPECT_EQ(after.fingerprint(), before.fingerprint());
+  EXPECT_FALSE(after.has_active_refit());
+}
+
+TEST_F(RegionTest, UnregisterAndCancelledLeaseReleaseTheRegion) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(3);
+  auto file = MakeRegionFile(tensors, true);
+  {
+    Lease lease(region_stub_.get(), file->size);
+    const std::string id = lease.Register(file->fd);
+    ASSERT_FALSE(id.empty());
+    grpc::ClientContext context;
+    v1::UnregisterRegionRequest request;
+    request.set_region_id(id);
+    v1::UnregisterRegionResponse response;
+    ASSERT_TRUE(region_stub_->UnregisterRegion(&context, request, &response).ok());
+    EXPECT_TRUE(lease.Finish().ok());  // the lease ends with OK
+    EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 0\n"));
+    const PushOutcome outcome = PushRegion(tensors, *file, id);
+    EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  Lease lease(region_stub_.get(), file->size);
+  ASSERT_FALSE(lease.Register(file->fd).empty());
+  EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 1\n"));
+  lease.Cancel();
+  EXPECT_EQ(lease.Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // The daemon sees the cancel on its own time: wait for it, bounded.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::string text = MetricsText();
+  while (text.find("refitd_trainer_regions 0\n") == std::string::npos && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+    text = MetricsText();
+  }
+  EXPECT_THAT(text, HasSubstr("refitd_trainer_regions 0\n"));
+}
+
+class RegionAuthTest : public RegionTest {
+ protected:
+  void SetUp() override {
+    std::ofstream(dir_ + "/tokens") << "alice-token trainer alice\n"
+                                       "bob-token trainer bob\n"
+                                       "reader-token reader eve\n";
+    ServerOptions options = TestOptions(dir_);
+    options.auth_tokens_file = dir_ + "/tokens";
+    Start(std::move(options));
+  }
+};
+
+TEST_F(RegionAuthTest, AnotherCallersRegionIsPermissionDeniedAndReadersMayNotRegister) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(3);
+  auto file = MakeRegionFile(tensors, true);
+  Lease lease(region_stub_.get(), file->size, "alice-token");
+  const std::string id = lease.Register(file->fd);
+  ASSERT_FALSE(id.empty()) << lease.reply();
+
+  const PushOutcome outcome = PushRegion(tensors, *file, id, "bob-token");
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("belongs to another caller"));
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer bob-token");
+  v1::UnregisterRegionRequest request;
+  request.set_region_id(id);
+  v1::UnregisterRegionResponse response;
+  EXPECT_EQ(region_stub_->UnregisterRegion(&context, request, &response).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+
+  EXPECT_TRUE(PushRegion(tensors, *file, id, "alice-token").status.ok());
+
+  Lease reader(region_stub_.get(), 4096, "reader-token");
+  v1::RegionTicket ticket;
+  EXPECT_FALSE(reader.ReadTicket(&ticket));
+  EXPECT_EQ(reader.Finish().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+}
+
+}  // namespace
+}  // namespace refit::server::testing

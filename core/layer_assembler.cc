@@ -208,9 +208,9 @@ absl::Status LayerAssembler::EnsurePartStaging(int l, int p) {
   if (reserve_) {
     if (absl::Status s = reserve_(spec, bytes); !s.ok()) return s;
   }
-  absl::StatusOr<StagingBuffer> buffer =
-      options_.zero_fill ? StagingBuffer::HostZeroed(bytes, spec.parts[p].name)
-                         : StagingBuffer::HostUninitialized(bytes, spec.parts[p].name);
+  absl::StatusOr<StagingBuffer> buffer = options_.zero_fill
+                                             ? StagingBuffer::HostZeroed(bytes, spec.parts[p].name)
+                                             : StagingBuffer::HostPooled(bytes, spec.parts[p].name);
   if (!buffer.ok()) return buffer.status();
   part.buffer = *std::move(buffer);
   staging_bytes_ += bytes;
@@ -252,7 +252,7 @@ absl::Status LayerAssembler::EnsureStaging(int l) {
                       spec.kind == LayerKind::kAttention;
     absl::StatusOr<StagingBuffer> buffer =
         zero ? StagingBuffer::HostZeroed(param.nbytes(), spec.name)
-             : StagingBuffer::HostUninitialized(param.nbytes(), spec.name);
+             : StagingBuffer::HostPooled(param.nbytes(), spec.name);
     if (!buffer.ok()) return buffer.status();
     params.push_back(*std::move(buffer));
   }

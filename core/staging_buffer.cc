@@ -1,19 +1,139 @@
 #include "core/staging_buffer.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 
 namespace refit::core {
 namespace {
 
-absl::StatusOr<StagingBuffer> AllocateHost(int64_t size, absl::string_view what, bool zero) {
+// The host staging pool (StagingBuffer::HostUninitialized). One per process:
+// every store's sessions draw from it.
+class HostPool {
+ public:
+  static HostPool& Get() {
+    static HostPool* pool = new HostPool();  // never destroyed: buffers may outlive main
+    return *pool;
+  }
+
+  // A block of at least `size` bytes and its capacity; {nullptr, 0} when
+  // the allocation fails.
+  std::pair<void*, int64_t> Take(int64_t size) {
+    {
+      absl::MutexLock lock(&mu_);
+      last_use_ = absl::Now();
+      auto it = free_.lower_bound(size);
+      if (it != free_.end() && it->first <= size + size / 8) {
+        const std::pair<void*, int64_t> block{it->second, it->first};
+        free_.erase(it);
+        pooled_bytes_ -= block.second;
+        in_use_bytes_ += block.second;
+        high_water_bytes_ = std::max(high_water_bytes_, in_use_bytes_);
+        ++reused_;
+        return block;
+      }
+    }
+    void* data = std::malloc(static_cast<size_t>(size));
+    if (data == nullptr) return {nullptr, 0};
+    absl::MutexLock lock(&mu_);
+    in_use_bytes_ += size;
+    high_water_bytes_ = std::max(high_water_bytes_, in_use_bytes_);
+    ++allocated_;
+    StartTrimmerLocked();
+    return {data, size};
+  }
+
+  void Give(void* data, int64_t capacity) {
+    {
+      absl::MutexLock lock(&mu_);
+      last_use_ = absl::Now();
+      in_use_bytes_ -= capacity;
+      if (pooled_bytes_ + capacity <= high_water_bytes_) {
+        free_.emplace(capacity, data);
+        pooled_bytes_ += capacity;
+        return;
+      }
+    }
+    std::free(data);
+  }
+
+  int64_t Trim(absl::Time now) {
+    std::multimap<int64_t, void*> freed;
+    {
+      absl::MutexLock lock(&mu_);
+      if (free_.empty() || now - last_use_ < StagingBuffer::kPoolIdleTrim) return 0;
+      freed.swap(free_);
+      pooled_bytes_ = 0;
+      // The next burst sets its own high-water mark.
+      high_water_bytes_ = in_use_bytes_;
+    }
+    int64_t bytes = 0;
+    for (const auto& [capacity, data] : freed) {
+      bytes += capacity;
+      std::free(data);
+    }
+    return bytes;
+  }
+
+  StagingBuffer::PoolStats Stats() {
+    absl::MutexLock lock(&mu_);
+    StagingBuffer::PoolStats stats;
+    stats.pooled_bytes = pooled_bytes_;
+    stats.in_use_bytes = in_use_bytes_;
+    stats.high_water_bytes = high_water_bytes_;
+    stats.reused = reused_;
+    stats.allocated = allocated_;
+    return stats;
+  }
+
+ private:
+  // A detached thread that empties an idle pool; started with the first
+  // pooled allocation, so processes that never stage have none.
+  void StartTrimmerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (trimmer_started_) return;
+    trimmer_started_ = true;
+    std::thread([this] {
+      while (true) {
+        absl::SleepFor(StagingBuffer::kPoolIdleTrim / 2);
+        Trim(absl::Now());
+      }
+    }).detach();
+  }
+
+  absl::Mutex mu_;
+  std::multimap<int64_t, void*> free_ ABSL_GUARDED_BY(mu_);  // capacity -> block
+  int64_t pooled_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t in_use_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t high_water_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t reused_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t allocated_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_use_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  bool trimmer_started_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+absl::StatusOr<StagingBuffer> AllocateHost(int64_t size, absl::string_view what, bool zero,
+                                           bool pooled = false) {
   if (size < 0) {
     return absl::InvalidArgumentError(absl::StrCat("negative staging size ", size, " for ", what));
   }
   if (size == 0) return StagingBuffer();
+  if (pooled && size >= StagingBuffer::kPoolMinBytes) {
+    auto [block, capacity] = HostPool::Get().Take(size);
+    if (block == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", size, " bytes of staging for ", what));
+    }
+    return StagingBuffer(block, size, /*on_device=*/false, [block = block, capacity = capacity] {
+      HostPool::Get().Give(block, capacity);
+    });
+  }
   void* data =
       zero ? std::calloc(static_cast<size_t>(size), 1) : std::malloc(static_cast<size_t>(size));
   if (data == nullptr) {
@@ -63,5 +183,13 @@ absl::StatusOr<StagingBuffer> StagingBuffer::HostUninitialized(int64_t size,
                                                                absl::string_view what) {
   return AllocateHost(size, what, /*zero=*/false);
 }
+
+absl::StatusOr<StagingBuffer> StagingBuffer::HostPooled(int64_t size, absl::string_view what) {
+  return AllocateHost(size, what, /*zero=*/false, /*pooled=*/true);
+}
+
+StagingBuffer::PoolStats StagingBuffer::HostPoolStats() { return HostPool::Get().Stats(); }
+
+int64_t StagingBuffer::TrimHostPool(absl::Time now) { return HostPool::Get().Trim(now); }
 
 }  // namespace refit::core

@@ -57,7 +57,14 @@ bool PushMessage::Parse(grpc::ByteBuffer* raw) {
     if (fast) {
       reader.BackUp(size - header);
       is_chunks_ = true;
+      if (oversized_) {
+        chunks_ = v1::Chunks();
+        elements_ = 0;
+        retained_ = 0;
+        oversized_ = false;
+      }
       parsed = chunks_.ParseFromZeroCopyStream(&reader);
+      if (parsed) BoundRetained(total);
     } else {
       is_chunks_ = false;
       grpc::ProtoBufferReader whole(raw);
@@ -66,6 +73,24 @@ bool PushMessage::Parse(grpc::ByteBuffer* raw) {
   }
   raw->Clear();
   return parsed;
+}
+
+void PushMessage::BoundRetained(size_t message_bytes) {
+  // Clear() keeps the Chunk objects beyond this message's count out of
+  // sight, with their strings: bring them back and free them, so that what is
+  // kept is only what this message used.
+  const int used = chunks_.chunks_size();
+  if (elements_ > used) {
+    for (int i = used; i < elements_; ++i) chunks_.add_chunks();
+    chunks_.mutable_chunks()->DeleteSubrange(used, elements_ - used);
+  }
+  elements_ = used;
+  size_t retained = 0;
+  for (const v1::Chunk& chunk : chunks_.chunks()) {
+    retained += chunk.data().capacity() + chunk.tensor_name().capacity();
+  }
+  retained_ = retained;
+  oversized_ = retained > 2 * message_bytes + kRetainSlackBytes;
 }
 
 }  // namespace refit::server

@@ -8,6 +8,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -203,6 +205,67 @@ TEST(StagingBufferTest, MovedHostBufferKeepsItsBytes) {
   EXPECT_EQ(moved.data(), data);
   EXPECT_EQ(moved.size(), 64);
   EXPECT_EQ(moved.data()[63], 0x5a);
+}
+
+// Pooled host staging: a released buffer is handed out again for a request
+// of its size (same memory, no new allocation), not for a much smaller one;
+// the pool holds no more than was in use at once, and an idle pool is
+// emptied.
+TEST(StagingBufferPoolTest, ReleasedBuffersAreReusedBoundedAndTrimmedWhenIdle) {
+  constexpr int64_t kLayer = int64_t{3} << 20;
+  StagingBuffer::TrimHostPool(absl::InfiniteFuture());
+  const StagingBuffer::PoolStats before = StagingBuffer::HostPoolStats();
+  EXPECT_EQ(before.pooled_bytes, 0);
+
+  uint8_t* first = nullptr;
+  {
+    absl::StatusOr<StagingBuffer> a = StagingBuffer::HostPooled(kLayer, "layer 0");
+    ASSERT_TRUE(a.ok()) << a.status();
+    first = a->data();
+    std::memset(a->data(), 1, kLayer);
+  }
+  EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, kLayer);
+  {
+    // The same size, and a slightly smaller one, get the same memory back.
+    absl::StatusOr<StagingBuffer> b = StagingBuffer::HostPooled(kLayer, "layer 1");
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->data(), first);
+    EXPECT_EQ(b->size(), kLayer);
+    EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, 0);
+  }
+  {
+    absl::StatusOr<StagingBuffer> c = StagingBuffer::HostPooled(kLayer - 4096, "layer 2");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->data(), first);
+    EXPECT_EQ(c->size(), kLayer - 4096);
+    // A request much smaller than any pooled buffer allocates.
+    absl::StatusOr<StagingBuffer> small = StagingBuffer::HostPooled(kLayer / 2, "norm");
+    ASSERT_TRUE(small.ok()) << small.status();
+    EXPECT_NE(small->data(), first);
+  }
+  const StagingBuffer::PoolStats after = StagingBuffer::HostPoolStats();
+  EXPECT_EQ(after.reused - before.reused, 2);
+  EXPECT_EQ(after.allocated - before.allocated, 2);
+  EXPECT_EQ(after.in_use_bytes, before.in_use_bytes);
+  EXPECT_LE(after.pooled_bytes, after.high_water_bytes);
+  EXPECT_EQ(after.pooled_bytes, kLayer + kLayer / 2);
+
+  // Zeroed and unpooled buffers never come from the pool.
+  absl::StatusOr<StagingBuffer> zeroed = StagingBuffer::HostZeroed(kLayer, "zero-filled");
+  ASSERT_TRUE(zeroed.ok()) << zeroed.status();
+  EXPECT_NE(zeroed->data(), first);
+  EXPECT_TRUE(AllZero(*zeroed));
+  absl::StatusOr<StagingBuffer> kernel = StagingBuffer::HostUninitialized(kLayer, "kernel");
+  ASSERT_TRUE(kernel.ok()) << kernel.status();
+  EXPECT_NE(kernel->data(), first);
+  EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, kLayer + kLayer / 2);
+
+  // Used just now: not idle, nothing trimmed; idle long enough: all freed.
+  EXPECT_EQ(StagingBuffer::TrimHostPool(absl::Now()), 0);
+  EXPECT_EQ(
+      StagingBuffer::TrimHostPool(absl::Now() + StagingBuffer::kPoolIdleTrim + absl::Seconds(1)),
+      kLayer + kLayer / 2);
+  EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, 0);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,43 @@ TEST(PushMessageTest, ChunksParseLikePushRequestAndReuseTheirStorage) {
   EXPECT_EQ(message.chunks().SerializeAsString(), second.chunks().SerializeAsString());
   EXPECT_EQ(&message.chunks().chunks(0), object);
   EXPECT_EQ(message.chunks().chunks(0).data().data(), storage);
+}
+
+// A client that moves one large chunk one position further in every
+// message, behind ever more tiny ones, would grow one string per position:
+// what a buffer keeps stays within 2 x the message + slack between messages
+// (the bound is checked after each parse), and within that plus the message
+// while it is handled.
+TEST(PushMessageTest, KeptCapacityStaysBoundedWhateverTheChunkOrder) {
+  PushMessage message;
+  constexpr size_t kBig = size_t{1} << 20;
+  size_t largest = 0;
+  for (int k = 0; k < 40; ++k) {
+    v1::PushRequest request;
+    for (int i = 0; i < k; ++i) {
+      v1::Chunk* tiny = request.mutable_chunks()->add_chunks();
+      tiny->set_tensor_name("t");
+      tiny->set_data("xy");
+    }
+    v1::Chunk* big = request.mutable_chunks()->add_chunks();
+    big->set_tensor_name("big");
+    big->set_data(std::string(kBig, 'b'));
+    const std::string wire = request.SerializeAsString();
+    largest = std::max(largest, wire.size());
+    grpc::ByteBuffer raw = Buffer(wire);
+    ASSERT_TRUE(message.Parse(&raw));
+    ASSERT_EQ(message.chunks().chunks_size(), k + 1);
+    EXPECT_EQ(message.chunks().chunks(k).data().size(), kBig);
+    EXPECT_LE(message.retained_bytes(), 3 * largest + PushMessage::kRetainSlackBytes) << k;
+  }
+  // Fewer chunks than before: the Chunk objects beyond them are freed.
+  v1::PushRequest small = ChunksRequest("lm_head.weight", 64, 'c');
+  grpc::ByteBuffer raw = Buffer(small.SerializeAsString());
+  ASSERT_TRUE(message.Parse(&raw));
+  EXPECT_LE(message.retained_bytes(), 3 * largest + PushMessage::kRetainSlackBytes);
+  raw = Buffer(small.SerializeAsString());
+  ASSERT_TRUE(message.Parse(&raw));
+  EXPECT_LE(message.retained_bytes(), 2 * small.ByteSizeLong() + PushMessage::kRetainSlackBytes);
 }
 
 TEST(PushMessageTest, BeginEndAndEmptyMessages) {

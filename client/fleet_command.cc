@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -34,9 +35,12 @@ Usage:
            the decision once in etcd (compare-and-swap), then commit everywhere
   reload   the same, each member reading PATH under its --reload-root
 
-Flags: --etcd host:port[,host:port]  --fleet NAME  --timeout D (each member's prepare, 30m)
-       --lock-ttl D (the fleet lock's lease, 10s)  --token T (refitd bearer token)
-       --tls-ca FILE [--tls-server-name NAME] (TLS to the members)
+Flags: --etcd host:port[,host:port] (https:// for TLS)  --fleet NAME
+       --timeout D (each member's prepare, 30m)  --lock-ttl D (the fleet lock's lease, 10s)
+       --token T (refitd bearer token)
+       --tls-ca FILE [--tls-server-name NAME] [--tls-cert FILE --tls-key FILE] (TLS to the members)
+       --etcd-ca FILE [--etcd-cert FILE --etcd-key FILE] (TLS to etcd)
+       --keep-decisions N (decisions kept in etcd after a commit, 16; 0 keeps all)
 Exit: 0 done; 1 usage; 5 ABORTED (another fleet refit runs, a prepare failed, a member's
 deadline recorded abort first: nobody committed, retry); 7 etcd unreachable, or committed
 but a member did not confirm (it is NOT_SERVING until it catches up; see fleet status).
@@ -64,8 +68,10 @@ std::string Parse(int argc, char** argv, Args* out) {
       } else {
         return "flag --" + name + " needs a value";
       }
-      static const char* const kKnown[] = {"etcd",  "fleet",   "json",     "token",
-                                           "label", "timeout", "lock-ttl", "help"};
+      static const char* const kKnown[] = {"etcd",    "fleet",     "json",     "token",
+                                           "label",   "timeout",   "lock-ttl", "help",
+                                           "tls-ca",  "tls-cert",  "tls-key",  "tls-server-name",
+                                           "etcd-ca", "etcd-cert", "etcd-key", "keep-decisions"};
       bool known = false;
       for (const char* k : kKnown) known |= name == k;
       if (!known) return "unknown flag --" + name;
@@ -91,6 +97,12 @@ std::string Parse(int argc, char** argv, Args* out) {
     absl::Duration unused;
     if (out->flags.count(d) && !absl::ParseDuration(out->flags[d], &unused)) {
       return absl::StrCat("--", d, ": not a duration: ", out->flags[d]);
+    }
+  }
+  if (out->flags.count("keep-decisions")) {
+    int n = 0;
+    if (!absl::SimpleAtoi(out->flags["keep-decisions"], &n) || n < 0) {
+      return "--keep-decisions: not a count: " + out->flags["keep-decisions"];
     }
   }
   return "";
@@ -173,6 +185,7 @@ int Refit(FleetCoordinator& coordinator, const Args& args, bool as_json) {
               {"flip_skew_seconds", result->flip_skew_seconds},
               {"prepare_seconds", absl::ToDoubleSeconds(result->prepare_time)},
               {"total_seconds", absl::ToDoubleSeconds(result->total_time)},
+              {"decisions_deleted", result->decisions_deleted},
               {"members", members}};
     std::cout << j.dump(2) << std::endl;
   } else {
@@ -214,6 +227,14 @@ int RunFleetCommand(int argc, char** argv) {
   options.label = args.flags["label"];
   options.tls_ca_file = args.flags["tls-ca"];
   options.tls_server_name = args.flags["tls-server-name"];
+  options.tls_cert_file = args.flags["tls-cert"];
+  options.tls_key_file = args.flags["tls-key"];
+  options.etcd_ca_file = args.flags["etcd-ca"];
+  options.etcd_cert_file = args.flags["etcd-cert"];
+  options.etcd_key_file = args.flags["etcd-key"];
+  if (args.flags.count("keep-decisions")) {
+    (void)absl::SimpleAtoi(args.flags["keep-decisions"], &options.keep_decisions);
+  }
   if (args.flags.count("timeout")) absl::ParseDuration(args.flags["timeout"], &options.timeout);
   if (args.flags.count("lock-ttl")) absl::ParseDuration(args.flags["lock-ttl"], &options.lock_ttl);
   absl::StatusOr<std::unique_ptr<FleetCoordinator>> coordinator =

@@ -54,6 +54,9 @@ absl::StatusOr<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Create(
   if (options.fleet.empty()) return absl::InvalidArgumentError("--fleet is required");
   server::EtcdClientOptions etcd_options;
   etcd_options.endpoints = options.etcd;
+  etcd_options.tls_ca_file = options.etcd_ca_file;
+  etcd_options.tls_cert_file = options.etcd_cert_file;
+  etcd_options.tls_key_file = options.etcd_key_file;
   absl::StatusOr<std::unique_ptr<server::EtcdClient>> etcd =
       server::EtcdClient::Create(etcd_options);
   if (!etcd.ok()) return etcd.status();
@@ -73,8 +76,10 @@ ClientOptions FleetCoordinator::MemberClient(const std::string& address,
   client.address = address;
   client.token = options_.token;
   client.timeout = timeout;
-  client.tls = !options_.tls_ca_file.empty();
+  client.tls = !options_.tls_ca_file.empty() || !options_.tls_cert_file.empty();
   client.tls_ca_file = options_.tls_ca_file;
+  client.tls_cert_file = options_.tls_cert_file;
+  client.tls_key_file = options_.tls_key_file;
   client.tls_server_name = options_.tls_server_name;
   return client;
 }
@@ -101,6 +106,7 @@ absl::StatusOr<FleetState> FleetCoordinator::Status() {
     info.fleet_version = m.value("fleet_version", uint64_t{0});
     info.ready = m.value("ready", false);
     info.not_ready_reason = m.value("not_ready_reason", std::string());
+    info.prepared_timeout_seconds = m.value("prepared_timeout_seconds", 0.0);
     state.members.push_back(std::move(info));
   }
   absl::StatusOr<std::optional<server::EtcdKeyValue>> version = etcd_->Get(prefix_ + "version");
@@ -248,7 +254,10 @@ absl::StatusOr<FleetRefitResult> FleetCoordinator::Run(const PrepareFn& prepare)
   result.prepare_time = absl::Now() - start;
   const std::string decision_key = prefix_ + "decisions/" + result.fleet_refit_id;
   auto abort_all = [&](const std::string& why) {
-    const json abort = {{"decision", "abort"}, {"by", CoordinatorName()}, {"why", why}};
+    const json abort = {{"decision", "abort"},
+                        {"by", CoordinatorName()},
+                        {"why", why},
+                        {"unix_seconds", absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch())}};
     (void)etcd_->PutIfAbsent(decision_key, abort.dump());
     ForEachParallel(members.size(), [&](size_t i) {
       if (result.members[i].refit_id.empty()) return;
@@ -260,8 +269,8 @@ absl::StatusOr<FleetRefitResult> FleetCoordinator::Run(const PrepareFn& prepare)
   std::vector<std::string> failed;
   for (size_t i = 0; i < members.size(); ++i) {
     if (!errors[i].ok()) {
-      failed.push_back(
-          absl::StrCat("member \"", members[i].member_id, "\": ", errors[i].ToString()));
+      failed.push_back(absl::StrCat("member \"", members[i].member_id, "\" (", members[i].address,
+                                    "): ", errors[i].ToString()));
     }
   }
   if (!failed.empty()) {
@@ -290,7 +299,8 @@ absl::StatusOr<FleetRefitResult> FleetCoordinator::Run(const PrepareFn& prepare)
   const json decision = {{"decision", "commit"},
                          {"fleet_version", result.fleet_version},
                          {"members", member_ids},
-                         {"by", CoordinatorName()}};
+                         {"by", CoordinatorName()},
+                         {"unix_seconds", absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch())}};
   json fleet_version = {{"fleet_version", result.fleet_version},
                         {"fleet_refit_id", result.fleet_refit_id}};
   etcdserverpb::PutRequest* put_decision = txn.add_success()->mutable_request_put();
@@ -363,9 +373,38 @@ absl::StatusOr<FleetRefitResult> FleetCoordinator::Run(const PrepareFn& prepare)
   result.flip_skew_seconds = last - first;
   fleet_version["flip_skew_seconds"] = result.flip_skew_seconds;
   (void)etcd_->Put(prefix_ + "version", fleet_version.dump());
+  result.decisions_deleted = DeleteOldDecisions(members);
   unlock();
   result.total_time = absl::Now() - start;
   return result;
+}
+
+int FleetCoordinator::DeleteOldDecisions(const std::vector<FleetMemberInfo>& members) {
+  if (options_.keep_decisions <= 0) return 0;
+  // Older than every member's prepared timeout (30 s, refitd's default,
+  // for a member that does not publish it).
+  double oldest_deadline = 0;
+  for (const FleetMemberInfo& m : members) {
+    oldest_deadline = std::max(oldest_deadline,
+                               m.prepared_timeout_seconds > 0 ? m.prepared_timeout_seconds : 30.0);
+  }
+  absl::StatusOr<std::vector<server::EtcdKeyValue>> decisions =
+      etcd_->GetPrefix(prefix_ + "decisions/");
+  if (!decisions.ok()) return 0;  // the next committed refit tries again
+  std::vector<server::EtcdKeyValue> by_age = *decisions;
+  std::sort(by_age.begin(), by_age.end(),
+            [](const server::EtcdKeyValue& a, const server::EtcdKeyValue& b) {
+              return a.create_revision > b.create_revision;  // newest first
+            });
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  int deleted = 0;
+  for (size_t i = static_cast<size_t>(options_.keep_decisions); i < by_age.size(); ++i) {
+    const double written = ParseOrEmpty(by_age[i].value).value("unix_seconds", 0.0);
+    if (written > 0 && now - written <= oldest_deadline) continue;
+    absl::StatusOr<int64_t> n = etcd_->Delete(by_age[i].key);
+    if (n.ok()) deleted += static_cast<int>(*n);
+  }
+  return deleted;
 }
 
 }  // namespace refit::client

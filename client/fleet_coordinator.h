@@ -15,6 +15,12 @@
 //      when they see the decision, whoever is first), reads back each
 //      member's version, fingerprint and commit time: the flip skew is the
 //      time between the first and the last commit.
+//   5. After a commit, deletes old decisions (decisions/FRID): all but the
+//      newest keep_decisions, and only those older than every member's
+//      prepared timeout (a member still PREPARED for one never finds it
+//      gone before its deadline). The commit moved the fleet's version, so
+//      no older refit can still record commit, and a member that finds its
+//      decision gone aborts (server/fleet_member.h) rather than commit.
 //
 // Thread-safety: one refit at a time per object; Status may run any time.
 #ifndef REFIT_CLIENT_FLEET_COORDINATOR_H_
@@ -41,11 +47,23 @@ struct FleetCoordinatorOptions {
   // certificate carries when it is not the registered address's host.
   std::string tls_ca_file;
   std::string tls_server_name;
+  // A client certificate for members that require one (refitd
+  // --tls-client-ca), both or neither.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // TLS to etcd (server::EtcdClientOptions): its CA, and a client
+  // certificate for an etcd that requires one.
+  std::string etcd_ca_file;
+  std::string etcd_cert_file;
+  std::string etcd_key_file;
   std::string label;
   // Deadline of each member's prepare (the whole stream) and commit.
   absl::Duration timeout = absl::Minutes(30);
   // The fleet lock's lease.
   absl::Duration lock_ttl = absl::Seconds(10);
+  // Decisions kept after a committed refit (the newest, this one
+  // included); 0 keeps them all.
+  int keep_decisions = 16;
   // Test hook: called at "sending" (a member's first bytes are on their
   // way), "prepared" (n members prepared), "decided" and "committed" (n
   // members committed), on the coordinator's threads, one call at a time.
@@ -62,6 +80,7 @@ struct FleetMemberInfo {
   uint64_t fleet_version = 0;
   bool ready = false;
   std::string not_ready_reason;
+  double prepared_timeout_seconds = 0;  // its --fleet-prepared-timeout
 };
 
 struct FleetState {
@@ -91,6 +110,7 @@ struct FleetRefitResult {
   uint64_t fleet_version = 0;
   std::vector<FleetMemberResult> members;
   double flip_skew_seconds = 0;
+  int decisions_deleted = 0;  // old decisions removed after the commit
   absl::Duration prepare_time;
   absl::Duration total_time;
 };
@@ -124,6 +144,8 @@ class FleetCoordinator {
   FleetCoordinator(FleetCoordinatorOptions options, std::unique_ptr<server::EtcdClient> etcd);
   absl::StatusOr<FleetRefitResult> Run(const PrepareFn& prepare);
   void Step(absl::string_view step, int n);
+  // Step 5. Returns how many decisions were deleted.
+  int DeleteOldDecisions(const std::vector<FleetMemberInfo>& members);
   // How to reach a member.
   struct ClientOptions MemberClient(const std::string& address, absl::Duration timeout) const;
 

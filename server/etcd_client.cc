@@ -1,6 +1,10 @@
 #include "server/etcd_client.h"
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -28,6 +32,21 @@ EtcdKeyValue FromProto(const etcdserverpb::KeyValue& kv) {
   return out;
 }
 
+absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view flag) {
+  errno = 0;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const int err = errno;
+    std::string message = absl::StrCat(flag, ": cannot read ", path);
+    if (err != 0) absl::StrAppend(&message, ": ", std::strerror(err));
+    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
+    return absl::NotFoundError(message);
+  }
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
 }  // namespace
 
 std::string EtcdPrefixEnd(absl::string_view prefix) {
@@ -44,30 +63,63 @@ std::string EtcdPrefixEnd(absl::string_view prefix) {
 }
 
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options) {
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "an etcd client certificate needs both the certificate and its key (--etcd-cert, "
+        "--etcd-key)");
+  }
+  const bool tls_files = !options.tls_ca_file.empty() || !options.tls_cert_file.empty();
+  std::shared_ptr<grpc::ChannelCredentials> tls;
+  auto tls_credentials = [&]() -> absl::Status {
+    if (tls != nullptr) return absl::OkStatus();
+    grpc::SslCredentialsOptions ssl;
+    if (!options.tls_ca_file.empty()) {
+      absl::StatusOr<std::string> ca = ReadPem(options.tls_ca_file, "etcd CA");
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *std::move(ca);
+    }
+    if (!options.tls_cert_file.empty()) {
+      absl::StatusOr<std::string> cert = ReadPem(options.tls_cert_file, "etcd client certificate");
+      if (!cert.ok()) return cert.status();
+      absl::StatusOr<std::string> key = ReadPem(options.tls_key_file, "etcd client key");
+      if (!key.ok()) return key.status();
+      ssl.pem_cert_chain = *std::move(cert);
+      ssl.pem_private_key = *std::move(key);
+    }
+    tls = grpc::SslCredentials(ssl);
+    return absl::OkStatus();
+  };
   std::vector<std::string> endpoints;
+  std::vector<std::shared_ptr<grpc::ChannelCredentials>> credentials;
   for (const std::string& entry : options.endpoints) {
     for (absl::string_view part : absl::StrSplit(entry, ',', absl::SkipWhitespace())) {
       absl::string_view endpoint = absl::StripAsciiWhitespace(part);
-      if (absl::StartsWith(endpoint, "https://")) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("etcd endpoint ", endpoint, ": TLS to etcd is not supported"));
-      }
-      absl::ConsumePrefix(&endpoint, "http://");
+      const bool https = absl::ConsumePrefix(&endpoint, "https://");
+      const bool http = !https && absl::ConsumePrefix(&endpoint, "http://");
       absl::ConsumeSuffix(&endpoint, "/");
       if (endpoint.empty() || !absl::StrContains(endpoint, ':')) {
         return absl::InvalidArgumentError(
             absl::StrCat("etcd endpoint \"", part, "\" is not host:port"));
       }
+      if (https || (!http && tls_files)) {
+        if (absl::Status s = tls_credentials(); !s.ok()) return s;
+        credentials.push_back(tls);
+      } else {
+        credentials.push_back(grpc::InsecureChannelCredentials());
+      }
       endpoints.emplace_back(endpoint);
     }
   }
   if (endpoints.empty()) return absl::InvalidArgumentError("no etcd endpoint given");
-  return std::unique_ptr<EtcdClient>(new EtcdClient(std::move(options), std::move(endpoints)));
+  return std::unique_ptr<EtcdClient>(
+      new EtcdClient(std::move(options), std::move(endpoints), credentials));
 }
 
-EtcdClient::EtcdClient(EtcdClientOptions options, std::vector<std::string> endpoints)
+EtcdClient::EtcdClient(EtcdClientOptions options, std::vector<std::string> endpoints,
+                       const std::vector<std::shared_ptr<grpc::ChannelCredentials>>& credentials)
     : options_(std::move(options)), endpoints_(std::move(endpoints)) {
-  for (const std::string& endpoint : endpoints_) {
+  for (size_t i = 0; i < endpoints_.size(); ++i) {
+    const std::string& endpoint = endpoints_[i];
     auto stubs = std::make_unique<Stubs>();
     stubs->endpoint = endpoint;
     grpc::ChannelArguments args;
@@ -78,7 +130,7 @@ EtcdClient::EtcdClient(EtcdClientOptions options, std::vector<std::string> endpo
     // A failed connection re-resolves the name; gRPC's default spaces
     // resolutions 30 s apart, which held every call that long.
     args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 100);
-    stubs->channel = grpc::CreateCustomChannel(endpoint, grpc::InsecureChannelCredentials(), args);
+    stubs->channel = grpc::CreateCustomChannel(endpoint, credentials[i], args);
     stubs->kv = etcdserverpb::KV::NewStub(stubs->channel);
     stubs->lease = etcdserverpb::Lease::NewStub(stubs->channel);
     stubs->watch = etcdserverpb::Watch::NewStub(stubs->channel);

@@ -7,9 +7,12 @@
 // registers the daemon and records presumed aborts with it; the coordinator
 // (client/fleet_coordinator.h) records decisions with it.
 //
-// Endpoints: "host:port" or "http://host:port", several comma-separated for
-// an etcd cluster. Calls go to one endpoint; one that answers UNAVAILABLE is
-// replaced by the next, and the call is tried once on each.
+// Endpoints: "host:port", "http://host:port" or "https://host:port",
+// several comma-separated for an etcd cluster. TLS (etcd's
+// --cert-file/--key-file, --trusted-ca-file for client certificates) is on
+// for an https:// endpoint and for a bare host:port when a CA or client
+// certificate is given; http:// is always plaintext. Calls go to one endpoint; one that answers
+// UNAVAILABLE is replaced by the next, and the call is tried once on each.
 //
 // Errors: etcd's gRPC status as an absl::Status with the endpoint and the
 // method in the message (UNAVAILABLE when etcd cannot be reached,
@@ -45,6 +48,12 @@ struct EtcdClientOptions {
   std::vector<std::string> endpoints;
   // Deadline of each call (a Watch has none).
   absl::Duration timeout = absl::Seconds(2);
+  // TLS: PEM files. The CA verifies etcd's certificate (the system's roots
+  // when empty); cert and key, both or neither, are this client's
+  // certificate for an etcd that requires one.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
 };
 
 struct EtcdKeyValue {
@@ -60,8 +69,9 @@ std::string EtcdPrefixEnd(absl::string_view prefix);
 
 class EtcdClient {
  public:
-  // INVALID_ARGUMENT without an endpoint or for a malformed one. Does not
-  // contact etcd.
+  // INVALID_ARGUMENT without an endpoint, for a malformed one, or for a
+  // client certificate without its key; NOT_FOUND / PERMISSION_DENIED for
+  // a TLS file that cannot be read. Does not contact etcd.
   static absl::StatusOr<std::unique_ptr<EtcdClient>> Create(EtcdClientOptions options);
   ~EtcdClient();
   EtcdClient(const EtcdClient&) = delete;
@@ -137,7 +147,8 @@ class EtcdClient {
   const std::vector<std::string>& endpoints() const { return endpoints_; }
 
  private:
-  EtcdClient(EtcdClientOptions options, std::vector<std::string> endpoints);
+  EtcdClient(EtcdClientOptions options, std::vector<std::string> endpoints,
+             const std::vector<std::shared_ptr<grpc::ChannelCredentials>>& credentials);
   struct Stubs {
     std::string endpoint;
     std::shared_ptr<grpc::Channel> channel;

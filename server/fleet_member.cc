@@ -66,6 +66,9 @@ absl::StatusOr<std::unique_ptr<FleetMember>> FleetMember::Start(
   EtcdClientOptions etcd_options;
   etcd_options.endpoints = options.etcd_endpoints;
   etcd_options.timeout = options.etcd_timeout;
+  etcd_options.tls_ca_file = options.etcd_ca_file;
+  etcd_options.tls_cert_file = options.etcd_cert_file;
+  etcd_options.tls_key_file = options.etcd_key_file;
   absl::StatusOr<std::unique_ptr<EtcdClient>> etcd = EtcdClient::Create(etcd_options);
   if (!etcd.ok()) return etcd.status();
   std::unique_ptr<FleetMember> member(
@@ -151,6 +154,9 @@ std::string FleetMember::RegistrationJson() const {
   j["ready"] = ready;
   j["not_ready_reason"] = status.not_ready_reason;
   j["pid"] = static_cast<int64_t>(::getpid());
+  // A coordinator deletes a decision only once it is older than every
+  // member's prepared timeout.
+  j["prepared_timeout_seconds"] = absl::ToDoubleSeconds(options_.prepared_timeout);
   return j.dump();
 }
 
@@ -251,6 +257,7 @@ void FleetMember::OnWatchEvents(const std::vector<EtcdClient::WatchEvent>& event
   }
   absl::MutexLock lock(&mu_);
   watch_revision_ = std::max(watch_revision_, revision);
+  revision_seen_ = std::max(revision_seen_, revision);
 }
 
 FleetMember::Decision FleetMember::ParseDecision(const std::string& value) {
@@ -330,6 +337,7 @@ void FleetMember::OnPrepared(const std::string& refit_id, const std::string& fle
   p.refit_id = refit_id;
   p.deadline = absl::Now() + options_.prepared_timeout;
   p.check = true;
+  p.revision = revision_seen_;
   wake_ = true;
 }
 
@@ -341,10 +349,10 @@ absl::StatusOr<uint64_t> FleetMember::CheckCommit(const std::string& fleet_refit
                      "\": cannot read its decision from etcd: ", d.status().message()));
   }
   if (d->decision != "commit") {
-    return absl::FailedPreconditionError(
-        absl::StrCat("fleet refit \"", fleet_refit_id, "\" is ",
-                     d->decision.empty() ? "not decided" : "decided abort",
-                     ": a member commits only once etcd records commit"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fleet refit \"", fleet_refit_id, "\" is ",
+        d->decision.empty() ? "not decided (or its decision was deleted)" : "decided abort",
+        ": a member commits only once etcd records commit"));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -354,22 +362,74 @@ absl::StatusOr<uint64_t> FleetMember::CheckCommit(const std::string& fleet_refit
 }
 
 absl::Status FleetMember::RecordAbort(const std::string& fleet_refit_id) {
-  json abort = {{"decision", "abort"}, {"by", options_.member_id}};
-  absl::StatusOr<EtcdClient::CasResult> cas =
-      etcd_->PutIfAbsent(prefix_ + "decisions/" + fleet_refit_id, abort.dump());
-  if (!cas.ok()) {
+  int64_t revision;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = prepared_.find(fleet_refit_id);
+    revision = it != prepared_.end() ? it->second.revision : revision_seen_;
+  }
+  bool written = false;
+  absl::StatusOr<Decision> d =
+      RecordAbortIfUndecided(fleet_refit_id, revision, /*presumed=*/false, &written);
+  if (!d.ok()) {
     return absl::UnavailableError(
         absl::StrCat("fleet refit \"", fleet_refit_id,
-                     "\": cannot record abort in etcd: ", cas.status().message()));
+                     "\": cannot record abort in etcd: ", d.status().message()));
   }
-  if (!cas->written && cas->existing.has_value() &&
-      ParseDecision(cas->existing->value).decision == "commit") {
+  if (d->decision == "commit") {
     return absl::FailedPreconditionError(absl::StrCat(
         "fleet refit \"", fleet_refit_id, "\" is decided commit: it cannot be aborted"));
+  }
+  if (d->decision.empty()) {
+    // Its decision was deleted after the fleet moved on: aborting here is
+    // safe (never a commit on a guess); nothing is recorded.
+    REFIT_LOG(WARNING).Field("fleet_refit_id", fleet_refit_id)
+        << "fleet refit's decision is no longer in etcd and the fleet's version moved on; "
+           "aborting here without recording a decision";
   }
   absl::MutexLock lock(&mu_);
   prepared_.erase(fleet_refit_id);
   return absl::OkStatus();
+}
+
+absl::StatusOr<FleetMember::Decision> FleetMember::RecordAbortIfUndecided(
+    const std::string& fleet_refit_id, int64_t revision, bool presumed, bool* written) {
+  *written = false;
+  const std::string key = prefix_ + "decisions/" + fleet_refit_id;
+  json abort = {{"decision", "abort"},
+                {"by", options_.member_id},
+                {"unix_seconds", absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch())}};
+  if (presumed) abort["presumed"] = true;
+  etcdserverpb::TxnRequest txn;
+  etcdserverpb::Compare* absent = txn.add_compare();
+  absent->set_result(etcdserverpb::Compare::EQUAL);
+  absent->set_target(etcdserverpb::Compare::CREATE);
+  absent->set_key(key);
+  absent->set_create_revision(0);
+  // A commit writes the version key with its decision: a version key
+  // modified after `revision` means the refit may have been committed (and
+  // its decision since deleted).
+  etcdserverpb::Compare* unmoved = txn.add_compare();
+  unmoved->set_result(etcdserverpb::Compare::LESS);
+  unmoved->set_target(etcdserverpb::Compare::MOD);
+  unmoved->set_key(prefix_ + "version");
+  unmoved->set_mod_revision(revision + 1);
+  etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
+  put->set_key(key);
+  put->set_value(abort.dump());
+  txn.add_failure()->mutable_request_range()->set_key(key);
+  absl::StatusOr<etcdserverpb::TxnResponse> response = etcd_->Txn(txn);
+  if (!response.ok()) return response.status();
+  Decision d;
+  if (response->succeeded()) {
+    *written = true;
+    d.decision = "abort";
+    return d;
+  }
+  if (response->responses_size() > 0 && response->responses(0).response_range().kvs_size() > 0) {
+    d = ParseDecision(response->responses(0).response_range().kvs(0).value());
+  }
+  return d;
 }
 
 void FleetMember::OnCommitted(const std::string& fleet_refit_id, uint64_t fleet_version,
@@ -406,19 +466,29 @@ void FleetMember::WriteServed(uint64_t fleet_version, uint64_t version,
   (void)etcd_->Put(prefix_ + "served/" + options_.member_id, served.dump());
 }
 
-void FleetMember::PresumeAbort(const std::string& fleet_refit_id) {
-  json abort = {{"decision", "abort"}, {"by", options_.member_id}, {"presumed", true}};
-  absl::StatusOr<EtcdClient::CasResult> cas =
-      etcd_->PutIfAbsent(prefix_ + "decisions/" + fleet_refit_id, abort.dump());
+void FleetMember::PresumeAbort(const std::string& fleet_refit_id, int64_t revision) {
+  bool written = false;
+  absl::StatusOr<Decision> cas =
+      RecordAbortIfUndecided(fleet_refit_id, revision, /*presumed=*/true, &written);
   if (cas.ok()) {
-    Decision d;
-    d.decision = "abort";
-    if (!cas->written && cas->existing.has_value()) d = ParseDecision(cas->existing->value);
-    REFIT_LOG(WARNING)
-            .Field("fleet_refit_id", fleet_refit_id)
-            .Field("decision", d.decision)
-            .Field("written_here", cas->written ? "yes" : "no")
-        << "fleet prepared deadline passed with no decision; following the recorded decision";
+    Decision d = *cas;
+    if (d.decision.empty()) {
+      // The decision key is gone and the fleet moved on: the refit may
+      // have been committed elsewhere. Abort, never commit on a guess;
+      // readiness then compares this member's version with the fleet's.
+      REFIT_LOG(WARNING).Field("fleet_refit_id", fleet_refit_id)
+          << "fleet prepared deadline passed; its decision is no longer in etcd and the fleet's "
+             "version moved on: aborting here without recording a decision";
+      d.decision = "abort";
+      absl::MutexLock lock(&mu_);
+      recompute_ = true;
+    } else {
+      REFIT_LOG(WARNING)
+              .Field("fleet_refit_id", fleet_refit_id)
+              .Field("decision", d.decision)
+              .Field("written_here", written ? "yes" : "no")
+          << "fleet prepared deadline passed with no decision; following the recorded decision";
+    }
     Apply(fleet_refit_id, d);
     return;
   }
@@ -431,7 +501,7 @@ void FleetMember::PresumeAbort(const std::string& fleet_refit_id) {
       << "); aborting here, NOT_SERVING until etcd records the decision";
   {
     absl::MutexLock lock(&mu_);
-    unresolved_.insert(fleet_refit_id);
+    unresolved_[fleet_refit_id] = revision;
     recompute_ = true;
   }
   Decision d;
@@ -441,15 +511,15 @@ void FleetMember::PresumeAbort(const std::string& fleet_refit_id) {
 
 void FleetMember::Recompute() {
   // Fleet refits aborted here while etcd was away: learn their decision.
-  std::set<std::string> unresolved;
+  std::map<std::string, int64_t> unresolved;
   {
     absl::MutexLock lock(&mu_);
     unresolved = unresolved_;
   }
-  for (const std::string& id : unresolved) {
-    json abort = {{"decision", "abort"}, {"by", options_.member_id}, {"presumed", true}};
-    absl::StatusOr<EtcdClient::CasResult> cas =
-        etcd_->PutIfAbsent(prefix_ + "decisions/" + id, abort.dump());
+  for (const auto& [id, revision] : unresolved) {
+    bool written = false;
+    absl::StatusOr<Decision> cas =
+        RecordAbortIfUndecided(id, revision, /*presumed=*/true, &written);
     if (!cas.ok()) {
       // Still unreachable: NOT_SERVING until etcd says what was decided.
       bool changed;
@@ -493,6 +563,10 @@ void FleetMember::Recompute() {
   }
   absl::StatusOr<std::optional<EtcdKeyValue>> version = etcd_->Get(prefix_ + "version");
   if (!version.ok()) return;
+  if (version->has_value()) {
+    absl::MutexLock lock(&mu_);
+    revision_seen_ = std::max(revision_seen_, (*version)->mod_revision);
+  }
   absl::StatusOr<std::optional<EtcdKeyValue>> served =
       etcd_->Get(prefix_ + "served/" + options_.member_id);
   if (!served.ok()) return;
@@ -551,7 +625,7 @@ void FleetMember::Recompute() {
     if (!unresolved_.empty() && status.consistent) {
       status.consistent = false;
       status.not_ready_reason = absl::StrCat(
-          "fleet refit \"", *unresolved_.begin(),
+          "fleet refit \"", unresolved_.begin()->first,
           "\" was aborted here at its prepared deadline while etcd was unreachable; waiting for "
           "etcd to record its decision");
     }
@@ -579,7 +653,8 @@ void FleetMember::Loop() {
   absl::Time next_recompute = absl::Now();
   std::string last_registration = RegistrationJson();
   for (;;) {
-    std::vector<std::string> check, expired;
+    std::vector<std::string> check;
+    std::vector<std::pair<std::string, int64_t>> expired;
     bool recompute = false;
     {
       absl::MutexLock lock(&mu_);
@@ -589,7 +664,7 @@ void FleetMember::Loop() {
       const absl::Time now = absl::Now();
       for (auto& [id, p] : prepared_) {
         if (p.deadline <= now) {
-          expired.push_back(id);
+          expired.emplace_back(id, p.revision);
         } else if (p.check) {
           check.push_back(id);
           p.check = false;
@@ -608,7 +683,7 @@ void FleetMember::Loop() {
         if (it != prepared_.end()) it->second.check = true;
       }
     }
-    for (const std::string& id : expired) PresumeAbort(id);
+    for (const auto& [id, revision] : expired) PresumeAbort(id, revision);
     if (watch_ == nullptr || watch_->done()) {
       watch_.reset();
       StartWatch();
@@ -689,6 +764,9 @@ absl::StatusOr<std::unique_ptr<FleetMember>> JoinFleet(const ServerOptions& opti
   const std::string fleet_address = fleet.address;
   fleet.lease_ttl = options.fleet_lease_ttl;
   fleet.prepared_timeout = options.fleet_prepared_timeout;
+  fleet.etcd_ca_file = options.etcd_ca;
+  fleet.etcd_cert_file = options.etcd_cert;
+  fleet.etcd_key_file = options.etcd_key;
   HealthService* health = server->health();
   absl::StatusOr<std::unique_ptr<FleetMember>> member =
       FleetMember::Start(std::move(fleet), server->default_group(), server->metrics(),

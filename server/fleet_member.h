@@ -16,7 +16,8 @@
 //                   away when the daemon dies
 //   served/ID       the fleet version this member last committed, with its
 //                   daemon version and fingerprint (no lease)
-//   decisions/FRID  "commit" or "abort" of fleet refit FRID (JSON)
+//   decisions/FRID  "commit" or "abort" of fleet refit FRID (JSON); the
+//                   coordinator of a committed refit deletes old ones
 //   version         the fleet's last committed version (JSON)
 //   lock            the coordinator running a fleet refit (on its lease)
 //
@@ -69,6 +70,10 @@ struct FleetOptions {
   // "abort" written first (presumed abort).
   absl::Duration prepared_timeout = absl::Seconds(30);
   absl::Duration etcd_timeout = absl::Seconds(2);
+  // TLS to etcd (EtcdClientOptions).
+  std::string etcd_ca_file;
+  std::string etcd_cert_file;
+  std::string etcd_key_file;
 };
 
 // The etcd key prefix of fleet `name`, "/refitd/fleet/NAME/".
@@ -130,6 +135,9 @@ class FleetMember {
     std::string refit_id;
     absl::Time deadline;
     bool check = true;  // read the decision key (it may predate the watch)
+    // An etcd revision seen before this member answered PREPARED: a commit
+    // of the refit moves the fleet's version key past it.
+    int64_t revision = 0;
   };
   struct Decision {
     std::string decision;  // "commit" | "abort" | "" (none)
@@ -147,10 +155,18 @@ class FleetMember {
   void OnWatchEvents(const std::vector<EtcdClient::WatchEvent>& events, int64_t revision);
   static Decision ParseDecision(const std::string& value);
   absl::StatusOr<Decision> ReadDecision(const std::string& fleet_refit_id);
+  // Records "abort" for `fleet_refit_id` only if no decision exists and the
+  // fleet's version key has not moved since `revision` (a commit moves it,
+  // so an abort is never recorded for a commit whose key was deleted).
+  // Returns what was recorded or found; decision "" when the key is gone
+  // and the version moved (the refit may have been committed: never commit
+  // on that guess). UNAVAILABLE when etcd cannot be reached.
+  absl::StatusOr<Decision> RecordAbortIfUndecided(const std::string& fleet_refit_id,
+                                                  int64_t revision, bool presumed, bool* written);
   // Commits or aborts the prepared refit of `fleet_refit_id` as decided;
   // nothing if it is not (or no longer) prepared here.
   void Apply(const std::string& fleet_refit_id, const Decision& decision);
-  void PresumeAbort(const std::string& fleet_refit_id);
+  void PresumeAbort(const std::string& fleet_refit_id, int64_t revision);
   // Re-reads the fleet version and this member's served entry; updates
   // readiness and the registration.
   void Recompute();
@@ -169,11 +185,13 @@ class FleetMember {
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool recompute_ ABSL_GUARDED_BY(mu_) = true;
   int64_t lease_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t watch_revision_ ABSL_GUARDED_BY(mu_) = 0;                // last revision seen
+  int64_t watch_revision_ ABSL_GUARDED_BY(mu_) = 0;  // last revision seen
+  int64_t revision_seen_ ABSL_GUARDED_BY(mu_) = 0;   // the latest etcd revision read or watched
   std::map<std::string, Prepared> prepared_ ABSL_GUARDED_BY(mu_);  // by fleet refit id
   // Fleet refits aborted here at their deadline while etcd could not take
   // the abort: the decision is unknown until etcd answers again.
-  std::set<std::string> unresolved_ ABSL_GUARDED_BY(mu_);
+  // By fleet refit id: its Prepared::revision.
+  std::map<std::string, int64_t> unresolved_ ABSL_GUARDED_BY(mu_);
   std::deque<core::RefitResult> recent_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> applying_ ABSL_GUARDED_BY(mu_);  // local refit ids being decided
   FleetStatus status_ ABSL_GUARDED_BY(mu_);

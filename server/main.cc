@@ -124,7 +124,8 @@ ABSL_FLAG(std::string, fleet, "",
           "Join the fleet NAME (with --etcd): register in etcd, follow fleet refits' decisions, "
           "be ready only while serving the fleet's version (docs/fleet.md).");
 ABSL_FLAG(std::vector<std::string>, etcd, {},
-          "etcd endpoints of --fleet, host:port, comma-separated (http:// accepted).");
+          "etcd endpoints of --fleet, host:port, comma-separated (http:// accepted; https:// "
+          "or --etcd-ca for TLS).");
 ABSL_FLAG(std::string, fleet_member, "",
           "This daemon's member id in --fleet (default <hostname>-r<tp rank>).");
 ABSL_FLAG(std::string, fleet_advertise, "",
@@ -136,6 +137,13 @@ ABSL_FLAG(absl::Duration, fleet_lease_ttl, absl::Seconds(10),
 ABSL_FLAG(absl::Duration, fleet_prepared_timeout, absl::Seconds(30),
           "A fleet refit PREPARED this long with no decision in etcd is aborted, and abort is "
           "recorded (presumed abort).");
+ABSL_FLAG(std::string, etcd_ca, "",
+          "PEM file of the CA that signed etcd's certificate: TLS to --etcd (etcd's "
+          "--cert-file/--key-file). https:// endpoints without it use the system's roots.");
+ABSL_FLAG(std::string, etcd_cert, "",
+          "PEM client certificate for etcd (with --etcd-key), for an etcd started with "
+          "--client-cert-auth --trusted-ca-file.");
+ABSL_FLAG(std::string, etcd_key, "", "PEM private key of --etcd-cert.");
 
 namespace {
 
@@ -317,6 +325,9 @@ int main(int argc, char** argv) {
   options.fleet_advertise = absl::GetFlag(FLAGS_fleet_advertise);
   options.fleet_lease_ttl = absl::GetFlag(FLAGS_fleet_lease_ttl);
   options.fleet_prepared_timeout = absl::GetFlag(FLAGS_fleet_prepared_timeout);
+  options.etcd_ca = absl::GetFlag(FLAGS_etcd_ca);
+  options.etcd_cert = absl::GetFlag(FLAGS_etcd_cert);
+  options.etcd_key = absl::GetFlag(FLAGS_etcd_key);
   if (options.fleet.empty() != options.etcd_endpoints.empty()) {
     return UsageError(absl::InvalidArgumentError("--fleet and --etcd go together"));
   }

@@ -113,6 +113,11 @@ struct ServerOptions {
   std::string fleet_advertise;  // the address coordinators dial; "": the first bound one
   absl::Duration fleet_lease_ttl = absl::Seconds(10);
   absl::Duration fleet_prepared_timeout = absl::Seconds(30);
+  // TLS to etcd (PEM files): the CA that signed etcd's certificate, and
+  // this daemon's client certificate and key when etcd requires one.
+  std::string etcd_ca;
+  std::string etcd_cert;
+  std::string etcd_key;
 };
 
 inline constexpr int64_t kMessageHeadroomBytes = int64_t{1} << 20;

@@ -47,6 +47,10 @@ TEST(FleetCommandTest, UsageErrorsExitOne) {
   EXPECT_EQ(RunCtl({"fleet", "status", "--etcd=h:1", "--fleet=f", "--bogus=1"}, nullptr, &err),
             kExitUsage);
   EXPECT_THAT(err, HasSubstr("unknown flag --bogus"));
+  EXPECT_EQ(
+      RunCtl({"fleet", "status", "--etcd=h:1", "--fleet=f", "--keep-decisions=-1"}, nullptr, &err),
+      kExitUsage);
+  EXPECT_THAT(err, HasSubstr("--keep-decisions: not a count"));
   std::string out;
   EXPECT_EQ(RunCtl({"fleet", "--help"}, &out), kExitOk);
   EXPECT_THAT(out, HasSubstr("refitctl fleet push DIR"));

@@ -10,11 +10,16 @@
 #include <stdlib.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -126,8 +131,9 @@ class FleetFaultTest : public ::testing::Test {
     return (*c)->GetStatus();
   }
 
-  std::unique_ptr<client::FleetCoordinator> Coordinator() {
+  std::unique_ptr<client::FleetCoordinator> Coordinator(int keep_decisions = 16) {
     client::FleetCoordinatorOptions options;
+    options.keep_decisions = keep_decisions;
     options.etcd = {etcd_->endpoint()};
     options.fleet = kFleet;
     options.lock_ttl = absl::Seconds(2);
@@ -163,10 +169,10 @@ class FleetFaultTest : public ::testing::Test {
   // A fleet refit with `seed`'s weights that succeeds (retried while the
   // lock of a killed coordinator has not expired); then every member is
   // ready at it.
-  void ExpectNextRefitSucceeds(int seed) {
+  void ExpectNextRefitSucceeds(int seed, int keep_decisions = 16) {
     auto files = client::ExpandSafetensorsPaths({Fixture(seed)});
     ASSERT_TRUE(files.ok()) << files.status();
-    auto coordinator = Coordinator();
+    auto coordinator = Coordinator(keep_decisions);
     absl::StatusOr<client::FleetRefitResult> result;
     ASSERT_TRUE(Eventually([&] {
       result = coordinator->Push(*files);
@@ -203,6 +209,18 @@ class FleetFaultTest : public ::testing::Test {
     child->Wait();
     EXPECT_FALSE(child->running());
     return child;
+  }
+
+  // The fleet's keys under `sub` ("decisions/", "version").
+  static std::vector<server::EtcdKeyValue> EtcdKeys(const std::string& sub) {
+    server::EtcdClientOptions options;
+    options.endpoints = {etcd_->endpoint()};
+    auto etcd = server::EtcdClient::Create(options);
+    EXPECT_TRUE(etcd.ok()) << etcd.status();
+    if (!etcd.ok()) return {};
+    auto kvs = (*etcd)->GetPrefix(absl::StrCat("/refitd/fleet/", kFleet, "/", sub));
+    EXPECT_TRUE(kvs.ok()) << kvs.status();
+    return kvs.ok() ? *kvs : std::vector<server::EtcdKeyValue>{};
   }
 
   std::string LiveFingerprint() {
@@ -392,6 +410,262 @@ TEST_F(FleetFaultTest, TwoCoordinatorsRacingOneWinsTheOtherIsAborted) {
   EXPECT_TRUE(absl::StrContains(second.message(), "in progress")) << second;
   EXPECT_NE(ExpectOneVersion(), "");
   ExpectNextRefitSucceeds(2);
+}
+
+TEST_F(FleetFaultTest, OldDecisionsAreDeletedKeepingTheNewestN) {
+  constexpr int kKeep = 2;
+  for (int seed : {3, 4, 5}) ExpectNextRefitSucceeds(seed, kKeep);
+  EXPECT_GT(EtcdKeys("decisions/").size(), static_cast<size_t>(kKeep));
+  // A decision goes only once it is older than every member's prepared
+  // timeout (2s here): the condition is the keys' age, so time passes.
+  absl::SleepFor(absl::Milliseconds(2500));
+  ExpectNextRefitSucceeds(2, kKeep);
+  const std::vector<server::EtcdKeyValue> kept = EtcdKeys("decisions/");
+  EXPECT_EQ(kept.size(), static_cast<size_t>(kKeep));
+  // The newest, the last refit's, is among them.
+  absl::StatusOr<client::FleetState> state = Coordinator()->Status();
+  ASSERT_TRUE(state.ok());
+  bool newest = false;
+  for (const server::EtcdKeyValue& kv : kept) {
+    newest |= absl::EndsWith(kv.key, "/" + state->last_fleet_refit_id);
+  }
+  EXPECT_TRUE(newest) << state->last_fleet_refit_id;
+  ExpectOneVersion();
+}
+
+TEST_F(FleetFaultTest, PreparedMemberWhoseDecisionIsGoneAbortsAndRecordsNothing) {
+  const std::string before = LiveFingerprint();
+  const size_t decisions = EtcdKeys("decisions/").size();
+  auto c = RunCoordinator(5, {"--die-at", absl::StrCat("prepared:", kMembers)});
+  EXPECT_TRUE(c->KilledBySignal(SIGKILL)) << c->Stdout();
+  // What a commit whose decision was deleted leaves: the fleet's version
+  // moved on, no decision key. Every member is still PREPARED.
+  const std::vector<server::EtcdKeyValue> version = EtcdKeys("version");
+  ASSERT_EQ(version.size(), 1u);
+  nlohmann::json moved = nlohmann::json::parse(version[0].value);
+  const uint64_t fleet_version = moved.value("fleet_version", uint64_t{0});
+  moved["fleet_version"] = fleet_version + 1;
+  moved["fleet_refit_id"] = "fleet-deleted-decision";
+  {
+    server::EtcdClientOptions options;
+    options.endpoints = {etcd_->endpoint()};
+    auto etcd = server::EtcdClient::Create(options);
+    ASSERT_TRUE(etcd.ok());
+    ASSERT_TRUE((*etcd)->Put(version[0].key, moved.dump()).ok());
+  }
+  // At the deadline nobody commits on a guess and nobody records abort (it
+  // may have been a commit): each aborts and, behind the fleet's version,
+  // is NOT_SERVING.
+  EXPECT_TRUE(Eventually([&] {
+    for (int i = 0; i < kMembers; ++i) {
+      auto s = MemberStatus(i);
+      if (!s.ok() || s->has_active_refit() || s->ready()) return false;
+    }
+    return true;
+  })) << "members did not abort at their deadline";
+  for (int i = 0; i < kMembers; ++i) {
+    auto s = MemberStatus(i);
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(s->fingerprint(), before) << "member " << i << " committed without a decision";
+    EXPECT_TRUE(absl::StrContains(s->not_ready_reason(),
+                                  absl::StrCat("behind the fleet at version ", fleet_version)))
+        << s->not_ready_reason();
+  }
+  EXPECT_EQ(EtcdKeys("decisions/").size(), decisions) << "an abort was recorded";
+  ExpectNextRefitSucceeds(3);
+}
+
+// A fleet over TLS: etcd with TLS and client certificates, members serving
+// TLS on loopback TCP, the coordinator (C++ and refitctl) speaking TLS to
+// both; certificates made here with openssl.
+class FleetTlsTest : public ::testing::Test {
+ protected:
+  static constexpr int kTlsMembers = 2;
+
+  void SetUp() override {
+    if (refit::testing::EtcdBinary().empty()) GTEST_SKIP() << "no etcd binary";
+    for (const std::string& bin :
+         {BinPath("refitd"), BinPath("refitctl"), BinPath("refit_make_fixture")}) {
+      if (!std::filesystem::exists(bin)) GTEST_SKIP() << bin << " is not built";
+    }
+    char pattern[] = "/tmp/refit_fleet_tls_XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+    ASSERT_TRUE(MakeCertificates()) << Read("certs.err");
+    refit::testing::EtcdTls tls;
+    tls.cert_file = Path("server.pem");
+    tls.key_file = Path("server.key");
+    tls.ca_file = Path("ca.pem");
+    tls.client_cert_auth = true;
+    tls.client_cert_file = Path("client.pem");
+    tls.client_key_file = Path("client.key");
+    auto etcd = refit::testing::EtcdProcess::Start(Path("etcd"), tls);
+    ASSERT_TRUE(etcd.ok()) << etcd.status();
+    etcd_ = std::move(*etcd);
+    ASSERT_TRUE(absl::StartsWith(etcd_->endpoint(), "https://")) << etcd_->endpoint();
+    for (int i = 0; i < kTlsMembers; ++i) {
+      addresses_.push_back(absl::StrCat("127.0.0.1:", refit::testing::PickFreePort()));
+      members_.push_back(Member(i, Path("ca.pem")));
+      ASSERT_TRUE(members_.back() != nullptr && members_.back()->AwaitStderr("joined the fleet"))
+          << (members_.back() ? members_.back()->Stderr() : "");
+    }
+  }
+  void TearDown() override {
+    members_.clear();
+    etcd_.reset();
+    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
+  }
+
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string Read(const std::string& name) const {
+    std::ifstream in(Path(name));
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+
+  // A CA; a certificate for 127.0.0.1 / localhost signed by it (etcd's and
+  // the members'); a client certificate (the members' and the
+  // coordinator's to etcd); an unrelated CA.
+  bool MakeCertificates() {
+    const std::string script = absl::StrCat(
+        "set -e; cd '", dir_, "'\n",
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=refit-test-ca "
+        "-keyout ca.key -out ca.pem\n",
+        "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > server.ext\n",
+        "openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout server.key "
+        "-out server.csr\n",
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+        "-extfile server.ext -out server.pem\n",
+        "openssl req -newkey rsa:2048 -nodes -subj /CN=refitd -keyout client.key "
+        "-out client.csr\n",
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+        "-out client.pem\n",
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=other-ca "
+        "-keyout other-ca.key -out other-ca.pem\n");
+    std::ofstream(Path("certs.sh")) << script;
+    auto child = Child::Start({"/bin/sh", Path("certs.sh")}, Path("certs.out"), Path("certs.err"));
+    std::optional<int> code = child->Wait();
+    return code.has_value() && *code == 0;
+  }
+
+  std::unique_ptr<Child> Member(int i, const std::string& etcd_ca) {
+    return Child::Start(
+        {BinPath("refitd"), "--model=demo", "--listen=" + addresses_[i],
+         "--tls-cert=" + Path("server.pem"), "--tls-key=" + Path("server.key"), "--fleet=tls",
+         "--etcd=" + etcd_->endpoint(), "--etcd-ca=" + etcd_ca, "--etcd-cert=" + Path("client.pem"),
+         "--etcd-key=" + Path("client.key"), absl::StrCat("--fleet-member=t", i),
+         "--fleet-prepared-timeout=5s", "--fleet-lease-ttl=2s", "--shutdown-timeout=2s"},
+        Path(absl::StrCat("t", i, ".out")), Path(absl::StrCat("t", i, ".log")));
+  }
+
+  client::FleetCoordinatorOptions Options() const {
+    client::FleetCoordinatorOptions options;
+    options.etcd = {etcd_->endpoint()};
+    options.fleet = "tls";
+    options.etcd_ca_file = Path("ca.pem");
+    options.etcd_cert_file = Path("client.pem");
+    options.etcd_key_file = Path("client.key");
+    options.tls_ca_file = Path("ca.pem");
+    options.lock_ttl = absl::Seconds(2);
+    options.timeout = absl::Seconds(60);
+    return options;
+  }
+
+  std::string Fixture(int seed) {
+    const std::string out = Path(absl::StrCat("weights-", seed));
+    auto child =
+        Child::Start({BinPath("refit_make_fixture"), "--out=" + out, absl::StrCat("--seed=", seed)},
+                     Path("fixture.out"), Path("fixture.err"));
+    EXPECT_EQ(child->Wait(), 0) << child->Stderr();
+    return out;
+  }
+
+  std::unique_ptr<Child> Ctl(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {BinPath("refitctl"), "fleet"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto child = Child::Start(argv, Path("ctl.out"), Path("ctl.err"));
+    EXPECT_NE(child, nullptr);
+    child->Wait();
+    return child;
+  }
+
+  std::string dir_;
+  std::unique_ptr<refit::testing::EtcdProcess> etcd_;
+  std::vector<std::string> addresses_;
+  std::vector<std::unique_ptr<Child>> members_;
+};
+
+TEST_F(FleetTlsTest, FleetRefitOverTlsToEtcdAndMembers) {
+  auto files = client::ExpandSafetensorsPaths({Fixture(3)});
+  ASSERT_TRUE(files.ok()) << files.status();
+  auto coordinator = client::FleetCoordinator::Create(Options());
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  absl::StatusOr<client::FleetRefitResult> result = (*coordinator)->Push(*files);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->members.size(), static_cast<size_t>(kTlsMembers));
+  for (const client::FleetMemberResult& m : result->members) {
+    EXPECT_TRUE(m.committed) << m.member_id << ": " << m.error;
+  }
+  // refitctl with the same flags: a second refit, then a consistent fleet.
+  const std::vector<std::string> tls = {"--etcd=" + etcd_->endpoint(),
+                                        "--fleet=tls",
+                                        "--etcd-ca=" + Path("ca.pem"),
+                                        "--etcd-cert=" + Path("client.pem"),
+                                        "--etcd-key=" + Path("client.key"),
+                                        "--tls-ca=" + Path("ca.pem"),
+                                        "--lock-ttl=2s"};
+  std::vector<std::string> push = {"push", Fixture(4)};
+  push.insert(push.end(), tls.begin(), tls.end());
+  auto pushed = Ctl(push);
+  EXPECT_EQ(pushed->Wait(), 0) << pushed->Stdout() << pushed->Stderr();
+  EXPECT_TRUE(absl::StrContains(pushed->Stdout(), "2 of 2 members confirmed")) << pushed->Stdout();
+  std::vector<std::string> status = {"status", "--json"};
+  status.insert(status.end(), tls.begin(), tls.end());
+  auto shown = Ctl(status);
+  ASSERT_EQ(shown->Wait(), 0) << shown->Stderr();
+  nlohmann::json j = nlohmann::json::parse(shown->Stdout(), nullptr, false);
+  EXPECT_EQ(j.value("fleet_version", 0), 2) << shown->Stdout();
+}
+
+TEST_F(FleetTlsTest, AWrongCaFailsNamingTheEndpoint) {
+  const std::string endpoint = etcd_->endpoint().substr(std::string("https://").size());
+  // etcd's certificate is not signed by the given CA.
+  client::FleetCoordinatorOptions wrong_etcd = Options();
+  wrong_etcd.etcd_ca_file = Path("other-ca.pem");
+  auto coordinator = client::FleetCoordinator::Create(wrong_etcd);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  absl::StatusOr<client::FleetState> state = (*coordinator)->Status();
+  ASSERT_FALSE(state.ok());
+  EXPECT_EQ(state.status().code(), absl::StatusCode::kUnavailable) << state.status();
+  EXPECT_TRUE(absl::StrContains(state.status().message(), endpoint)) << state.status();
+  auto ctl = Ctl({"status", "--etcd=" + etcd_->endpoint(), "--fleet=tls",
+                  "--etcd-ca=" + Path("other-ca.pem"), "--etcd-cert=" + Path("client.pem"),
+                  "--etcd-key=" + Path("client.key")});
+  EXPECT_EQ(ctl->Wait(), client::kExitUnavailable) << ctl->Stderr();
+  EXPECT_TRUE(absl::StrContains(ctl->Stderr(), endpoint)) << ctl->Stderr();
+  // A daemon given the wrong CA for etcd does not join: it exits naming
+  // the endpoint.
+  addresses_.push_back(absl::StrCat("127.0.0.1:", refit::testing::PickFreePort()));
+  auto odd = Member(kTlsMembers, Path("other-ca.pem"));
+  ASSERT_NE(odd, nullptr);
+  EXPECT_NE(odd->Wait(), 0);
+  EXPECT_TRUE(absl::StrContains(odd->Stderr(), endpoint)) << odd->Stderr();
+  // The members' certificates are not signed by the given CA: nobody is
+  // prepared, the refit is ABORTED naming each member's address.
+  client::FleetCoordinatorOptions wrong_members = Options();
+  wrong_members.tls_ca_file = Path("other-ca.pem");
+  wrong_members.timeout = absl::Seconds(5);
+  auto files = client::ExpandSafetensorsPaths({Fixture(5)});
+  ASSERT_TRUE(files.ok());
+  auto refit = client::FleetCoordinator::Create(wrong_members);
+  ASSERT_TRUE(refit.ok());
+  absl::StatusOr<client::FleetRefitResult> result = (*refit)->Push(*files);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kAborted) << result.status();
+  for (int i = 0; i < kTlsMembers; ++i) {
+    EXPECT_TRUE(absl::StrContains(result.status().message(),
+                                  absl::StrCat("\"t", i, "\" (", addresses_[i], ")")))
+        << result.status();
+  }
 }
 
 }  // namespace

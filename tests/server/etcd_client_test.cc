@@ -55,8 +55,21 @@ TEST(EtcdClientCreateTest, RefusesMissingAndMalformedEndpoints) {
   absl::Status s = EtcdClient::Create(options).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("no-port"));
+}
+
+TEST(EtcdClientCreateTest, TlsEndpointsAndFiles) {
+  EtcdClientOptions options;
   options.endpoints = {"https://127.0.0.1:2379"};
-  EXPECT_THAT(EtcdClient::Create(options).status().message(), HasSubstr("TLS"));
+  EXPECT_TRUE(EtcdClient::Create(options).ok());  // the system's roots
+  options.tls_cert_file = "/nonexistent/client.pem";
+  absl::Status s = EtcdClient::Create(options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("--etcd-key"));
+  options.tls_cert_file.clear();
+  options.tls_ca_file = "/nonexistent/ca.pem";
+  s = EtcdClient::Create(options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_THAT(s.message(), HasSubstr("/nonexistent/ca.pem"));
 }
 
 TEST(EtcdClientCreateTest, UnreachableEtcdIsUnavailable) {

@@ -66,12 +66,26 @@ inline int PickFreePort() {
   return ntohs(addr.sin_port);
 }
 
+// TLS on etcd's client port (PEM files); empty cert: plaintext.
+struct EtcdTls {
+  std::string cert_file;  // etcd --cert-file
+  std::string key_file;   // etcd --key-file
+  std::string ca_file;    // the CA that signed cert_file (the probe trusts it)
+  // etcd --client-cert-auth --trusted-ca-file=ca_file, with this client
+  // certificate for the probe.
+  bool client_cert_auth = false;
+  std::string client_cert_file;
+  std::string client_key_file;
+};
+
 class EtcdProcess {
  public:
   // Starts etcd under `dir` (created) and waits until it answers.
-  static absl::StatusOr<std::unique_ptr<EtcdProcess>> Start(const std::string& dir) {
+  static absl::StatusOr<std::unique_ptr<EtcdProcess>> Start(const std::string& dir,
+                                                            EtcdTls tls = {}) {
     std::unique_ptr<EtcdProcess> etcd(new EtcdProcess());
     etcd->dir_ = dir;
+    etcd->tls_ = std::move(tls);
     ::mkdir(dir.c_str(), 0755);  // EEXIST is fine
     etcd->client_port_ = PickFreePort();
     etcd->peer_port_ = PickFreePort();
@@ -82,8 +96,11 @@ class EtcdProcess {
   EtcdProcess(const EtcdProcess&) = delete;
   EtcdProcess& operator=(const EtcdProcess&) = delete;
 
-  // "127.0.0.1:PORT", what --etcd takes.
-  std::string endpoint() const { return absl::StrCat("127.0.0.1:", client_port_); }
+  // "127.0.0.1:PORT" ("https://127.0.0.1:PORT" with TLS), what --etcd
+  // takes.
+  std::string endpoint() const {
+    return absl::StrCat(tls_.cert_file.empty() ? "" : "https://", "127.0.0.1:", client_port_);
+  }
   pid_t pid() const { return pid_; }
 
   // SIGKILL and reap; idempotent.
@@ -106,7 +123,8 @@ class EtcdProcess {
   absl::Status Launch() {
     const std::string bin = EtcdBinary();
     if (bin.empty()) return absl::NotFoundError("no etcd binary");
-    const std::string client = absl::StrCat("http://127.0.0.1:", client_port_);
+    const std::string client =
+        absl::StrCat(tls_.cert_file.empty() ? "http" : "https", "://127.0.0.1:", client_port_);
     const std::string peer = absl::StrCat("http://127.0.0.1:", peer_port_);
     std::vector<std::string> argv = {
         bin, "--name=test", "--data-dir=" + dir_ + "/data", "--listen-client-urls=" + client,
@@ -114,6 +132,14 @@ class EtcdProcess {
         "--initial-advertise-peer-urls=" + peer, "--initial-cluster=test=" + peer,
         // Fast elections and lease checks on one node.
         "--heartbeat-interval=20", "--election-timeout=200", "--log-outputs=stderr"};
+    if (!tls_.cert_file.empty()) {
+      argv.push_back("--cert-file=" + tls_.cert_file);
+      argv.push_back("--key-file=" + tls_.key_file);
+      if (tls_.client_cert_auth) {
+        argv.push_back("--client-cert-auth");
+        argv.push_back("--trusted-ca-file=" + tls_.ca_file);
+      }
+    }
     const std::string log = dir_ + "/etcd.log";
     pid_t pid = ::fork();
     if (pid == 0) {
@@ -134,6 +160,9 @@ class EtcdProcess {
     server::EtcdClientOptions options;
     options.endpoints = {endpoint()};
     options.timeout = absl::Milliseconds(500);
+    options.tls_ca_file = tls_.ca_file;
+    options.tls_cert_file = tls_.client_cert_file;
+    options.tls_key_file = tls_.client_key_file;
     absl::StatusOr<std::unique_ptr<server::EtcdClient>> probe = server::EtcdClient::Create(options);
     if (!probe.ok()) return probe.status();
     const absl::Time deadline = absl::Now() + absl::Seconds(20);
@@ -154,6 +183,7 @@ class EtcdProcess {
   }
 
   std::string dir_;
+  EtcdTls tls_;
   int client_port_ = 0;
   int peer_port_ = 0;
   pid_t pid_ = -1;

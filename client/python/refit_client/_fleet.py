@@ -5,7 +5,11 @@ the fleet lock (compare-and-swap on a lease), a prepare on every member in
 parallel (the whole checkpoint, with RefitOptions.fleet_refit_id), the
 decision written once in etcd with a compare-and-swap, then Commit on every
 member. etcd is reached through its v3 JSON gateway (/v3/kv/range etc.,
-base64 keys) over urllib, so nothing beyond grpcio is needed.
+base64 keys) over urllib, so nothing beyond grpcio is needed. ``tls`` (a
+``Tls``) is TLS to the members, ``etcd_tls`` TLS to etcd (an https://
+endpoint; its CA, and a client certificate for an etcd that requires one).
+After a commit, decisions beyond the newest ``keep_decisions`` that are older
+than every member's prepared timeout are deleted, as refitctl does.
 
     from refit_client import FleetClient
     result = FleetClient(etcd="127.0.0.1:2379", fleet="llama").push("/ckpt/step-100")
@@ -21,6 +25,7 @@ import json
 import os
 import secrets
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -29,6 +34,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import grpc
 
+from ._client import Tls, _read_file
 from ._proto import refit_pb2 as pb
 from ._proto import refit_pb2_grpc as pb_grpc
 from .errors import RefitConflict, RefitError, Unavailable, from_rpc_error
@@ -71,15 +77,26 @@ def _prefix_end(prefix: str) -> str:
 
 
 class _Etcd:
-    def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
-        self.base = endpoint if endpoint.startswith("http") else "http://" + endpoint
+    def __init__(self, endpoint: str, timeout: float = 5.0, tls: Optional[Tls] = None) -> None:
+        if not endpoint.startswith("http"):
+            endpoint = ("https://" if tls is not None else "http://") + endpoint
+        self.base = endpoint.rstrip("/")
         self.timeout = timeout
+        self.context: Optional[ssl.SSLContext] = None
+        if self.base.startswith("https://"):
+            tls = tls or Tls()
+            self.context = ssl.create_default_context(cafile=tls.ca_file)
+            if tls.cert_file or tls.key_file:
+                if not (tls.cert_file and tls.key_file):
+                    raise RefitError("an etcd client certificate needs both cert_file and key_file")
+                self.context.load_cert_chain(tls.cert_file, tls.key_file)
 
     def call(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
         request = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as r:
+            with urllib.request.urlopen(request, timeout=self.timeout,
+                                        context=self.context) as r:
                 return json.loads(r.read() or b"{}")
         except OSError as e:
             raise Unavailable(f"etcd {self.base}{path}: {e}") from None
@@ -94,6 +111,9 @@ class _Etcd:
 
     def put(self, key: str, value: str, lease: str = "0") -> None:
         self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": lease})
+
+    def delete(self, key: str) -> int:
+        return int(self.call("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
 
 
 def _safetensors_chunks(files: Sequence[str]) -> Iterator[pb.Chunk]:
@@ -131,13 +151,20 @@ def _expand(paths: Union[str, Sequence[str]]) -> List[str]:
 
 class FleetClient:
     """A coordinator of fleet refits through etcd (one refit at a time per
-    fleet, whoever runs it). ``etcd``: an endpoint "host:port"; ``token``: the
-    members' bearer token (refitd --auth-tokens); ``lock_ttl``: seconds of the
-    fleet lock's lease."""
+    fleet, whoever runs it). ``etcd``: an endpoint "host:port" (https://host:port
+    or ``etcd_tls`` for TLS); ``token``: the members' bearer token (refitd
+    --auth-tokens); ``lock_ttl``: seconds of the fleet lock's lease; ``tls``:
+    TLS to the members (refitd --tls-cert); ``etcd_tls``: TLS to etcd (its CA,
+    a client certificate); ``keep_decisions``: decisions kept after a commit
+    (0 keeps all)."""
 
     def __init__(self, etcd: str, fleet: str, *, token: Optional[str] = None,
-                 lock_ttl: int = 10, timeout: Optional[float] = None) -> None:
-        self._etcd = _Etcd(etcd.split(",")[0])
+                 lock_ttl: int = 10, timeout: Optional[float] = None,
+                 tls: Optional[Tls] = None, etcd_tls: Optional[Tls] = None,
+                 keep_decisions: int = 16) -> None:
+        self._etcd = _Etcd(etcd.split(",")[0], tls=etcd_tls)
+        self._tls = tls
+        self._keep_decisions = keep_decisions
         self.fleet = fleet
         self._prefix = f"/refitd/fleet/{fleet}/"
         self._metadata = [("authorization", f"Bearer {token}")] if token else []
@@ -158,8 +185,19 @@ class FleetClient:
                     m.get("ready") and m.get("fleet_version") == fleet_version for m in members)}
 
     def _stub(self, address: str) -> pb_grpc.RefitServiceStub:
-        return pb_grpc.RefitServiceStub(grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", 256 << 20)]))
+        options = [("grpc.max_send_message_length", 256 << 20)]
+        if self._tls is None:
+            return pb_grpc.RefitServiceStub(grpc.insecure_channel(address, options=options))
+        t = self._tls
+        if bool(t.cert_file) != bool(t.key_file):
+            raise RefitError("a client certificate needs both cert_file and key_file")
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read_file(t.ca_file, "TLS CA") if t.ca_file else None,
+            private_key=_read_file(t.key_file, "TLS key") if t.key_file else None,
+            certificate_chain=_read_file(t.cert_file, "TLS certificate") if t.cert_file else None)
+        if t.server_name:
+            options.append(("grpc.ssl_target_name_override", t.server_name))
+        return pb_grpc.RefitServiceStub(grpc.secure_channel(address, credentials, options=options))
 
     def push(self, paths: Union[str, Sequence[str]], *, label: str = "") -> FleetRefitResult:
         """Every member gets the safetensors files of ``paths`` (a directory
@@ -239,7 +277,8 @@ class FleetClient:
             raise RefitConflict(f"fleet refit {frid} aborted: " +
                                 "; ".join(f"{r.member_id}: {r.error}" for r in failed))
         decision = json.dumps({"decision": "commit", "fleet_version": fleet_version,
-                               "members": [r.member_id for r in results], "by": "python"})
+                               "members": [r.member_id for r in results], "by": "python",
+                               "unix_seconds": time.time()})
         version = {"fleet_version": fleet_version, "fleet_refit_id": frid}
         txn = self._etcd.call("/v3/kv/txn", {
             "compare": [{"key": _b64(decision_key), "target": "CREATE", "result": "EQUAL",
@@ -271,7 +310,36 @@ class FleetClient:
         skew = max(times) - min(times) if times else 0.0
         version["flip_skew_seconds"] = skew
         self._etcd.put(self._prefix + "version", json.dumps(version))
+        self._delete_old_decisions(members)
         return FleetRefitResult(frid, fleet_version, results, skew)
+
+    def _delete_old_decisions(self, members: List[Dict[str, Any]]) -> int:
+        """After a commit (the fleet's version moved, so no older refit can
+        still record commit): deletes decisions beyond the newest
+        keep_decisions that are older than every member's prepared timeout
+        (30 s for a member that does not publish it)."""
+        if self._keep_decisions <= 0:
+            return 0
+        oldest = max([float(m.get("prepared_timeout_seconds") or 30.0) for m in members] + [0.0])
+        try:
+            kvs = self._etcd.get_prefix(self._prefix + "decisions/")
+        except Unavailable:
+            return 0  # the next committed refit tries again
+        kvs.sort(key=lambda kv: int(kv.get("create_revision", 0)), reverse=True)
+        deleted = 0
+        now = time.time()
+        for kv in kvs[self._keep_decisions:]:
+            try:
+                written = float(json.loads(_unb64(kv["value"])).get("unix_seconds", 0))
+            except (ValueError, AttributeError):
+                written = 0.0
+            if written > 0 and now - written <= oldest:
+                continue
+            try:
+                deleted += self._etcd.delete(_unb64(kv["key"]))
+            except Unavailable:
+                break
+        return deleted
 
     def _abort(self, results: List[FleetMemberResult], decision_key: str, why: str) -> None:
         try:
@@ -279,7 +347,8 @@ class FleetClient:
                 "compare": [{"key": _b64(decision_key), "target": "CREATE", "result": "EQUAL",
                              "create_revision": "0"}],
                 "success": [{"request_put": {"key": _b64(decision_key), "value": _b64(
-                    json.dumps({"decision": "abort", "by": "python", "why": why}))}}]})
+                    json.dumps({"decision": "abort", "by": "python", "why": why,
+                                "unix_seconds": time.time()}))}}]})
         except Unavailable:
             pass
         for r in results:

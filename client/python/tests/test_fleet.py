@@ -73,3 +73,118 @@ def test_fleet_push_while_the_lock_is_held_is_a_conflict(etcd, start_daemon, wei
     fleet._etcd.put("/refitd/fleet/py2/lock", '{"fleet_refit_id": "other"}')
     with pytest.raises(RefitConflict, match="in progress"):
         fleet.push(str(weights(3)))
+
+
+def test_old_decisions_are_deleted_keeping_the_newest(etcd, start_daemon, weights):
+    d = start_daemon("--fleet=py3", f"--etcd={etcd}", "--fleet-member=only",
+                     "--fleet-prepared-timeout=1s")
+    d.wait_for_line("joined the fleet")
+    fleet = FleetClient(etcd=etcd, fleet="py3", keep_decisions=1)
+    for seed in (3, 4):
+        fleet.push(str(weights(seed)))
+    assert len(fleet._etcd.get_prefix("/refitd/fleet/py3/decisions/")) == 2
+    # A decision goes only once it is older than every member's prepared
+    # timeout (1 s): the condition is the keys' age, so time passes.
+    time.sleep(1.2)
+    result = fleet.push(str(weights(5)))
+    kept = fleet._etcd.get_prefix("/refitd/fleet/py3/decisions/")
+    assert len(kept) == 1
+    assert kept[0]["key"] == _b64(f"/refitd/fleet/py3/decisions/{result.fleet_refit_id}")
+
+
+def _b64(text: str) -> str:
+    import base64
+
+    return base64.b64encode(text.encode()).decode()
+
+
+def _make_certificates(directory) -> None:
+    """A CA, a certificate for 127.0.0.1 / localhost signed by it (etcd's and
+    the members'), a client certificate, and an unrelated CA."""
+    script = """
+set -e
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=refit-test-ca -keyout ca.key -out ca.pem
+printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > server.ext
+openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout server.key -out server.csr
+openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 \\
+  -extfile server.ext -out server.pem
+openssl req -newkey rsa:2048 -nodes -subj /CN=trainer -keyout client.key -out client.csr
+openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 -out client.pem
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=other-ca -keyout other.key -out other.pem
+"""
+    subprocess.run(["/bin/sh", "-c", script], cwd=directory, check=True, capture_output=True)
+
+
+@pytest.fixture
+def tls_etcd(tmp_path):
+    """A real etcd serving TLS with client certificates required; yields
+    (https endpoint, certificate directory)."""
+    import ssl
+
+    binary = shutil.which("etcd") or "/usr/bin/etcd"
+    if not shutil.which(binary):
+        pytest.skip("no etcd binary (apt-get install etcd-server; scripts/setup.sh does)")
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    _make_certificates(certs)
+    client, peer = f"https://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    proc = subprocess.Popen(
+        [binary, "--name=t", f"--data-dir={tmp_path}/etcd", f"--listen-client-urls={client}",
+         f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}",
+         f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=t={peer}",
+         f"--cert-file={certs / 'server.pem'}", f"--key-file={certs / 'server.key'}",
+         "--client-cert-auth", f"--trusted-ca-file={certs / 'ca.pem'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    context.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(client + "/health", timeout=1, context=context) as r:
+                if b"true" in r.read():
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "etcd did not become healthy"
+        time.sleep(0.05)  # the next health check, bounded by the deadline
+    yield client, certs
+    proc.kill()
+    proc.wait()
+
+
+def test_fleet_push_over_tls_to_etcd_and_members(tls_etcd, start_daemon, weights):
+    from refit_client import Tls, Unavailable
+
+    endpoint, certs = tls_etcd
+    etcd_flags = (f"--etcd={endpoint}", f"--etcd-ca={certs / 'ca.pem'}",
+                  f"--etcd-cert={certs / 'client.pem'}", f"--etcd-key={certs / 'client.key'}")
+    for i in range(2):
+        d = start_daemon("--fleet=pytls", *etcd_flags, f"--fleet-member=t{i}",
+                         f"--tls-cert={certs / 'server.pem'}", f"--tls-key={certs / 'server.key'}",
+                         tcp=True)
+        d.wait_for_line("joined the fleet")
+    etcd_tls = Tls(ca_file=str(certs / "ca.pem"), cert_file=str(certs / "client.pem"),
+                   key_file=str(certs / "client.key"))
+    fleet = FleetClient(etcd=endpoint, fleet="pytls", tls=Tls(ca_file=str(certs / "ca.pem")),
+                        etcd_tls=etcd_tls)
+    result = fleet.push(str(weights(3)))
+    assert result.fleet_version == 1
+    assert all(m.committed for m in result.members), result.members
+    # etcd's certificate is not signed by the given CA: Unavailable naming
+    # the endpoint.
+    wrong = FleetClient(etcd=endpoint, fleet="pytls",
+                        etcd_tls=Tls(ca_file=str(certs / "other.pem"),
+                                     cert_file=str(certs / "client.pem"),
+                                     key_file=str(certs / "client.key")))
+    with pytest.raises(Unavailable, match=endpoint.replace(".", r"\.")) as e:
+        wrong.status()
+    assert "CERTIFICATE_VERIFY_FAILED" in str(e.value)
+    # The members' certificates are not signed by the given CA: nobody
+    # prepared, RefitConflict naming each member's address.
+    members = [m["address"] for m in fleet.status()["members"]]
+    wrong_members = FleetClient(etcd=endpoint, fleet="pytls", etcd_tls=etcd_tls,
+                                tls=Tls(ca_file=str(certs / "other.pem")), timeout=10)
+    with pytest.raises(RefitConflict) as e:
+        wrong_members.push(str(weights(4)))
+    for address in members:
+        assert address in str(e.value)

@@ -235,11 +235,33 @@ class AttachedEngine:
                     _DevicePointer(ptr, region.bytes), device=f"cuda:{region.cuda_device}"
                 )
         self.tensors: Dict[str, Any] = {}
+        # One typed view of each region per dtype, and each tensor a single
+        # as_strided over it: a model has hundreds of kernel tensors, and
+        # three torch calls apiece (slice, view, as_strided) were most of
+        # the time attach takes.
+        typed: Dict[Tuple[int, Any], Any] = {}
         for t in a.tensors:
             dtype = _torch_dtype(t.dtype)
-            raw = bases[t.region][t.byte_offset : t.byte_offset + t.nbytes]
-            flat = raw.view(dtype) if t.nbytes else torch.empty(0, dtype=dtype, device=raw.device)
-            self.tensors[t.name] = flat.as_strided(tuple(t.shape), tuple(t.strides))
+            base = bases[t.region]
+            if not t.nbytes:
+                flat = torch.empty(0, dtype=dtype, device=base.device)
+                self.tensors[t.name] = flat.as_strided(tuple(t.shape), tuple(t.strides))
+                continue
+            key = (t.region, dtype)
+            view = typed.get(key)
+            if view is None:
+                size = torch.empty(0, dtype=dtype).element_size()
+                usable = base.numel() - base.numel() % size
+                view = base[:usable].view(dtype) if base.storage_offset() % size == 0 else False
+                typed[key] = view
+            size = view.element_size() if view is not False else 0
+            if view is not False and t.byte_offset % size == 0:
+                self.tensors[t.name] = view.as_strided(
+                    tuple(t.shape), tuple(t.strides), view.storage_offset() + t.byte_offset // size
+                )
+            else:  # an offset the typed view cannot express
+                raw = base[t.byte_offset : t.byte_offset + t.nbytes]
+                self.tensors[t.name] = raw.view(dtype).as_strided(tuple(t.shape), tuple(t.strides))
 
     # -- events --------------------------------------------------------------
 

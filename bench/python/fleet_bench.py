@@ -12,6 +12,16 @@ the figure is fleet / independent (target >= 0.9). Flip skew (the time
 between the first and the last member's commit, from `fleet push --json`)
 p50 and p99 over the fleet refits (target <= 10 ms on loopback).
 
+With --tp N (N > 1) the members are tensor-parallel ranks (member i is rank
+i % N of tp size N) and a second fleet of as many tp=1 daemons runs beside
+them: each member of both receives the whole checkpoint (a daemon accepts
+chunks of whole-shape tensors only, and Prepare refuses a tensor received in
+part, so a rank cannot be sent only its slices). Interleaved with the above,
+a fleet push to the tp=1 fleet is the reference of a fleet push to the tp=N
+fleet: what sending every rank the whole checkpoint costs it beyond what it
+keeps. The bytes a rank keeps are estimated from the members' FP8 kernel
+bytes (their registrations) against the tp=1 members'.
+
 Prints {"figures": [...], "series": {...}} on stdout, the format
 scripts/bench.sh merges into bench/results/latest.json.
 """
@@ -78,7 +88,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--members", type=int, default=4)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--workdir", default="")
+    p.add_argument("--tp", type=int, default=1,
+                   help="members are ranks of this tp size; > 1 adds a tp=1 reference fleet")
     a = p.parse_args(argv)
+    if a.tp < 1 or a.members % a.tp:
+        p.error("--members must be a multiple of --tp")
 
     work = pathlib.Path(a.workdir or tempfile.mkdtemp(prefix="fleet-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -102,22 +116,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     endpoint = client.removeprefix("http://")
     fleet = ["--etcd", endpoint, "--fleet", "bench"]
+    fleet_tp1 = ["--etcd", endpoint, "--fleet", "bench-tp1"]
+
+    def kernel_bytes(name: str) -> List[int]:
+        import base64
+        prefix = f"/refitd/fleet/{name}/members/"
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
+                           "range_end": base64.b64encode(end.encode()).decode()}).encode()
+        with urllib.request.urlopen(urllib.request.Request(
+                client + "/v3/kv/range", data=body,
+                headers={"Content-Type": "application/json"}), timeout=5) as r:
+            kvs = json.loads(r.read()).get("kvs", [])
+        return [json.loads(base64.b64decode(kv["value"]))["layout"]["kernel_bytes"] for kv in kvs]
+
+    fleet_tp1_s: List[float] = []
+    fleet_tpn_prepare_s: List[float] = []
+    fleet_tp1_prepare_s: List[float] = []
     try:
         wait_for(etcd_healthy, "etcd")
         sockets = []
-        for i in range(a.members):
-            sock = f"unix:{work}/m{i}.sock"
-            sockets.append(sock)
-            logf = open(work / f"m{i}.log", "w")
+        names = [f"m{i}" for i in range(a.members)]
+        if a.tp > 1:
+            names += [f"r{i}" for i in range(a.members)]
+        for i, name in enumerate(names):
+            sock = f"unix:{work}/{name}.sock"
+            logf = open(work / f"{name}.log", "w")
+            tp = ([f"--tp-size={a.tp}", f"--tp-rank={i % a.tp}", "--fleet=bench"]
+                  if name.startswith("m") else ["--fleet=bench-tp1"])
+            if name.startswith("m"):
+                sockets.append(sock)
             procs.append(subprocess.Popen(
-                [a.refitd, f"--model={a.model_dir}", f"--listen={sock}", "--fleet=bench",
-                 f"--etcd={endpoint}", f"--fleet-member=m{i}"],
+                [a.refitd, f"--model={a.model_dir}", f"--listen={sock}", *tp,
+                 f"--etcd={endpoint}", f"--fleet-member={name}"],
                 stdout=subprocess.DEVNULL, stderr=logf))
-        for i in range(a.members):
-            wait_for(lambda i=i: "joined the fleet" in (work / f"m{i}.log").read_text(),
-                     f"member {i} to join")
+        for name in names:
+            wait_for(lambda name=name: "joined the fleet" in (work / f"{name}.log").read_text(),
+                     f"member {name} to join")
         fleet_s, independent_s, skews = [], [], []
         for rep in range(a.reps):
+            if a.tp > 1:
+                t0 = time.perf_counter()
+                r = subprocess.run([a.refitctl, "fleet", "push", a.model_dir, *fleet_tp1, "--json"],
+                                   capture_output=True, text=True, timeout=600)
+                fleet_tp1_s.append(time.perf_counter() - t0)
+                if r.returncode != 0:
+                    raise RuntimeError(f"fleet push (tp=1) failed: {r.stdout}{r.stderr}")
+                fleet_tp1_prepare_s.append(json.loads(r.stdout)["prepare_seconds"])
             t0 = time.perf_counter()
             r = subprocess.run([a.refitctl, "fleet", "push", a.model_dir, *fleet, "--json"],
                                capture_output=True, text=True, timeout=600)
@@ -125,6 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if r.returncode != 0:
                 raise RuntimeError(f"fleet push failed: {r.stdout}{r.stderr}")
             skews.append(json.loads(r.stdout)["flip_skew_seconds"])
+            fleet_tpn_prepare_s.append(json.loads(r.stdout)["prepare_seconds"])
             t0 = time.perf_counter()
             pushes = [subprocess.Popen([a.refitctl, f"--addr={s}", "push", a.model_dir],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -135,7 +181,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     raise RuntimeError(f"push failed: {err}")
             independent_s.append(time.perf_counter() - t0)
             log(f"rep {rep}: fleet {fleet_s[-1]:.3f} s (skew {skews[-1] * 1e3:.2f} ms), "
-                f"independent {independent_s[-1]:.3f} s")
+                f"independent {independent_s[-1]:.3f} s" +
+                (f", tp=1 fleet {fleet_tp1_s[-1]:.3f} s" if a.tp > 1 else ""))
+        if a.tp > 1:
+            kept = statistics.mean(kernel_bytes("bench")) / statistics.mean(kernel_bytes("bench-tp1"))
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -165,6 +214,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ]
     series = {"fleet_s": fleet_s, "independent_s": independent_s, "flip_skew_s": skews,
               "members": a.members, "model_bytes": model_bytes}
+    if a.tp > 1:
+        figures.append(figure(
+            f"fleet refit of {a.members} tp={a.tp} ranks, whole checkpoint to each, time",
+            med(fleet_s), "s", f"fleet refit of {a.members} tp=1 daemons (the same bytes each)",
+            med(fleet_tp1_s), "report", None,
+            f"medians of {a.reps}, interleaved; each member is sent {model_bytes / 2**20:.1f} MiB "
+            f"and keeps ~{kept * 100:.0f}% of it (~{kept * model_bytes / 2**20:.1f} MiB, from its "
+            f"FP8 kernel bytes); prepare {med(fleet_tpn_prepare_s):.3f} s vs "
+            f"{med(fleet_tp1_prepare_s):.3f} s; load {load:.1f}"))
+        series.update({"tp": a.tp, "fleet_tp1_s": fleet_tp1_s, "kept_fraction": kept,
+                       "fleet_tpn_prepare_s": fleet_tpn_prepare_s,
+                       "fleet_tp1_prepare_s": fleet_tp1_prepare_s})
     json.dump({"figures": figures, "series": series}, sys.stdout, indent=1)
     print()
     return 0

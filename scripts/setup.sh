@@ -51,10 +51,10 @@ fi
 # reinstalls it.
 client_stamp="$VENV/.refit-client.sha"
 client_sha=$(cat client/python/pyproject.toml client/python/setup.py proto/refit/v1/refit.proto \
-  proto/refit/v1/engine.proto |
+  proto/refit/v1/engine.proto proto/refit/v1/region.proto |
   sha256sum | cut -d' ' -f1)
 if [ "$(cat "$client_stamp" 2>/dev/null)" != "$client_sha" ] || \
-   ! "$VENV/bin/python" -c "import refit_client._proto.refit_pb2, refit_client._proto.engine_pb2" \
+   ! "$VENV/bin/python" -c "import refit_client._proto.refit_pb2, refit_client._proto.engine_pb2, refit_client._proto.region_pb2" \
      2>/dev/null; then
   echo "setup: installing the Python client (client/python, editable) into $VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation \

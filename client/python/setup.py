@@ -1,7 +1,8 @@
 """Build hook of refit-client: generates the gRPC stubs at build time.
 
 `build_py` (which both `pip install` and editable installs run) calls
-grpc_tools.protoc on proto/refit/v1/refit.proto and engine.proto into refit_client/_proto/,
+grpc_tools.protoc on proto/refit/v1/refit.proto, engine.proto and region.proto into
+refit_client/_proto/,
 before the package's files are collected. The proto is found at
 $REFIT_PROTO_DIR or ../../proto (this directory inside the refitd tree).
 """
@@ -21,8 +22,9 @@ def generate_stubs() -> None:
     proto_root = pathlib.Path(os.environ.get("REFIT_PROTO_DIR", HERE.parent.parent / "proto"))
     out = HERE / "refit_client" / "_proto"
     out.mkdir(exist_ok=True)
-    # refit.proto (RefitService) and engine.proto (EngineService: attach).
-    for name in ("refit", "engine"):
+    # refit.proto (RefitService), engine.proto (EngineService: attach) and
+    # region.proto (RegionService: the shared-memory lane).
+    for name in ("refit", "engine", "region"):
         source = proto_root / "refit" / "v1" / f"{name}.proto"
         if not source.is_file():
             raise RuntimeError(f"refit-client: {source} not found (set REFIT_PROTO_DIR)")

@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 import xxhash
 
-from . import _health, _tensors
+from . import _health, _shm, _tensors
 from ._proto import refit_pb2 as pb
 from ._proto import refit_pb2_grpc as pb_grpc
 from .errors import (
@@ -66,6 +66,13 @@ _MAX_MESSAGE_BYTES = 256 << 20
 # Messages a refit may have queued for gRPC's sender: bounds the client's
 # memory to about (depth + 1) buckets whatever the model's size.
 _QUEUE_DEPTH = 2
+# Chunk size of the shared-memory lane when push() is given the default
+# (references cost nothing per byte; below the daemon's --max-chunk-bytes).
+_SHM_CHUNK_BYTES = 32 << 20
+# Region chunks per message at most (the shared-memory lane's messages
+# carry references only, so a bucket of small tensors stays small).
+_MAX_REGION_CHUNKS = 1024
+_LANES = ("auto", "shm", "grpc")
 # How long an abandoned refit() waits for the daemon to confirm the abort
 # before it cancels the call instead.
 _ABANDON_WAIT_SECONDS = 10.0
@@ -471,6 +478,38 @@ class Refit:
                 break
         self._tensors_done += 1
 
+    def _send_region(self, src: _tensors.Source, lease: "_shm.Lease", base: int) -> None:
+        """Streams one tensor as chunks that reference `lease`'s region from
+        byte `base` (the shared-memory lane): Chunk.region instead of data,
+        no checksum (the bytes do not travel). The bucket counts the bytes
+        referenced."""
+        item = src.itemsize
+        cap = max(self._chunk_bytes // item, 1) * item
+        dtype = _PUSH_DTYPES[src.dtype]
+        name = src.name.encode()
+        shape = b"".join(_varint(int(d)) for d in src.shape)
+        head = b"\x0a" + _varint(len(name)) + name + b"\x10" + _varint(dtype)
+        if shape:
+            head += b"\x1a" + _varint(len(shape)) + shape
+        # RegionRef{region_id = 1, offset = 2, length = 3}.
+        rid = b"\x0a" + _varint(len(lease.region_id_bytes)) + lease.region_id_bytes
+        offset = 0
+        while True:
+            piece = min(src.nbytes - offset, cap)
+            ref = rid + b"\x10" + _varint(base + offset) + b"\x18" + _varint(piece)
+            body = head + (b"\x20" + _varint(offset) if offset else b"")
+            body += b"\x3a" + _varint(len(ref)) + ref  # Chunk.region = 7
+            tag = b"\x0a" + _varint(len(body))
+            self._parts += [tag, body]
+            self._payload += len(tag) + len(body)
+            offset += piece
+            self._bucket_fill += piece
+            if self._bucket_fill >= self._bucket_bytes or len(self._parts) >= 2 * _MAX_REGION_CHUNKS:
+                self._flush()
+            if offset >= src.nbytes:
+                break
+        self._tensors_done += 1
+
     def finish(self) -> RefitResult:
         """Sends End and returns the daemon's result (the with block calls it)."""
         if self.result is not None:
@@ -570,6 +609,14 @@ class EventStream:
         self.cancel()
 
 
+class _ShmRefused(Exception):
+    """The daemon refused a shared-memory region (before any refit began)."""
+
+    def __init__(self, error: RefitError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class RefitClient:
     """Client of one refitd daemon.
 
@@ -637,6 +684,12 @@ class RefitClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.RefitServiceStub(self._channel)
+        # The shared-memory lane (_shm.py): on a Unix socket by default.
+        self._shm: Optional[_shm.ShmLane] = None
+        self._shm_lock = threading.Lock()
+        self._shm_auto = address.startswith("unix:")
+        # Why push(lane="auto") last fell back to gRPC, or None.
+        self.shm_fallback_reason: Optional[str] = None
         # Push with requests encoded by Refit itself: building a PushRequest
         # and serializing it copies every tensor byte twice more, and the
         # protobuf runtime's cost per byte grows with the message (measured in
@@ -658,7 +711,12 @@ class RefitClient:
         )
 
     def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
+        """Closes the channel; calls in flight are cancelled, and the
+        shared-memory regions this client registered are released."""
+        with self._shm_lock:
+            if self._shm is not None:
+                self._shm.close()
+                self._shm = None
         self._channel.close()
 
     def __enter__(self) -> "RefitClient":
@@ -763,6 +821,7 @@ class RefitClient:
         timeout: Optional[float] = None,
         streams: int = 1,
         refit_id: str = "",
+        lane: str = "auto",
     ) -> RefitResult:
         """Pushes tensors as one refit transaction and returns its result.
 
@@ -792,6 +851,16 @@ class RefitClient:
         [A-Za-z0-9._-]; AlreadyExists if in use); with streams > 1 one is
         made up when empty.
 
+        ``lane``: "shm" sends chunks that reference the tensors in shared
+        memory instead of carrying their bytes (the daemon reads them in
+        place; needs the daemon's Unix socket): CPU tensors already in shared
+        memory (``share_memory_()``) go with no copy, the others are copied
+        once into the client's staging region; checksums do not apply.
+        "grpc" carries the bytes in the messages. "auto" (the default) is
+        "shm" on a ``unix:`` address with one stream and falls back to
+        "grpc" when the daemon refuses the region (``shm_fallback_reason``
+        says why); "grpc" otherwise.
+
         Never retried. Raises: InvalidArgument (a tensor this client cannot
         send, or one the daemon refuses), RefitConflict (another refit is
         active), StaleBaseVersion, NotFound (unknown tensor or group),
@@ -801,6 +870,36 @@ class RefitClient:
         """
         if streams < 1:
             raise InvalidArgument(f"push: streams must be at least 1, got {streams}")
+        if lane not in _LANES:
+            raise InvalidArgument(f"push: lane must be one of {', '.join(_LANES)}, got {lane!r}")
+        if lane == "shm" and streams > 1:
+            raise InvalidArgument("push: lane='shm' carries a refit over one stream")
+        if lane == "shm" or (lane == "auto" and self._shm_auto and streams == 1):
+            try:
+                return self._push_shm(
+                    tensors,
+                    prepare=prepare,
+                    base_version=base_version,
+                    label=label,
+                    group=group,
+                    chunk_bytes=_SHM_CHUNK_BYTES if chunk_bytes == DEFAULT_CHUNK_BYTES else chunk_bytes,
+                    bucket_bytes=bucket_bytes,
+                    non_finite=non_finite,
+                    allow_partial_layers=allow_partial_layers,
+                    require_complete=require_complete,
+                    progress=progress,
+                    timeout=timeout,
+                    refit_id=refit_id,
+                )
+            except _ShmRefused as refused:
+                if lane == "shm":
+                    raise refused.error from None
+                self.shm_fallback_reason = str(refused.error)
+                if refused.error.code in (
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
+                    self._shm_auto = False  # this daemon has no lane for us
         if streams > 1:
             return self._push_streams(
                 tensors,
@@ -835,6 +934,69 @@ class RefitClient:
         with r:
             for src in _tensors.iter_sources(tensors):
                 r._send_source(src)
+        assert r.result is not None
+        return r.result
+
+    def _shm_lane(self) -> _shm.ShmLane:
+        with self._shm_lock:
+            if self._shm is None:
+                self._shm = _shm.ShmLane(self._channel, self._metadata, self.address)
+            return self._shm
+
+    def _push_shm(
+        self,
+        tensors: _tensors.TensorsArg,
+        *,
+        prepare: bool,
+        base_version: Optional[int],
+        label: Optional[str],
+        group: str,
+        chunk_bytes: int,
+        bucket_bytes: int,
+        non_finite: str,
+        allow_partial_layers: bool,
+        require_complete: bool,
+        progress: Union[None, str, Callable[[PushProgress], None]],
+        timeout: Optional[float],
+        refit_id: str,
+    ) -> RefitResult:
+        """push() over the shared-memory lane: the regions first (a refusal
+        there is _ShmRefused, before any refit began), then one Push whose
+        chunks reference them; a tensor to be copied is copied just before
+        its chunks are sent, so the daemon ingests while the next is copied."""
+        sources = list(_tensors.iter_sources(tensors))
+        if not sources:
+            raise InvalidArgument("push: no tensors")
+        lane = self._shm_lane()
+        with lane.lock:
+            try:
+                plan = lane.plan(sources)
+            except RefitError as e:
+                raise _ShmRefused(e) from None
+            r = self.refit(
+                prepare=prepare,
+                base_version=base_version,
+                label=label,
+                group=group,
+                chunk_bytes=chunk_bytes,
+                bucket_bytes=bucket_bytes,
+                checksums=False,
+                non_finite=non_finite,
+                allow_partial_layers=allow_partial_layers,
+                require_complete=require_complete,
+                progress=progress,
+                timeout=timeout,
+                _tensors_total=len(sources),
+                _refit_id=refit_id,
+            )
+            copied = 0
+            with r:
+                for src, lease, offset, copy in plan:
+                    if copy:
+                        lane.copy(src, offset)
+                        copied += src.nbytes
+                    r._send_region(src, lease, offset)
+            lane.last_copied_bytes = copied
         assert r.result is not None
         return r.result
 

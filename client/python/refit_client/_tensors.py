@@ -92,6 +92,11 @@ class Source:
     shape: Tuple[int, ...]
     nbytes: int
     read: Callable[[int, int], bytes]
+    # The shared-memory lane (_shm.py): copies the whole tensor into a uint8
+    # numpy view of a region, and the flat torch tensor itself, whose
+    # storage may already be in shared memory.
+    copy_into: Optional[Callable[[np.ndarray], None]] = None
+    tensor: Any = None
 
     @property
     def itemsize(self) -> int:
@@ -135,7 +140,18 @@ def _from_torch(name: str, tensor: Any, dtype: Optional[str]) -> Source:
             part = part.to("cpu")
         return part.view(torch.uint8).numpy().tobytes()
 
-    return Source(name, dtype, tuple(int(d) for d in t.shape), flat.numel() * itemsize, read)
+    def copy_into(dst: np.ndarray) -> None:
+        torch.from_numpy(dst).copy_(flat.view(torch.uint8))
+
+    return Source(
+        name,
+        dtype,
+        tuple(int(d) for d in t.shape),
+        flat.numel() * itemsize,
+        read,
+        copy_into=copy_into,
+        tensor=flat,
+    )
 
 
 def _numpy_dtype(name: str, arr: np.ndarray, dtype: Optional[str]) -> Tuple[np.ndarray, str]:
@@ -170,7 +186,10 @@ def _from_numpy(name: str, value: Any, dtype: Optional[str]) -> Source:
     def read(offset: int, n: int) -> bytes:
         return flat[offset : offset + n].tobytes()
 
-    return Source(name, dtype, shape, int(flat.size), read)
+    def copy_into(dst: np.ndarray) -> None:
+        np.copyto(dst, flat)
+
+    return Source(name, dtype, shape, int(flat.size), read, copy_into=copy_into)
 
 
 def to_source(name: Any, value: Any, dtype: Any = None) -> Source:

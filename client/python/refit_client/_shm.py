@@ -1,0 +1,243 @@
+"""The shared-memory lane of push(): chunks that reference bytes in the
+trainer's shared memory instead of carrying them (refit.v1.RegionService,
+Chunk.region). Only over the daemon's Unix socket.
+
+A region is registered once and cached by the client: RegisterRegion's
+response stream is its lease (it ends when the client closes, its process
+dies, or the region is dropped here), the descriptor goes to the daemon's
+descriptor socket with SCM_RIGHTS.
+
+- A CPU torch tensor whose storage is already shared (share_memory_(),
+  model.share_memory(), a DataLoader worker's tensors) is sent with no copy:
+  its storage's descriptor is registered (once per storage) and the chunks
+  point into it. Such a descriptor (a /dev/shm file) cannot be sealed, so
+  the daemon reads it with pread: one copy on the daemon's side, and a
+  storage truncated under a refit fails that refit.
+- Every other tensor is copied once into the client's staging region, a
+  memfd sealed against shrinking (F_SEAL_SHRINK | F_SEAL_GROW), which the
+  daemon maps and ingests in place. The staging region is reused by later
+  pushes (grown when a push needs more) and costs host memory of the size
+  of those tensors while the client lives.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import mmap
+import os
+import socket
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+import grpc
+import numpy as np
+
+from . import _tensors
+from ._proto import region_pb2 as rpb
+from ._proto import region_pb2_grpc as rpb_grpc
+from .errors import RefitError, from_rpc_error
+
+_ALIGN = 256
+# Shared storages registered per client; the oldest is dropped beyond this.
+MAX_CACHED_REGIONS = 512
+_FD_SOCKET_TIMEOUT = 10.0
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Lease:
+    """One registered region: its id, size, how the daemon reads it
+    ("mapped" or "pread"), and the RegisterRegion call that keeps it."""
+
+    def __init__(self, call: Any, region_id: str, size: int, access: str) -> None:
+        self._call = call
+        self.region_id = region_id
+        self.region_id_bytes = region_id.encode()
+        self.size = size
+        self.access = access
+
+    def release(self) -> None:
+        self._call.cancel()
+
+
+def _send_fd(path: str, ticket: str, fd: int) -> str:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(_FD_SOCKET_TIMEOUT)
+        s.connect(path)
+        socket.send_fds(s, [(ticket + "\n").encode()], [fd])
+        reply = b""
+        while True:
+            part = s.recv(512)
+            if not part:
+                break
+            reply += part
+    return reply.decode(errors="replace").strip()
+
+
+def register(
+    stub: Any, metadata: Any, fd: int, size: int, name: str, address: str
+) -> Lease:
+    """Registers `size` bytes of the descriptor `fd` (not taken: the caller
+    keeps and closes its own). Raises the daemon's error (FailedPrecondition
+    over TCP, ResourceExhausted over the per-caller limits, InvalidArgument
+    for a descriptor too small, ...)."""
+    call = stub.RegisterRegion(rpb.RegisterRegionRequest(size=size, name=name), metadata=metadata)
+    events = iter(call)
+    try:
+        first = next(events)
+        if not first.HasField("ticket"):
+            raise RefitError("RegisterRegion: the daemon sent no ticket")
+        reply = _send_fd(first.ticket.fd_socket, first.ticket.ticket, fd)
+        second = next(events)
+        if not second.HasField("registered"):
+            raise RefitError(f"RegisterRegion: no registration ({reply})")
+    except grpc.RpcError as e:
+        call.cancel()
+        raise from_rpc_error(e, f"register a shared-memory region at {address}") from None
+    except StopIteration:
+        call.cancel()
+        raise RefitError("RegisterRegion: the stream ended early") from None
+    except OSError as e:
+        call.cancel()
+        raise RefitError(f"RegisterRegion: descriptor socket: {e}") from None
+    access = (
+        "mapped" if second.registered.access == rpb.RegionRegistered.ACCESS_MAPPED else "pread"
+    )
+    return Lease(call, second.registered.region_id, size, access)
+
+
+def _shared_storage(src: _tensors.Source) -> Optional[Tuple[Any, int, int, int]]:
+    """(storage, fd, byte offset of the tensor in it, storage bytes) for a
+    CPU torch tensor in shared memory (file-descriptor sharing), else None."""
+    t = src.tensor
+    if t is None or t.device.type != "cpu" or not t.is_shared():
+        return None
+    storage = t.untyped_storage()
+    try:
+        fd, size = storage._share_fd_cpu_()
+    except (RuntimeError, AttributeError):
+        return None  # e.g. the file_system sharing strategy: no descriptor
+    return storage, int(fd), t.data_ptr() - storage.data_ptr(), int(size)
+
+
+class Staging:
+    """The client's sealed memfd staging region."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd = os.memfd_create("refit-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = np.frombuffer(self.map, dtype=np.uint8)
+
+    def close(self) -> None:
+        del self.view
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere: the mapping goes with it
+        os.close(self.fd)
+
+
+class ShmLane:
+    """A client's registered regions (thread-safe; one push at a time uses
+    the staging region, which push() ensures by holding the lock)."""
+
+    def __init__(self, channel: grpc.Channel, metadata: Any, address: str) -> None:
+        self._stub = rpb_grpc.RegionServiceStub(channel)
+        self._metadata = metadata
+        self._address = address
+        self.lock = threading.Lock()
+        self._shared: "collections.OrderedDict[Tuple[int, int], Tuple[Lease, Any]]" = (
+            collections.OrderedDict()
+        )
+        self._staging: Optional[Staging] = None
+        self._staging_lease: Optional[Lease] = None
+        # Bytes copied into the staging region by the last push (0: every
+        # tensor went from the trainer's own shared memory).
+        self.last_copied_bytes = 0
+
+    def regions(self) -> List[Lease]:
+        out = [lease for lease, _ in self._shared.values()]
+        if self._staging_lease is not None:
+            out.append(self._staging_lease)
+        return out
+
+    def _shared_lease(self, storage: Any, fd: int, size: int) -> Lease:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        hit = self._shared.get(key)
+        if hit is not None and hit[0].size >= size:
+            self._shared.move_to_end(key)
+            return hit[0]
+        if hit is not None:
+            hit[0].release()
+        lease = register(self._stub, self._metadata, fd, size, "shared storage", self._address)
+        # The storage is kept so that its inode (the key) is not reused.
+        self._shared[key] = (lease, storage)
+        while len(self._shared) > MAX_CACHED_REGIONS:
+            _, (old, _) = self._shared.popitem(last=False)
+            old.release()
+        return self._shared[key][0]
+
+    def plan(
+        self, sources: List[_tensors.Source]
+    ) -> List[Tuple[_tensors.Source, Lease, int, bool]]:
+        """Each tensor's region and offset, and whether it must be copied
+        into the staging region first. Registers what is new."""
+        placed: List[Tuple[_tensors.Source, Optional[Lease], int, bool]] = []
+        staging_bytes = 0
+        for src in sources:
+            shared = _shared_storage(src)
+            if shared is not None:
+                storage, fd, offset, size = shared
+                placed.append((src, self._shared_lease(storage, fd, size), offset, False))
+                continue
+            placed.append((src, None, staging_bytes, True))
+            staging_bytes += _aligned(src.nbytes)
+        if staging_bytes > 0:
+            self._ensure_staging(staging_bytes)
+        out = []
+        for src, lease, offset, copy in placed:
+            out.append((src, lease if lease is not None else self._staging_lease, offset, copy))
+        return out
+
+    def _ensure_staging(self, size: int) -> None:
+        if self._staging is not None and self._staging.size >= size:
+            return
+        self.drop_staging()
+        staging = Staging(size)
+        try:
+            self._staging_lease = register(
+                self._stub, self._metadata, staging.fd, size, "staging", self._address
+            )
+        except BaseException:
+            staging.close()
+            raise
+        self._staging = staging
+
+    def copy(self, src: _tensors.Source, offset: int) -> None:
+        assert self._staging is not None and src.copy_into is not None
+        src.copy_into(self._staging.view[offset : offset + src.nbytes])
+
+    def drop_staging(self) -> None:
+        if self._staging_lease is not None:
+            self._staging_lease.release()
+            self._staging_lease = None
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+
+    def close(self) -> None:
+        for lease, _ in self._shared.values():
+            lease.release()
+        self._shared.clear()
+        self.drop_staging()

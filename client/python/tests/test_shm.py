@@ -1,0 +1,194 @@
+"""push() over the shared-memory lane (Chunk.region) against a real refitd:
+the same fingerprint as a gRPC push of the same checkpoint, no client copy of
+tensors already in shared memory, the refusals (bad offsets, another
+caller's region, TCP), regions released when the client goes, and a region
+truncated mid-refit failing that refit while the daemon keeps serving."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import urllib.request
+
+import pytest
+import torch
+
+from refit_client import (
+    FailedPrecondition,
+    InvalidArgument,
+    OutOfRange,
+    PermissionDenied,
+    RefitClient,
+)
+from refit_client import _shm
+
+from conftest import load_state_dict
+
+
+@pytest.fixture
+def seed2(weights):
+    return load_state_dict(weights(2))
+
+
+def metrics(daemon) -> str:
+    line = daemon.wait_for_line("metrics at /metrics")
+    address = re.search(r"address=(\S+)", line).group(1)
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def test_shm_push_commits_the_fingerprint_of_a_grpc_push(client, daemon, seed2):
+    over_grpc = client.push(seed2, lane="grpc")
+    client.push({k: v * 0 for k, v in seed2.items()}, lane="grpc", non_finite="vllm")
+    result = client.push(seed2, lane="shm", label="shm")
+    assert result.version == over_grpc.version + 2
+    assert result.fingerprint == over_grpc.fingerprint
+    # Not in shared memory: copied once into the sealed staging region,
+    # which the daemon maps.
+    lane = client._shm
+    assert lane.last_copied_bytes == sum(t.numel() * t.element_size() for t in seed2.values())
+    assert [r.access for r in lane.regions()] == ["mapped"]
+    assert "access=mapped" in daemon.wait_for_line("region registered")
+    # On a Unix socket the lane is the default.
+    again = client.push(seed2)
+    assert again.fingerprint == over_grpc.fingerprint
+    assert client.shm_fallback_reason is None
+
+
+def test_tensors_in_shared_memory_go_without_a_client_copy(client, daemon, seed2):
+    expected = client.push(seed2, lane="grpc").fingerprint
+    shared = {k: v.clone().share_memory_() for k, v in seed2.items()}
+    result = client.push(shared, lane="shm")
+    assert result.fingerprint == expected
+    assert client._shm.last_copied_bytes == 0
+    accesses = {r.access for r in client._shm.regions()}
+    assert accesses == {"pread"}  # torch's shm files cannot be sealed
+    # Registered once: a second push reuses the regions.
+    count = len(client._shm.regions())
+    client.push(shared, lane="shm")
+    assert len(client._shm.regions()) == count
+
+
+def test_offset_past_the_region_is_out_of_range_and_nothing_changes(client, daemon, seed2):
+    before = client.status()
+    lane = client._shm_lane()
+    staging = _shm.Staging(4096)
+    try:
+        lease = _shm.register(lane._stub, (), staging.fd, 4096, "small", daemon.address)
+        name = "model.norm.weight"
+        src = _shm._tensors.to_source(name, seed2[name])
+        with pytest.raises(OutOfRange) as info:
+            with client.refit() as r:
+                r._send_region(src, lease, 4096 - 64)
+        assert name in info.value.message
+        assert f'region "{lease.region_id}" offset {4096 - 64} length {src.nbytes}' in (
+            info.value.message
+        )
+        assert "reaches past its size 4096" in info.value.message
+        lease.release()
+    finally:
+        staging.close()
+    after = client.status()
+    assert (after.version, after.fingerprint) == (before.version, before.fingerprint)
+
+
+def test_region_of_another_caller_is_permission_denied(start_daemon, tmp_path, seed2):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice-token trainer alice\nbob-token trainer bob\n")
+    daemon = start_daemon(f"--auth-tokens={tokens}")
+    with RefitClient(daemon.address, token="alice-token") as alice, RefitClient(
+        daemon.address, token="bob-token"
+    ) as bob:
+        alice.push(seed2, lane="shm")
+        lease = alice._shm.regions()[0]
+        src = _shm._tensors.to_source("model.norm.weight", seed2["model.norm.weight"])
+        with pytest.raises(PermissionDenied) as info:
+            with bob.refit() as r:
+                r._send_region(src, lease, 0)
+        assert "belongs to another caller" in info.value.message
+
+
+def test_shm_over_tcp_is_refused_and_auto_uses_grpc(start_daemon, seed2):
+    daemon = start_daemon(tcp=True)
+    with RefitClient(daemon.address) as c:
+        with pytest.raises(FailedPrecondition) as info:
+            c.push(seed2, lane="shm")
+        assert "shared-memory regions need a local Unix socket" in info.value.message
+        assert c.push(seed2).version == 2  # auto: gRPC on a TCP address
+        with pytest.raises(InvalidArgument):
+            c.push(seed2, lane="shm", streams=2)
+
+
+def test_regions_are_released_when_the_client_closes_or_dies(start_daemon, seed2):
+    daemon = start_daemon("--metrics-listen=127.0.0.1:0")
+    with RefitClient(daemon.address) as c:
+        c.push(seed2, lane="shm")
+        assert "refitd_trainer_regions 1\n" in metrics(daemon)
+    daemon.wait_for_line("region released")
+    assert "refitd_trainer_regions 0\n" in metrics(daemon)
+
+    # A trainer killed with SIGKILL: its lease ends with its connection.
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        from refit_client import RefitClient
+        c = RefitClient({daemon.address!r})
+        c.push({{"model.norm.weight": torch.ones(128, dtype=torch.bfloat16)}}, lane="shm",
+               require_complete=False)
+        print("pushed", flush=True)
+        time.sleep(600)
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=dict(os.environ)
+    )
+    try:
+        assert child.stdout.readline().strip() == "pushed"
+        assert "refitd_trainer_regions 1\n" in metrics(daemon)
+        child.kill()
+        child.wait()
+        _wait_for_releases(daemon, 2)  # the client's, then the child's
+        assert "refitd_trainer_regions 0\n" in metrics(daemon)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def _wait_for_releases(daemon, count: int, timeout: float = 30.0) -> None:
+    with daemon._cv:
+        daemon._cv.wait_for(
+            lambda: sum("region released" in l for l in daemon._lines) >= count or daemon._ended,
+            timeout,
+        )
+        got = sum("region released" in l for l in daemon._lines)
+    assert got >= count, daemon.log
+
+
+def test_region_truncated_mid_refit_fails_cleanly_and_the_old_version_serves(
+    client, daemon, seed2
+):
+    before = client.status()
+    shared = {k: v.clone().share_memory_() for k, v in seed2.items()}
+    names = list(shared)
+    victim = shared[names[-1]]
+    fd, _ = victim.untyped_storage()._share_fd_cpu_()
+    truncated = []
+
+    def truncate_after_first_message(progress) -> None:
+        if not truncated:
+            os.ftruncate(fd, 0)  # the trainer's storage shrinks under the refit
+            truncated.append(progress)
+
+    with pytest.raises(FailedPrecondition) as info:
+        client.push(shared, lane="shm", bucket_bytes=64 << 10, progress=truncate_after_first_message)
+    assert truncated
+    assert "truncated while in use" in info.value.message
+    assert names[-1] in info.value.message
+    after = client.status()
+    assert (after.version, after.fingerprint) == (before.version, before.fingerprint)
+    assert after.active_refit is None
+    assert daemon.proc.poll() is None
+    del victim, shared  # never touch the truncated storage's pages

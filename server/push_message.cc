@@ -26,7 +26,7 @@ int ReadVarint32(const uint8_t* data, int size, uint32_t* value) {
 
 }  // namespace
 
-bool PushMessage::Parse(grpc::ByteBuffer* raw) {
+bool PushMessage::Parse(grpc::ByteBuffer* raw, size_t keep_limit) {
   const size_t total = raw->Length();
   if (total == 0) {  // an empty message (no kind); its buffer may hold no slices
     raw->Clear();
@@ -57,14 +57,17 @@ bool PushMessage::Parse(grpc::ByteBuffer* raw) {
     if (fast) {
       reader.BackUp(size - header);
       is_chunks_ = true;
-      if (oversized_) {
+      // Parsing keeps each string's capacity and grows it where this
+      // message's chunk is larger, so afterwards at most what was kept plus
+      // this message is held: drop what was kept when that could pass the
+      // limit.
+      if (retained_ + total > keep_limit + kRetainSlackBytes) {
         chunks_ = v1::Chunks();
         elements_ = 0;
         retained_ = 0;
-        oversized_ = false;
       }
       parsed = chunks_.ParseFromZeroCopyStream(&reader);
-      if (parsed) BoundRetained(total);
+      if (parsed) FreeUnused();
     } else {
       is_chunks_ = false;
       grpc::ProtoBufferReader whole(raw);
@@ -75,7 +78,7 @@ bool PushMessage::Parse(grpc::ByteBuffer* raw) {
   return parsed;
 }
 
-void PushMessage::BoundRetained(size_t message_bytes) {
+void PushMessage::FreeUnused() {
   // Clear() keeps the Chunk objects beyond this message's count out of
   // sight, with their strings: bring them back and free them, so that what is
   // kept is only what this message used.
@@ -90,7 +93,6 @@ void PushMessage::BoundRetained(size_t message_bytes) {
     retained += chunk.data().capacity() + chunk.tensor_name().capacity();
   }
   retained_ = retained;
-  oversized_ = retained > 2 * message_bytes + kRetainSlackBytes;
 }
 
 }  // namespace refit::server

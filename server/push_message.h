@@ -12,14 +12,12 @@
 // Any other message (Begin, End, or an unusual but valid encoding such as a
 // repeated field) is parsed as a plain PushRequest.
 //
-// Memory bound: a string keeps the capacity of the largest chunk ever
-// parsed at its position, so what is kept is checked after every message.
-// Chunk objects beyond the message's count are freed, and when the kept
-// capacity exceeds twice the message's size plus kRetainSlackBytes, all of it
-// is dropped before the next message. Between messages a buffer therefore
-// holds at most 2 x the largest message + kRetainSlackBytes, and while one is
-// handled at most that plus the message, however a client arranges its
-// chunks.
+// Memory bound: a string keeps the capacity of the largest chunk parsed at
+// its position, so a message that follows can leave the buffer holding more
+// than itself. Before each parse, what is kept is dropped when it plus the
+// new message could pass `keep_limit` (the stream's receive limit): a buffer
+// never holds more than keep_limit + kRetainSlackBytes, however a client
+// arranges its chunks, and Chunk objects beyond a message's count are freed.
 #ifndef REFIT_SERVER_PUSH_MESSAGE_H_
 #define REFIT_SERVER_PUSH_MESSAGE_H_
 
@@ -31,9 +29,10 @@ namespace refit::server {
 
 class PushMessage {
  public:
-  // Parses `raw` (consumed: cleared on return). False when it is not a valid
-  // PushRequest; the previous contents are then unspecified.
-  bool Parse(grpc::ByteBuffer* raw);
+  // Parses `raw` (consumed: cleared on return), keeping at most
+  // `keep_limit` + kRetainSlackBytes (see above). False when it is not a
+  // valid PushRequest; the previous contents are then unspecified.
+  bool Parse(grpc::ByteBuffer* raw, size_t keep_limit);
 
   // kChunks when the message was a Chunks (read it from chunks()).
   v1::PushRequest::KindCase kind() const {
@@ -47,12 +46,11 @@ class PushMessage {
   static constexpr size_t kRetainSlackBytes = size_t{1} << 20;
 
  private:
-  void BoundRetained(size_t message_bytes);
+  void FreeUnused();
 
   bool is_chunks_ = false;
-  int elements_ = 0;  // Chunk objects chunks_ holds
-  size_t retained_ = 0;
-  bool oversized_ = false;  // drop what chunks_ keeps before the next parse
+  int elements_ = 0;     // Chunk objects chunks_ holds
+  size_t retained_ = 0;  // string capacity chunks_ holds
   v1::Chunks chunks_;
   v1::PushRequest request_;
 };

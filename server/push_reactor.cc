@@ -21,7 +21,8 @@
 // next one (double buffering). Back-pressure: a stream owns
 // kMessagesInFlight read buffers; a read needs a free one, so at most that
 // many messages of a stream are in memory (one being ingested, one being
-// received), each at most --max-receive-message-size. The method is
+// received), each at most --max-chunk-bytes + 2 MiB (the receive limit and
+// what a parsed buffer may keep beyond it, server/push_message.h). The method is
 // registered raw and each message is parsed, in the reaction, into the
 // buffer's PushMessage (server/push_message.h), whose Chunks keeps its
 // strings' capacity: a stream allocates its buffers once, not once per
@@ -126,7 +127,9 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
       item.closed_reason = context_->IsCancelled()
                                ? "the client cancelled the Push (cancel, disconnect or deadline)"
                                : "the stream ended without End: the client closed it early";
-    } else if (!buffer->message.Parse(&buffer->raw)) {
+    } else if (!buffer->message.Parse(&buffer->raw,
+                                      static_cast<size_t>(service_->options().max_chunk_bytes +
+                                                          kMessageHeadroomBytes))) {
       ok = false;
       item.closed_reason =
           "the client sent a message that is not a valid PushRequest (malformed protobuf)";

@@ -16,6 +16,9 @@
 namespace refit::server {
 namespace {
 
+// The stream's receive limit in these tests.
+constexpr size_t kLimit = size_t{8} << 20;
+
 // `bytes` as a ByteBuffer of slices of at most `slice_size` bytes (gRPC
 // hands large messages over in many slices).
 grpc::ByteBuffer Buffer(const std::string& bytes, size_t slice_size = 1 << 20) {
@@ -42,7 +45,7 @@ TEST(PushMessageTest, ChunksParseLikePushRequestAndReuseTheirStorage) {
   PushMessage message;
   const v1::PushRequest first = ChunksRequest("model.layers.0.mlp.up_proj.weight", 3 << 20, 'a');
   grpc::ByteBuffer raw = Buffer(first.SerializeAsString(), 16 << 10);
-  ASSERT_TRUE(message.Parse(&raw));
+  ASSERT_TRUE(message.Parse(&raw, kLimit));
   EXPECT_EQ(raw.Length(), 0u) << "the received bytes are released once parsed";
   ASSERT_EQ(message.kind(), v1::PushRequest::kChunks);
   EXPECT_EQ(message.chunks().SerializeAsString(), first.chunks().SerializeAsString());
@@ -52,7 +55,7 @@ TEST(PushMessageTest, ChunksParseLikePushRequestAndReuseTheirStorage) {
   // A smaller chunk next: same Chunk object, same byte storage.
   const v1::PushRequest second = ChunksRequest("model.layers.0.mlp.down_proj.weight", 1 << 20, 'b');
   raw = Buffer(second.SerializeAsString());
-  ASSERT_TRUE(message.Parse(&raw));
+  ASSERT_TRUE(message.Parse(&raw, kLimit));
   ASSERT_EQ(message.kind(), v1::PushRequest::kChunks);
   EXPECT_EQ(message.chunks().SerializeAsString(), second.chunks().SerializeAsString());
   EXPECT_EQ(&message.chunks().chunks(0), object);
@@ -61,13 +64,10 @@ TEST(PushMessageTest, ChunksParseLikePushRequestAndReuseTheirStorage) {
 
 // A client that moves one large chunk one position further in every
 // message, behind ever more tiny ones, would grow one string per position:
-// what a buffer keeps stays within 2 x the message + slack between messages
-// (the bound is checked after each parse), and within that plus the message
-// while it is handled.
-TEST(PushMessageTest, KeptCapacityStaysBoundedWhateverTheChunkOrder) {
+// what a buffer keeps stays within the limit + slack.
+TEST(PushMessageTest, KeptCapacityStaysWithinTheLimitWhateverTheChunkOrder) {
   PushMessage message;
   constexpr size_t kBig = size_t{1} << 20;
-  size_t largest = 0;
   for (int k = 0; k < 40; ++k) {
     v1::PushRequest request;
     for (int i = 0; i < k; ++i) {
@@ -78,22 +78,29 @@ TEST(PushMessageTest, KeptCapacityStaysBoundedWhateverTheChunkOrder) {
     v1::Chunk* big = request.mutable_chunks()->add_chunks();
     big->set_tensor_name("big");
     big->set_data(std::string(kBig, 'b'));
-    const std::string wire = request.SerializeAsString();
-    largest = std::max(largest, wire.size());
-    grpc::ByteBuffer raw = Buffer(wire);
-    ASSERT_TRUE(message.Parse(&raw));
+    grpc::ByteBuffer raw = Buffer(request.SerializeAsString());
+    ASSERT_TRUE(message.Parse(&raw, kLimit));
     ASSERT_EQ(message.chunks().chunks_size(), k + 1);
     EXPECT_EQ(message.chunks().chunks(k).data().size(), kBig);
-    EXPECT_LE(message.retained_bytes(), 3 * largest + PushMessage::kRetainSlackBytes) << k;
+    EXPECT_LE(message.retained_bytes(), kLimit + PushMessage::kRetainSlackBytes) << k;
   }
-  // Fewer chunks than before: the Chunk objects beyond them are freed.
-  v1::PushRequest small = ChunksRequest("lm_head.weight", 64, 'c');
+  // Fewer chunks than before: the Chunk objects beyond them are freed with
+  // their bytes.
+  const v1::PushRequest small = ChunksRequest("lm_head.weight", 64, 'c');
   grpc::ByteBuffer raw = Buffer(small.SerializeAsString());
-  ASSERT_TRUE(message.Parse(&raw));
-  EXPECT_LE(message.retained_bytes(), 3 * largest + PushMessage::kRetainSlackBytes);
-  raw = Buffer(small.SerializeAsString());
-  ASSERT_TRUE(message.Parse(&raw));
-  EXPECT_LE(message.retained_bytes(), 2 * small.ByteSizeLong() + PushMessage::kRetainSlackBytes);
+  ASSERT_TRUE(message.Parse(&raw, kLimit));
+  EXPECT_LE(message.retained_bytes(), kLimit + PushMessage::kRetainSlackBytes);
+  EXPECT_EQ(message.chunks().chunks_size(), 1);
+  // Under the limit, same-shaped messages keep their storage.
+  const v1::PushRequest layer = ChunksRequest("w", 2 << 20, 'w');
+  raw = Buffer(layer.SerializeAsString());
+  ASSERT_TRUE(message.Parse(&raw, kLimit));
+  const char* storage = message.chunks().chunks(0).data().data();
+  for (int i = 0; i < 3; ++i) {
+    raw = Buffer(layer.SerializeAsString());
+    ASSERT_TRUE(message.Parse(&raw, kLimit));
+    EXPECT_EQ(message.chunks().chunks(0).data().data(), storage);
+  }
 }
 
 TEST(PushMessageTest, BeginEndAndEmptyMessages) {
@@ -102,7 +109,7 @@ TEST(PushMessageTest, BeginEndAndEmptyMessages) {
   begin.mutable_begin()->set_refit_id("r-1");
   begin.mutable_begin()->set_streams(2);
   grpc::ByteBuffer raw = Buffer(begin.SerializeAsString());
-  ASSERT_TRUE(message.Parse(&raw));
+  ASSERT_TRUE(message.Parse(&raw, kLimit));
   ASSERT_EQ(message.kind(), v1::PushRequest::kBegin);
   EXPECT_EQ(message.request().begin().refit_id(), "r-1");
   EXPECT_EQ(message.request().begin().streams(), 2u);
@@ -110,18 +117,18 @@ TEST(PushMessageTest, BeginEndAndEmptyMessages) {
   v1::PushRequest end;
   end.mutable_end();
   raw = Buffer(end.SerializeAsString());
-  ASSERT_TRUE(message.Parse(&raw));
+  ASSERT_TRUE(message.Parse(&raw, kLimit));
   EXPECT_EQ(message.kind(), v1::PushRequest::kEnd);
 
   // A chunks message after others is still parsed as chunks.
   const v1::PushRequest chunks = ChunksRequest("lm_head.weight", 64, 'c');
   raw = Buffer(chunks.SerializeAsString());
-  ASSERT_TRUE(message.Parse(&raw));
+  ASSERT_TRUE(message.Parse(&raw, kLimit));
   ASSERT_EQ(message.kind(), v1::PushRequest::kChunks);
   EXPECT_EQ(message.chunks().chunks(0).tensor_name(), "lm_head.weight");
 
   grpc::ByteBuffer empty;
-  ASSERT_TRUE(message.Parse(&empty));
+  ASSERT_TRUE(message.Parse(&empty, kLimit));
   EXPECT_EQ(message.kind(), v1::PushRequest::KIND_NOT_SET);
 }
 
@@ -137,7 +144,7 @@ TEST(PushMessageTest, UnusualButValidEncodingsParseAsPushRequestDoes) {
     ASSERT_TRUE(expected.ParseFromString(wire));
     PushMessage message;
     grpc::ByteBuffer raw = Buffer(wire, 3);
-    ASSERT_TRUE(message.Parse(&raw));
+    ASSERT_TRUE(message.Parse(&raw, kLimit));
     ASSERT_EQ(message.kind(), expected.kind_case());
     EXPECT_EQ(message.chunks().SerializeAsString(), expected.chunks().SerializeAsString());
   }
@@ -154,7 +161,7 @@ TEST(PushMessageTest, MalformedBytesAreRefused) {
   for (const std::string& wire : bad) {
     PushMessage message;
     grpc::ByteBuffer raw = Buffer(wire);
-    EXPECT_FALSE(message.Parse(&raw)) << testing::PrintToString(wire);
+    EXPECT_FALSE(message.Parse(&raw, kLimit)) << testing::PrintToString(wire);
     EXPECT_EQ(raw.Length(), 0u);
   }
 }

@@ -89,7 +89,7 @@ ABSL_FLAG(absl::Duration, engine_quiesce_timeout, absl::Seconds(5),
           "to answer CommitPending with Quiesced. Past it the commit does not happen: a PREPARED "
           "refit stays PREPARED (Commit is DEADLINE_EXCEEDED naming the engines), a one-phase "
           "push is ABORTED naming them.");
-ABSL_FLAG(int, max_regions_per_caller, 64,
+ABSL_FLAG(int, max_regions_per_caller, 1024,
           "Shared-memory regions (RegionService.RegisterRegion) one caller may hold at once; "
           "more are RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, max_region_bytes_per_caller, "256GiB",

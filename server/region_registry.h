@@ -87,7 +87,7 @@ class Region {
 class RegionRegistry {
  public:
   struct Limits {
-    int max_regions = 64;                    // per caller
+    int max_regions = 1024;                  // per caller
     int64_t max_bytes = int64_t{256} << 30;  // per caller
   };
   struct Totals {

@@ -87,7 +87,7 @@ struct ServerOptions {
   absl::Duration engine_quiesce_timeout = absl::Seconds(5);
   // Shared-memory regions (RegionService) one caller may hold at once, and
   // their total size.
-  int max_regions_per_caller = 64;
+  int max_regions_per_caller = 1024;
   int64_t max_region_bytes_per_caller = int64_t{256} << 30;
   // Reload reads only below this directory; "" disables Reload.
   std::string reload_root;

@@ -15,6 +15,8 @@
 #   bench/python/push_bench.py          the Python client's Push vs refitctl push, same refitd
 #   bench/python/durability_bench.py    --state-dir: restart from a snapshot vs a cold load,
 #                                       commit pause with vs without
+#   bench/python/shm_bench.py           the shared-memory lane (push(lane="shm")) vs the
+#                                       gRPC Push and a memcpy of the same bytes; CPU per GiB
 #   bench/python/fleet_bench.py         a fleet refit of 4 daemons (real etcd) vs 4
 #                                       independent pushes; flip skew p50/p99
 # and writes bench/results/latest.json, bench/results/latest.md (the table),
@@ -107,6 +109,11 @@ rm -f "$TMP/durability.json"
   --refitd="$BUILD_DIR/bin/refitd" --refitctl="$BUILD_DIR/bin/refitctl" \
   --workdir="$WORK_DIR/durability" > "$TMP/durability.json" 2> "$TMP/durability.log" \
   || { log "durability_bench.py failed (see $TMP/durability.log)"; status=1; }
+log "shm_bench.py (the shared-memory lane vs gRPC Push and memcpy; $E2E_REPS repetitions)"
+rm -f "$TMP/shm.json"
+"$PY" bench/python/shm_bench.py --model_dir="$MODEL_DIR" --reps="$E2E_REPS" \
+  --refitd="$BUILD_DIR/bin/refitd" --workdir="$WORK_DIR/shm" > "$TMP/shm.json" 2> "$TMP/shm.log" \
+  || { log "shm_bench.py failed (see $TMP/shm.log)"; status=1; }
 log "fleet_bench.py (a fleet refit of 4 daemons vs 4 independent pushes; $((E2E_REPS * 3)) repetitions)"
 rm -f "$TMP/fleet.json"
 "$PY" bench/python/fleet_bench.py --model_dir="$MODEL_DIR" --reps="$((E2E_REPS * 3))" \
@@ -225,6 +232,10 @@ dur = load("durability.json")
 if dur:
     figures += dur["figures"]
     series["durability"] = dur["series"]
+shm = load("shm.json")
+if shm:
+    figures += shm["figures"]
+    series["shm"] = shm["series"]
 fleet = load("fleet.json")
 if fleet:
     figures += fleet["figures"]

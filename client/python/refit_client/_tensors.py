@@ -141,7 +141,13 @@ def _from_torch(name: str, tensor: Any, dtype: Optional[str]) -> Source:
         return part.view(torch.uint8).numpy().tobytes()
 
     def copy_into(dst: np.ndarray) -> None:
-        torch.from_numpy(dst).copy_(flat.view(torch.uint8))
+        if flat.device.type == "cpu":
+            # One plain memcpy: torch's copy_ would spread it over its
+            # intra-op threads, which then spin (CPU time the daemon, on
+            # the same host, could have used).
+            np.copyto(dst, flat.view(torch.uint8).numpy())
+        else:
+            torch.from_numpy(dst).copy_(flat.view(torch.uint8))
 
     return Source(
         name,

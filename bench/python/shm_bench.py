@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""shm_bench: the shared-memory trainer lane (push(..., lane="shm"),
+Chunk.region) against references measured in the same run.
+
+Starts one refitd on a Unix socket serving --model_dir (host memory, FP8
+per-tensor) and times, interleaved over --reps repetitions (medians), a full
+refit (FP8, commit) of the whole checkpoint pushed by the Python client:
+
+  shm_copy    lane="shm" from ordinary (private) tensors: each is copied once
+              into the client's sealed staging memfd, which refitd maps and
+              ingests in place
+  shm_shared  lane="shm" from tensors already in shared memory
+              (share_memory_()): no client copy; refitd reads them with pread
+              (torch's /dev/shm files cannot be sealed)
+  grpc        lane="grpc": the same bytes carried in the Push messages
+              (XXH3 per chunk, as push() does by default)
+  memcpy      one memcpy of a buffer of the checkpoint's size (numpy copyto,
+              one thread)
+
+and, for each lane, the CPU seconds per GiB refitd spent (utime + stime
+from /proc) and the client spent (process_time): on a shared machine the
+wall-clock ratios follow the load, the CPU per GiB does not.
+
+Pushes alternate the checkpoint and a perturbed copy, so every commit
+changes the bytes. Prints {"figures": [...], "series": {...}} on stdout (the
+format scripts/bench.sh merges) and the figures on stderr.
+
+    .venv/bin/python bench/python/shm_bench.py --model_dir DIR \\
+        --refitd build/bin/refitd --reps 5
+    .venv/bin/python bench/python/shm_bench.py --quick     # the 119 MiB model, 2 reps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "client" / "python"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from refit_client import RefitClient  # noqa: E402
+
+
+def figure(name, value, unit, ref_name, ref_value, target="", note=""):
+    ratio = value / ref_value if ref_value else 0.0
+    met = None
+    if target.startswith(">="):
+        met = ratio >= float(target[3:])
+    elif target.startswith("<="):
+        met = ratio <= float(target[3:])
+    d = {"name": name, "value": value, "unit": unit, "reference_name": ref_name,
+         "reference_value": ref_value, "ratio": ratio, "target": target or None, "met": met}
+    if note:
+        d["note"] = note
+    return d
+
+
+def start_refitd(refitd: str, model_dir: str, sock: str, log_path: str) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen([refitd, f"--model={model_dir}", f"--listen=unix:{sock}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+
+    def drain() -> None:
+        for line in proc.stderr:
+            log.write(line)
+
+    for line in proc.stderr:
+        log.write(line)
+        if "first version loaded; ready" in line:
+            threading.Thread(target=drain, daemon=True).start()
+            return proc
+    raise RuntimeError(f"refitd exited before it was ready (see {log_path})")
+
+
+def process_cpu(pid: int) -> float:
+    """utime + stime of `pid`, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load(model_dir: str) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: Dict[str, torch.Tensor] = {}
+    for f in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model_dir", default="")
+    parser.add_argument("--refitd", default=str(REPO / "build" / "bin" / "refitd"))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true",
+                        help="2 repetitions; the 119 MiB model when --model_dir is not given")
+    parser.add_argument("--workdir", default="")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.reps = min(args.reps, 2)
+        if not args.model_dir:
+            args.model_dir = str(REPO / "bench" / "results" / "tmp" / "model-l4")
+    if not args.model_dir:
+        args.model_dir = str(REPO / "bench" / "results" / "tmp" / "model-l47")
+
+    work = args.workdir or tempfile.mkdtemp(prefix="rfm-", dir="/tmp")
+    os.makedirs(work, exist_ok=True)
+    sock = f"/tmp/rfm-{os.getpid()}.sock"
+    address = f"unix:{sock}"
+    weights = load(args.model_dir)
+    perturbed = {k: (v * 1.001 if v.is_floating_point() else v) for k, v in weights.items()}
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    shared = [{k: v.clone().share_memory_() for k, v in w.items()} for w in (weights, perturbed)]
+    private = [weights, perturbed]
+
+    series: Dict[str, List[float]] = {k: [] for k in (
+        "shm_copy_s", "shm_shared_s", "grpc_s", "memcpy_s", "shm_copy_receive_s",
+        "grpc_receive_s", "shm_copy_daemon_cpu_s", "shm_shared_daemon_cpu_s",
+        "grpc_daemon_cpu_s", "shm_copy_client_cpu_s", "shm_shared_client_cpu_s",
+        "grpc_client_cpu_s")}
+    proc = start_refitd(args.refitd, args.model_dir, sock, f"{work}/refitd-shm.log")
+    first_register_s = 0.0
+    try:
+        client = RefitClient(address, timeout=600)
+        # Warm-up: registers the staging region and the shared storages (once
+        # per client; later pushes reuse them) and faults every page in.
+        start = time.perf_counter()
+        client.push(shared[1], lane="shm")
+        first_register_s = time.perf_counter() - start
+        client.push(private[1], lane="shm")
+        client.push(private[0], lane="grpc")
+        src = np.ones(total, dtype=np.uint8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        k = 0
+        for _ in range(args.reps):
+            for kind in ("shm_copy", "grpc", "shm_shared"):
+                w = shared[k % 2] if kind == "shm_shared" else private[k % 2]
+                k += 1
+                daemon_cpu = process_cpu(proc.pid)
+                client_cpu = time.process_time()
+                start = time.perf_counter()
+                r = client.push(w, lane="grpc" if kind == "grpc" else "shm")
+                series[f"{kind}_s"].append(time.perf_counter() - start)
+                series[f"{kind}_daemon_cpu_s"].append(process_cpu(proc.pid) - daemon_cpu)
+                series[f"{kind}_client_cpu_s"].append(time.process_time() - client_cpu)
+                if kind == "shm_copy":
+                    series["shm_copy_receive_s"].append(r.timings.receive_seconds)
+                if kind == "grpc":
+                    series["grpc_receive_s"].append(r.timings.receive_seconds)
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            series["memcpy_s"].append(time.perf_counter() - start)
+        copied_shared = client._shm.last_copied_bytes if client._shm else -1
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        try:
+            os.unlink(sock)
+        except OSError:
+            pass
+
+    med = {k: statistics.median(v) if v else 0.0 for k, v in series.items()}
+    mib = total / (1 << 20)
+    gib = total / (1 << 30)
+
+    def gbps(seconds: float) -> float:
+        return total / seconds / 1e9 if seconds else 0.0
+
+    label = f"{mib:.0f} MiB bf16"
+    figures = [
+        figure(f"shm lane push, full refit (FP8 per-tensor, commit), private tensors, {label}",
+               gbps(med["shm_copy_s"]), "GB/s", "gRPC Push of the same tensors (Python client)",
+               gbps(med["grpc_s"]), ">= 3",
+               "one client copy into a sealed memfd, mapped by refitd"),
+        figure(f"shm lane push, full refit (FP8 per-tensor, commit), private tensors, {label}",
+               gbps(med["shm_copy_s"]), "GB/s", "memcpy of the same bytes (one thread)",
+               gbps(med["memcpy_s"]), ">= 0.5"),
+        figure(f"shm lane push, full refit, tensors in shared memory (share_memory_), {label}",
+               gbps(med["shm_shared_s"]), "GB/s", "gRPC Push of the same tensors (Python client)",
+               gbps(med["grpc_s"]), ">= 3",
+               f"no client copy ({copied_shared} bytes copied); refitd reads with pread"),
+        figure(f"shm lane push, full refit, tensors in shared memory (share_memory_), {label}",
+               gbps(med["shm_shared_s"]), "GB/s", "memcpy of the same bytes (one thread)",
+               gbps(med["memcpy_s"]), ">= 0.5"),
+        figure("refitd CPU per GiB, shm lane push (private tensors, mapped staging region)",
+               med["shm_copy_daemon_cpu_s"] / gib, "CPU s/GiB", "refitd CPU per GiB, gRPC Push",
+               med["grpc_daemon_cpu_s"] / gib, ""),
+        figure("refitd CPU per GiB, shm lane push (tensors in shared memory, pread)",
+               med["shm_shared_daemon_cpu_s"] / gib, "CPU s/GiB", "refitd CPU per GiB, gRPC Push",
+               med["grpc_daemon_cpu_s"] / gib, ""),
+        figure("client CPU per GiB, shm lane push (private tensors: one copy)",
+               med["shm_copy_client_cpu_s"] / gib, "CPU s/GiB", "client CPU per GiB, gRPC Push",
+               med["grpc_client_cpu_s"] / gib, ""),
+        figure("client CPU per GiB, shm lane push (tensors in shared memory)",
+               med["shm_shared_client_cpu_s"] / gib, "CPU s/GiB", "client CPU per GiB, gRPC Push",
+               med["grpc_client_cpu_s"] / gib, ""),
+        figure("first shm push of a client (registers every shared storage and the staging region)",
+               first_register_s, "s", "a later shm push of the same tensors",
+               med["shm_shared_s"], ""),
+    ]
+    for f in figures:
+        print(f"{f['name']}: {f['value']:.3f} {f['unit']} vs {f['reference_name']} "
+              f"{f['reference_value']:.3f} -> {f['ratio']:.3f} (target {f['target']}, met {f['met']})",
+              file=sys.stderr)
+    print(json.dumps({"figures": figures, "series": series, "bytes": total,
+                      "load": os.getloadavg()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

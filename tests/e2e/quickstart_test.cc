@@ -1,7 +1,8 @@
 // The README's Quickstart block, run with bash as a user pastes it: one block,
 // no pauses between the lines. Two things differ from a user's shell, both so
 // that the test is hermetic: it runs in a temp dir where build/ links to this
-// test's build directory (the block calls build/bin/...), and the block's
+// test's build directory (the block calls build/bin/...) and .venv and client/
+// link to the source tree's (the Python ends of the block), and the block's
 // /tmp/ paths (socket, weights) point into that temp dir. The block runs with
 // bash -e, in a process group of its own that is killed at the end, so a step
 // that fails does not leave the daemon behind.
@@ -50,6 +51,9 @@ TEST(QuickstartTest, TheReadmeBlockRunsAsPasted) {
   for (const char* bin : {"refitd", "refitctl", "refit_make_fixture"}) {
     if (!std::filesystem::exists(BinPath(bin))) GTEST_SKIP() << BinPath(bin) << " is not built";
   }
+  if (!std::filesystem::exists(REFIT_SOURCE_DIR "/.venv/bin/python")) {
+    GTEST_SKIP() << "no .venv (scripts/setup.sh makes it): the block runs the Python client";
+  }
   const std::string block = QuickstartBlock(ReadFileOrEmpty(REFIT_SOURCE_DIR "/README.md"));
   ASSERT_THAT(block, HasSubstr("refitd")) << "no Quickstart block in README.md";
 
@@ -57,6 +61,8 @@ TEST(QuickstartTest, TheReadmeBlockRunsAsPasted) {
   ASSERT_NE(::mkdtemp(pattern), nullptr);
   const std::string dir = pattern;
   std::filesystem::create_directory_symlink(BuildDir(), dir + "/build");
+  std::filesystem::create_directory_symlink(REFIT_SOURCE_DIR "/.venv", dir + "/.venv");
+  std::filesystem::create_directory_symlink(REFIT_SOURCE_DIR "/client", dir + "/client");
   std::ofstream(dir + "/quickstart.sh") << absl::StrReplaceAll(block, {{"/tmp/", dir + "/"}});
   // Runs the block and reports its exit status; whatever it left running is
   // killed with the group afterwards.
@@ -86,6 +92,8 @@ TEST(QuickstartTest, TheReadmeBlockRunsAsPasted) {
   EXPECT_THAT(out, HasSubstr("ready  SERVING"));
   EXPECT_THAT(out, HasSubstr("\"version\": 2"));
   EXPECT_THAT(out, HasSubstr("verify: OK"));
+  EXPECT_THAT(out, HasSubstr("over the shm lane: version 2"));
+  EXPECT_THAT(err, HasSubstr("attached e-1: version 2"));
   // The daemon was stopped by the block itself, and cleanly.
   EXPECT_THAT(err, HasSubstr("refitd stopped"));
   if (!::testing::Test::HasFailure()) {

@@ -12,6 +12,9 @@ refit (FP8, commit) of the whole checkpoint pushed by the Python client:
   shm_shared  lane="shm" from tensors already in shared memory
               (share_memory_()): no client copy; refitd reads them with pread
               (torch's /dev/shm files cannot be sealed)
+  shm_arena   lane="shm" from refit_client.shared_tensors() (a trainer that
+              keeps its weights in the client's sealed memfd): no copy on
+              either side but refitd's own staging
   grpc        lane="grpc": the same bytes carried in the Push messages
               (XXH3 per chunk, as push() does by default)
   memcpy      one memcpy of a buffer of the checkpoint's size (numpy copyto,
@@ -50,7 +53,7 @@ sys.path.insert(0, str(REPO / "client" / "python"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from refit_client import RefitClient  # noqa: E402
+from refit_client import RefitClient, shared_tensors  # noqa: E402
 
 
 def figure(name, value, unit, ref_name, ref_value, target="", note=""):
@@ -126,11 +129,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     total = sum(t.numel() * t.element_size() for t in weights.values())
     shared = [{k: v.clone().share_memory_() for k, v in w.items()} for w in (weights, perturbed)]
     private = [weights, perturbed]
+    arenas = [shared_tensors(w) for w in (weights, perturbed)]
 
     series: Dict[str, List[float]] = {k: [] for k in (
-        "shm_copy_s", "shm_shared_s", "grpc_s", "memcpy_s", "shm_copy_receive_s",
-        "grpc_receive_s", "shm_copy_daemon_cpu_s", "shm_shared_daemon_cpu_s",
-        "grpc_daemon_cpu_s", "shm_copy_client_cpu_s", "shm_shared_client_cpu_s",
+        "shm_copy_s", "shm_shared_s", "shm_arena_s", "grpc_s", "memcpy_s",
+        "shm_copy_receive_s", "grpc_receive_s", "shm_copy_daemon_cpu_s",
+        "shm_shared_daemon_cpu_s", "shm_arena_daemon_cpu_s", "grpc_daemon_cpu_s",
+        "shm_copy_client_cpu_s", "shm_shared_client_cpu_s", "shm_arena_client_cpu_s",
         "grpc_client_cpu_s")}
     proc = start_refitd(args.refitd, args.model_dir, sock, f"{work}/refitd-shm.log")
     first_register_s = 0.0
@@ -142,14 +147,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         client.push(shared[1], lane="shm")
         first_register_s = time.perf_counter() - start
         client.push(private[1], lane="shm")
+        client.push(arenas[1], lane="shm")
         client.push(private[0], lane="grpc")
         src = np.ones(total, dtype=np.uint8)
         dst = np.empty_like(src)
         np.copyto(dst, src)
         k = 0
         for _ in range(args.reps):
-            for kind in ("shm_copy", "grpc", "shm_shared"):
-                w = shared[k % 2] if kind == "shm_shared" else private[k % 2]
+            for kind in ("shm_copy", "grpc", "shm_shared", "shm_arena"):
+                w = {"shm_shared": shared, "shm_arena": arenas}.get(kind, private)[k % 2]
                 k += 1
                 daemon_cpu = process_cpu(proc.pid)
                 client_cpu = time.process_time()
@@ -198,6 +204,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         figure(f"shm lane push, full refit, tensors in shared memory (share_memory_), {label}",
                gbps(med["shm_shared_s"]), "GB/s", "memcpy of the same bytes (one thread)",
                gbps(med["memcpy_s"]), ">= 0.5"),
+        figure(f"shm lane push, full refit, tensors from shared_tensors() (sealed memfd), {label}",
+               gbps(med["shm_arena_s"]), "GB/s", "gRPC Push of the same tensors (Python client)",
+               gbps(med["grpc_s"]), ">= 3", "no client copy; refitd maps the memfd"),
+        figure(f"shm lane push, full refit, tensors from shared_tensors() (sealed memfd), {label}",
+               gbps(med["shm_arena_s"]), "GB/s", "memcpy of the same bytes (one thread)",
+               gbps(med["memcpy_s"]), ">= 0.5"),
+        figure("refitd CPU per GiB, shm lane push (shared_tensors(), mapped)",
+               med["shm_arena_daemon_cpu_s"] / gib, "CPU s/GiB", "refitd CPU per GiB, gRPC Push",
+               med["grpc_daemon_cpu_s"] / gib, ""),
         figure("refitd CPU per GiB, shm lane push (private tensors, mapped staging region)",
                med["shm_copy_daemon_cpu_s"] / gib, "CPU s/GiB", "refitd CPU per GiB, gRPC Push",
                med["grpc_daemon_cpu_s"] / gib, ""),

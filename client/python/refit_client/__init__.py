@@ -13,6 +13,7 @@ from ._attach import AttachedEngine, EngineEvent, attach
 from ._client import DEFAULT_CHUNK_BYTES, EventStream, Refit, RefitClient, Tls
 from ._fleet import FleetClient, FleetMemberResult, FleetRefitResult
 from ._progress import TqdmProgress
+from ._shm import shared_tensors
 from ._tensors import TensorData, bf16
 from .errors import (
     AlreadyExists,
@@ -61,6 +62,7 @@ __all__ = [
     "EventStream",
     "TensorData",
     "bf16",
+    "shared_tensors",
     "DEFAULT_CHUNK_BYTES",
     "RefitError",
     "RefitConflict",

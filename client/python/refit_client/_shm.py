@@ -13,11 +13,16 @@ descriptor socket with SCM_RIGHTS.
   point into it. Such a descriptor (a /dev/shm file) cannot be sealed, so
   the daemon reads it with pread: one copy on the daemon's side, and a
   storage truncated under a refit fails that refit.
+- Tensors made by shared_tensors() live in a memfd sealed against shrinking
+  that the client registers once: no copy anywhere but the daemon's own
+  staging (the daemon maps it). A trainer that keeps its weights there
+  (copies each update into them, or trains them in place) pushes with no
+  copy at all.
 - Every other tensor is copied once into the client's staging region, a
-  memfd sealed against shrinking (F_SEAL_SHRINK | F_SEAL_GROW), which the
-  daemon maps and ingests in place. The staging region is reused by later
-  pushes (grown when a push needs more) and costs host memory of the size
-  of those tensors while the client lives.
+  memfd sealed the same way, which the daemon maps and ingests in place.
+  The staging region is reused by later pushes (grown when a push needs
+  more) and costs host memory of the size of those tensors while the
+  client lives.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import mmap
 import os
 import socket
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import grpc
 import numpy as np
@@ -147,6 +153,73 @@ class Staging:
         os.close(self.fd)
 
 
+class _Arena:
+    """The sealed memfd behind shared_tensors()' tensors (kept alive by them)."""
+
+    def __init__(self, size: int) -> None:
+        import torch
+
+        self.staging = Staging(max(size, 1))
+        self.bytes = torch.frombuffer(self.staging.map, dtype=torch.uint8)
+        self.base = self.bytes.data_ptr()
+        self.size = self.staging.size
+
+    def __del__(self) -> None:
+        try:
+            del self.bytes
+            self.staging.close()
+        except Exception:
+            pass
+
+
+_ARENAS: "weakref.WeakSet[_Arena]" = weakref.WeakSet()
+_ARENAS_LOCK = threading.Lock()
+
+
+def shared_tensors(
+    tensors: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
+) -> Dict[str, Any]:
+    """Copies torch tensors (a state_dict) once into one memfd sealed against
+    shrinking and returns CPU tensors of the same names, dtypes and shapes
+    that view it (contiguous, 256-byte aligned). push(..., lane="shm") sends
+    such tensors with no copy: the client registers the memfd once and
+    refitd maps it and ingests straight from it. Keep a trainer's weights
+    there (``shared[name].copy_(param)`` after each step, or train them in
+    place) and every push is copy-free on the trainer's side. The memory
+    lives as long as any of the returned tensors (or a view of them)."""
+    import torch
+
+    items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+    total = sum(_aligned(t.numel() * t.element_size()) for _, t in items)
+    arena = _Arena(total)
+    out: Dict[str, Any] = {}
+    offset = 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        view = arena.bytes[offset : offset + n].view(t.dtype).view(t.shape)
+        view.copy_(t.detach())
+        view._refit_arena = arena  # keeps the memfd while the tensor lives
+        out[name] = view
+        offset += _aligned(n)
+    with _ARENAS_LOCK:
+        _ARENAS.add(arena)
+    return out
+
+
+def _arena_of(src: _tensors.Source) -> Optional[Tuple[_Arena, int]]:
+    """The shared_tensors() arena holding the tensor, and its offset there."""
+    t = src.tensor
+    if t is None or t.device.type != "cpu":
+        return None
+    ptr = t.data_ptr()
+    with _ARENAS_LOCK:
+        arenas = list(_ARENAS)
+    for arena in arenas:
+        if arena.base <= ptr and ptr + src.nbytes <= arena.base + arena.size:
+            return arena, ptr - arena.base
+    return None
+
+
 class ShmLane:
     """A client's registered regions (thread-safe; one push at a time uses
     the staging region, which push() ensures by holding the lock)."""
@@ -196,6 +269,12 @@ class ShmLane:
         placed: List[Tuple[_tensors.Source, Optional[Lease], int, bool]] = []
         staging_bytes = 0
         for src in sources:
+            in_arena = _arena_of(src)
+            if in_arena is not None:
+                arena, offset = in_arena
+                lease = self._shared_lease(arena, arena.staging.fd, arena.size)
+                placed.append((src, lease, offset, False))
+                continue
             shared = _shared_storage(src)
             if shared is not None:
                 storage, fd, offset, size = shared

@@ -22,6 +22,7 @@ from refit_client import (
     OutOfRange,
     PermissionDenied,
     RefitClient,
+    shared_tensors,
 )
 from refit_client import _shm
 
@@ -70,6 +71,24 @@ def test_tensors_in_shared_memory_go_without_a_client_copy(client, daemon, seed2
     count = len(client._shm.regions())
     client.push(shared, lane="shm")
     assert len(client._shm.regions()) == count
+
+
+def test_shared_tensors_are_one_sealed_mapped_region_and_go_without_any_copy(
+    client, daemon, seed2
+):
+    expected = client.push(seed2, lane="grpc").fingerprint
+    shared = shared_tensors(seed2)
+    assert all(torch.equal(shared[k], v) for k, v in seed2.items())
+    result = client.push(shared, lane="shm")
+    assert result.fingerprint == expected
+    assert client._shm.last_copied_bytes == 0
+    assert [r.access for r in client._shm.regions()] == ["mapped"]
+    # The trainer updates its weights in place; the next push sends them.
+    for k, v in shared.items():
+        v.mul_(0)
+    zero = client.push(shared, lane="shm", non_finite="vllm")
+    assert zero.fingerprint != expected
+    assert len(client._shm.regions()) == 1
 
 
 def test_offset_past_the_region_is_out_of_range_and_nothing_changes(client, daemon, seed2):

@@ -65,6 +65,11 @@ class Lease:
         self.size = size
         self.access = access
 
+    def alive(self) -> bool:
+        """False once the lease ended (released, or the daemon went away:
+        a restarted daemon knows none of the old regions)."""
+        return self._call.is_active()
+
     def release(self) -> None:
         self._call.cancel()
 
@@ -248,7 +253,7 @@ class ShmLane:
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         hit = self._shared.get(key)
-        if hit is not None and hit[0].size >= size:
+        if hit is not None and hit[0].size >= size and hit[0].alive():
             self._shared.move_to_end(key)
             return hit[0]
         if hit is not None:
@@ -290,7 +295,12 @@ class ShmLane:
         return out
 
     def _ensure_staging(self, size: int) -> None:
-        if self._staging is not None and self._staging.size >= size:
+        if (
+            self._staging is not None
+            and self._staging.size >= size
+            and self._staging_lease is not None
+            and self._staging_lease.alive()
+        ):
             return
         self.drop_staging()
         staging = Staging(size)

@@ -59,6 +59,16 @@ def test_shm_push_commits_the_fingerprint_of_a_grpc_push(client, daemon, seed2):
     assert client.shm_fallback_reason is None
 
 
+def test_a_lease_that_ended_is_registered_again(client, daemon, seed2):
+    first = client.push(seed2, lane="shm")
+    lease = client._shm.regions()[0]
+    lease.release()  # as when the daemon restarted: the region is gone there
+    daemon.wait_for_line("region released")
+    again = client.push(seed2, lane="shm")
+    assert again.fingerprint == first.fingerprint
+    assert client._shm.regions()[0].region_id != lease.region_id
+
+
 def test_tensors_in_shared_memory_go_without_a_client_copy(client, daemon, seed2):
     expected = client.push(seed2, lane="grpc").fingerprint
     shared = {k: v.clone().share_memory_() for k, v in seed2.items()}

@@ -62,6 +62,9 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 # a push's CPU in Python. bench/python/push_bench.py measures it.
 DEFAULT_BUCKET_BYTES = 4 << 20
 DEFAULT_TIMEOUT = 30.0
+# push(lane="auto") takes the shared-memory lane only when it copies at most
+# this many bytes into the client's staging region (which stays allocated).
+DEFAULT_SHM_STAGING_LIMIT = 4 << 30
 _MAX_MESSAGE_BYTES = 256 << 20
 # Messages a refit may have queued for gRPC's sender: bounds the client's
 # memory to about (depth + 1) buckets whatever the model's size.
@@ -625,7 +628,9 @@ class RefitClient:
     on every call but health. ``tls`` is a Tls (or True: TLS with the system
     roots). ``timeout`` is the deadline, in seconds, of each read-only and
     unary call (status, tensors, read, health, commit, abort); pushes and
-    reloads have none unless given one per call.
+    reloads have none unless given one per call. ``shm_staging_limit``: the
+    most bytes push(lane="auto") copies into the shared-memory lane's staging
+    region (a larger push goes over gRPC, streamed with bounded memory).
 
     Read-only calls wait for the daemon to be reachable (wait_for_ready) up
     to their deadline, so they ride out a daemon restart; an unreachable
@@ -646,6 +651,7 @@ class RefitClient:
         tls: Union[Tls, bool, None] = None,
         *,
         timeout: Optional[float] = DEFAULT_TIMEOUT,
+        shm_staging_limit: int = DEFAULT_SHM_STAGING_LIMIT,
     ) -> None:
         if not address:
             raise InvalidArgument("empty daemon address")
@@ -688,6 +694,7 @@ class RefitClient:
         self._shm: Optional[_shm.ShmLane] = None
         self._shm_lock = threading.Lock()
         self._shm_auto = address.startswith("unix:")
+        self._shm_staging_limit = shm_staging_limit
         # Why push(lane="auto") last fell back to gRPC, or None.
         self.shm_fallback_reason: Optional[str] = None
         # Push with requests encoded by Refit itself: building a PushRequest
@@ -857,9 +864,10 @@ class RefitClient:
         memory (``share_memory_()``) go with no copy, the others are copied
         once into the client's staging region; checksums do not apply.
         "grpc" carries the bytes in the messages. "auto" (the default) is
-        "shm" on a ``unix:`` address with one stream and falls back to
-        "grpc" when the daemon refuses the region (``shm_fallback_reason``
-        says why); "grpc" otherwise.
+        "shm" on a ``unix:`` address with one stream unless the tensors to
+        copy exceed the client's ``shm_staging_limit`` (default 4 GiB), and
+        falls back to "grpc" when the daemon refuses the region
+        (``shm_fallback_reason`` says why); "grpc" otherwise.
 
         Never retried. Raises: InvalidArgument (a tensor this client cannot
         send, or one the daemon refuses), RefitConflict (another refit is
@@ -890,6 +898,7 @@ class RefitClient:
                     progress=progress,
                     timeout=timeout,
                     refit_id=refit_id,
+                    explicit=lane == "shm",
                 )
             except _ShmRefused as refused:
                 if lane == "shm":
@@ -959,6 +968,7 @@ class RefitClient:
         progress: Union[None, str, Callable[[PushProgress], None]],
         timeout: Optional[float],
         refit_id: str,
+        explicit: bool,
     ) -> RefitResult:
         """push() over the shared-memory lane: the regions first (a refusal
         there is _ShmRefused, before any refit began), then one Push whose
@@ -970,7 +980,7 @@ class RefitClient:
         lane = self._shm_lane()
         with lane.lock:
             try:
-                plan = lane.plan(sources)
+                plan = lane.plan(sources, None if explicit else self._shm_staging_limit)
             except RefitError as e:
                 raise _ShmRefused(e) from None
             r = self.refit(

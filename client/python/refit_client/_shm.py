@@ -42,7 +42,7 @@ import numpy as np
 from . import _tensors
 from ._proto import region_pb2 as rpb
 from ._proto import region_pb2_grpc as rpb_grpc
-from .errors import RefitError, from_rpc_error
+from .errors import RefitError, ResourceExhausted, from_rpc_error
 
 _ALIGN = 256
 # Shared storages registered per client; the oldest is dropped beyond this.
@@ -267,10 +267,23 @@ class ShmLane:
         return self._shared[key][0]
 
     def plan(
-        self, sources: List[_tensors.Source]
+        self, sources: List[_tensors.Source], staging_limit: Optional[int] = None
     ) -> List[Tuple[_tensors.Source, Lease, int, bool]]:
         """Each tensor's region and offset, and whether it must be copied
-        into the staging region first. Registers what is new."""
+        into the staging region first. Registers what is new. With
+        `staging_limit`, a push that would need a larger staging region is
+        ResourceExhausted before anything is registered."""
+        if staging_limit is not None:
+            need = sum(
+                _aligned(src.nbytes)
+                for src in sources
+                if _arena_of(src) is None and _shared_storage(src) is None
+            )
+            if need > staging_limit:
+                raise ResourceExhausted(
+                    f"the shared-memory lane would copy {need} bytes into its staging region, "
+                    f"more than shm_staging_limit {staging_limit}"
+                )
         placed: List[Tuple[_tensors.Source, Optional[Lease], int, bool]] = []
         staging_bytes = 0
         for src in sources:

@@ -59,6 +59,20 @@ def test_shm_push_commits_the_fingerprint_of_a_grpc_push(client, daemon, seed2):
     assert client.shm_fallback_reason is None
 
 
+def test_auto_goes_over_grpc_when_the_staging_copy_exceeds_the_limit(daemon, seed2):
+    with RefitClient(daemon.address, shm_staging_limit=1 << 10) as c:
+        grpc_result = c.push(seed2)
+        assert "more than shm_staging_limit 1024" in c.shm_fallback_reason
+        assert c._shm.regions() == []
+        # Tensors already shared need no staging: auto takes the lane.
+        c.shm_fallback_reason = None
+        c.push({k: v.clone().share_memory_() for k, v in seed2.items()})
+        assert c.shm_fallback_reason is None
+        assert {r.access for r in c._shm.regions()} == {"pread"}
+        # An explicit lane="shm" stages whatever it needs.
+        assert c.push(seed2, lane="shm").fingerprint == grpc_result.fingerprint
+
+
 def test_a_lease_that_ended_is_registered_again(client, daemon, seed2):
     first = client.push(seed2, lane="shm")
     lease = client._shm.regions()[0]

@@ -29,11 +29,10 @@ class HostLayerProcessor final : public LayerProcessor {
     absl::Status Quantize(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols, int k,
                           int s) override {
       const KernelSpec& weight = spec_.kernels[k];
-      absl::StatusOr<StagingBuffer> q =
-          StagingBuffer::HostUninitialized(weight.nbytes(), weight.name);
+      absl::StatusOr<StagingBuffer> q = StagingBuffer::HostPooled(weight.nbytes(), weight.name);
       if (!q.ok()) return q.status();
       absl::StatusOr<StagingBuffer> scales =
-          StagingBuffer::HostUninitialized(spec_.kernels[s].nbytes(), weight.name);
+          StagingBuffer::HostPooled(spec_.kernels[s].nbytes(), weight.name);
       if (!scales.ok()) return scales.status();
       Fp8QuantizeOptions qopts;
       qopts.scheme = processor_.layout_.quant();
@@ -93,7 +92,7 @@ class HostLayerProcessor final : public LayerProcessor {
     absl::Status Allocate(int k) {
       if (!kernels_[k].empty() || spec_.kernels[k].nbytes() == 0) return absl::OkStatus();
       absl::StatusOr<StagingBuffer> buffer =
-          StagingBuffer::HostUninitialized(spec_.kernels[k].nbytes(), spec_.kernels[k].name);
+          StagingBuffer::HostPooled(spec_.kernels[k].nbytes(), spec_.kernels[k].name);
       if (!buffer.ok()) return buffer.status();
       kernels_[k] = *std::move(buffer);
       return absl::OkStatus();

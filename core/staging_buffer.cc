@@ -25,6 +25,20 @@ class HostPool {
 
   // A block of at least `size` bytes and its capacity; {nullptr, 0} when
   // the allocation fails.
+  // Whether pooling is on (SetHostPoolIdle).
+  bool enabled() {
+    absl::MutexLock lock(&mu_);
+    return idle_ > absl::ZeroDuration();
+  }
+
+  void SetIdle(absl::Duration idle) {
+    {
+      absl::MutexLock lock(&mu_);
+      idle_ = idle;
+    }
+    if (idle <= absl::ZeroDuration()) Trim(absl::InfiniteFuture());
+  }
+
   std::pair<void*, int64_t> Take(int64_t size) {
     {
       absl::MutexLock lock(&mu_);
@@ -55,7 +69,7 @@ class HostPool {
       absl::MutexLock lock(&mu_);
       last_use_ = absl::Now();
       in_use_bytes_ -= capacity;
-      if (pooled_bytes_ + capacity <= high_water_bytes_) {
+      if (idle_ > absl::ZeroDuration() && pooled_bytes_ + capacity <= high_water_bytes_) {
         free_.emplace(capacity, data);
         pooled_bytes_ += capacity;
         return;
@@ -68,7 +82,7 @@ class HostPool {
     std::multimap<int64_t, void*> freed;
     {
       absl::MutexLock lock(&mu_);
-      if (free_.empty() || now - last_use_ < StagingBuffer::kPoolIdleTrim) return 0;
+      if (free_.empty() || (idle_ > absl::ZeroDuration() && now - last_use_ < idle_)) return 0;
       freed.swap(free_);
       pooled_bytes_ = 0;
       // The next burst sets its own high-water mark.
@@ -101,7 +115,12 @@ class HostPool {
     trimmer_started_ = true;
     std::thread([this] {
       while (true) {
-        absl::SleepFor(StagingBuffer::kPoolIdleTrim / 2);
+        absl::Duration idle;
+        {
+          absl::MutexLock lock(&mu_);
+          idle = idle_;
+        }
+        absl::SleepFor(std::max(idle / 2, absl::Seconds(1)));
         Trim(absl::Now());
       }
     }).detach();
@@ -115,6 +134,7 @@ class HostPool {
   int64_t reused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t allocated_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_use_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Duration idle_ ABSL_GUARDED_BY(mu_) = StagingBuffer::kDefaultPoolIdle;
   bool trimmer_started_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -124,7 +144,7 @@ absl::StatusOr<StagingBuffer> AllocateHost(int64_t size, absl::string_view what,
     return absl::InvalidArgumentError(absl::StrCat("negative staging size ", size, " for ", what));
   }
   if (size == 0) return StagingBuffer();
-  if (pooled && size >= StagingBuffer::kPoolMinBytes) {
+  if (pooled && size >= StagingBuffer::kPoolMinBytes && HostPool::Get().enabled()) {
     auto [block, capacity] = HostPool::Get().Take(size);
     if (block == nullptr) {
       return absl::ResourceExhaustedError(
@@ -191,5 +211,7 @@ absl::StatusOr<StagingBuffer> StagingBuffer::HostPooled(int64_t size, absl::stri
 StagingBuffer::PoolStats StagingBuffer::HostPoolStats() { return HostPool::Get().Stats(); }
 
 int64_t StagingBuffer::TrimHostPool(absl::Time now) { return HostPool::Get().Trim(now); }
+
+void StagingBuffer::SetHostPoolIdle(absl::Duration idle) { HostPool::Get().SetIdle(idle); }
 
 }  // namespace refit::core

@@ -43,22 +43,26 @@ class StagingBuffer {
   // Errors as HostZeroed.
   static absl::StatusOr<StagingBuffer> HostUninitialized(int64_t size, absl::string_view what);
   // As HostUninitialized, from the host staging pool (below) when `size` is
-  // at least kPoolMinBytes: for a layer's high-precision params while it is
-  // assembled, whose buffers every refit needs again in the same sizes.
+  // at least kPoolMinBytes: for what every refit needs again in the same
+  // sizes — a layer's high-precision params while it is assembled, and the
+  // kernels made from them until commit.
   static absl::StatusOr<StagingBuffer> HostPooled(int64_t size, absl::string_view what);
 
-  // The host staging pool. A refit stages every layer's params in buffers of
-  // the same few sizes, and a fresh allocation of that size costs a page fault
+  // The host staging pool. A refit stages every layer in buffers of the same
+  // few sizes, and a fresh allocation of that size costs a page fault
   // and a kernel zeroing per 4 KiB page (measured: it doubled the daemon's
   // CPU per refit when staging was returned to the system after each one).
   // Released buffers are therefore kept, process-wide, and handed out again
   // for a request of their size (best fit, at most 1/8 larger). Bounds: the
   // pool never holds more bytes than the most that were in use at once (its
   // high-water mark; a buffer that would exceed it is freed instead), and a
-  // pool not used for kPoolIdleTrim is emptied by a background thread, so an
-  // idle daemon holds no staging.
+  // pool not used for its idle period (kDefaultPoolIdle unless set) is
+  // emptied by a background thread, so an idle daemon holds no staging.
   static constexpr int64_t kPoolMinBytes = int64_t{1} << 20;
-  static constexpr absl::Duration kPoolIdleTrim = absl::Seconds(30);
+  static constexpr absl::Duration kDefaultPoolIdle = absl::Seconds(30);
+  // Sets the idle period; zero (or negative) turns pooling off: HostPooled
+  // then allocates like HostUninitialized, and what the pool holds is freed.
+  static void SetHostPoolIdle(absl::Duration idle);
   struct PoolStats {
     int64_t pooled_bytes = 0;  // released buffers kept for reuse
     int64_t in_use_bytes = 0;  // pooled-size buffers handed out
@@ -68,7 +72,7 @@ class StagingBuffer {
   };
   static PoolStats HostPoolStats();
   // Frees the pooled buffers when the pool was last used before
-  // `now - kPoolIdleTrim` (what the background thread does); returns the
+  // `now - idle period` (what the background thread does); returns the
   // bytes freed.
   static int64_t TrimHostPool(absl::Time now);
 

@@ -27,6 +27,7 @@
 #include "core/log.h"
 #include "core/runtime_info.h"
 #include "core/snapshot.h"
+#include "core/staging_buffer.h"
 #include "core/version.h"
 #include "server/fleet_member.h"
 #include "server/refit_server.h"
@@ -74,6 +75,10 @@ ABSL_FLAG(bool, host_staging, false,
 ABSL_FLAG(std::string, max_chunk_bytes, "64MiB",
           "Largest chunk payload in one Push message (K/M/G suffixes); gRPC's receive limit is "
           "this plus 1 MiB.");
+ABSL_FLAG(absl::Duration, staging_pool_idle, absl::Seconds(30),
+          "Host staging buffers (layer params, FP8 kernels before commit) are kept for reuse by "
+          "the next refit and freed once unused for this long; 0 frees them after every refit "
+          "(no pool)");
 ABSL_FLAG(absl::Duration, push_idle_timeout, absl::Seconds(60),
           "A Push stream that sends nothing for this long is aborted (DEADLINE_EXCEEDED).");
 ABSL_FLAG(absl::Duration, prepared_timeout, absl::Minutes(10),
@@ -283,6 +288,11 @@ int main(int argc, char** argv) {
   if (!max_chunk.ok()) return UsageError(max_chunk.status());
   options.max_chunk_bytes = *max_chunk;
   options.push_idle_timeout = absl::GetFlag(FLAGS_push_idle_timeout);
+  if (absl::GetFlag(FLAGS_staging_pool_idle) < absl::ZeroDuration()) {
+    return UsageError(absl::InvalidArgumentError("--staging-pool-idle must be >= 0"));
+  }
+  // Process-wide: the refits of every group stage from one pool.
+  refit::core::StagingBuffer::SetHostPoolIdle(absl::GetFlag(FLAGS_staging_pool_idle));
   options.prepared_timeout = absl::GetFlag(FLAGS_prepared_timeout);
   options.refit_timeout = absl::GetFlag(FLAGS_refit_timeout);
   options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);

@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "core/log.h"
+#include "core/staging_buffer.h"
 #include "core/version.h"
 
 namespace refit::server {
@@ -140,6 +141,20 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
       "# HELP refitd_last_commit_pause_seconds Readers' pause during the last commit.\n"
       "# TYPE refitd_last_commit_pause_seconds gauge\n";
   absl::StrAppend(&out, "refitd_last_commit_pause_seconds ", Num(last_commit_pause_), "\n");
+  const core::StagingBuffer::PoolStats pool = core::StagingBuffer::HostPoolStats();
+  absl::StrAppend(
+      &out,
+      "# HELP refitd_staging_pool_bytes Host staging kept for the next refit (freed after "
+      "--staging-pool-idle unused).\n"
+      "# TYPE refitd_staging_pool_bytes gauge\n"
+      "refitd_staging_pool_bytes ",
+      pool.pooled_bytes,
+      "\n"
+      "# HELP refitd_staging_pool_reused_total Staging buffers taken from the pool instead of "
+      "allocated.\n"
+      "# TYPE refitd_staging_pool_reused_total counter\n"
+      "refitd_staging_pool_reused_total ",
+      pool.reused, "\n");
   out +=
       "# HELP refitd_attached_engines Engines attached to the model group's arena.\n"
       "# TYPE refitd_attached_engines gauge\n";

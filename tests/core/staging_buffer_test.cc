@@ -263,9 +263,30 @@ TEST(StagingBufferPoolTest, ReleasedBuffersAreReusedBoundedAndTrimmedWhenIdle) {
   // Used just now: not idle, nothing trimmed; idle long enough: all freed.
   EXPECT_EQ(StagingBuffer::TrimHostPool(absl::Now()), 0);
   EXPECT_EQ(
-      StagingBuffer::TrimHostPool(absl::Now() + StagingBuffer::kPoolIdleTrim + absl::Seconds(1)),
+      StagingBuffer::TrimHostPool(absl::Now() + StagingBuffer::kDefaultPoolIdle + absl::Seconds(1)),
       kLayer + kLayer / 2);
   EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, 0);
+}
+
+// Pooling off (an idle period of zero): nothing is kept, and what was kept
+// is freed at once.
+TEST(StagingBufferPoolTest, IdlePeriodZeroTurnsPoolingOff) {
+  constexpr int64_t kLayer = int64_t{2} << 20;
+  StagingBuffer::TrimHostPool(absl::InfiniteFuture());
+  { ASSERT_TRUE(StagingBuffer::HostPooled(kLayer, "layer 0").ok()); }
+  EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, kLayer);
+  StagingBuffer::SetHostPoolIdle(absl::ZeroDuration());
+  EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, 0);
+  const int64_t reused = StagingBuffer::HostPoolStats().reused;
+  {
+    absl::StatusOr<StagingBuffer> a = StagingBuffer::HostPooled(kLayer, "layer 1");
+    ASSERT_TRUE(a.ok()) << a.status();
+  }
+  EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, 0);
+  EXPECT_EQ(StagingBuffer::HostPoolStats().reused, reused);
+  StagingBuffer::SetHostPoolIdle(StagingBuffer::kDefaultPoolIdle);
+  { ASSERT_TRUE(StagingBuffer::HostPooled(kLayer, "layer 2").ok()); }
+  EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, kLayer);
 }
 
 }  // namespace

@@ -557,6 +557,57 @@ TEST_F(RefitdE2eTest, MetricsAreScrapedAndParsed) {
   EXPECT_TRUE(samples.count("refitd_last_commit_pause_seconds"));
 }
 
+// The second refit stages in the buffers the first one released (the host
+// staging pool), the same with the pool off; either way every kernel equals
+// the local quantization of what was pushed last. The model is large enough
+// (5.5 MiB MLP weights) for its staging to be pooled, which /metrics shows.
+// A negative idle period is refused at start-up.
+TEST_F(RefitdE2eTest, RefitsThatReuseStagingServeExactlyTheLastPush) {
+  auto model = [&](int seed) {
+    std::string out = Path(absl::StrCat("wide-", seed));
+    auto child = Child::Start(
+        {BinPath("refit_make_fixture"), "--out=" + out, absl::StrCat("--seed=", seed), "--layers=2",
+         "--hidden=1024", "--intermediate=2816", "--heads=8", "--kv_heads=2", "--vocab=2048"},
+        Path("wide.out"), Path("wide.err"));
+    EXPECT_EQ(child->Wait(), 0) << child->Stderr();
+    return out;
+  };
+  const std::string first = model(1), second = model(2), third = model(3);
+  for (std::string pool : {"--staging-pool-idle=30s", "--staging-pool-idle=0"}) {
+    SCOPED_TRACE(pool);
+    StartDaemon({"--model=" + first, pool, "--metrics-listen=127.0.0.1:0"});
+    const std::string metrics = LoggedAddress("metrics at /metrics");
+    ASSERT_FALSE(metrics.empty()) << daemon_->Stderr();
+    for (const std::string& weights : {second, third, second}) {
+      CommandResult push = Ctl({"push", weights});
+      ASSERT_EQ(push.code, 0) << push.err;
+    }
+    CommandResult verify = Ctl({"verify", second});
+    EXPECT_EQ(verify.code, 0) << verify.out << verify.err;
+    EXPECT_THAT(verify.out, HasSubstr("0 mismatch"));
+    const std::string response = HttpGet(metrics, "/metrics");
+    const size_t body = response.find("\r\n\r\n");
+    ASSERT_NE(body, std::string::npos);
+    std::map<std::string, double> samples = ParseMetrics(response.substr(body + 4));
+    ASSERT_TRUE(samples.count("refitd_staging_pool_reused_total")) << response;
+    if (absl::StrContains(pool, "=0")) {
+      EXPECT_EQ(samples["refitd_staging_pool_reused_total"], 0.0);
+      EXPECT_EQ(samples["refitd_staging_pool_bytes"], 0.0);
+    } else {
+      EXPECT_GT(samples["refitd_staging_pool_reused_total"], 0.0);
+      EXPECT_GT(samples["refitd_staging_pool_bytes"], 0.0);
+    }
+    daemon_->Signal(SIGTERM);
+    EXPECT_EQ(daemon_->Wait(), std::optional<int>(0));
+  }
+  auto child = Child::Start({BinPath("refitd"), "--model=demo", "--staging-pool-idle=-1s"},
+                            Path("bad-pool.out"), Path("bad-pool.err"));
+  std::optional<int> code = child->Wait();
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 2);
+  EXPECT_THAT(child->Stderr(), HasSubstr("--staging-pool-idle must be >= 0"));
+}
+
 TEST_F(RefitdE2eTest, VersionsAreTheBuildsVersion) {
   for (const char* bin : {"refitd", "refitctl"}) {
     auto child = Child::Start({BinPath(bin), "--version"}, Path(absl::StrCat(bin, "-version.out")),

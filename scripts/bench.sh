@@ -17,6 +17,8 @@
 #                                       commit pause with vs without
 #   bench/python/shm_bench.py           the shared-memory lane (push(lane="shm")) vs the
 #                                       gRPC Push and a memcpy of the same bytes; CPU per GiB
+#   bench/python/attach_bench.py        an engine attached to the arena: attach + map, reading
+#                                       the kernels, Committed after the copy, engine pause
 #   bench/python/fleet_bench.py         a fleet refit of 4 daemons (real etcd) vs 4
 #                                       independent pushes; flip skew p50/p99
 # and writes bench/results/latest.json, bench/results/latest.md (the table),
@@ -114,6 +116,11 @@ rm -f "$TMP/shm.json"
 "$PY" bench/python/shm_bench.py --model_dir="$MODEL_DIR" --reps="$E2E_REPS" \
   --refitd="$BUILD_DIR/bin/refitd" --workdir="$WORK_DIR/shm" > "$TMP/shm.json" 2> "$TMP/shm.log" \
   || { log "shm_bench.py failed (see $TMP/shm.log)"; status=1; }
+log "attach_bench.py (an engine attached to the arena: attach + map, reads, Committed, pause; $E2E_REPS repetitions)"
+rm -f "$TMP/attach.json"
+"$PY" bench/python/attach_bench.py --model_dir="$MODEL_DIR" --reps="$E2E_REPS" \
+  --refitd="$BUILD_DIR/bin/refitd" > "$TMP/attach.json" 2> "$TMP/attach.log" \
+  || { log "attach_bench.py failed (see $TMP/attach.log)"; status=1; }
 log "fleet_bench.py (a fleet refit of 4 daemons vs 4 independent pushes; $((E2E_REPS * 3)) repetitions)"
 rm -f "$TMP/fleet.json"
 "$PY" bench/python/fleet_bench.py --model_dir="$MODEL_DIR" --reps="$((E2E_REPS * 3))" \
@@ -236,6 +243,10 @@ shm = load("shm.json")
 if shm:
     figures += shm["figures"]
     series["shm"] = shm["series"]
+attach = load("attach.json")
+if attach:
+    figures += attach["figures"]
+    series["attach"] = attach["series"]
 fleet = load("fleet.json")
 if fleet:
     figures += fleet["figures"]

@@ -235,3 +235,16 @@ def test_region_truncated_mid_refit_fails_cleanly_and_the_old_version_serves(
     assert after.active_refit is None
     assert daemon.proc.poll() is None
     del victim, shared  # never touch the truncated storage's pages
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_go_over_the_shm_lane_with_one_device_to_host_copy(client, seed2):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    expected = client.push(seed2, lane="grpc").fingerprint
+    on_gpu = {k: v.to("cuda") for k, v in seed2.items()}
+    result = client.push(on_gpu, lane="shm")
+    assert result.fingerprint == expected
+    assert client._shm.last_copied_bytes == sum(
+        t.numel() * t.element_size() for t in seed2.values()
+    )

@@ -61,7 +61,7 @@ bool PushMessage::Parse(grpc::ByteBuffer* raw, size_t keep_limit) {
       // message's chunk is larger, so afterwards at most what was kept plus
       // this message is held: drop what was kept when that could pass the
       // limit.
-      if (retained_ + total > keep_limit + kRetainSlackBytes) {
+      if (retained_ + total > keep_limit) {
         chunks_ = v1::Chunks();
         elements_ = 0;
         retained_ = 0;

@@ -16,8 +16,11 @@
 // its position, so a message that follows can leave the buffer holding more
 // than itself. Before each parse, what is kept is dropped when it plus the
 // new message could pass `keep_limit` (the stream's receive limit): a buffer
-// never holds more than keep_limit + kRetainSlackBytes, however a client
-// arranges its chunks, and Chunk objects beyond a message's count are freed.
+// never holds more than keep_limit, however a client arranges its chunks —
+// the bound of a plain PushRequest — and Chunk objects beyond a message's
+// count are freed. (Parsing grows a position's capacity by less than the
+// chunk that lands there, so what is kept after a parse is at most what was
+// kept before plus the message.)
 #ifndef REFIT_SERVER_PUSH_MESSAGE_H_
 #define REFIT_SERVER_PUSH_MESSAGE_H_
 
@@ -30,7 +33,7 @@ namespace refit::server {
 class PushMessage {
  public:
   // Parses `raw` (consumed: cleared on return), keeping at most
-  // `keep_limit` + kRetainSlackBytes (see above). False when it is not a
+  // `keep_limit` bytes (see above). False when it is not a
   // valid PushRequest; the previous contents are then unspecified.
   bool Parse(grpc::ByteBuffer* raw, size_t keep_limit);
 
@@ -42,8 +45,6 @@ class PushMessage {
   const v1::PushRequest& request() const { return request_; }
   // Bytes of string capacity the parsed Chunks keeps (after the last Parse).
   size_t retained_bytes() const { return retained_; }
-
-  static constexpr size_t kRetainSlackBytes = size_t{1} << 20;
 
  private:
   void FreeUnused();

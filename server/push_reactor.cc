@@ -21,8 +21,9 @@
 // next one (double buffering). Back-pressure: a stream owns
 // kMessagesInFlight read buffers; a read needs a free one, so at most that
 // many messages of a stream are in memory (one being ingested, one being
-// received), each at most --max-chunk-bytes + 2 MiB (the receive limit and
-// what a parsed buffer may keep beyond it, server/push_message.h). The method is
+// received), each at most --max-chunk-bytes + 1 MiB (gRPC's receive limit,
+// which also bounds what a parsed buffer keeps, server/push_message.h). The
+// method is
 // registered raw and each message is parsed, in the reaction, into the
 // buffer's PushMessage (server/push_message.h), whose Chunks keeps its
 // strings' capacity: a stream allocates its buffers once, not once per

@@ -64,7 +64,7 @@ TEST(PushMessageTest, ChunksParseLikePushRequestAndReuseTheirStorage) {
 
 // A client that moves one large chunk one position further in every
 // message, behind ever more tiny ones, would grow one string per position:
-// what a buffer keeps stays within the limit + slack.
+// what a buffer keeps stays within the limit.
 TEST(PushMessageTest, KeptCapacityStaysWithinTheLimitWhateverTheChunkOrder) {
   PushMessage message;
   constexpr size_t kBig = size_t{1} << 20;
@@ -82,14 +82,14 @@ TEST(PushMessageTest, KeptCapacityStaysWithinTheLimitWhateverTheChunkOrder) {
     ASSERT_TRUE(message.Parse(&raw, kLimit));
     ASSERT_EQ(message.chunks().chunks_size(), k + 1);
     EXPECT_EQ(message.chunks().chunks(k).data().size(), kBig);
-    EXPECT_LE(message.retained_bytes(), kLimit + PushMessage::kRetainSlackBytes) << k;
+    EXPECT_LE(message.retained_bytes(), kLimit) << k;
   }
   // Fewer chunks than before: the Chunk objects beyond them are freed with
   // their bytes.
   const v1::PushRequest small = ChunksRequest("lm_head.weight", 64, 'c');
   grpc::ByteBuffer raw = Buffer(small.SerializeAsString());
   ASSERT_TRUE(message.Parse(&raw, kLimit));
-  EXPECT_LE(message.retained_bytes(), kLimit + PushMessage::kRetainSlackBytes);
+  EXPECT_LE(message.retained_bytes(), kLimit);
   EXPECT_EQ(message.chunks().chunks_size(), 1);
   // Under the limit, same-shaped messages keep their storage.
   const v1::PushRequest layer = ChunksRequest("w", 2 << 20, 'w');

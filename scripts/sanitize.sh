@@ -177,7 +177,9 @@ if [ "$mode" = asan ]; then
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=66"
   export LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp:print_suppressions=0"
 else
-  export TSAN_OPTIONS="halt_on_error=1:exitcode=66:second_deadlock_stack=1:suppressions=$root/scripts/tsan.supp:print_suppressions=0"
+  # allocator_may_return_null: as for asan, an impossible allocation fails
+  # (the staging tests check RESOURCE_EXHAUSTED) instead of aborting.
+  export TSAN_OPTIONS="allocator_may_return_null=1:halt_on_error=1:exitcode=66:second_deadlock_stack=1:suppressions=$root/scripts/tsan.supp:print_suppressions=0"
 fi
 rc=0
 # One job at a time under TSan: its runtime is memory-hungry and the

@@ -219,38 +219,16 @@ if q:
                              "memcpy_gbps": memcpy["bytes_per_second"] / 1e9 if memcpy else None})
     series["quantizer"] = quant_series
 
-core = load("core.json")
-if core:
-    figures += core["figures"]
-    series["core"] = core["series"]
-moe = load("moe.json")
-if moe:
-    figures += moe["figures"]
-    series["moe"] = moe["series"]
-e2e = load("e2e.json")
-if e2e:
-    figures += e2e["figures"]
-    series["e2e"] = e2e["series"]
-py = load("python.json")
-if py:
-    figures += py["figures"]
-    series["python"] = py["series"]
-dur = load("durability.json")
-if dur:
-    figures += dur["figures"]
-    series["durability"] = dur["series"]
-shm = load("shm.json")
-if shm:
-    figures += shm["figures"]
-    series["shm"] = shm["series"]
-attach = load("attach.json")
-if attach:
-    figures += attach["figures"]
-    series["attach"] = attach["series"]
-fleet = load("fleet.json")
-if fleet:
-    figures += fleet["figures"]
-    series["fleet"] = fleet["series"]
+# Each benchmark's figures, and its series under its own key.
+loaded = {}
+for key, name in [("core", "core.json"), ("moe", "moe.json"), ("e2e", "e2e.json"),
+                  ("python", "python.json"), ("durability", "durability.json"),
+                  ("shm", "shm.json"), ("attach", "attach.json"), ("fleet", "fleet.json")]:
+    loaded[key] = load(name)
+    if loaded[key]:
+        figures += loaded[key]["figures"]
+        series[key] = loaded[key]["series"]
+core, e2e = loaded["core"], loaded["e2e"]
 
 out = {"machine": machine(),
        "generated_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -84,11 +84,11 @@ class Daemon:
         with self._cv:
             return "".join(self._lines)
 
-    def wait_for_line(self, text: str, timeout: float = START_LIMIT) -> str:
-        """The first log line containing `text`; fails the test if the
-        daemon exits or `timeout` passes first."""
+    def wait_for_line(self, text: str, timeout: float = START_LIMIT, *, also: str = "") -> str:
+        """The first log line containing `text` (and `also`, if given); fails
+        the test if the daemon exits or `timeout` passes first."""
         def found() -> Optional[str]:
-            return next((line for line in self._lines if text in line), None)
+            return next((line for line in self._lines if text in line and also in line), None)
 
         with self._cv:
             self._cv.wait_for(lambda: found() is not None or self._ended, timeout)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import load_state_dict, refitctl
+from conftest import READY_LINE, load_state_dict, refitctl
 from refit_client import InvalidArgument, NotFound, RefitClient
 
 GROUPS = ("--group=target=demo", "--group=draft=demo,tp=2,quant=block,seed=5")
@@ -17,7 +17,10 @@ GROUPS = ("--group=target=demo", "--group=draft=demo,tp=2,quant=block,seed=5")
 
 @pytest.fixture
 def two_groups(start_daemon):
-    return start_daemon(*GROUPS)
+    daemon = start_daemon(*GROUPS)
+    # start_daemon waits for the first group's ready line; the draft loads after it.
+    daemon.wait_for_line(READY_LINE, also="group=draft")
+    return daemon
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <utility>
 
@@ -40,7 +41,8 @@ LayerAssembler::LayerAssembler(const ModelLayout& layout, Options options, Reser
   }
 }
 
-absl::Status LayerAssembler::Validate(const Chunk& chunk, const CheckpointTensor& ct) const {
+absl::Status LayerAssembler::Validate(const Chunk& chunk, uint64_t size,
+                                      const CheckpointTensor& ct) const {
   if (!IsHighPrecisionFloat(chunk.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor \"", ct.name, "\": dtype ", DTypeName(chunk.dtype),
@@ -58,10 +60,10 @@ absl::Status LayerAssembler::Validate(const Chunk& chunk, const CheckpointTensor
                      " differs from its earlier chunks' ", DTypeName(ts.dtype)));
   }
   const uint64_t elem = DTypeSize(chunk.dtype);
-  if (chunk.offset % elem != 0 || chunk.data.size() % elem != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor \"", ct.name, "\": chunk at byte ", chunk.offset, " of ", chunk.data.size(),
-        " bytes is not aligned to whole ", DTypeName(chunk.dtype), " elements"));
+  if (chunk.offset % elem != 0 || size % elem != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor \"", ct.name, "\": chunk at byte ", chunk.offset, " of ", size,
+                     " bytes is not aligned to whole ", DTypeName(chunk.dtype), " elements"));
   }
   return absl::OkStatus();
 }
@@ -76,12 +78,12 @@ absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
   absl::StatusOr<int> index = layout_.FindCheckpointTensor(chunk.name);
   if (!index.ok()) return index.status();
   const CheckpointTensor& ct = layout_.checkpoint_tensors()[*index];
-  if (absl::Status valid = Validate(chunk, ct); !valid.ok()) return valid;
+  const uint64_t size = chunk.size();
+  if (absl::Status valid = Validate(chunk, size, ct); !valid.ok()) return valid;
   TensorState& ts = tensors_[*index];
   const uint64_t elem = DTypeSize(chunk.dtype);
   if (!ts.seen) ts.ranges = ByteRangeSet(static_cast<uint64_t>(ct.numel()) * elem);
   const uint64_t begin = chunk.offset;
-  const uint64_t size = chunk.data.size();
   if (absl::Status added = ts.ranges.Add(begin, size, ct.name); !added.ok()) return added;
   ts.seen = true;
   ts.dtype = chunk.dtype;
@@ -89,31 +91,59 @@ absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
 
   const bool scatter = ct.use != CheckpointTensor::Use::kIgnored && size > 0;
   WorkUnit completed;
-  if (!chunk.xxh3.has_value()) {
-    if (!scatter) return completed;
-    absl::Status s = Scatter(ct, chunk.dtype, chunk.data.data(), begin / elem,
-                             (begin + size) / elem, &completed);
-    if (!s.ok()) return s;
-    return completed;
-  }
+  if (!scatter && !chunk.xxh3.has_value()) return completed;
+  const absl::Span<const uint8_t> whole[] = {chunk.data};
+  const absl::Span<const absl::Span<const uint8_t>> pieces =
+      chunk.pieces.empty() ? absl::MakeConstSpan(whole) : chunk.pieces;
   // Checksum and copy in cache-sized blocks: each block is hashed and then
   // scattered while it is still in cache, one pass over memory instead of
   // two. A mismatch found at the end fails the chunk; what was scattered
   // lives only in staging, and the session aborts, so nothing sees it.
   constexpr uint64_t kBlockBytes = uint64_t{256} << 10;
-  const uint64_t block = std::max<uint64_t>(elem, kBlockBytes - kBlockBytes % elem);
-  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(),
-                                                                        XXH3_freeState);
-  XXH3_64bits_reset(state.get());
-  for (uint64_t off = 0; off < size; off += block) {
-    const uint64_t n = std::min(block, size - off);
-    XXH3_64bits_update(state.get(), chunk.data.data() + off, n);
-    if (!scatter) continue;
-    absl::Status s = Scatter(ct, chunk.dtype, chunk.data.data() + off, (begin + off) / elem,
-                             (begin + off + n) / elem, &completed);
-    if (!s.ok()) return s;
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(nullptr, XXH3_freeState);
+  if (chunk.xxh3.has_value()) {
+    state.reset(XXH3_createState());
+    if (state == nullptr) return absl::ResourceExhaustedError("no memory for an XXH3 state");
+    XXH3_64bits_reset(state.get());
   }
-  if (XXH3_64bits_digest(state.get()) != *chunk.xxh3) {
+  // An element that a piece ends inside is gathered here from the pieces
+  // that hold it, then scattered alone.
+  uint8_t carry[8];
+  uint64_t carried = 0;
+  uint64_t done = 0;  // bytes of the chunk scattered
+  for (absl::Span<const uint8_t> piece : pieces) {
+    for (uint64_t off = 0; off < piece.size(); off += kBlockBytes) {
+      const uint8_t* p = piece.data() + off;
+      uint64_t n = std::min<uint64_t>(kBlockBytes, piece.size() - off);
+      if (state != nullptr) XXH3_64bits_update(state.get(), p, n);
+      if (!scatter) continue;
+      if (carried > 0) {
+        const uint64_t fill = std::min(elem - carried, n);
+        std::memcpy(carry + carried, p, fill);
+        carried += fill;
+        p += fill;
+        n -= fill;
+        if (carried < elem) continue;
+        absl::Status s = Scatter(ct, chunk.dtype, carry, (begin + done) / elem,
+                                 (begin + done) / elem + 1, &completed);
+        if (!s.ok()) return s;
+        done += elem;
+        carried = 0;
+      }
+      const uint64_t aligned = n - n % elem;
+      if (aligned > 0) {
+        absl::Status s = Scatter(ct, chunk.dtype, p, (begin + done) / elem,
+                                 (begin + done + aligned) / elem, &completed);
+        if (!s.ok()) return s;
+        done += aligned;
+      }
+      if (n > aligned) {
+        std::memcpy(carry, p + aligned, n - aligned);
+        carried = n - aligned;
+      }
+    }
+  }
+  if (state != nullptr && XXH3_64bits_digest(state.get()) != *chunk.xxh3) {
     return absl::DataLossError(absl::StrCat("tensor \"", ct.name,
                                             "\": checksum mismatch in chunk bytes [", begin, ", ",
                                             begin + size, ")"));

@@ -49,8 +49,21 @@ struct Chunk {
   DType dtype = DType::kBFloat16;
   absl::Span<const int64_t> shape;  // the full tensor's shape
   uint64_t offset = 0;              // byte offset within the full tensor
+  // The chunk's bytes: `data`, or, when `pieces` is not empty, the pieces
+  // one after the other (`data` is then ignored). Pieces let bytes that
+  // arrived in several buffers (a gRPC message's slices) be ingested where
+  // they lie; a piece may end inside an element.
   absl::Span<const uint8_t> data;
-  std::optional<uint64_t> xxh3;  // XXH3-64 of `data`, checked when present
+  absl::Span<const absl::Span<const uint8_t>> pieces;
+  std::optional<uint64_t> xxh3;  // XXH3-64 of the chunk's bytes, checked when present
+
+  // Bytes of the chunk (of `data` or of all pieces).
+  uint64_t size() const {
+    if (pieces.empty()) return data.size();
+    uint64_t n = 0;
+    for (absl::Span<const uint8_t> piece : pieces) n += piece.size();
+    return n;
+  }
 };
 
 // What a chunk completed: a layer (part -1), an expert part of an experts
@@ -152,7 +165,7 @@ class LayerAssembler {
     int64_t param_bytes = 0;
   };
 
-  absl::Status Validate(const Chunk& chunk, const CheckpointTensor& ct) const;
+  absl::Status Validate(const Chunk& chunk, uint64_t size, const CheckpointTensor& ct) const;
   // Copies elements [e0, e1) of `ct` that lie in its slice. Sets *completed
   // when the layer has all its elements.
   absl::Status Scatter(const CheckpointTensor& ct, DType dtype, const uint8_t* data, uint64_t e0,

@@ -23,11 +23,11 @@
 // many messages of a stream are in memory (one being ingested, one being
 // received), each at most --max-chunk-bytes + 1 MiB (gRPC's receive limit,
 // which also bounds what a parsed buffer keeps, server/push_message.h). The
-// method is
-// registered raw and each message is parsed, in the reaction, into the
-// buffer's PushMessage (server/push_message.h), whose Chunks keeps its
-// strings' capacity: a stream allocates its buffers once, not once per
-// message.
+// method is registered raw and each message is parsed, in the reaction,
+// into the buffer's PushMessage (server/push_message.h): each chunk's bytes
+// stay in the slices gRPC received them in and are copied once, from there
+// into staging, by the ingest thread; the slices are released once the
+// message is ingested.
 #include <atomic>
 #include <deque>
 #include <memory>
@@ -204,6 +204,9 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
   // is being started waits for StartRead to return (a read started after
   // Finish completed would reach a call that is gone).
   void StartReadInto(std::unique_ptr<ReadBuffer> buffer) {
+    // A buffer holds one message at a time: the slices of the one it held
+    // (if not released yet) are dropped before the next arrives.
+    buffer->message.ReleaseSlices();
     grpc::ByteBuffer* target = nullptr;
     {
       absl::MutexLock lock(&mu_);
@@ -272,6 +275,8 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
       }
       absl::Status status = Handle(item.message->message);
       const bool end = item.message->message.kind() == v1::PushRequest::kEnd;
+      // The message's slices go back to gRPC as soon as it is ingested.
+      item.message->message.ReleaseSlices();
       std::unique_ptr<ReadBuffer> next;
       {
         absl::MutexLock lock(&mu_);
@@ -298,7 +303,7 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
         return HandleBegin(message.request().begin());
       case v1::PushRequest::kChunks:
         if (session_ == nullptr) break;
-        return HandleChunks(message.chunks());
+        return HandleChunks(message);
       case v1::PushRequest::kEnd:
         if (session_ == nullptr) break;
         return HandleEnd();
@@ -438,9 +443,11 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
     return absl::AbortedError(Described(reason, "Push"));
   }
 
-  absl::Status HandleChunks(const v1::Chunks& chunks) {
+  absl::Status HandleChunks(const PushMessage& message) {
     const int64_t max_bytes = service_->options().max_chunk_bytes;
-    for (const v1::Chunk& chunk : chunks.chunks()) {
+    const v1::Chunks& chunks = message.chunks();
+    for (int i = 0; i < chunks.chunks_size(); ++i) {
+      const v1::Chunk& chunk = chunks.chunks(i);
       if (chunk.has_region()) {
         // The bytes lie in the caller's shared-memory region
         // (server/region_service.h).
@@ -450,10 +457,11 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
         service_->metrics()->AddBytesReceived(static_cast<int64_t>(chunk.region().length()));
         continue;
       }
-      if (static_cast<int64_t>(chunk.data().size()) > max_bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "refit \"", session_->refit_id(), "\": tensor ", chunk.tensor_name(), ": chunk of ",
-            chunk.data().size(), " bytes exceeds --max-chunk-bytes ", max_bytes));
+      const uint64_t size = message.data_size(i);
+      if (size > static_cast<uint64_t>(max_bytes)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("refit \"", session_->refit_id(), "\": tensor ", chunk.tensor_name(),
+                         ": chunk of ", size, " bytes exceeds --max-chunk-bytes ", max_bytes));
       }
       absl::StatusOr<core::DType> dtype = FromProtoDType(chunk.dtype(), chunk.tensor_name());
       if (!dtype.ok()) return dtype.status();
@@ -462,14 +470,14 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
       c.dtype = *dtype;
       c.shape = absl::MakeConstSpan(chunk.shape().data(), chunk.shape().size());
       c.offset = chunk.byte_offset();
-      c.data = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(chunk.data().data()),
-                                   chunk.data().size());
+      // The bytes where gRPC received them (server/push_message.h).
+      c.pieces = message.data_pieces(i);
       if (chunk.has_xxh3()) c.xxh3 = chunk.xxh3();
       // After an abort from elsewhere (Abort RPC, shutdown, another stream)
       // this is the abort's own status.
       absl::Status ingested = session_->Ingest(c);
       if (!ingested.ok()) return ingested;
-      service_->metrics()->AddBytesReceived(static_cast<int64_t>(chunk.data().size()));
+      service_->metrics()->AddBytesReceived(static_cast<int64_t>(size));
     }
     return absl::OkStatus();
   }

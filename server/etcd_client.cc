@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
@@ -153,7 +154,7 @@ absl::Status EtcdClient::Call(
     absl::MutexLock lock(&mu_);
     start = current_;
   }
-  absl::Status last;
+  std::vector<std::string> failures;
   for (size_t i = 0; i < stubs_.size(); ++i) {
     const size_t index = (start + i) % stubs_.size();
     grpc::ClientContext context;
@@ -164,10 +165,12 @@ absl::Status EtcdClient::Call(
       current_ = index;
       return absl::OkStatus();
     }
-    last = FromGrpc(status, stubs_[index]->endpoint, method);
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return last;
+    absl::Status failed = FromGrpc(status, stubs_[index]->endpoint, method);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return failed;
+    failures.push_back(std::string(failed.message()));
   }
-  return last;
+  // Every endpoint is unreachable: each one's reason.
+  return absl::UnavailableError(absl::StrJoin(failures, "; "));
 }
 
 absl::StatusOr<std::optional<EtcdKeyValue>> EtcdClient::Get(absl::string_view key) {
@@ -317,33 +320,47 @@ absl::StatusOr<std::unique_ptr<EtcdClient::Watch>> EtcdClient::WatchPrefix(
     absl::string_view prefix, int64_t start_revision,
     std::function<void(const std::vector<WatchEvent>&, int64_t revision)> on_events,
     std::function<void(const absl::Status&)> on_end) {
-  size_t index;
+  size_t start;
   {
     absl::MutexLock lock(&mu_);
-    index = current_;
+    start = current_;
   }
-  Stubs& stubs = *stubs_[index];
-  std::unique_ptr<Watch> watch(new Watch());
   using Stream = grpc::ClientReaderWriter<etcdserverpb::WatchRequest, etcdserverpb::WatchResponse>;
-  std::shared_ptr<Stream> stream(stubs.watch->Watch(&watch->context_).release());
   etcdserverpb::WatchRequest request;
   etcdserverpb::WatchCreateRequest* create = request.mutable_create_request();
   create->set_key(std::string(prefix));
   create->set_range_end(EtcdPrefixEnd(prefix));
   create->set_start_revision(start_revision);
-  etcdserverpb::WatchResponse created;
-  if (!stream->Write(request) || !stream->Read(&created) || !created.created()) {
-    watch->context_.TryCancel();
-    grpc::Status status = stream->Finish();
-    if (status.ok()) status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "watch not created");
-    {
-      absl::MutexLock lock(&mu_);
-      if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-        current_ = (index + 1) % stubs_.size();
-      }
+  // As Call: the current endpoint first, then each of the others once.
+  std::unique_ptr<Watch> watch;
+  std::shared_ptr<Stream> stream;
+  std::vector<std::string> failures;
+  size_t index = start;
+  for (size_t i = 0; i < stubs_.size() && stream == nullptr; ++i) {
+    index = (start + i) % stubs_.size();
+    Stubs& stubs = *stubs_[index];
+    watch.reset(new Watch());
+    std::shared_ptr<Stream> candidate(stubs.watch->Watch(&watch->context_).release());
+    etcdserverpb::WatchResponse created;
+    if (candidate->Write(request) && candidate->Read(&created) && created.created()) {
+      stream = std::move(candidate);
+      break;
     }
-    return FromGrpc(status, stubs.endpoint, "Watch");
+    watch->context_.TryCancel();
+    grpc::Status status = candidate->Finish();
+    if (status.ok()) status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "watch not created");
+    absl::Status failed = FromGrpc(status, stubs.endpoint, "Watch");
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return failed;
+    failures.push_back(std::string(failed.message()));
   }
+  if (stream == nullptr) {
+    return absl::UnavailableError(absl::StrJoin(failures, "; "));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    current_ = index;
+  }
+  const Stubs& stubs = *stubs_[index];
   Watch* raw = watch.get();
   const std::string endpoint = stubs.endpoint;
   raw->thread_ = std::thread(

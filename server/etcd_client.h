@@ -11,12 +11,14 @@
 // several comma-separated for an etcd cluster. TLS (etcd's
 // --cert-file/--key-file, --trusted-ca-file for client certificates) is on
 // for an https:// endpoint and for a bare host:port when a CA or client
-// certificate is given; http:// is always plaintext. Calls go to one endpoint; one that answers
-// UNAVAILABLE is replaced by the next, and the call is tried once on each.
+// certificate is given; http:// is always plaintext. Calls (and the
+// creation of a watch) go to one endpoint; one that answers UNAVAILABLE (a
+// dead or unreachable member) is replaced by the next, and the call is
+// tried once on each; later calls start at the one that answered.
 //
 // Errors: etcd's gRPC status as an absl::Status with the endpoint and the
-// method in the message (UNAVAILABLE when etcd cannot be reached,
-// DEADLINE_EXCEEDED after `timeout`).
+// method in the message (UNAVAILABLE when etcd cannot be reached, naming
+// every endpoint tried and why; DEADLINE_EXCEEDED after `timeout`).
 //
 // Thread-safe: calls may run concurrently; a Watch runs on its own thread
 // and calls back there.
@@ -138,7 +140,7 @@ class EtcdClient {
   // `on_events` gets each batch of events (one revision or several);
   // `on_end` the stream's end status (CANCELLED after Cancel) once. Returns
   // once etcd has confirmed the watch: everything written afterwards is
-  // delivered. UNAVAILABLE when etcd cannot be reached.
+  // delivered. UNAVAILABLE when no endpoint can be reached.
   absl::StatusOr<std::unique_ptr<Watch>> WatchPrefix(
       absl::string_view prefix, int64_t start_revision,
       std::function<void(const std::vector<WatchEvent>&, int64_t revision)> on_events,

@@ -196,5 +196,81 @@ TEST_F(EtcdClientTest, WatchEndsWhenEtcdGoesAway) {
   EXPECT_EQ(end.code(), absl::StatusCode::kUnavailable) << end;
 }
 
+// A client whose first endpoint is a dead port (a cluster member that is
+// down) and whose second is the live etcd.
+std::unique_ptr<EtcdClient> DeadFirstClient(const std::string& dead, const std::string& live) {
+  EtcdClientOptions options;
+  options.endpoints = {absl::StrCat(dead, ",", live)};
+  absl::StatusOr<std::unique_ptr<EtcdClient>> client = EtcdClient::Create(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+TEST_F(EtcdClientTest, EveryCallFailsOverFromADeadFirstEndpoint) {
+  const std::string dead = absl::StrCat("127.0.0.1:", refit::testing::PickFreePort());
+  std::unique_ptr<EtcdClient> client = DeadFirstClient(dead, etcd_->endpoint());
+  ASSERT_NE(client, nullptr);
+  ASSERT_EQ(client->endpoints().size(), 2u);
+  EXPECT_EQ(client->endpoints()[0], dead);
+  ASSERT_TRUE(client->Put("/f/a", "1").ok());
+  absl::StatusOr<std::optional<EtcdKeyValue>> a = client->Get("/f/a");
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(a->has_value());
+  EXPECT_EQ((*a)->value, "1");
+  absl::StatusOr<EtcdClient::CasResult> cas = client->PutIfAbsent("/f/d", "commit");
+  ASSERT_TRUE(cas.ok()) << cas.status();
+  EXPECT_TRUE(cas->written);
+  absl::StatusOr<int64_t> lease = client->GrantLease(absl::Seconds(5));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(client->KeepAlive(*lease).ok());
+  EXPECT_TRUE(client->RevokeLease(*lease).ok());
+  // What it wrote is in the live etcd.
+  EXPECT_EQ(client_->Get("/f/d")->value().value, "commit");
+}
+
+TEST_F(EtcdClientTest, AWatchIsCreatedOnTheNextEndpointWhenTheFirstIsDead) {
+  const std::string dead = absl::StrCat("127.0.0.1:", refit::testing::PickFreePort());
+  // A fresh client: its first call is the watch, on the dead endpoint.
+  std::unique_ptr<EtcdClient> client = DeadFirstClient(dead, etcd_->endpoint());
+  ASSERT_NE(client, nullptr);
+  absl::Notification seen;
+  std::string value;
+  absl::StatusOr<std::unique_ptr<EtcdClient::Watch>> watch = client->WatchPrefix(
+      "/f/decisions/", 0,
+      [&](const std::vector<EtcdClient::WatchEvent>& events, int64_t) {
+        if (!seen.HasBeenNotified()) {
+          value = events[0].kv.value;
+          seen.Notify();
+        }
+      },
+      [](const absl::Status&) {});
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  ASSERT_TRUE(client_->Put("/f/decisions/x", "commit").ok());
+  ASSERT_TRUE(seen.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(value, "commit");
+}
+
+TEST(EtcdClientCreateTest, EveryEndpointDeadIsUnavailableNamingEachOne) {
+  const std::string first = absl::StrCat("127.0.0.1:", refit::testing::PickFreePort());
+  const std::string second = absl::StrCat("127.0.0.1:", refit::testing::PickFreePort());
+  EtcdClientOptions options;
+  options.endpoints = {first, second};
+  options.timeout = absl::Seconds(5);
+  absl::StatusOr<std::unique_ptr<EtcdClient>> client = EtcdClient::Create(options);
+  ASSERT_TRUE(client.ok());
+  absl::Status s = (*client)->Get("/k").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("etcd " + first + " Range"));
+  EXPECT_THAT(s.message(), HasSubstr("etcd " + second + " Range"));
+  absl::Status w = (*client)
+                       ->WatchPrefix(
+                           "/f/", 0, [](const std::vector<EtcdClient::WatchEvent>&, int64_t) {},
+                           [](const absl::Status&) {})
+                       .status();
+  EXPECT_EQ(w.code(), absl::StatusCode::kUnavailable) << w;
+  EXPECT_THAT(w.message(), HasSubstr("etcd " + first + " Watch"));
+  EXPECT_THAT(w.message(), HasSubstr("etcd " + second + " Watch"));
+}
+
 }  // namespace
 }  // namespace refit::server

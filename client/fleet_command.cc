@@ -176,6 +176,8 @@ int Refit(FleetCoordinator& coordinator, const Args& args, bool as_json) {
                        {"committed", m.committed},
                        {"version", m.version},
                        {"fingerprint", m.fingerprint},
+                       {"commit_unix_seconds", m.commit_unix_seconds},
+                       {"commit_seconds", m.commit_seconds},
                        {"error", m.error}});
   }
   if (as_json) {

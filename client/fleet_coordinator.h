@@ -12,9 +12,10 @@
 //      fleet version is still the one read in 1. Any failed prepare records
 //      abort instead.
 //   4. Commits every member in parallel (members also commit on their own
-//      when they see the decision, whoever is first), reads back each
-//      member's version, fingerprint and commit time: the flip skew is the
-//      time between the first and the last commit.
+//      when they see the decision, whoever is first), on the connections
+//      opened in 2, reads back each member's version, fingerprint, commit
+//      time and commit duration: the flip skew is the time between the
+//      first and the last commit.
 //   5. After a commit, deletes old decisions (decisions/FRID): all but the
 //      newest keep_decisions, and only those older than every member's
 //      prepared timeout (a member still PREPARED for one never finds it
@@ -101,7 +102,10 @@ struct FleetMemberResult {
   bool committed = false;
   uint64_t version = 0;
   std::string fingerprint;
-  double commit_unix_seconds = 0;
+  double commit_unix_seconds = 0;  // when its commit ended (its GetStatus)
+  // How long its commit took (the copy into the live kernels: readers'
+  // pause); its commit began commit_seconds before commit_unix_seconds.
+  double commit_seconds = 0;
   std::string error;  // why it did not confirm its commit
 };
 

@@ -412,6 +412,37 @@ TEST_F(FleetFaultTest, TwoCoordinatorsRacingOneWinsTheOtherIsAborted) {
   ExpectNextRefitSucceeds(2);
 }
 
+TEST_F(FleetFaultTest, ACoordinatorSkipsADeadFirstEtcdEndpoint) {
+  auto files = client::ExpandSafetensorsPaths({Fixture(4)});
+  ASSERT_TRUE(files.ok()) << files.status();
+  client::FleetCoordinatorOptions options;
+  // The first member of the etcd cluster is down.
+  options.etcd = {absl::StrCat("127.0.0.1:", refit::testing::PickFreePort()), etcd_->endpoint()};
+  options.fleet = kFleet;
+  options.lock_ttl = absl::Seconds(2);
+  options.timeout = absl::Seconds(60);
+  auto coordinator = client::FleetCoordinator::Create(options);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  absl::StatusOr<client::FleetRefitResult> result;
+  ASSERT_TRUE(Eventually([&] {
+    result = (*coordinator)->Push(*files);
+    return result.ok() || !absl::StrContains(result.status().message(), "in progress");
+  })) << result.status();
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->members.size(), static_cast<size_t>(kMembers));
+  for (const client::FleetMemberResult& m : result->members) {
+    EXPECT_TRUE(m.committed) << m.member_id << ": " << m.error;
+    // Each member's commit: when it ended and how long its copy took.
+    EXPECT_GT(m.commit_unix_seconds, 0) << m.member_id;
+    EXPECT_GT(m.commit_seconds, 0) << m.member_id;
+    EXPECT_LT(m.commit_seconds, 60) << m.member_id;
+  }
+  absl::StatusOr<client::FleetState> state = (*coordinator)->Status();
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->fleet_version, result->fleet_version);
+  EXPECT_NE(ExpectOneVersion(), "");
+}
+
 TEST_F(FleetFaultTest, OldDecisionsAreDeletedKeepingTheNewestN) {
   constexpr int kKeep = 2;
   for (int seed : {3, 4, 5}) ExpectNextRefitSucceeds(seed, kKeep);

@@ -29,6 +29,7 @@ import ssl
 import struct
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -77,13 +78,27 @@ def _prefix_end(prefix: str) -> str:
 
 
 class _Etcd:
-    def __init__(self, endpoint: str, timeout: float = 5.0, tls: Optional[Tls] = None) -> None:
-        if not endpoint.startswith("http"):
-            endpoint = ("https://" if tls is not None else "http://") + endpoint
-        self.base = endpoint.rstrip("/")
+    """etcd's v3 JSON gateway at one or more endpoints ("host:port",
+    http:// or https://, comma-separated). A call goes to the endpoint that
+    answered last; one that cannot be reached (refused, reset, timed out) is
+    replaced by the next and the call is tried once on each, as refitd's
+    EtcdClient does. Unavailable names every endpoint tried and why."""
+
+    def __init__(self, endpoints: str, timeout: float = 5.0, tls: Optional[Tls] = None) -> None:
+        self.bases: List[str] = []
+        for endpoint in (e.strip() for e in endpoints.split(",")):
+            if not endpoint:
+                continue
+            if not endpoint.startswith(("http://", "https://")):
+                endpoint = ("https://" if tls is not None else "http://") + endpoint
+            self.bases.append(endpoint.rstrip("/"))
+        if not self.bases:
+            raise RefitError(f"no etcd endpoint in {endpoints!r}")
         self.timeout = timeout
+        self._current = 0
+        self._lock = threading.Lock()
         self.context: Optional[ssl.SSLContext] = None
-        if self.base.startswith("https://"):
+        if any(b.startswith("https://") for b in self.bases):
             tls = tls or Tls()
             self.context = ssl.create_default_context(cafile=tls.ca_file)
             if tls.cert_file or tls.key_file:
@@ -91,15 +106,38 @@ class _Etcd:
                     raise RefitError("an etcd client certificate needs both cert_file and key_file")
                 self.context.load_cert_chain(tls.cert_file, tls.key_file)
 
+    @property
+    def base(self) -> str:
+        """The endpoint calls go to first (the one that answered last)."""
+        with self._lock:
+            return self.bases[self._current]
+
     def call(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
-        request = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout,
-                                        context=self.context) as r:
-                return json.loads(r.read() or b"{}")
-        except OSError as e:
-            raise Unavailable(f"etcd {self.base}{path}: {e}") from None
+        data = json.dumps(body).encode()
+        with self._lock:
+            start = self._current
+        failures = []
+        for i in range(len(self.bases)):
+            index = (start + i) % len(self.bases)
+            base = self.bases[index]
+            request = urllib.request.Request(base + path, data=data,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout,
+                                            context=self.context) as r:
+                    answer = json.loads(r.read() or b"{}")
+            except urllib.error.HTTPError as e:
+                if e.code != 503:  # etcd answered: its refusal, not an unreachable endpoint
+                    raise Unavailable(f"etcd {base}{path}: {e}") from None
+                failures.append(f"etcd {base}{path}: {e}")  # a member without a leader
+                continue
+            except OSError as e:
+                failures.append(f"etcd {base}{path}: {e}")
+                continue
+            with self._lock:
+                self._current = index
+            return answer
+        raise Unavailable("; ".join(failures))
 
     def get_prefix(self, prefix: str) -> List[Dict[str, Any]]:
         r = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
@@ -151,8 +189,9 @@ def _expand(paths: Union[str, Sequence[str]]) -> List[str]:
 
 class FleetClient:
     """A coordinator of fleet refits through etcd (one refit at a time per
-    fleet, whoever runs it). ``etcd``: an endpoint "host:port" (https://host:port
-    or ``etcd_tls`` for TLS); ``token``: the members' bearer token (refitd
+    fleet, whoever runs it). ``etcd``: the endpoints "host:port",
+    comma-separated (https://host:port or ``etcd_tls`` for TLS; one that
+    cannot be reached is skipped for the next); ``token``: the members' bearer token (refitd
     --auth-tokens); ``lock_ttl``: seconds of the fleet lock's lease; ``tls``:
     TLS to the members (refitd --tls-cert); ``etcd_tls``: TLS to etcd (its CA,
     a client certificate); ``keep_decisions``: decisions kept after a commit
@@ -162,7 +201,7 @@ class FleetClient:
                  lock_ttl: int = 10, timeout: Optional[float] = None,
                  tls: Optional[Tls] = None, etcd_tls: Optional[Tls] = None,
                  keep_decisions: int = 16) -> None:
-        self._etcd = _Etcd(etcd.split(",")[0], tls=etcd_tls)
+        self._etcd = _Etcd(etcd, tls=etcd_tls)
         self._tls = tls
         self._keep_decisions = keep_decisions
         self.fleet = fleet
@@ -184,10 +223,10 @@ class FleetClient:
                 "consistent": bool(members) and all(
                     m.get("ready") and m.get("fleet_version") == fleet_version for m in members)}
 
-    def _stub(self, address: str) -> pb_grpc.RefitServiceStub:
+    def _channel(self, address: str) -> grpc.Channel:
         options = [("grpc.max_send_message_length", 256 << 20)]
         if self._tls is None:
-            return pb_grpc.RefitServiceStub(grpc.insecure_channel(address, options=options))
+            return grpc.insecure_channel(address, options=options)
         t = self._tls
         if bool(t.cert_file) != bool(t.key_file):
             raise RefitError("a client certificate needs both cert_file and key_file")
@@ -197,7 +236,7 @@ class FleetClient:
             certificate_chain=_read_file(t.cert_file, "TLS certificate") if t.cert_file else None)
         if t.server_name:
             options.append(("grpc.ssl_target_name_override", t.server_name))
-        return pb_grpc.RefitServiceStub(grpc.secure_channel(address, credentials, options=options))
+        return grpc.secure_channel(address, credentials, options=options)
 
     def push(self, paths: Union[str, Sequence[str]], *, label: str = "") -> FleetRefitResult:
         """Every member gets the safetensors files of ``paths`` (a directory
@@ -249,6 +288,20 @@ class FleetClient:
         version_mod = v["mod_revision"] if v else "0"
         fleet_version = (int(json.loads(_unb64(v["value"])).get("fleet_version", 0)) if v else 0) + 1
         results = [FleetMemberResult(m["member_id"], m["address"]) for m in members]
+        # One channel per member for the whole refit: the commits go out on
+        # the prepare's warm connections, at once.
+        channels = [self._channel(r.address) for r in results]
+        try:
+            return self._run_on(files, results, channels, frid, label, version_mod,
+                                fleet_version, members)
+        finally:
+            for channel in channels:
+                channel.close()
+
+    def _run_on(self, files: List[str], results: List[FleetMemberResult],
+                channels: List[grpc.Channel], frid: str, label: str, version_mod: str,
+                fleet_version: int, members: List[Dict[str, Any]]) -> FleetRefitResult:
+        stubs = {id(r): pb_grpc.RefitServiceStub(c) for r, c in zip(results, channels)}
 
         def prepare(r: FleetMemberResult) -> None:
             options = pb.RefitOptions(completion=pb.COMPLETION_MODE_PREPARE,
@@ -262,8 +315,8 @@ class FleetClient:
                 yield pb.PushRequest(end=pb.End())
 
             try:
-                response = self._stub(r.address).Push(requests(), metadata=self._metadata,
-                                                      timeout=self._timeout)
+                response = stubs[id(r)].Push(requests(), metadata=self._metadata,
+                                             timeout=self._timeout)
                 r.refit_id = response.result.refit_id
             except grpc.RpcError as e:
                 r.error = str(from_rpc_error(e, f"prepare on {r.address}"))
@@ -273,7 +326,7 @@ class FleetClient:
         decision_key = self._prefix + "decisions/" + frid
         failed = [r for r in results if r.error]
         if failed:
-            self._abort(results, decision_key, "prepare failed")
+            self._abort(results, decision_key, "prepare failed", stubs)
             raise RefitConflict(f"fleet refit {frid} aborted: " +
                                 "; ".join(f"{r.member_id}: {r.error}" for r in failed))
         decision = json.dumps({"decision": "commit", "fleet_version": fleet_version,
@@ -289,13 +342,13 @@ class FleetClient:
                         {"request_put": {"key": _b64(self._prefix + "version"),
                                          "value": _b64(json.dumps(version))}}]})
         if not txn.get("succeeded"):
-            self._abort(results, decision_key, "the fleet decided otherwise first")
+            self._abort(results, decision_key, "the fleet decided otherwise first", stubs)
             raise RefitConflict(f"fleet refit {frid} aborted: a decision was recorded first or "
                                 "the fleet version moved on")
 
         def commit(r: FleetMemberResult) -> float:
             try:
-                stub = self._stub(r.address)
+                stub = stubs[id(r)]
                 c = stub.Commit(pb.CommitRequest(refit_id=r.refit_id), metadata=self._metadata,
                                 timeout=30)
                 r.committed, r.version, r.fingerprint = True, c.result.version, c.result.fingerprint
@@ -341,7 +394,8 @@ class FleetClient:
                 break
         return deleted
 
-    def _abort(self, results: List[FleetMemberResult], decision_key: str, why: str) -> None:
+    def _abort(self, results: List[FleetMemberResult], decision_key: str, why: str,
+               stubs: Dict[int, pb_grpc.RefitServiceStub]) -> None:
         try:
             self._etcd.call("/v3/kv/txn", {
                 "compare": [{"key": _b64(decision_key), "target": "CREATE", "result": "EQUAL",
@@ -354,7 +408,7 @@ class FleetClient:
         for r in results:
             if r.refit_id:
                 try:
-                    self._stub(r.address).Abort(pb.AbortRequest(refit_id=r.refit_id, reason=why),
-                                                metadata=self._metadata, timeout=10)
+                    stubs[id(r)].Abort(pb.AbortRequest(refit_id=r.refit_id, reason=why),
+                                       metadata=self._metadata, timeout=10)
                 except grpc.RpcError:
                     pass

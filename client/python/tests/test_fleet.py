@@ -66,6 +66,37 @@ def test_fleet_push_flips_every_member(etcd, start_daemon, weights):
         time.sleep(0.05)  # bounded poll of etcd
 
 
+def test_a_dead_first_etcd_endpoint_is_skipped_for_the_next(etcd, start_daemon, weights):
+    # A cluster whose first member is down: the daemons (refitd's EtcdClient)
+    # and FleetClient both move on to the next endpoint.
+    endpoints = f"127.0.0.1:{_free_port()},{etcd}"
+    members = []
+    for i in range(2):
+        d = start_daemon("--fleet=pydead", f"--etcd={endpoints}", f"--fleet-member=d{i}")
+        d.wait_for_line("joined the fleet")
+        members.append(d)
+    fleet = FleetClient(etcd=endpoints, fleet="pydead")
+    assert len(fleet.status()["members"]) == 2
+    assert fleet._etcd.base == f"http://{etcd}"  # the live one answers from now on
+    result = fleet.push(str(weights(3)))
+    assert result.fleet_version == 1
+    assert all(m.committed for m in result.members), result.members
+    for d in members:
+        with RefitClient(d.address, timeout=30) as c:
+            assert c.status().version == 2
+
+
+def test_every_etcd_endpoint_dead_is_unavailable_naming_each():
+    from refit_client import Unavailable
+
+    dead = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
+    fleet = FleetClient(etcd=",".join(dead), fleet="nobody")
+    with pytest.raises(Unavailable) as e:
+        fleet.status()
+    for endpoint in dead:
+        assert f"etcd http://{endpoint}/v3/kv/range" in str(e.value)
+
+
 def test_fleet_push_while_the_lock_is_held_is_a_conflict(etcd, start_daemon, weights):
     d = start_daemon("--fleet=py2", f"--etcd={etcd}", "--fleet-member=only")
     d.wait_for_line("joined the fleet")

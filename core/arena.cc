@@ -1,11 +1,17 @@
 #include "core/arena.h"
 
 #include <fcntl.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <new>
 
@@ -65,6 +71,7 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(absl::string_view n
   h->data_bytes = static_cast<uint64_t>(data_bytes);
   h->layout_hash = layout_hash;
   h->seq.store(0, std::memory_order_relaxed);
+  h->committed_unix_ns.store(0, std::memory_order_relaxed);
   h->version.store(0, std::memory_order_release);
   return arena;
 }
@@ -100,8 +107,24 @@ void HostArena::BeginWrite() {
 
 void HostArena::EndWrite(uint64_t version) {
   ArenaHeader* h = mutable_header();
+  if (h->version.load(std::memory_order_relaxed) != version) {
+    // An engine measures how long after the copy its Committed came, and
+    // how old the bytes it serves are, without asking the daemon.
+    struct timespec now;
+    ::clock_gettime(CLOCK_REALTIME, &now);
+    h->committed_unix_ns.store(
+        static_cast<uint64_t>(now.tv_sec) * 1000000000u + static_cast<uint64_t>(now.tv_nsec),
+        std::memory_order_relaxed);
+  }
   h->version.store(version, std::memory_order_relaxed);
   h->seq.fetch_add(1, std::memory_order_release);
+#ifdef __linux__
+  // Engines blocked in a safe point wait on seq's low 32 bits (a shared
+  // futex: the key is the memfd's page, the same in every mapping), so they
+  // resume the moment the copy ends rather than when Committed reaches them.
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->seq), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
+            0);
+#endif
 }
 
 absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(int device_index,

@@ -23,8 +23,13 @@
 //   8  format (1)            32 layout_hash (XXH3-64 of the layout fingerprint)
 //   12 header_bytes (4096)   40 seq: odd while a commit copies (seqlock)
 //   16 data_offset (4096)    48 version: the version the data holds
+//                            56 committed_unix_ns: when the copy of `version`
+//                               ended (CLOCK_REALTIME, ns; 0 before the first)
+// Each commit's end wakes the shared futex on seq's low 32 bits (offset 40),
+// so a reader can sleep until a copy ends instead of polling.
 // A reader that loads seq (even), reads, and loads seq again (unchanged) read
-// one version; a different or odd seq means the read spans a commit.
+// one version; a different or odd seq means the read spans a commit. Fields
+// are only ever added after the last one (format stays 1).
 //
 // Thread-safety: BeginWrite/EndWrite are called by the store's single
 // committer under its writer lock; everything else is immutable after
@@ -59,8 +64,9 @@ struct ArenaHeader {
   uint64_t layout_hash;
   std::atomic<uint64_t> seq;
   std::atomic<uint64_t> version;
+  std::atomic<uint64_t> committed_unix_ns;
 };
-static_assert(sizeof(ArenaHeader) == 56, "ArenaHeader's offsets are part of the engine protocol");
+static_assert(sizeof(ArenaHeader) == 64, "ArenaHeader's offsets are part of the engine protocol");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "seqlock needs lock-free 64-bit atomics");
 
 // Rounds `bytes` up to kArenaAlign.
@@ -96,8 +102,9 @@ class HostArena {
   absl::StatusOr<int> OpenReadOnly() const;
 
   // Seqlock: seq becomes odd before a commit writes into the data, and even
-  // again, with the new version, after. Only the store's committer calls
-  // these, under its writer lock.
+  // again, with the new version, after (and, when the version changed, the
+  // time the copy ended). Only the store's committer calls these, under its
+  // writer lock.
   void BeginWrite();
   void EndWrite(uint64_t version);
 

@@ -12,13 +12,14 @@ measures, over --reps repetitions (medians):
   read       an attached engine copying every kernel into a buffer of its own
              (torch copy_ per tensor) against the same copies out of ordinary
              private memory of the same sizes (memcpy bandwidth)
-  committed  how long after the copy ends (the header's seqlock turning even
-             with the new version, watched by a spinning thread) the engine
-             has the Committed event, p99 over every push, against the commit
-             pause itself
+  committed  how long after the copy ends (the arena header's
+             committed_unix_ns, written by the daemon as its copy ends) the
+             engine's reader thread has the Committed event (wall clock, one
+             host), p99 over every push, against the commit pause itself
   pause      a coordinated engine's pause (Quiesced sent to Committed
-             received, safe_point()) against a memcpy of the kernel bytes plus
-             an ack round trip (a GetStatus call)
+             received, safe_point()) against a memcpy of the kernel bytes
+             (libc memcpy, warm buffers, as the prefaulted arena is) plus an ack round trip
+             (a GetStatus call), both measured right before each push
 
 Pushes alternate the checkpoint and a perturbed copy, so every commit copies
 new bytes. Prints {"figures": [...], "series": {...}} on stdout (the format
@@ -31,6 +32,7 @@ scripts/bench.sh merges) and the figures on stderr.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import pathlib
@@ -106,6 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     proc = start_refitd(args.refitd, args.model_dir, sock)
     series: Dict[str, List[float]] = {k: [] for k in (
         "attach_s", "readtensor_s", "engine_read_s", "private_read_s", "committed_after_copy_s",
+        "resumed_after_copy_s",
         "commit_pause_s", "engine_pause_s", "memcpy_kernels_s", "status_rtt_s")}
     try:
         client = RefitClient(address, timeout=600)
@@ -130,52 +133,61 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for _ in range(args.reps):
             series["engine_read_s"].append(copy_all(sources, sinks))
             series["private_read_s"].append(copy_all(private, sinks))
-            big_src = torch.empty(kernel_bytes, dtype=torch.uint8)
-            big_dst = torch.empty_like(big_src)
-            big_dst.copy_(big_src)
-            start = time.perf_counter()
-            big_dst.copy_(big_src)
-            series["memcpy_kernels_s"].append(time.perf_counter() - start)
-            del big_src, big_dst
-            start = time.perf_counter()
-            client.status()
-            series["status_rtt_s"].append(time.perf_counter() - start)
+        del sinks, private
 
         weights = load(args.model_dir)
         perturbed = {k: (v * 1.001 if v.is_floating_point() else v) for k, v in weights.items()}
         stop = threading.Event()
-        copy_ends: Dict[int, float] = {}
+        received: Dict[int, float] = {}
 
-        def watch_header() -> None:
-            # Spins: the moment the seqlock turns even with a new version.
-            last = engine.header()[1]
-            while not stop.is_set():
-                seq, version = engine.header()
-                if seq % 2 == 0 and version != last:
-                    copy_ends[version] = time.monotonic()
-                    last = version
-                time.sleep(0)  # lets the engine's reader thread take the GIL
+        def on_event(event) -> None:
+            # The reader thread, as the event arrives: wall clock, to compare
+            # with the header's end of the daemon's copy.
+            if event.kind == "committed":
+                received[event.version] = time.time()
+
+        resumed: Dict[int, float] = {}
 
         def serve() -> None:
             while not stop.is_set():
-                engine.safe_point(timeout=1.0)
+                pending = engine._pending  # noqa: SLF001 - which commit it paused for
+                if engine.safe_point(timeout=1.0) and pending is not None:
+                    resumed[pending[1]] = time.time()
                 time.sleep(0.0005)  # a forward step
 
-        threads = [threading.Thread(target=watch_header), threading.Thread(target=serve)]
-        for t in threads:
-            t.start()
+        engine.on_event(on_event)
+        server = threading.Thread(target=serve)
+        server.start()
+        # The reference is measured right before each push, on the same
+        # (warm, prefaulted) kind of buffers as the arena, so that both see
+        # the same load; nothing else runs in this process during a commit
+        # (a spinning watcher here took a core from the copy and the GIL from
+        # the engine's reader thread).
+        big_src = torch.ones(kernel_bytes, dtype=torch.uint8)
+        big_dst = torch.zeros_like(big_src)
         results = []
         for rep in range(args.reps):
-            results.append(client.push(perturbed if rep % 2 == 0 else weights))
-        time.sleep(0.1)  # the last Committed event reaches the engine's reader thread
+            start = time.perf_counter()
+            ctypes.memmove(big_dst.data_ptr(), big_src.data_ptr(), kernel_bytes)  # libc's, as refitd's
+            series["memcpy_kernels_s"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            client.status()
+            series["status_rtt_s"].append(time.perf_counter() - start)
+            r = client.push(perturbed if rep % 2 == 0 else weights)
+            results.append(r)
+            version, copy_end = engine.committed_at()
+            deadline = time.monotonic() + 10
+            while r.version not in received and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if version == r.version and r.version in received:
+                series["committed_after_copy_s"].append(received[r.version] - copy_end)
+            if version == r.version and r.version in resumed:
+                series["resumed_after_copy_s"].append(resumed[r.version] - copy_end)
+        del big_src, big_dst
         stop.set()
-        for t in threads:
-            t.join()
-        committed = {e.version: e.time for e in engine.events(timeout=0.5) if e.kind == "committed"}
+        server.join()
         for r in results:
             series["commit_pause_s"].append(r.timings.commit_seconds)
-            if r.version in committed and r.version in copy_ends:
-                series["committed_after_copy_s"].append(committed[r.version] - copy_ends[r.version])
         series["engine_pause_s"] = [p for _, p in engine.pauses]
         engine.close()
         client.close()
@@ -185,8 +197,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     med = {k: statistics.median(v) if v else 0.0 for k, v in series.items()}
     gib = kernel_bytes / (1 << 30)
-    lat = sorted(series["committed_after_copy_s"])
-    p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0
+    def p99_of(values: List[float]) -> float:
+        lat = sorted(values)
+        return lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0
+
+    p99 = p99_of(series["committed_after_copy_s"])
     figures = [
         figure("attach + map of the kernels", med["attach_s"] * 1e3, "ms",
                "ReadTensor of every kernel", med["readtensor_s"] * 1e3, "<= 0.1",
@@ -197,7 +212,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                gib / med["private_read_s"] if med["private_read_s"] else 0.0, ">= 0.9"),
         figure("Committed after the copy ends, p99", p99 * 1e3, "ms",
                "commit pause (median)", med["commit_pause_s"] * 1e3, "",
-               "the issue's bound is 1 ms absolute"),
+               "the Committed event on the engine's reader thread; the issue's bound is 1 ms"),
+        figure("coordinated engine resumes after the copy ends, p99",
+               p99_of(series["resumed_after_copy_s"]) * 1e3, "ms",
+               "commit pause (median)", med["commit_pause_s"] * 1e3, "",
+               "safe_point() returns: woken by the header's futex; the issue's bound is 1 ms"),
         figure("coordinated engine pause (median)", med["engine_pause_s"] * 1e3, "ms",
                "memcpy of the kernel bytes + a GetStatus round trip",
                (med["memcpy_kernels_s"] + med["status_rtt_s"]) * 1e3, "<= 1.2"),

@@ -4,17 +4,24 @@
 #include "core/arena.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "core/fixture_model.h"
 #include "core/model_layout.h"
 #include "core/refit_session.h"
@@ -52,6 +59,7 @@ TEST(HostArenaTest, HeaderHoldsMagicSizesAndLayoutHash) {
   EXPECT_EQ(h.layout_hash, 0x1234u);
   EXPECT_EQ(h.seq.load(), 0u);
   EXPECT_EQ(h.version.load(), 0u);
+  EXPECT_EQ(h.committed_unix_ns.load(), 0u);
   EXPECT_EQ((*arena)->size(), 5096);
   // Zero-filled.
   EXPECT_EQ((*arena)->data()[0], 0);
@@ -100,6 +108,41 @@ TEST(HostArenaTest, SeqIsOddWhileWritingAndEvenWithTheVersionAfter) {
   EXPECT_EQ((*arena)->header().version.load(), 7u);
 }
 
+// Whether thread `tid` of this process is blocked in the futex syscall.
+bool InFutexWait(pid_t tid) {
+  std::ifstream f(absl::StrCat("/proc/self/task/", tid, "/syscall"));
+  std::string number;
+  f >> number;
+  return number == std::to_string(SYS_futex);
+}
+
+TEST(HostArenaTest, EndWriteWakesAReaderSleepingOnSeqInAReadOnlyMapping) {
+  absl::StatusOr<std::unique_ptr<HostArena>> arena = HostArena::Create("test", 64, 0, true);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  absl::StatusOr<int> fd = (*arena)->OpenReadOnly();
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  const size_t length = static_cast<size_t>((*arena)->size());
+  void* p = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, *fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  ::close(*fd);
+  (*arena)->BeginWrite();  // seq 1: a commit copies
+  std::atomic<pid_t> tid{0};
+  long rc = -2;
+  int error = 0;
+  std::thread reader([&] {
+    tid = static_cast<pid_t>(::syscall(SYS_gettid));
+    // What an engine's safe point does: sleep while seq holds the odd value.
+    struct timespec limit = {30, 0};
+    rc = ::syscall(SYS_futex, static_cast<char*>(p) + 40, FUTEX_WAIT, 1u, &limit, nullptr, 0);
+    error = errno;
+  });
+  while (tid == 0 || !InFutexWait(tid)) std::this_thread::yield();
+  (*arena)->EndWrite(1);
+  reader.join();
+  EXPECT_EQ(rc, 0) << std::strerror(error);  // woken, not timed out
+  ::munmap(p, length);
+}
+
 class StoreArenaTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -137,9 +180,17 @@ TEST_F(StoreArenaTest, AnEngineMappingSeesEachCommitWithItsVersionAndAnEvenSeq) 
   ::close(*fd);
   const auto* header = static_cast<const ArenaHeader*>(p);
   EXPECT_EQ(header->version.load(), 0u);
+  EXPECT_EQ(header->committed_unix_ns.load(), 0u);
+  const absl::Time before = absl::Now();
   ASSERT_TRUE(testing::PushAll(*store_, Weights(1)).ok());
   EXPECT_EQ(header->version.load(), 1u);
   EXPECT_EQ(header->seq.load(), 2u);
+  // When the copy ended: within the push, on the wall clock.
+  const absl::Time committed =
+      absl::FromUnixNanos(static_cast<int64_t>(header->committed_unix_ns.load()));
+  EXPECT_GE(committed, before - absl::Milliseconds(1));
+  EXPECT_LE(committed, absl::Now() + absl::Milliseconds(1));
+  const uint64_t first_commit = header->committed_unix_ns.load();
   const KernelView k = store_->Kernels()[2];
   std::string live;
   ASSERT_TRUE(store_->ReadKernel(k.spec->name, &live, nullptr).ok());
@@ -149,6 +200,7 @@ TEST_F(StoreArenaTest, AnEngineMappingSeesEachCommitWithItsVersionAndAnEvenSeq) 
   ASSERT_TRUE(testing::PushAll(*store_, Weights(2)).ok());
   EXPECT_EQ(header->version.load(), 2u);
   EXPECT_EQ(header->seq.load(), 4u);
+  EXPECT_GE(header->committed_unix_ns.load(), first_commit);
   ::munmap(p, static_cast<size_t>(arena.host_bytes));
 }
 

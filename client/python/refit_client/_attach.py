@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
 import queue
 import socket
 import struct
@@ -49,6 +50,41 @@ __all__ = ["attach", "AttachedEngine", "EngineEvent", "LAYOUT_FIELDS"]
 _MAGIC = b"REFITAR1"
 _SEQ_OFFSET = 40
 _VERSION_OFFSET = 48
+
+# The daemon wakes the shared futex on seq's low 32 bits as each commit's copy
+# ends (core/arena.h): a safe point sleeps on it instead of waiting for the
+# Committed message (two thread hops and the stream away).
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Futex:
+    """FUTEX_WAIT / FUTEX_WAKE (shared, not private) on one 32-bit word of a
+    mapping; ctypes releases the GIL during the call."""
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+        self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+        self._syscall.restype = ctypes.c_long
+
+    def wait(self, expected: int, seconds: float) -> None:
+        ts = _Timespec(int(seconds), int((seconds % 1) * 1e9))
+        self._syscall(
+            ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self.address), ctypes.c_int(_FUTEX_WAIT),
+            ctypes.c_uint32(expected), ctypes.byref(ts), None, ctypes.c_int(0),
+        )  # woken, timed out, EAGAIN or EINTR: the caller looks again
+
+    def wake(self) -> None:
+        self._syscall(
+            ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self.address), ctypes.c_int(_FUTEX_WAKE),
+            ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0),
+        )
+
 
 LAYOUT_FIELDS = (
     "architecture",
@@ -227,7 +263,11 @@ class AttachedEngine:
         with warnings.catch_warnings():
             # The mapping is read-only by design; torch warns about that.
             warnings.simplefilter("ignore", UserWarning)
-            bases[0] = torch.frombuffer(self._map, dtype=torch.uint8)[host.data_offset :]
+            whole = torch.frombuffer(self._map, dtype=torch.uint8)
+            bases[0] = whole[host.data_offset :]
+        self._futex: Optional[_Futex] = None
+        if _SYS_FUTEX is not None:
+            self._futex = _Futex(whole.data_ptr() + _SEQ_OFFSET)
         for index, region in enumerate(a.regions):
             if region.kind == epb.ArenaRegion.KIND_CUDA_IPC:
                 ptr = _CudaIpc().open(region.cuda_ipc_handle, region.cuda_device)
@@ -238,30 +278,35 @@ class AttachedEngine:
         # One typed view of each region per dtype, and each tensor a single
         # as_strided over it: a model has hundreds of kernel tensors, and
         # three torch calls apiece (slice, view, as_strided) were most of
-        # the time attach takes.
-        typed: Dict[Tuple[int, Any], Any] = {}
+        # the time attach takes. Per (region, dtype): the view, its element
+        # size and storage offset, looked up once (attach's time is this loop).
+        typed: Dict[Tuple[int, str], Any] = {}
+        tensors = self.tensors
         for t in a.tensors:
-            dtype = _torch_dtype(t.dtype)
-            base = bases[t.region]
-            if not t.nbytes:
-                flat = torch.empty(0, dtype=dtype, device=base.device)
-                self.tensors[t.name] = flat.as_strided(tuple(t.shape), tuple(t.strides))
-                continue
-            key = (t.region, dtype)
-            view = typed.get(key)
-            if view is None:
+            nbytes = t.nbytes
+            key = (t.region, t.dtype)
+            entry = typed.get(key)
+            if entry is None:
+                dtype = _torch_dtype(t.dtype)
+                base = bases[t.region]
                 size = torch.empty(0, dtype=dtype).element_size()
                 usable = base.numel() - base.numel() % size
-                view = base[:usable].view(dtype) if base.storage_offset() % size == 0 else False
-                typed[key] = view
-            size = view.element_size() if view is not False else 0
-            if view is not False and t.byte_offset % size == 0:
-                self.tensors[t.name] = view.as_strided(
-                    tuple(t.shape), tuple(t.strides), view.storage_offset() + t.byte_offset // size
+                view = base[:usable].view(dtype) if base.storage_offset() % size == 0 else None
+                entry = (dtype, base, view, size, view.storage_offset() if view is not None else 0)
+                typed[key] = entry
+            dtype, base, view, size, start = entry
+            if not nbytes:
+                flat = torch.empty(0, dtype=dtype, device=base.device)
+                tensors[t.name] = flat.as_strided(tuple(t.shape), tuple(t.strides))
+                continue
+            offset = t.byte_offset
+            if view is not None and offset % size == 0:
+                tensors[t.name] = view.as_strided(
+                    tuple(t.shape), tuple(t.strides), start + offset // size
                 )
             else:  # an offset the typed view cannot express
-                raw = base[t.byte_offset : t.byte_offset + t.nbytes]
-                self.tensors[t.name] = raw.view(dtype).as_strided(tuple(t.shape), tuple(t.strides))
+                raw = base[offset : offset + nbytes]
+                tensors[t.name] = raw.view(dtype).as_strided(tuple(t.shape), tuple(t.strides))
 
     # -- events --------------------------------------------------------------
 
@@ -291,6 +336,7 @@ class AttachedEngine:
                     with self._cv:
                         self._pending = None
                         self._cv.notify_all()
+                    self._wake_safe_point()
                 else:
                     continue
                 self._events.put(event)
@@ -303,7 +349,13 @@ class AttachedEngine:
             self._closed = error
             self._pending = None
             self._cv.notify_all()
+        self._wake_safe_point()
         self._events.put(None)
+
+    def _wake_safe_point(self) -> None:
+        # A safe point sleeping on the futex sees the pending commit gone.
+        if self._futex is not None:
+            self._futex.wake()
 
     @property
     def version(self) -> int:
@@ -339,27 +391,72 @@ class AttachedEngine:
 
     def safe_point(self, timeout: Optional[float] = None) -> bool:
         """Call between forward steps. Returns at once unless a coordinated
-        commit is pending; then acks it and blocks until the daemon has copied
-        (Committed) or given up (Aborted). True if it paused."""
+        commit is pending; then acks it and blocks until the daemon's copy has
+        ended (the arena header shows the new version; the Committed event
+        follows on the stream) or the daemon gave up (Aborted). True if it
+        paused."""
         with self._cv:
             if self._pending is None:
                 return False
-            refit_id, version = self._pending
+            pending = self._pending
+            refit_id, version = pending
             if not self._acked:
                 self._acked = True
                 self._requests.put(
                     epb.EngineMessage(quiesced=epb.Quiesced(refit_id=refit_id, version=version))
                 )
             start = time.monotonic()
-            self._cv.wait_for(lambda: self._pending != (refit_id, version), timeout)
+        deadline = None if timeout is None else start + timeout
+        if self._futex is not None:
+            self._sleep_until_copied(pending, deadline)
+        with self._cv:
+            if self._pending == pending:
+                if self._copied(version):
+                    self._pending = None  # its Committed is on the way
+                else:
+                    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    self._cv.wait_for(lambda: self._pending != pending, remaining)
             self.pauses.append((version, time.monotonic() - start))
             return True
+
+    def _copied(self, version: int) -> bool:
+        seq, live = self.header()
+        return seq % 2 == 0 and live >= version
+
+    def _sleep_until_copied(self, pending: Tuple[str, int], deadline: Optional[float]) -> None:
+        assert self._futex is not None
+        while True:
+            seq, live = self.header()
+            if seq % 2 == 0 and live >= pending[1]:
+                return
+            with self._cv:
+                if self._pending != pending:
+                    return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            # Slices bound how long a missed wake can cost.
+            slice_s = 0.05 if deadline is None else min(0.05, deadline - now)
+            self._futex.wait(seq & 0xFFFFFFFF, slice_s)
 
     def header(self) -> Tuple[int, int]:
         """(seq, version) from the arena header, read without any RPC: seq is
         odd while a commit copies."""
         seq, version = struct.unpack_from("<QQ", self._map, _SEQ_OFFSET)
         return seq, version
+
+    def committed_at(self) -> Tuple[int, float]:
+        """(version, time.time()) of the arena's latest commit: the version its
+        bytes hold and when the daemon's copy of it ended, read from the
+        header without any RPC (time 0.0 before the first commit). Tells an
+        engine how old what it serves is, and how long a Committed event took
+        to arrive."""
+        for _ in range(1000):
+            seq, version, nanos = struct.unpack_from("<QQQ", self._map, _SEQ_OFFSET)
+            if seq % 2 == 0 and struct.unpack_from("<Q", self._map, _SEQ_OFFSET)[0] == seq:
+                return version, nanos / 1e9
+            time.sleep(0)
+        raise RefitError("attach: the arena header stayed mid-commit")
 
     def consistent(self, fn: Callable[[], Any], attempts: int = 1000) -> Any:
         """Runs `fn` until it ran entirely inside one version (the seqlock:

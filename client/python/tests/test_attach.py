@@ -10,6 +10,7 @@ import itertools
 import pathlib
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -139,6 +140,72 @@ def test_prepared_refit_stays_prepared_until_the_engine_goes(start_daemon, weigh
         committed = client.commit(prepared.refit_id)
         assert committed.version == 2
         assert engines_of(d.address) == []
+
+
+@pytest.mark.parametrize("futex", [True, False], ids=["futex", "event"])
+def test_a_safe_point_resumes_once_the_copy_ended_and_the_header_says_when(
+        start_daemon, weights, futex):
+    d = start_daemon()
+    with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address, name="timed") as engine:
+        if not futex:
+            engine._futex = None  # where it is unavailable: wait for the Committed event
+        version, loaded_at = engine.committed_at()
+        assert version == 1 and loaded_at > 0
+        resumed = threading.Event()
+        stop = threading.Event()
+        times: list = []
+
+        def serve() -> None:
+            while not stop.is_set() and engine.closed is None:
+                if engine.safe_point(timeout=LIMIT):
+                    times.append(time.time())
+                    resumed.set()
+                time.sleep(0.001)  # a forward step
+
+        loop = threading.Thread(target=serve)
+        loop.start()
+        try:
+            before = time.time()
+            result = client.push(load_state_dict(weights(2)))
+            after = time.time()
+            assert resumed.wait(LIMIT)
+        finally:
+            stop.set()
+            loop.join(LIMIT)
+        version, copied_at = engine.committed_at()
+        assert version == 2 == result.version
+        assert before <= copied_at <= after
+        assert times[0] >= copied_at  # never before the copy ended
+        assert [v for v, _ in engine.pauses] == [2]
+        kinds = [(e.kind, e.version) for e in first_events(engine, 2)]
+        assert kinds == [("commit_pending", 2), ("committed", 2)]
+        assert engine.version == 2 and engine.fingerprint == result.fingerprint
+
+
+def test_a_safe_point_sleeping_for_a_commit_that_is_aborted_resumes(start_daemon, weights):
+    d = start_daemon("--engine-quiesce-timeout=300ms")
+    with RefitClient(d.address, timeout=LIMIT) as client, \
+            attach(d.address, name="ready") as ready, attach(d.address, name="stuck"):
+        paused: list = []
+
+        def serve() -> None:
+            while not paused and ready.closed is None:
+                if ready.safe_point(timeout=LIMIT):
+                    paused.append(ready.header())
+                time.sleep(0.001)
+
+        header = ready.header()
+        loop = threading.Thread(target=serve)
+        loop.start()
+        with pytest.raises(RefitConflict) as e:
+            client.push(load_state_dict(weights(2)))
+        loop.join(LIMIT)
+        assert not loop.is_alive()
+        assert "did not quiesce" in str(e.value)
+        assert paused == [header]  # resumed on the old version: nothing was copied
+        kinds = [ev.kind for ev in first_events(ready, 2)]
+        assert kinds == ["commit_pending", "aborted"]
+        assert ready.version == 1
 
 
 def test_tiny_engine_follows_a_refit_bit_for_bit_without_reattaching(start_daemon, weights):

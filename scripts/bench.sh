@@ -20,7 +20,9 @@
 #   bench/python/attach_bench.py        an engine attached to the arena: attach + map, reading
 #                                       the kernels, Committed after the copy, engine pause
 #   bench/python/fleet_bench.py         a fleet refit of 4 daemons (real etcd) vs 4
-#                                       independent pushes; flip skew p50/p99
+#                                       independent pushes; flip skew p50/p99, against
+#                                       the members' commit copy and for a one-layer
+#                                       checkpoint (the protocol alone)
 # and writes bench/results/latest.json, bench/results/latest.md (the table),
 # bench/results/refit_time_vs_size.png and bench/results/throughput_per_phase.png,
 # and puts the table into README.md between <!-- bench:begin --> and
@@ -121,9 +123,20 @@ rm -f "$TMP/attach.json"
 "$PY" bench/python/attach_bench.py --model_dir="$MODEL_DIR" --reps="$E2E_REPS" \
   --refitd="$BUILD_DIR/bin/refitd" > "$TMP/attach.json" 2> "$TMP/attach.log" \
   || { log "attach_bench.py failed (see $TMP/attach.log)"; status=1; }
-log "fleet_bench.py (a fleet refit of 4 daemons vs 4 independent pushes; $((E2E_REPS * 3)) repetitions)"
+# A one-layer checkpoint whose commit copy is well under 1 ms: the flip skew of
+# a fleet refit of it is the protocol's alone.
+SMALL_ARGS="--layers 1 --hidden 256 --intermediate 512 --heads 4 --kv-heads 1 --vocab 1024"
+SMALL_DIR=$TMP/model-small
+if [ ! -f "$SMALL_DIR/.complete" ] || [ "$(cat "$SMALL_DIR/.complete")" != "$SMALL_ARGS" ]; then
+  rm -rf "$SMALL_DIR"
+  # shellcheck disable=SC2086
+  "$BUILD_DIR/bin/refit_make_fixture" --out "$SMALL_DIR" --seed 1 $SMALL_ARGS >&2
+  echo "$SMALL_ARGS" > "$SMALL_DIR/.complete"
+fi
+log "fleet_bench.py (a fleet refit of 4 daemons vs 4 independent pushes; $((E2E_REPS * 3)) repetitions; the small checkpoint's skew)"
 rm -f "$TMP/fleet.json"
 "$PY" bench/python/fleet_bench.py --model_dir="$MODEL_DIR" --reps="$((E2E_REPS * 3))" \
+  --small_model_dir="$SMALL_DIR" \
   --refitd="$BUILD_DIR/bin/refitd" --refitctl="$BUILD_DIR/bin/refitctl" \
   --workdir="$WORK_DIR/fleet" > "$TMP/fleet.json" 2> "$TMP/fleet.log" \
   || { log "fleet_bench.py failed (see $TMP/fleet.log)"; status=1; }

@@ -52,6 +52,8 @@ class FleetMemberResult:
     committed: bool = False
     version: int = 0
     fingerprint: str = ""
+    commit_unix_seconds: float = 0.0  # when its commit ended
+    commit_seconds: float = 0.0  # its commit pause (the copy into the live kernels)
     error: str = ""
 
 
@@ -352,7 +354,9 @@ class FleetClient:
                 c = stub.Commit(pb.CommitRequest(refit_id=r.refit_id), metadata=self._metadata,
                                 timeout=30)
                 r.committed, r.version, r.fingerprint = True, c.result.version, c.result.fingerprint
+                r.commit_seconds = c.result.timings.commit_seconds
                 s = stub.GetStatus(pb.GetStatusRequest(), metadata=self._metadata, timeout=30)
+                r.commit_unix_seconds = s.last_commit_unix_seconds
                 return s.last_commit_unix_seconds
             except grpc.RpcError as e:
                 r.error = str(from_rpc_error(e, f"commit on {r.address}"))

@@ -56,6 +56,10 @@ def test_fleet_push_flips_every_member(etcd, start_daemon, weights):
     assert result.fleet_version == 1
     assert all(m.committed for m in result.members), result.members
     assert len({m.fingerprint for m in result.members}) == 1
+    for m in result.members:  # each member's commit: its end and its pause
+        assert m.commit_unix_seconds > 0 and 0 < m.commit_seconds < 60, m
+    ends = [m.commit_unix_seconds for m in result.members]
+    assert result.flip_skew_seconds == pytest.approx(max(ends) - min(ends))
     for d in members:
         with RefitClient(d.address, timeout=30) as c:
             assert c.status().version == 2

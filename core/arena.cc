@@ -24,6 +24,9 @@
 #ifdef REFIT_WITH_CUDA
 #include <cuda_runtime_api.h>
 #endif
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010
@@ -105,7 +108,45 @@ void HostArena::BeginWrite() {
 #endif
 }
 
+void StreamingCopy(void* dst, const void* src, size_t n) {
+#if defined(__x86_64__)
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  if (n < 4096) {
+    std::memcpy(d, s, n);
+    return;
+  }
+  // Up to the first 64-byte line of the destination through the cache, then
+  // whole lines streamed (four 16-byte stores fill one write-combining
+  // buffer), then the tail. SSE2 is part of x86-64; wider stores were no
+  // faster (the copy is bound by memory bandwidth).
+  const size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  const size_t body = n & ~static_cast<size_t>(63);
+  for (size_t i = 0; i < body; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  std::memcpy(d + body, s + body, n - body);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
 void HostArena::EndWrite(uint64_t version) {
+#if defined(__x86_64__)
+  // Streaming stores are not ordered by the release below.
+  _mm_sfence();
+#endif
   ArenaHeader* h = mutable_header();
   if (h->version.load(std::memory_order_relaxed) != version) {
     // An engine measures how long after the copy its Committed came, and

@@ -38,6 +38,7 @@
 #define REFIT_CORE_ARENA_H_
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -74,6 +75,13 @@ inline int64_t ArenaAligned(int64_t bytes) {
   return (bytes + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
 }
 
+// Copies `n` bytes into arena memory with non-temporal (streaming) stores:
+// a commit's bytes are for the engines, not for the committer's cache, and
+// per-kernel memcpys (each below glibc's non-temporal threshold) take ~1.5x
+// as long through the cache. The stores are weakly ordered: EndWrite fences
+// them before it publishes the version. Plain memcpy off x86-64.
+void StreamingCopy(void* dst, const void* src, size_t n);
+
 class HostArena {
  public:
   // A memfd named "refitd:<name>" of kArenaHeaderBytes + data_bytes, mapped
@@ -103,8 +111,8 @@ class HostArena {
 
   // Seqlock: seq becomes odd before a commit writes into the data, and even
   // again, with the new version, after (and, when the version changed, the
-  // time the copy ended). Only the store's committer calls these, under its
-  // writer lock.
+  // time the copy ended). EndWrite fences StreamingCopy's stores first. Only the store's committer
+  // calls these, under its writer lock.
   void BeginWrite();
   void EndWrite(uint64_t version);
 

@@ -222,7 +222,7 @@ CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& st
       if (nbytes == 0) {
         // No storage to copy into.
       } else if (live.is_cpu() && !s.on_device) {
-        std::memcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes));
+        StreamingCopy(live.data_ptr(), s.data, static_cast<size_t>(nbytes));
       } else {
 #ifdef REFIT_WITH_CUDA
         if (s.on_device) {

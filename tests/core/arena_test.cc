@@ -108,6 +108,21 @@ TEST(HostArenaTest, SeqIsOddWhileWritingAndEvenWithTheVersionAfter) {
   EXPECT_EQ((*arena)->header().version.load(), 7u);
 }
 
+TEST(StreamingCopyTest, CopiesEveryByteAtAnyAlignmentAndLength) {
+  std::vector<char> src(3 << 20);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>((i * 131 + 7) % 251);
+  for (size_t length : {0, 1, 63, 64, 4095, 4096, 4097, 65 * 1024 + 3, 2 << 20}) {
+    for (size_t offset : {0, 1, 17, 64, 255}) {
+      std::vector<char> dst(length + 512, 'x');
+      StreamingCopy(dst.data() + offset, src.data() + 3, length);
+      EXPECT_EQ(std::string(dst.data() + offset, length), std::string(src.data() + 3, length))
+          << length << " bytes at offset " << offset;
+      EXPECT_EQ(std::string(dst.data(), offset), std::string(offset, 'x'));
+      EXPECT_EQ(dst[offset + length], 'x');
+    }
+  }
+}
+
 // Whether thread `tid` of this process is blocked in the futex syscall.
 bool InFutexWait(pid_t tid) {
   std::ifstream f(absl::StrCat("/proc/self/task/", tid, "/syscall"));

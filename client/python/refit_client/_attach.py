@@ -26,6 +26,7 @@ process (SIGSEGV).
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import platform
@@ -510,5 +511,14 @@ def attach(
         with open(token_file) as f:
             lines = f.read().splitlines()
         token = lines[0].strip() if lines else ""
-    return AttachedEngine(address, group, coordinate, name, expect, token, timeout)
+    # Building hundreds of tensors allocates thousands of objects: enough to
+    # set off a full cyclic collection of the engine's heap (tens of ms in a
+    # process with torch loaded) in the middle of attach. It runs later.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return AttachedEngine(address, group, coordinate, name, expect, token, timeout)
+    finally:
+        if collecting:
+            gc.enable()
 

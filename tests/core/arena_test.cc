@@ -142,6 +142,7 @@ TEST(HostArenaTest, EndWriteWakesAReaderSleepingOnSeqInAReadOnlyMapping) {
   ::close(*fd);
   (*arena)->BeginWrite();  // seq 1: a commit copies
   std::atomic<pid_t> tid{0};
+  std::atomic<bool> returned{false};
   long rc = -2;
   int error = 0;
   std::thread reader([&] {
@@ -150,8 +151,10 @@ TEST(HostArenaTest, EndWriteWakesAReaderSleepingOnSeqInAReadOnlyMapping) {
     struct timespec limit = {30, 0};
     rc = ::syscall(SYS_futex, static_cast<char*>(p) + 40, FUTEX_WAIT, 1u, &limit, nullptr, 0);
     error = errno;
+    returned = true;
   });
-  while (tid == 0 || !InFutexWait(tid)) std::this_thread::yield();
+  // Until it sleeps (or returned at once: then rc says why).
+  while (!returned && (tid == 0 || !InFutexWait(tid))) std::this_thread::yield();
   (*arena)->EndWrite(1);
   reader.join();
   EXPECT_EQ(rc, 0) << std::strerror(error);  // woken, not timed out

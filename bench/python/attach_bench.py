@@ -150,9 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         def serve() -> None:
             while not stop.is_set():
-                pending = engine._pending  # noqa: SLF001 - which commit it paused for
-                if engine.safe_point(timeout=1.0) and pending is not None:
-                    resumed[pending[1]] = time.time()
+                if engine.safe_point(timeout=1.0):
+                    resumed[engine.pauses[-1][0]] = time.time()  # the version it paused for
                 time.sleep(0.0005)  # a forward step
 
         engine.on_event(on_event)

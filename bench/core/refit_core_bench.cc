@@ -14,8 +14,10 @@
 //              with the default RefitOptions and with the staging budget at
 //              2 x the largest layer; per-GiB time of each vs the mean over sizes.
 //   memory     peak RSS over idle RSS during one more refit of each size and
-//              variant (freed heap returned first with malloc_trim, VmHWM reset
-//              through /proc/self/clear_refs) vs the bound
+//              variant (the host staging pool emptied and freed heap returned
+//              first with malloc_trim, VmHWM reset through
+//              /proc/self/clear_refs, so every staging byte the refit needs
+//              is counted, not only what the pool lacked) vs the bound
 //              kernel bytes + 2 x largest layer (checkpoint format) + chunk.
 //
 // A plain main rather than Google Benchmark: Google Benchmark runs one
@@ -51,6 +53,7 @@
 #include "core/model_layout.h"
 #include "core/refit_session.h"
 #include "core/shard_store.h"
+#include "core/staging_buffer.h"
 
 ABSL_FLAG(std::string, sizes, "256,1024,4096", "model sizes in MiB (bf16 checkpoint bytes)");
 ABSL_FLAG(int, reps, 3, "repetitions of each scaling refit (interleaved by size)");
@@ -71,6 +74,7 @@ using core::RefitOptions;
 using core::RefitResult;
 using core::RefitSession;
 using core::ShardStore;
+using core::StagingBuffer;
 
 constexpr int64_t kPoolBytes = int64_t{256} << 20;
 
@@ -180,12 +184,15 @@ struct RefitRun {
 };
 
 // commit=false: Prepare then Abort (nothing becomes visible).
-// measure_memory: returns freed heap to the system first (malloc_trim), so
-// that peak RSS over idle RSS counts every byte the refit touches; timing runs
-// skip it, as a daemon would.
+// measure_memory: empties the host staging pool (which otherwise keeps the
+// previous refit's staging resident, so that the peak would show only what
+// this refit adds to it) and returns freed heap to the system (malloc_trim)
+// first, so that peak RSS over idle RSS counts every byte the refit needs;
+// timing runs skip it, as a daemon would between back-to-back refits.
 RefitRun RunRefit(Model& m, bool commit, bool measure_memory, int64_t staging_budget = 0) {
   RefitRun run;
   if (measure_memory) {
+    StagingBuffer::TrimHostPool(absl::InfiniteFuture());
     malloc_trim(0);
     ResetPeakRss("self");
     run.idle_rss = ProcStatusBytes("self", "VmRSS");

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <map>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -23,8 +25,6 @@ class HostPool {
     return *pool;
   }
 
-  // A block of at least `size` bytes and its capacity; {nullptr, 0} when
-  // the allocation fails.
   // Whether pooling is on (SetHostPoolIdle).
   bool enabled() {
     absl::MutexLock lock(&mu_);
@@ -39,7 +39,10 @@ class HostPool {
     if (idle <= absl::ZeroDuration()) Trim(absl::InfiniteFuture());
   }
 
+  // A block of at least `size` bytes and its capacity; {nullptr, 0} when
+  // the allocation fails.
   std::pair<void*, int64_t> Take(int64_t size) {
+    std::vector<void*> evicted;
     {
       absl::MutexLock lock(&mu_);
       last_use_ = absl::Now();
@@ -53,7 +56,20 @@ class HostPool {
         ++reused_;
         return block;
       }
+      // A miss allocates on top of what the pool keeps. Kept blocks of other
+      // sizes are freed first, as many as it takes for kept + in use to stay
+      // within the most that was in use at once (or what is in use now, if
+      // this request raises that): pooling never adds to a refit's peak.
+      const int64_t in_use_after = in_use_bytes_ + size;
+      const int64_t limit = std::max(high_water_bytes_, in_use_after);
+      while (!free_.empty() && pooled_bytes_ + in_use_after > limit) {
+        auto largest = std::prev(free_.end());
+        pooled_bytes_ -= largest->first;
+        evicted.push_back(largest->second);
+        free_.erase(largest);
+      }
     }
+    for (void* block : evicted) std::free(block);
     void* data = std::malloc(static_cast<size_t>(size));
     if (data == nullptr) return {nullptr, 0};
     absl::MutexLock lock(&mu_);

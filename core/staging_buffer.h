@@ -53,9 +53,11 @@ class StagingBuffer {
   // and a kernel zeroing per 4 KiB page (measured: it doubled the daemon's
   // CPU per refit when staging was returned to the system after each one).
   // Released buffers are therefore kept, process-wide, and handed out again
-  // for a request of their size (best fit, at most 1/8 larger). Bounds: the
-  // pool never holds more bytes than the most that were in use at once (its
-  // high-water mark; a buffer that would exceed it is freed instead), and a
+  // for a request of their size (best fit, at most 1/8 larger). Bounds: what
+  // the pool keeps plus what is in use never exceeds the most that was in
+  // use at once (its high-water mark): a released buffer that would exceed
+  // it is freed instead, and a request the pool cannot serve first frees
+  // kept buffers of other sizes until the new one fits under it; and a
   // pool not used for its idle period (kDefaultPoolIdle unless set) is
   // emptied by a background thread, so an idle daemon holds no staging.
   static constexpr int64_t kPoolMinBytes = int64_t{1} << 20;

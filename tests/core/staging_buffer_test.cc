@@ -268,6 +268,44 @@ TEST(StagingBufferPoolTest, ReleasedBuffersAreReusedBoundedAndTrimmedWhenIdle) {
   EXPECT_EQ(StagingBuffer::HostPoolStats().pooled_bytes, 0);
 }
 
+// A request the pool cannot serve frees kept buffers of other sizes before
+// it allocates, so that kept + in use stays within the most that was in use
+// at once: pooling never raises a refit's peak.
+TEST(StagingBufferPoolTest, AMissFreesKeptBuffersSoThePoolNeverAddsToThePeak) {
+  constexpr int64_t kLayer = int64_t{4} << 20;
+  constexpr int64_t kSmall = int64_t{2} << 20;
+  StagingBuffer::TrimHostPool(absl::InfiniteFuture());
+  const int64_t base = StagingBuffer::HostPoolStats().in_use_bytes;
+  {
+    absl::StatusOr<StagingBuffer> a = StagingBuffer::HostPooled(kLayer, "layer 0");
+    absl::StatusOr<StagingBuffer> b = StagingBuffer::HostPooled(kLayer, "layer 1");
+    ASSERT_TRUE(a.ok() && b.ok());
+  }
+  StagingBuffer::PoolStats stats = StagingBuffer::HostPoolStats();
+  ASSERT_EQ(stats.pooled_bytes, 2 * kLayer);
+  ASSERT_EQ(stats.high_water_bytes, base + 2 * kLayer);
+
+  // 2 MiB fits no kept 4 MiB buffer: one of them goes, total 6 <= 8 MiB.
+  absl::StatusOr<StagingBuffer> c = StagingBuffer::HostPooled(kSmall, "norms");
+  ASSERT_TRUE(c.ok()) << c.status();
+  stats = StagingBuffer::HostPoolStats();
+  EXPECT_EQ(stats.pooled_bytes, kLayer);
+  EXPECT_LE(stats.pooled_bytes + stats.in_use_bytes, stats.high_water_bytes);
+  // Another 2 MiB: total 8 MiB, still at the mark, nothing freed.
+  absl::StatusOr<StagingBuffer> d = StagingBuffer::HostPooled(kSmall, "norms");
+  ASSERT_TRUE(d.ok()) << d.status();
+  stats = StagingBuffer::HostPoolStats();
+  EXPECT_EQ(stats.pooled_bytes, kLayer);
+  EXPECT_EQ(stats.pooled_bytes + stats.in_use_bytes, stats.high_water_bytes);
+  // A third would make it 10 MiB, past the mark: the last kept buffer goes.
+  absl::StatusOr<StagingBuffer> e = StagingBuffer::HostPooled(kSmall, "norms");
+  ASSERT_TRUE(e.ok()) << e.status();
+  stats = StagingBuffer::HostPoolStats();
+  EXPECT_EQ(stats.pooled_bytes, 0);
+  EXPECT_EQ(stats.in_use_bytes, base + 3 * kSmall);
+  EXPECT_LE(stats.in_use_bytes, stats.high_water_bytes);
+}
+
 // Pooling off (an idle period of zero): nothing is kept, and what was kept
 // is freed at once.
 TEST(StagingBufferPoolTest, IdlePeriodZeroTurnsPoolingOff) {

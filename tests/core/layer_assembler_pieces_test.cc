@@ -53,6 +53,16 @@ OwnedTensor Converted(const OwnedTensor& t, DType dtype) {
   return out;
 }
 
+// The whole tensor as one chunk of contiguous bytes.
+Chunk WholeChunk(const OwnedTensor& t) {
+  Chunk chunk;
+  chunk.name = t.name;
+  chunk.dtype = t.dtype;
+  chunk.shape = t.shape;
+  chunk.data = t.bytes;
+  return chunk;
+}
+
 // The whole tensor as one chunk whose bytes are split at `cuts` (ascending
 // byte positions; repeated or boundary cuts give empty pieces).
 Chunk Split(const OwnedTensor& t, const std::vector<size_t>& cuts, std::vector<Piece>* pieces) {
@@ -63,11 +73,8 @@ Chunk Split(const OwnedTensor& t, const std::vector<size_t>& cuts, std::vector<P
     at = cut;
   }
   pieces->emplace_back(t.bytes.data() + at, t.bytes.size() - at);
-  Chunk chunk;
-  chunk.name = t.name;
-  chunk.dtype = t.dtype;
-  chunk.shape = t.shape;
-  chunk.pieces = *pieces;
+  Chunk chunk = WholeChunk(t);
+  chunk.pieces = *pieces;  // `data` is ignored when there are pieces
   chunk.xxh3 = XXH3_64bits(t.bytes.data(), t.bytes.size());
   return chunk;
 }
@@ -104,12 +111,7 @@ TEST_F(LayerAssemblerPiecesTest, ElementSplitAtEveryPositionStagesAsOneChunk) {
   ASSERT_GE(l, 0);
   for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     const OwnedTensor t = Converted(norm, dtype);
-    Chunk whole;
-    whole.name = t.name;
-    whole.dtype = t.dtype;
-    whole.shape = t.shape;
-    whole.data = t.bytes;
-    const std::string expected = Staged(*layout_, whole, l);
+    const std::string expected = Staged(*layout_, WholeChunk(t), l);
     ASSERT_FALSE(expected.empty());
     std::vector<Piece> pieces;
     // Two pieces, cut at every byte; three pieces, the middle one shorter
@@ -186,12 +188,7 @@ TEST_F(LayerAssemblerPiecesTest, TensorParallelSlicesAcrossPieces) {
     for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
       SCOPED_TRACE(absl::StrCat(name, " ", DTypeName(dtype)));
       const OwnedTensor t = Converted(Find(weights_, name), dtype);
-      Chunk whole;
-      whole.name = t.name;
-      whole.dtype = t.dtype;
-      whole.shape = t.shape;
-      whole.data = t.bytes;
-      const std::string expected = Staged(*tp, whole, l);
+      const std::string expected = Staged(*tp, WholeChunk(t), l);
       ASSERT_FALSE(expected.empty());
       std::vector<size_t> cuts;
       for (size_t at = 0;;) {

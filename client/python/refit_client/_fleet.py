@@ -348,7 +348,7 @@ class FleetClient:
             raise RefitConflict(f"fleet refit {frid} aborted: a decision was recorded first or "
                                 "the fleet version moved on")
 
-        def commit(r: FleetMemberResult) -> float:
+        def commit(r: FleetMemberResult) -> None:
             try:
                 stub = stubs[id(r)]
                 c = stub.Commit(pb.CommitRequest(refit_id=r.refit_id), metadata=self._metadata,
@@ -357,13 +357,12 @@ class FleetClient:
                 r.commit_seconds = c.result.timings.commit_seconds
                 s = stub.GetStatus(pb.GetStatusRequest(), metadata=self._metadata, timeout=30)
                 r.commit_unix_seconds = s.last_commit_unix_seconds
-                return s.last_commit_unix_seconds
             except grpc.RpcError as e:
                 r.error = str(from_rpc_error(e, f"commit on {r.address}"))
-                return 0.0
 
         with concurrent.futures.ThreadPoolExecutor(len(results)) as pool:
-            times = [t for t in pool.map(commit, results) if t > 0]
+            list(pool.map(commit, results))
+        times = [r.commit_unix_seconds for r in results if r.commit_unix_seconds > 0]
         skew = max(times) - min(times) if times else 0.0
         version["flip_skew_seconds"] = skew
         self._etcd.put(self._prefix + "version", json.dumps(version))

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -625,25 +627,35 @@ void QuantizeWithInfiniteInverse(const uint8_t* src, DType dtype, int64_t count,
 std::string FloatTypeList() { return "F32, F16 or BF16"; }
 
 // Only runs once a pass has seen a non-finite value: finds the first one in
-// memory order so that the error names the same element however the work was
-// split.
-absl::Status NonFiniteError(const void* src, DType dtype, int64_t rows, int64_t cols,
-                            absl::string_view tensor_name) {
-  const int64_t n = rows * cols;
+// memory order (over `pieces`, laid end to end) so that the error names the
+// same element however the work was split.
+absl::Status NonFiniteError(absl::Span<const absl::Span<const uint8_t>> pieces, DType dtype,
+                            int64_t cols, absl::string_view tensor_name) {
   const uint32_t inf = InfBits(dtype);
+  const int64_t esize = static_cast<int64_t>(DTypeSize(dtype));
   int64_t index = -1;
-  for (int64_t i = 0; i < n && index < 0; ++i) {
-    uint32_t abs;
-    switch (dtype) {
-      case DType::kBFloat16:
-      case DType::kFloat16:
-        abs = static_cast<const uint16_t*>(src)[i] & 0x7FFFu;
-        break;
-      default:
-        abs = static_cast<const uint32_t*>(src)[i] & 0x7FFFFFFFu;
-        break;
+  int64_t base = 0;  // element index of the piece's first element
+  const uint8_t* at = nullptr;
+  for (absl::Span<const uint8_t> piece : pieces) {
+    const int64_t n = static_cast<int64_t>(piece.size()) / esize;
+    for (int64_t i = 0; i < n && index < 0; ++i) {
+      uint32_t abs;
+      switch (dtype) {
+        case DType::kBFloat16:
+        case DType::kFloat16:
+          abs = reinterpret_cast<const uint16_t*>(piece.data())[i] & 0x7FFFu;
+          break;
+        default:
+          abs = reinterpret_cast<const uint32_t*>(piece.data())[i] & 0x7FFFFFFFu;
+          break;
+      }
+      if (abs >= inf) {
+        index = base + i;
+        at = piece.data() + i * esize;
+      }
     }
-    if (abs >= inf) index = i;
+    if (index >= 0) break;
+    base += n;
   }
   if (index < 0) {
     // Unreachable unless the source changed under us.
@@ -651,11 +663,18 @@ absl::Status NonFiniteError(const void* src, DType dtype, int64_t rows, int64_t 
                                             "': non-finite value seen but not found again; was "
                                             "the source modified during quantization?"));
   }
-  const float value = LoadAsFloat(src, dtype, static_cast<size_t>(index));
+  const float value = LoadAsFloat(at, dtype, 0);
   const char* text = std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
   return absl::InvalidArgumentError(
       absl::StrCat("tensor '", tensor_name, "': element ", index, " (row ", index / cols, ", col ",
                    index % cols, ") is ", text, "; FP8 quantization rejects non-finite weights"));
+}
+
+absl::Status NonFiniteError(const void* src, DType dtype, int64_t rows, int64_t cols,
+                            absl::string_view tensor_name) {
+  const absl::Span<const uint8_t> whole[] = {absl::Span<const uint8_t>(
+      static_cast<const uint8_t*>(src), static_cast<size_t>(rows * cols) * DTypeSize(dtype))};
+  return NonFiniteError(whole, dtype, cols, tensor_name);
 }
 
 struct Job {
@@ -682,42 +701,54 @@ constexpr int64_t kStreamingMinBytes = int64_t{16} << 20;
 // 64, so that chunk starts keep the output's 16-byte alignment).
 constexpr int64_t kReverseChunk = int64_t{1} << 19;
 
-absl::Status QuantizePerTensor(const Job& job) {
-  const int64_t n = job.rows * job.cols;
-  const int workers = WorkersFor(job.threads, n, n);
-  std::vector<uint32_t> partial(workers, 0);
+// Per-tensor quantization of `pieces` laid end to end (one piece: the whole
+// source): one scale over all of them.
+absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const uint8_t>> pieces) {
   // Pass 1: amax (and, for free, whether anything is Inf/NaN).
-  ParallelRanges(workers, n, 64, [&](int w, int64_t begin, int64_t end) {
-    job.k.abs_max(job.src + begin * job.esize, 0, 1, end - begin, end - begin, job.vllm,
-                  &partial[w]);
-  });
-  const uint32_t amax_bits = *std::max_element(partial.begin(), partial.end());
+  uint32_t amax_bits = 0;
+  for (absl::Span<const uint8_t> piece : pieces) {
+    const int64_t n = static_cast<int64_t>(piece.size()) / job.esize;
+    const int workers = WorkersFor(job.threads, n, n);
+    std::vector<uint32_t> partial(workers, 0);
+    ParallelRanges(workers, n, 64, [&](int w, int64_t begin, int64_t end) {
+      job.k.abs_max(piece.data() + begin * job.esize, 0, 1, end - begin, end - begin, job.vllm,
+                    &partial[w]);
+    });
+    amax_bits = std::max(amax_bits, *std::max_element(partial.begin(), partial.end()));
+  }
   if (!job.vllm && amax_bits >= InfBits(job.dtype)) {
-    return NonFiniteError(job.src, job.dtype, job.rows, job.cols, job.name);
+    return NonFiniteError(pieces, job.dtype, job.cols, job.name);
   }
   const float s = AbsBitsToFloat(job.dtype, amax_bits) / kFp8E4M3Max;
   job.out_scales[0] = s;
-  if (InverseOverflows(s)) {
-    QuantizeWithInfiniteInverse(job.src, job.dtype, n, job.out_q);
-    return absl::OkStatus();
-  }
   const float inv = InverseScale(s);
   const bool all_max = job.vllm && s == 0.0f;  // vLLM: 0 / 0 = NaN -> +448
-  // Pass 2: scale, clamp, convert. Each worker walks its range backwards in
-  // chunks: the end of the range is what pass 1 read last, so it may still be
-  // in the L3 (all of it, for tensors of up to a few tens of MiB).
-  ParallelRanges(workers, n, 64, [&](int, int64_t begin, int64_t end) {
-    if (all_max) {
-      std::memset(job.out_q + begin, kFp8Max, end - begin);
-      return;
+  int64_t at = 0;  // output byte (= element) of the piece's first element
+  for (absl::Span<const uint8_t> piece : pieces) {
+    const int64_t n = static_cast<int64_t>(piece.size()) / job.esize;
+    uint8_t* out = job.out_q + at;
+    at += n;
+    if (InverseOverflows(s)) {
+      QuantizeWithInfiniteInverse(piece.data(), job.dtype, n, out);
+      continue;
     }
-    for (int64_t k = (end - begin - 1) / kReverseChunk; k >= 0; --k) {
-      const int64_t from = begin + k * kReverseChunk;
-      const int64_t count = std::min(kReverseChunk, end - from);
-      job.k.quantize(job.src + from * job.esize, 0, 1, count, count, &inv, job.vllm, job.stream,
-                     job.out_q + from, 0);
-    }
-  });
+    // Pass 2: scale, clamp, convert. Each worker walks its range backwards
+    // in chunks: the end of the range is what pass 1 read last, so it may
+    // still be in the L3 (all of it, for tensors of up to a few tens of MiB).
+    const int workers = WorkersFor(job.threads, n, n);
+    ParallelRanges(workers, n, 64, [&](int, int64_t begin, int64_t end) {
+      if (all_max) {
+        std::memset(out + begin, kFp8Max, end - begin);
+        return;
+      }
+      for (int64_t k = (end - begin - 1) / kReverseChunk; k >= 0; --k) {
+        const int64_t from = begin + k * kReverseChunk;
+        const int64_t count = std::min(kReverseChunk, end - from);
+        job.k.quantize(piece.data() + from * job.esize, 0, 1, count, count, &inv, job.vllm,
+                       job.stream, out + from, 0);
+      }
+    });
+  }
   return absl::OkStatus();
 }
 
@@ -844,9 +875,11 @@ int64_t Fp8NumScales(QuantScheme scheme, int64_t rows, int64_t cols) {
   return 0;
 }
 
-absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t cols,
-                         const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
-                         absl::string_view tensor_name) {
+namespace {
+
+absl::Status CheckArgs(const void* src, DType src_dtype, int64_t rows, int64_t cols,
+                       const Fp8QuantizeOptions& options, const uint8_t* out_q,
+                       const float* out_scales, absl::string_view tensor_name) {
   if (!IsHighPrecisionFloat(src_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor_name, "': cannot quantize ",
                                                    DTypeName(src_dtype), " to FP8; expected ",
@@ -874,33 +907,137 @@ absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t
         "tensor '", tensor_name, "': null buffer for [", rows, ", ", cols, "] (src ",
         src != nullptr, ", out_q ", out_q != nullptr, ", out_scales ", out_scales != nullptr, ")"));
   }
-  const bool vllm = options.non_finite == NonFinitePolicy::kVllmCompatible;
-  if (n == 0) {
-    // Nothing to read; rows of zero columns have amax 0.
-    if (options.scheme != QuantScheme::kBlock128) std::fill_n(out_scales, num_scales, 0.0f);
-    return absl::OkStatus();
-  }
+  return absl::OkStatus();
+}
+
+Job MakeJob(const void* src, DType src_dtype, int64_t rows, int64_t cols,
+            const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
+            absl::string_view tensor_name) {
   Job job;
   job.src = static_cast<const uint8_t*>(src);
   job.dtype = src_dtype;
   job.esize = static_cast<int64_t>(DTypeSize(src_dtype));
   job.rows = rows;
   job.cols = cols;
-  job.vllm = vllm;
-  job.stream = n >= kStreamingMinBytes;
+  job.vllm = options.non_finite == NonFinitePolicy::kVllmCompatible;
+  job.stream = rows * cols >= kStreamingMinBytes;
   job.threads = ResolveThreads(options.num_threads);
   job.k = kKernels[static_cast<int>(CurrentIsa())][SourceIndex(src_dtype)];
   job.out_q = out_q;
   job.out_scales = out_scales;
   job.name = tensor_name;
-  switch (options.scheme) {
-    case QuantScheme::kPerTensor:
-      return QuantizePerTensor(job);
+  return job;
+}
+
+absl::Status RunJob(const Job& job, QuantScheme scheme) {
+  switch (scheme) {
+    case QuantScheme::kPerTensor: {
+      const absl::Span<const uint8_t> whole[] = {
+          absl::Span<const uint8_t>(job.src, static_cast<size_t>(job.rows * job.cols * job.esize))};
+      return QuantizePerTensor(job, whole);
+    }
     case QuantScheme::kPerChannel:
       return QuantizePerChannel(job);
     default:
       return QuantizeBlock128(job);
   }
+}
+
+}  // namespace
+
+absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t cols,
+                         const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
+                         absl::string_view tensor_name) {
+  if (absl::Status s =
+          CheckArgs(src, src_dtype, rows, cols, options, out_q, out_scales, tensor_name);
+      !s.ok()) {
+    return s;
+  }
+  if (rows * cols == 0) {
+    // Nothing to read; rows of zero columns have amax 0.
+    if (options.scheme != QuantScheme::kBlock128) {
+      std::fill_n(out_scales, Fp8NumScales(options.scheme, rows, cols), 0.0f);
+    }
+    return absl::OkStatus();
+  }
+  return RunJob(MakeJob(src, src_dtype, rows, cols, options, out_q, out_scales, tensor_name),
+                options.scheme);
+}
+
+absl::Status QuantizeFp8Pieces(absl::Span<const absl::Span<const uint8_t>> pieces, DType src_dtype,
+                               int64_t rows, int64_t cols, const Fp8QuantizeOptions& options,
+                               uint8_t* out_q, float* out_scales, absl::string_view tensor_name) {
+  const void* first = pieces.empty() ? nullptr : pieces[0].data();
+  if (absl::Status s =
+          CheckArgs(first, src_dtype, rows, cols, options, out_q, out_scales, tensor_name);
+      !s.ok()) {
+    return s;
+  }
+  const int64_t esize = static_cast<int64_t>(DTypeSize(src_dtype));
+  int64_t total = 0;
+  for (absl::Span<const uint8_t> piece : pieces) {
+    const int64_t size = static_cast<int64_t>(piece.size());
+    if (size % esize != 0 || (size > 0 && piece.data() == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", tensor_name, "': a source piece of ", size, " bytes at byte ",
+                       total, " is not whole ", DTypeName(src_dtype), " elements"));
+    }
+    total += size;
+  }
+  const int64_t n = rows * cols;
+  if (total != n * esize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor_name, "': source pieces of ", total, " bytes for [", rows,
+                     ", ", cols, "] of ", DTypeName(src_dtype), " (", n * esize, " bytes)"));
+  }
+  if (pieces.size() == 1 || n == 0) {
+    return QuantizeFp8(first, src_dtype, rows, cols, options, out_q, out_scales, tensor_name);
+  }
+  const Job whole = MakeJob(first, src_dtype, rows, cols, options, out_q, out_scales, tensor_name);
+  if (options.scheme == QuantScheme::kPerTensor) return QuantizePerTensor(whole, pieces);
+  // Per-channel and block scales are local to a row / a 128-row band: pieces
+  // that end on such a boundary are quantized one by one, in place.
+  const int64_t unit_rows = options.scheme == QuantScheme::kPerChannel ? 1 : kFp8BlockSize;
+  const int64_t unit_bytes = unit_rows * cols * esize;
+  bool aligned = true;
+  for (size_t i = 0; i + 1 < pieces.size(); ++i) {
+    aligned &= static_cast<int64_t>(pieces[i].size()) % unit_bytes == 0;
+  }
+  if (!aligned) {
+    // Otherwise the pieces are gathered first (one copy).
+    std::unique_ptr<uint8_t[]> gathered(new (std::nothrow) uint8_t[static_cast<size_t>(total)]);
+    if (gathered == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "tensor '", tensor_name, "': no host memory to gather ", total, " bytes to quantize"));
+    }
+    int64_t at = 0;
+    for (absl::Span<const uint8_t> piece : pieces) {
+      if (!piece.empty()) std::memcpy(gathered.get() + at, piece.data(), piece.size());
+      at += static_cast<int64_t>(piece.size());
+    }
+    return RunJob(
+        MakeJob(gathered.get(), src_dtype, rows, cols, options, out_q, out_scales, tensor_name),
+        options.scheme);
+  }
+  const int64_t block_cols = (cols + kFp8BlockSize - 1) / kFp8BlockSize;
+  int64_t row0 = 0;
+  for (absl::Span<const uint8_t> piece : pieces) {
+    const int64_t piece_rows = static_cast<int64_t>(piece.size()) / (cols * esize);
+    if (piece_rows == 0) continue;
+    Job job = whole;
+    job.src = piece.data();
+    job.rows = piece_rows;
+    job.out_q = out_q + row0 * cols;
+    job.out_scales = out_scales + (unit_rows == 1 ? row0 : row0 / kFp8BlockSize * block_cols);
+    absl::Status s = RunJob(job, options.scheme);
+    if (absl::IsInvalidArgument(s)) {
+      // A non-finite value: named by its index in the whole tensor.
+      return NonFiniteError(pieces, src_dtype, cols, tensor_name);
+    }
+    if (!s.ok()) return s;
+    row0 += piece_rows;
+  }
+  return absl::OkStatus();
 }
 
 namespace internal {

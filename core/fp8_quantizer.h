@@ -31,6 +31,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "core/dtype.h"
 #include "core/model_layout.h"
 
@@ -72,6 +73,19 @@ int64_t Fp8NumScales(QuantScheme scheme, int64_t rows, int64_t cols);
 absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t cols,
                          const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
                          absl::string_view tensor_name);
+
+// As QuantizeFp8, with the source given as pieces laid end to end (a param
+// whose rows partly live in a trainer's shared memory, read in place): the
+// same bytes as QuantizeFp8 of the concatenation, and a non-finite value is
+// named by its index in the whole matrix. Pieces that end on a row (per-
+// channel) or on a 128-row band (block) are quantized where they lie; other
+// splits of those schemes are gathered into one buffer first.
+// Errors: QuantizeFp8's; INVALID_ARGUMENT for a piece that is not whole
+// elements or pieces that do not add up to rows x cols elements;
+// RESOURCE_EXHAUSTED when a gather cannot be allocated.
+absl::Status QuantizeFp8Pieces(absl::Span<const absl::Span<const uint8_t>> pieces, DType src_dtype,
+                               int64_t rows, int64_t cols, const Fp8QuantizeOptions& options,
+                               uint8_t* out_q, float* out_scales, absl::string_view tensor_name);
 
 }  // namespace refit::core
 

@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <utility>
@@ -92,6 +93,17 @@ absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
   const bool scatter = ct.use != CheckpointTensor::Use::kIgnored && size > 0;
   WorkUnit completed;
   if (!scatter && !chunk.xxh3.has_value()) return completed;
+  if (scatter && CanReadInPlace(ct, chunk)) {
+    if (chunk.xxh3.has_value() &&
+        XXH3_64bits(chunk.data.data(), chunk.data.size()) != *chunk.xxh3) {
+      return absl::DataLossError(absl::StrCat("tensor \"", ct.name,
+                                              "\": checksum mismatch in chunk bytes [", begin, ", ",
+                                              begin + size, ")"));
+    }
+    absl::Status s = AliasInPlace(ct, chunk, begin / elem, (begin + size) / elem, &completed);
+    if (!s.ok()) return s;
+    return completed;
+  }
   const absl::Span<const uint8_t> whole[] = {chunk.data};
   const absl::Span<const absl::Span<const uint8_t>> pieces =
       chunk.pieces.empty() ? absl::MakeConstSpan(whole) : chunk.pieces;
@@ -214,11 +226,19 @@ absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, co
     if (!converted.ok()) return converted;
     contributed += b - a;
   }
+  Count(ct, contributed, completed);
+  return absl::OkStatus();
+}
+
+void LayerAssembler::Count(const CheckpointTensor& ct, int64_t contributed, WorkUnit* completed) {
+  const LayerSpec& spec = layout_.layers()[ct.layer];
+  LayerState& layer = layers_[ct.layer];
   layer.loaded += contributed;
   elements_loaded_ += contributed;
-  if (part != nullptr) {
-    part->loaded += contributed;
-    if (contributed > 0 && part->loaded == spec.parts[ct.part].numel()) {
+  if (ct.part >= 0) {
+    PartState& part = layer.parts[ct.part];
+    part.loaded += contributed;
+    if (contributed > 0 && part.loaded == spec.parts[ct.part].numel()) {
       completed->layer = ct.layer;
       completed->part = ct.part;
     }
@@ -227,6 +247,45 @@ absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, co
     completed->layer = ct.layer;
     completed->part = -1;
   }
+}
+
+bool LayerAssembler::CanReadInPlace(const CheckpointTensor& ct, const Chunk& chunk) const {
+  if (chunk.keep == nullptr || !chunk.pieces.empty() || ct.part >= 0) return false;
+  const LayerSpec& spec = layout_.layers()[ct.layer];
+  if (spec.kind == LayerKind::kAttention || spec.kind == LayerKind::kExperts) return false;
+  const ParamSpec& param = spec.params[ct.param];
+  if (chunk.dtype != param.dtype || ct.slice.src_col != 0 ||
+      ct.slice.num_cols != ViewCols(ct.shape)) {
+    return false;
+  }
+  if (reinterpret_cast<uintptr_t>(chunk.data.data()) % DTypeSize(chunk.dtype) != 0) return false;
+  // Only the quantizer reads aliased rows; kept tensors are copied anyway.
+  for (const KernelPlan& plan : spec.plan) {
+    if (plan.param == ct.param && plan.scale >= 0) return true;
+  }
+  return false;
+}
+
+absl::Status LayerAssembler::AliasInPlace(const CheckpointTensor& ct, const Chunk& chunk,
+                                          uint64_t e0, uint64_t e1, WorkUnit* completed) {
+  LayerState& layer = layers_[ct.layer];
+  if (layer.taken) return absl::OkStatus();
+  const SliceSpec& slice = ct.slice;
+  const int64_t cols = ViewCols(ct.shape);
+  const int64_t elem = static_cast<int64_t>(DTypeSize(chunk.dtype));
+  // The slice is whole rows, so its part of the chunk is one range.
+  const int64_t lo = std::max(static_cast<int64_t>(e0), slice.src_row * cols);
+  const int64_t hi = std::min(static_cast<int64_t>(e1), (slice.src_row + slice.num_rows) * cols);
+  if (lo >= hi) return absl::OkStatus();
+  if (layer.params.empty()) {
+    if (absl::Status s = EnsureStaging(ct.layer); !s.ok()) return s;
+  }
+  const int64_t dst = slice.dst_row * cols + (lo - slice.src_row * cols);
+  layer.params[ct.param].AddAlias(dst * elem,
+                                  chunk.data.data() + (lo - static_cast<int64_t>(e0)) * elem,
+                                  (hi - lo) * elem, chunk.keep);
+  bytes_in_place_ += (hi - lo) * elem;
+  Count(ct, hi - lo, completed);
   return absl::OkStatus();
 }
 

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -56,6 +57,13 @@ struct Chunk {
   absl::Span<const uint8_t> data;
   absl::Span<const absl::Span<const uint8_t>> pieces;
   std::optional<uint64_t> xxh3;  // XXH3-64 of the chunk's bytes, checked when present
+  // Set when `data` lies in memory that stays mapped while `keep` is held
+  // (a trainer's shared-memory region, sealed against shrinking): rows of a
+  // quantized weight are then read in place when the layer is processed,
+  // instead of being copied into staging at ingest. The memory must not be
+  // written before the refit's Prepare returns; a writer changes only what
+  // is quantized, never the daemon's memory safety.
+  std::shared_ptr<const void> keep;
 
   // Bytes of the chunk (of `data` or of all pieces).
   uint64_t size() const {
@@ -138,6 +146,9 @@ class LayerAssembler {
   // Param bytes held by layers not yet taken.
   int64_t staging_bytes() const { return staging_bytes_; }
   int64_t bytes_received() const { return bytes_received_; }
+  // Bytes of staging read in place from chunks' memory (Chunk::keep) rather
+  // than copied.
+  int64_t bytes_in_place() const { return bytes_in_place_; }
   int64_t elements_loaded() const { return elements_loaded_; }
   int64_t elements_expected() const { return elements_expected_; }
 
@@ -170,6 +181,17 @@ class LayerAssembler {
   // when the layer has all its elements.
   absl::Status Scatter(const CheckpointTensor& ct, DType dtype, const uint8_t* data, uint64_t e0,
                        uint64_t e1, WorkUnit* completed);
+  // Whether `chunk`'s bytes of `ct` can be read in place (see Chunk::keep):
+  // a quantized weight of a dense layer, received in its dtype, whose slice
+  // is whole rows (so that its part of any chunk is one contiguous range).
+  bool CanReadInPlace(const CheckpointTensor& ct, const Chunk& chunk) const;
+  // As Scatter, recording elements [e0, e1) of the chunk as an alias of the
+  // param's staging instead of copying them.
+  absl::Status AliasInPlace(const CheckpointTensor& ct, const Chunk& chunk, uint64_t e0,
+                            uint64_t e1, WorkUnit* completed);
+  // Counts `contributed` elements of `ct`'s layer (or part); sets
+  // *completed when that completed it.
+  void Count(const CheckpointTensor& ct, int64_t contributed, WorkUnit* completed);
 
   const ModelLayout& layout_;
   const Options options_;
@@ -178,6 +200,7 @@ class LayerAssembler {
   std::vector<LayerState> layers_;
   int64_t staging_bytes_ = 0;
   int64_t bytes_received_ = 0;
+  int64_t bytes_in_place_ = 0;
   int64_t elements_loaded_ = 0;
   int64_t elements_expected_ = 0;
 };

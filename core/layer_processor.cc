@@ -106,7 +106,9 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
       if (plan.scale < 0) {
         // Kept in the checkpoint dtype: the param buffer becomes the kernel.
         // The reject policy covers these too (embeddings, lm_head, norms):
-        // the quantizer only sees the FP8 weights.
+        // the quantizer only sees the FP8 weights. A kernel owns its bytes:
+        // anything read in place is copied in first.
+        params[plan.param].MaterializeAliases();
         if (options_.non_finite == NonFinitePolicy::kReject) {
           if (absl::Status finite = CheckFinite(spec.kernels[k].name, param, params[plan.param]);
               !finite.ok()) {

@@ -643,6 +643,7 @@ RefitResult RefitSession::ResultLocked(uint64_t version, std::string fingerprint
   result.partial_layers = partial_layers_;
   result.timings = timings_;
   result.bytes_received = assembler_.bytes_received();
+  result.bytes_read_in_place = assembler_.bytes_in_place();
   result.peak_staging_bytes = peak_staging_bytes_;
   result.unchanged = assembler_.bytes_received() == 0;
   return result;

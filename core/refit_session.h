@@ -108,6 +108,9 @@ struct RefitResult {
   std::vector<std::string> partial_layers;  // zero-filled (allow_partial_layers)
   PhaseTimings timings;
   int64_t bytes_received = 0;
+  // Of bytes_received, read in place from a chunk's memory (Chunk::keep)
+  // when the layer was processed instead of being copied at ingest.
+  int64_t bytes_read_in_place = 0;
   int64_t peak_staging_bytes = 0;
   // No chunk arrived: Commit makes no new version (version and fingerprint
   // are the live ones).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <map>
 #include <thread>
@@ -189,7 +190,8 @@ StagingBuffer::StagingBuffer(StagingBuffer&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
       on_device_(std::exchange(other.on_device_, false)),
-      release_(std::exchange(other.release_, nullptr)) {}
+      release_(std::exchange(other.release_, nullptr)),
+      aliases_(std::exchange(other.aliases_, {})) {}
 
 StagingBuffer& StagingBuffer::operator=(StagingBuffer&& other) noexcept {
   if (this != &other) {
@@ -198,6 +200,7 @@ StagingBuffer& StagingBuffer::operator=(StagingBuffer&& other) noexcept {
     size_ = std::exchange(other.size_, 0);
     on_device_ = std::exchange(other.on_device_, false);
     release_ = std::exchange(other.release_, nullptr);
+    aliases_ = std::exchange(other.aliases_, {});
   }
   return *this;
 }
@@ -205,10 +208,82 @@ StagingBuffer& StagingBuffer::operator=(StagingBuffer&& other) noexcept {
 StagingBuffer::~StagingBuffer() { Reset(); }
 
 void StagingBuffer::Reset() {
+  aliases_.clear();
   if (release_) std::exchange(release_, nullptr)();
   data_ = nullptr;
   size_ = 0;
   on_device_ = false;
+}
+
+void StagingBuffer::AddAlias(int64_t offset, const uint8_t* source, int64_t size,
+                             std::shared_ptr<const void> keep) {
+  if (size <= 0) return;
+  auto it = std::lower_bound(aliases_.begin(), aliases_.end(), offset,
+                             [](const Alias& a, int64_t o) { return a.offset < o; });
+  if (it != aliases_.begin()) {
+    Alias& before = *std::prev(it);
+    if (before.offset + before.size == offset && before.source + before.size == source &&
+        before.keep == keep) {
+      before.size += size;
+      // The one after may now continue this one.
+      if (it != aliases_.end() && it->offset == offset + size && it->source == source + size &&
+          it->keep == keep) {
+        before.size += it->size;
+        aliases_.erase(it);
+      }
+      return;
+    }
+  }
+  if (it != aliases_.end() && it->offset == offset + size && it->source == source + size &&
+      it->keep == keep) {
+    it->offset = offset;
+    it->source = source;
+    it->size += size;
+    return;
+  }
+  aliases_.insert(it, Alias{offset, size, source, std::move(keep)});
+}
+
+int64_t StagingBuffer::aliased_bytes() const {
+  int64_t n = 0;
+  for (const Alias& a : aliases_) n += a.size;
+  return n;
+}
+
+std::vector<absl::Span<const uint8_t>> StagingBuffer::Pieces() const {
+  std::vector<absl::Span<const uint8_t>> pieces;
+  const uint8_t* owned = data();
+  int64_t at = 0;
+  for (const Alias& a : aliases_) {
+    if (a.offset > at) pieces.emplace_back(owned + at, static_cast<size_t>(a.offset - at));
+    pieces.emplace_back(a.source, static_cast<size_t>(a.size));
+    at = a.offset + a.size;
+  }
+  if (size_ > at) pieces.emplace_back(owned + at, static_cast<size_t>(size_ - at));
+  return pieces;
+}
+
+void StagingBuffer::CopyOut(int64_t offset, void* dst, int64_t n) const {
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  int64_t at = 0;  // buffer offset of the current piece
+  for (absl::Span<const uint8_t> piece : Pieces()) {
+    const int64_t end = at + static_cast<int64_t>(piece.size());
+    const int64_t from = std::max(offset, at);
+    const int64_t to = std::min(offset + n, end);
+    if (from < to) {
+      std::memcpy(out + (from - offset), piece.data() + (from - at),
+                  static_cast<size_t>(to - from));
+    }
+    at = end;
+    if (at >= offset + n) break;
+  }
+}
+
+void StagingBuffer::MaterializeAliases() {
+  for (const Alias& a : aliases_) {
+    std::memcpy(data() + a.offset, a.source, static_cast<size_t>(a.size));
+  }
+  aliases_.clear();
 }
 
 absl::StatusOr<StagingBuffer> StagingBuffer::HostZeroed(int64_t size, absl::string_view what) {

@@ -15,10 +15,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 
 namespace refit::core {
 
@@ -78,6 +81,26 @@ class StagingBuffer {
   // bytes freed.
   static int64_t TrimHostPool(absl::Time now);
 
+  // Aliases: byte ranges of a host buffer whose bytes are read in place from
+  // memory the buffer does not own (a trainer's sealed shared-memory region)
+  // instead of being copied in. `keep` keeps that memory valid; it is held
+  // until the buffer goes. The owned bytes under an alias are never read.
+  // Ranges must not overlap; an alias that continues another one in the
+  // buffer and in the source, with the same `keep`, is merged with it. Readers of a buffer that
+  // may have aliases use Pieces() or CopyOut(), not data().
+  void AddAlias(int64_t offset, const uint8_t* source, int64_t size,
+                std::shared_ptr<const void> keep);
+  bool has_aliases() const { return !aliases_.empty(); }
+  // Bytes of the buffer read from aliases.
+  int64_t aliased_bytes() const;
+  // The buffer's bytes in order, as spans of owned memory and of aliases
+  // (one span, data(), when there are no aliases; none for an empty one).
+  std::vector<absl::Span<const uint8_t>> Pieces() const;
+  // Copies bytes [offset, offset + n) of the buffer to `dst`.
+  void CopyOut(int64_t offset, void* dst, int64_t n) const;
+  // Copies every alias into the owned bytes and drops it.
+  void MaterializeAliases();
+
   // Null for an empty buffer (size 0).
   uint8_t* data() const { return static_cast<uint8_t*>(data_); }
   int64_t size() const { return size_; }
@@ -92,6 +115,13 @@ class StagingBuffer {
   int64_t size_ = 0;
   bool on_device_ = false;
   std::function<void()> release_;
+  struct Alias {
+    int64_t offset = 0;
+    int64_t size = 0;
+    const uint8_t* source = nullptr;
+    std::shared_ptr<const void> keep;
+  };
+  std::vector<Alias> aliases_;  // sorted by offset
 };
 
 }  // namespace refit::core

@@ -147,6 +147,7 @@ void ToProtoResult(const core::RefitResult& result, v1::RefitState state, v1::Re
   out->set_bytes_received(static_cast<uint64_t>(result.bytes_received));
   out->set_peak_staging_bytes(static_cast<uint64_t>(result.peak_staging_bytes));
   out->set_unchanged(result.unchanged);
+  out->set_bytes_read_in_place(static_cast<uint64_t>(result.bytes_read_in_place));
 }
 
 void ToProtoProgress(const core::SessionProgress& progress, v1::Progress* out) {

@@ -511,6 +511,7 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
               .Field("group", group->name())
               .Field("version", absl::StrCat(result->version))
               .Field("bytes", absl::StrCat(result->bytes_received))
+              .Field("bytes_in_place", absl::StrCat(result->bytes_read_in_place))
           << "Push committed";
       outcome = "committed";
     }

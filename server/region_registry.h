@@ -18,7 +18,10 @@
 // which is FAILED_PRECONDITION for that chunk, so the refit aborts and
 // nothing live changes. The trainer may still write into its region while a
 // refit reads it; that changes the bytes it pushes, never the daemon's
-// memory safety.
+// memory safety. From a mapped region the rows of quantized weights are
+// read when their layer is processed (core::Chunk::keep holds the Region,
+// and with it the mapping, until then), so what matters is the region's
+// bytes until the push's Prepare returns.
 //
 // Ownership: regions belong to a caller (the principal's name; "anonymous"
 // when authentication is off, where the region id, 128 random bits, is what
@@ -28,7 +31,8 @@
 //
 // Lifecycle: Reserve (the id, counted against the limits) -> Activate (the
 // descriptor arrived: checked, mapped) -> Release. A chunk being read holds
-// its region (shared_ptr), so a release during a read unmaps after it.
+// its region (shared_ptr), and so does staging that aliases its rows, so a
+// release during a read or before those rows are quantized unmaps after.
 //
 // Thread-safety: thread-safe.
 #ifndef REFIT_SERVER_REGION_REGISTRY_H_

@@ -78,6 +78,9 @@ absl::Status IngestRegionChunk(const RegionRegistry* regions, const std::string&
   c.offset = chunk.byte_offset();
   c.data = *bytes;
   if (chunk.has_xxh3()) c.xxh3 = chunk.xxh3();
+  // A mapped region stays mapped while the session holds it: the rows of
+  // quantized weights are read in place when their layer is processed.
+  if ((*region)->access() == Region::Access::kMapped) c.keep = *region;
   return session->Ingest(c);
 }
 

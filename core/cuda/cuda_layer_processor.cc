@@ -257,13 +257,13 @@ class CudaLayerProcessor final : public LayerProcessor {
     // work enqueued later on the session's stream waits for it. `src` may be
     // freed on return.
     absl::Status Upload(const StagingBuffer& src, void* dst) const {
-      const uint8_t* from = src.data();
       uint8_t* to = static_cast<uint8_t*>(dst);
       for (int64_t done = 0; done < src.size();) {
         absl::StatusOr<PinnedStagingPool::Lease> lease = p_.shared_->pool->Acquire();
         if (!lease.ok()) return lease.status();
         const int64_t n = std::min(src.size() - done, lease->capacity());
-        std::memcpy(lease->data(), from + done, static_cast<size_t>(n));
+        // CopyOut reads rows aliased to a trainer's region in place.
+        src.CopyOut(done, lease->data(), n);
         absl::Status copied =
             p_.shared_->pool->CopyToDevice(*std::move(lease), to + done, n, p_.stream_);
         if (!copied.ok()) return copied;

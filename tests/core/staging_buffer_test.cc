@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -10,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -211,6 +213,66 @@ TEST(StagingBufferTest, MovedHostBufferKeepsItsBytes) {
 // of its size (same memory, no new allocation), not for a much smaller one;
 // the pool holds no more than was in use at once, and an idle pool is
 // emptied.
+std::string Joined(const StagingBuffer& buffer) {
+  std::string out;
+  for (absl::Span<const uint8_t> piece : buffer.Pieces()) {
+    out.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+  }
+  return out;
+}
+
+TEST(StagingBufferAliasTest, AliasedRangesReadFromTheirSourceAndHoldItUntilTheBufferGoes) {
+  absl::StatusOr<StagingBuffer> made = StagingBuffer::HostUninitialized(16, "param");
+  ASSERT_TRUE(made.ok()) << made.status();
+  StagingBuffer buffer = *std::move(made);
+  std::memset(buffer.data(), 'o', 16);
+  const std::string region = "ABCDEFGHIJKLMNOP";
+  const auto* src = reinterpret_cast<const uint8_t*>(region.data());
+  auto keep = std::make_shared<int>(0);
+  EXPECT_FALSE(buffer.has_aliases());
+  ASSERT_EQ(buffer.Pieces().size(), 1u);
+  // Out of order; the second continues the first in buffer and source.
+  buffer.AddAlias(10, src + 10, 2, keep);
+  buffer.AddAlias(2, src + 2, 3, keep);
+  buffer.AddAlias(5, src + 5, 1, keep);
+  EXPECT_TRUE(buffer.has_aliases());
+  EXPECT_EQ(buffer.aliased_bytes(), 6);
+  EXPECT_EQ(Joined(buffer), "ooCDEFooooKLoooo");
+  // [0,2) owned, [2,6) merged alias, [6,10) owned, [10,12) alias, [12,16).
+  EXPECT_EQ(buffer.Pieces().size(), 5u);
+  EXPECT_GT(keep.use_count(), 1);
+
+  std::string out(7, '?');
+  buffer.CopyOut(4, out.data(), 7);
+  EXPECT_EQ(out, "EFooooK");
+
+  // Moving carries the aliases and what keeps them.
+  StagingBuffer moved = std::move(buffer);
+  EXPECT_EQ(Joined(moved), "ooCDEFooooKLoooo");
+  moved.MaterializeAliases();
+  EXPECT_FALSE(moved.has_aliases());
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(moved.data()), 16), "ooCDEFooooKLoooo");
+  EXPECT_EQ(keep.use_count(), 1);
+}
+
+TEST(StagingBufferAliasTest, AdjacentAliasesOfDifferentOwnersStaySeparateAndBothAreHeld) {
+  absl::StatusOr<StagingBuffer> buffer = StagingBuffer::HostUninitialized(8, "param");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  const std::string region = "abcdefgh";
+  const auto* src = reinterpret_cast<const uint8_t*>(region.data());
+  auto first = std::make_shared<int>(1);
+  auto second = std::make_shared<int>(2);
+  buffer->AddAlias(0, src, 4, first);
+  buffer->AddAlias(4, src + 4, 4, second);  // contiguous, but another mapping
+  EXPECT_EQ(buffer->Pieces().size(), 2u);
+  EXPECT_EQ(Joined(*buffer), "abcdefgh");
+  EXPECT_EQ(first.use_count(), 2);
+  EXPECT_EQ(second.use_count(), 2);
+  *buffer = StagingBuffer();
+  EXPECT_EQ(first.use_count(), 1);
+  EXPECT_EQ(second.use_count(), 1);
+}
+
 TEST(StagingBufferPoolTest, ReleasedBuffersAreReusedBoundedAndTrimmedWhenIdle) {
   constexpr int64_t kLayer = int64_t{3} << 20;
   StagingBuffer::TrimHostPool(absl::InfiniteFuture());

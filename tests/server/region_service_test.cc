@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
@@ -117,6 +118,15 @@ std::vector<v1::PushRequest> RegionChunkMessages(const std::vector<core::OwnedTe
     chunk->mutable_region()->set_length(tensors[i].bytes.size());
   }
   return out;
+}
+
+// Bytes of the quantized weights (the linear layers' *_proj.weight).
+uint64_t QuantizedWeightBytes(const std::vector<core::OwnedTensor>& tensors) {
+  uint64_t n = 0;
+  for (const core::OwnedTensor& t : tensors) {
+    if (absl::EndsWith(t.name, "_proj.weight")) n += t.bytes.size();
+  }
+  return n;
 }
 
 // One RegisterRegion stream (the lease).
@@ -240,6 +250,8 @@ TEST_F(RegionTest, SealedRegionIsMappedAndCommitsTheFingerprintOfTheSameBytesPus
 
   const PushOutcome outcome = PushRegion(tensors, *file, id);
   ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  // The rows of every quantized weight were read where they lie.
+  EXPECT_EQ(outcome.response.result().bytes_read_in_place(), QuantizedWeightBytes(tensors));
   const v1::GetStatusResponse status = Status(stub_.get());
   EXPECT_EQ(status.version(), 3u);
   EXPECT_EQ(status.fingerprint(), inline_status.fingerprint());
@@ -260,7 +272,75 @@ TEST_F(RegionTest, UnsealedRegionIsReadWithPreadAndCommitsTheSameFingerprint) {
   EXPECT_EQ(access, v1::RegionRegistered::ACCESS_PREAD);
   const PushOutcome outcome = PushRegion(tensors, *file, id);
   ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  EXPECT_EQ(outcome.response.result().bytes_read_in_place(), 0u);  // copied as read
   EXPECT_EQ(Status(stub_.get()).fingerprint(), expected);
+}
+
+TEST_F(RegionTest, RegionReleasedMidRefitStaysMappedUntilItsRowsAreQuantized) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(8);
+  ASSERT_TRUE(PushMessages(stub_.get(), FullPush(8)).status.ok());
+  const std::string expected = Status(stub_.get()).fingerprint();
+  ASSERT_TRUE(PushMessages(stub_.get(), FullPush(2)).status.ok());
+  auto file = MakeRegionFile(tensors, /*seal=*/true);
+  Lease lease(region_stub_.get(), file->size);
+  const std::string id = lease.Register(file->fd);
+  ASSERT_FALSE(id.empty()) << lease.reply();
+
+  // Every tensor goes by reference but one half of a fused weight; the
+  // trainer then unregisters the region and closes its descriptor, and
+  // sends that half with its bytes: the layer completes after the release
+  // and quantizes the other half's rows from the region, still mapped.
+  const std::string held = "model.layers.1.mlp.up_proj.weight";
+  grpc::ClientContext context;
+  v1::PushResponse response;
+  auto writer = stub_->Push(&context, &response);
+  ASSERT_TRUE(writer->Write(BeginMessage()));
+  v1::PushRequest last;
+  for (const v1::PushRequest& m : RegionChunkMessages(tensors, *file, id, /*bucket=*/1)) {
+    if (m.chunks().chunks(0).tensor_name() == held) continue;
+    ASSERT_TRUE(writer->Write(m));
+  }
+  for (const core::OwnedTensor& t : tensors) {
+    if (t.name != held) continue;
+    v1::Chunk* chunk = last.mutable_chunks()->add_chunks();
+    chunk->set_tensor_name(t.name);
+    chunk->set_dtype(ToProtoDType(t.dtype));
+    for (int64_t d : t.shape) chunk->add_shape(d);
+    chunk->set_data(std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size()));
+  }
+  ASSERT_EQ(last.chunks().chunks_size(), 1);
+  writer->WaitForInitialMetadata();
+  // Every chunk sent was ingested (bounded wait): only then is the region
+  // released.
+  uint64_t sent = 0;
+  for (const core::OwnedTensor& t : tensors) sent += t.name == held ? 0 : t.bytes.size();
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (Status(stub_.get()).active_refit().bytes_received() < sent && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(Status(stub_.get()).active_refit().bytes_received(), sent);
+  {
+    grpc::ClientContext unregister;
+    v1::UnregisterRegionRequest request;
+    request.set_region_id(id);
+    v1::UnregisterRegionResponse unregistered;
+    ASSERT_TRUE(region_stub_->UnregisterRegion(&unregister, request, &unregistered).ok());
+  }
+  EXPECT_TRUE(lease.Finish().ok());
+  ::close(file->fd);
+  file->fd = -1;
+  ASSERT_TRUE(writer->Write(last));
+  ASSERT_TRUE(writer->Write(EndMessage()));
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  uint64_t held_bytes = 0;
+  for (const core::OwnedTensor& t : tensors) {
+    if (t.name == held) held_bytes = t.bytes.size();
+  }
+  EXPECT_EQ(response.result().bytes_read_in_place(), QuantizedWeightBytes(tensors) - held_bytes);
+  EXPECT_EQ(Status(stub_.get()).fingerprint(), expected);
+  EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 0\n"));
 }
 
 TEST_F(RegionTest, OffsetPastTheRegionIsOutOfRangeNamingTensorRegionOffsetLengthAndSize) {

@@ -206,6 +206,7 @@ def _result(msg: Any) -> RefitResult:
         bytes_received=msg.bytes_received,
         peak_staging_bytes=msg.peak_staging_bytes,
         unchanged=msg.unchanged,
+        bytes_read_in_place=msg.bytes_read_in_place,
     )
 
 

@@ -41,6 +41,9 @@ class RefitResult:
     ``partial_layers`` were received in part (allow_partial_layers only).
     ``unchanged``: the refit carried no tensors, so no new version was made
     (``version`` and ``fingerprint`` are the live ones).
+    ``bytes_read_in_place``: of ``bytes_received``, the bytes of quantized
+    weights the daemon read straight from a mapped shared-memory region
+    (``lane="shm"`` with a sealed region) instead of copying them.
     """
 
     refit_id: str
@@ -53,6 +56,7 @@ class RefitResult:
     bytes_received: int = 0
     peak_staging_bytes: int = 0
     unchanged: bool = False
+    bytes_read_in_place: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

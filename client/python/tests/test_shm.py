@@ -41,12 +41,22 @@ def metrics(daemon) -> str:
         return response.read().decode()
 
 
+def quantized_bytes(state_dict) -> int:
+    """Bytes of the linear layers' weights, which the daemon quantizes."""
+    return sum(
+        t.numel() * t.element_size() for k, t in state_dict.items() if k.endswith("_proj.weight")
+    )
+
+
 def test_shm_push_commits_the_fingerprint_of_a_grpc_push(client, daemon, seed2):
     over_grpc = client.push(seed2, lane="grpc")
+    assert over_grpc.bytes_read_in_place == 0
     client.push({k: v * 0 for k, v in seed2.items()}, lane="grpc", non_finite="vllm")
     result = client.push(seed2, lane="shm", label="shm")
     assert result.version == over_grpc.version + 2
     assert result.fingerprint == over_grpc.fingerprint
+    # The daemon quantized the weights straight from the mapped region.
+    assert result.bytes_read_in_place == quantized_bytes(seed2)
     # Not in shared memory: copied once into the sealed staging region,
     # which the daemon maps.
     lane = client._shm
@@ -91,6 +101,7 @@ def test_tensors_in_shared_memory_go_without_a_client_copy(client, daemon, seed2
     assert client._shm.last_copied_bytes == 0
     accesses = {r.access for r in client._shm.regions()}
     assert accesses == {"pread"}  # torch's shm files cannot be sealed
+    assert result.bytes_read_in_place == 0  # read with pread: copied
     # Registered once: a second push reuses the regions.
     count = len(client._shm.regions())
     client.push(shared, lane="shm")
@@ -107,6 +118,7 @@ def test_shared_tensors_are_one_sealed_mapped_region_and_go_without_any_copy(
     assert result.fingerprint == expected
     assert client._shm.last_copied_bytes == 0
     assert [r.access for r in client._shm.regions()] == ["mapped"]
+    assert result.bytes_read_in_place == quantized_bytes(seed2)
     # The trainer updates its weights in place; the next push sends them.
     for k, v in shared.items():
         v.mul_(0)

@@ -20,7 +20,10 @@ this process, and runs, in a rotating order, every repetition:
   cpp      `refitctl push DIR`, timed whole: process start, reading the
            page-cached files (mmap), the push, the commit
   py       RefitClient.push of the same tensors held in this process's
-           memory (a trainer's weights), refit_client's defaults
+           memory (a trainer's weights), refit_client's defaults but for
+           the lane: every Python push here is lane="grpc" (on this Unix
+           socket the default would be the shared-memory lane, which
+           shm_bench.py measures)
   py_mmap  the same from np.memmap views of the same files (what refitctl
            reads)
   py_c4_b16  as py with 4 MiB chunks in 16 MiB buckets (the package's
@@ -227,6 +230,7 @@ class CppPusher:
 
 
 def run_py(client: refit_client.RefitClient, tensors, **options) -> Tuple[float, float, object]:
+    options.setdefault("lane", "grpc")  # the gRPC client, like the C++ one
     c0 = self_cpu()
     t0 = time.monotonic()
     result = client.push(tensors, label="push_bench python", **options)

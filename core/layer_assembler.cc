@@ -250,9 +250,9 @@ void LayerAssembler::Count(const CheckpointTensor& ct, int64_t contributed, Work
 }
 
 bool LayerAssembler::CanReadInPlace(const CheckpointTensor& ct, const Chunk& chunk) const {
-  if (chunk.keep == nullptr || !chunk.pieces.empty() || ct.part >= 0) return false;
+  if (chunk.keep == nullptr || !chunk.pieces.empty()) return false;
   const LayerSpec& spec = layout_.layers()[ct.layer];
-  if (spec.kind == LayerKind::kAttention || spec.kind == LayerKind::kExperts) return false;
+  if (spec.kind == LayerKind::kAttention) return false;
   const ParamSpec& param = spec.params[ct.param];
   if (chunk.dtype != param.dtype || ct.slice.src_col != 0 ||
       ct.slice.num_cols != ViewCols(ct.shape)) {
@@ -260,6 +260,8 @@ bool LayerAssembler::CanReadInPlace(const CheckpointTensor& ct, const Chunk& chu
   }
   if (reinterpret_cast<uintptr_t>(chunk.data.data()) % DTypeSize(chunk.dtype) != 0) return false;
   // Only the quantizer reads aliased rows; kept tensors are copied anyway.
+  if (ct.part >= 0) return spec.parts[ct.part].scale >= 0;  // an expert's w13 or w2
+  if (spec.kind == LayerKind::kExperts) return false;
   for (const KernelPlan& plan : spec.plan) {
     if (plan.param == ct.param && plan.scale >= 0) return true;
   }
@@ -270,6 +272,8 @@ absl::Status LayerAssembler::AliasInPlace(const CheckpointTensor& ct, const Chun
                                           uint64_t e0, uint64_t e1, WorkUnit* completed) {
   LayerState& layer = layers_[ct.layer];
   if (layer.taken) return absl::OkStatus();
+  PartState* part = ct.part >= 0 ? &layer.parts[ct.part] : nullptr;
+  if (part != nullptr && part->taken) return absl::OkStatus();
   const SliceSpec& slice = ct.slice;
   const int64_t cols = ViewCols(ct.shape);
   const int64_t elem = static_cast<int64_t>(DTypeSize(chunk.dtype));
@@ -277,13 +281,24 @@ absl::Status LayerAssembler::AliasInPlace(const CheckpointTensor& ct, const Chun
   const int64_t lo = std::max(static_cast<int64_t>(e0), slice.src_row * cols);
   const int64_t hi = std::min(static_cast<int64_t>(e1), (slice.src_row + slice.num_rows) * cols);
   if (lo >= hi) return absl::OkStatus();
-  if (layer.params.empty()) {
-    if (absl::Status s = EnsureStaging(ct.layer); !s.ok()) return s;
+  // An expert part's buffer holds its own rows of the param.
+  StagingBuffer* buffer = nullptr;
+  int64_t row_base = 0;
+  if (part != nullptr) {
+    if (part->buffer.empty()) {
+      if (absl::Status s = EnsurePartStaging(ct.layer, ct.part); !s.ok()) return s;
+    }
+    buffer = &part->buffer;
+    row_base = layout_.layers()[ct.layer].parts[ct.part].row0;
+  } else {
+    if (layer.params.empty()) {
+      if (absl::Status s = EnsureStaging(ct.layer); !s.ok()) return s;
+    }
+    buffer = &layer.params[ct.param];
   }
-  const int64_t dst = slice.dst_row * cols + (lo - slice.src_row * cols);
-  layer.params[ct.param].AddAlias(dst * elem,
-                                  chunk.data.data() + (lo - static_cast<int64_t>(e0)) * elem,
-                                  (hi - lo) * elem, chunk.keep);
+  const int64_t dst = (slice.dst_row - row_base) * cols + (lo - slice.src_row * cols);
+  buffer->AddAlias(dst * elem, chunk.data.data() + (lo - static_cast<int64_t>(e0)) * elem,
+                   (hi - lo) * elem, chunk.keep);
   bytes_in_place_ += (hi - lo) * elem;
   Count(ct, hi - lo, completed);
   return absl::OkStatus();

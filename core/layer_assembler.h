@@ -182,8 +182,9 @@ class LayerAssembler {
   absl::Status Scatter(const CheckpointTensor& ct, DType dtype, const uint8_t* data, uint64_t e0,
                        uint64_t e1, WorkUnit* completed);
   // Whether `chunk`'s bytes of `ct` can be read in place (see Chunk::keep):
-  // a quantized weight of a dense layer, received in its dtype, whose slice
-  // is whole rows (so that its part of any chunk is one contiguous range).
+  // a quantized weight (of a dense layer, or an expert's w13 / w2),
+  // received in its dtype, whose slice is whole rows (so that its part of
+  // any chunk is one contiguous range).
   bool CanReadInPlace(const CheckpointTensor& ct, const Chunk& chunk) const;
   // As Scatter, recording elements [e0, e1) of the chunk as an alias of the
   // param's staging instead of copying them.

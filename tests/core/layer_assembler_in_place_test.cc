@@ -1,7 +1,8 @@
 // LayerAssembler reading chunks in place (Chunk::keep, a trainer's mapped
-// region): the rows of quantized weights are aliased, not copied, and every
-// layer's kernels are the bytes of the copying path, for every FP8 scheme,
-// with and without tensor parallelism, chunks of random size; what cannot be
+// region): the rows of quantized weights (experts' included) are aliased,
+// not copied, and every layer's kernels are the bytes of the copying path,
+// for every FP8 scheme, with and without tensor parallelism, chunks of
+// random size; what cannot be
 // read in place (kept tensors, a dtype conversion, row-parallel column
 // slices, a misaligned source) is copied; a bad checksum is DATA_LOSS; the
 // memory's keep is held exactly as long as staging refers to it.
@@ -21,6 +22,7 @@
 #include "core/fixture_model.h"
 #include "core/layer_assembler.h"
 #include "core/layer_processor.h"
+#include "core/model_config.h"
 #include "core/model_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -30,15 +32,16 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::shared_ptr<const ModelLayout> Layout(QuantScheme scheme, ParallelConfig parallel = {}) {
+std::shared_ptr<const ModelLayout> Layout(QuantScheme scheme, ParallelConfig parallel = {},
+                                          Architecture arch = Architecture::kLlama) {
   absl::StatusOr<std::shared_ptr<const ModelLayout>> layout =
-      ModelLayout::Build(FixtureConfig(), parallel, scheme);
+      ModelLayout::Build(FixtureConfig(arch), parallel, scheme);
   EXPECT_TRUE(layout.ok()) << layout.status();
   return layout.ok() ? *std::move(layout) : nullptr;
 }
 
-std::vector<OwnedTensor> Weights(uint64_t seed) {
-  absl::StatusOr<std::vector<OwnedTensor>> w = MakeFixtureWeights(FixtureConfig(), seed);
+std::vector<OwnedTensor> Weights(uint64_t seed, Architecture arch = Architecture::kLlama) {
+  absl::StatusOr<std::vector<OwnedTensor>> w = MakeFixtureWeights(FixtureConfig(arch), seed);
   EXPECT_TRUE(w.ok()) << w.status();
   return w.ok() ? *std::move(w) : std::vector<OwnedTensor>{};
 }
@@ -77,18 +80,22 @@ Ingested IngestAll(const ModelLayout& layout, const std::vector<OwnedTensor>& te
     const uint64_t elem = DTypeSize(t.dtype);
     for (uint64_t at = 0; at < t.bytes.size();) {
       const uint64_t n = std::min<uint64_t>(t.bytes.size() - at, (1 + rng() % 20000) * elem);
-      absl::StatusOr<int> done = assembler.Ingest(ChunkOf(t, t.bytes.data(), at, n, keep));
+      absl::StatusOr<WorkUnit> done = assembler.IngestUnit(ChunkOf(t, t.bytes.data(), at, n, keep));
       EXPECT_TRUE(done.ok()) << done.status();
       if (!done.ok()) return run;
       at += n;
-      if (*done < 0) continue;
+      if (done->layer < 0) continue;
+      // A dense layer, or an expert part (the layer's kernels come with its
+      // last part).
       absl::StatusOr<ProcessedLayer> processed =
-          processor->Process(*done, assembler.TakeParams(*done));
+          done->part >= 0 ? processor->ProcessPart(done->layer, done->part,
+                                                   assembler.TakePart(done->layer, done->part))
+                          : processor->Process(done->layer, assembler.TakeParams(done->layer));
       EXPECT_TRUE(processed.ok()) << processed.status();
       if (!processed.ok()) return run;
       for (const StagingBuffer& k : processed->kernels) {
-        run.kernels[*done].emplace_back(reinterpret_cast<const char*>(k.data()),
-                                        static_cast<size_t>(k.size()));
+        run.kernels[done->layer].emplace_back(reinterpret_cast<const char*>(k.data()),
+                                              static_cast<size_t>(k.size()));
       }
     }
   }
@@ -97,7 +104,8 @@ Ingested IngestAll(const ModelLayout& layout, const std::vector<OwnedTensor>& te
 }
 
 // The bytes this rank reads in place: the quantized weights whose slice is
-// whole rows (all of them without TP; the column-parallel ones with it).
+// whole rows (all of them without TP; the column-parallel ones with it; an
+// expert's down_proj is split over its columns too).
 int64_t ExpectedInPlace(const ModelLayout& layout, bool tp) {
   int64_t n = 0;
   for (const CheckpointTensor& ct : layout.checkpoint_tensors()) {
@@ -110,15 +118,17 @@ int64_t ExpectedInPlace(const ModelLayout& layout, bool tp) {
   return n;
 }
 
-TEST(LayerAssemblerInPlaceTest, InPlaceRowsGiveTheKernelsOfCopiedRowsForEverySchemeAndSlice) {
-  const std::vector<OwnedTensor> tensors = Weights(3);
+class LayerAssemblerInPlaceArchTest : public ::testing::TestWithParam<Architecture> {};
+
+TEST_P(LayerAssemblerInPlaceArchTest, InPlaceRowsGiveTheKernelsOfCopiedRowsForEverySchemeAndSlice) {
+  const std::vector<OwnedTensor> tensors = Weights(3, GetParam());
   ASSERT_FALSE(tensors.empty());
   for (QuantScheme scheme :
        {QuantScheme::kPerTensor, QuantScheme::kPerChannel, QuantScheme::kBlock128}) {
     for (bool tp : {false, true}) {
       SCOPED_TRACE(absl::StrCat(QuantSchemeName(scheme), tp ? " tp 2 rank 1" : " tp 1"));
-      const std::shared_ptr<const ModelLayout> layout =
-          Layout(scheme, tp ? ParallelConfig{/*tp_rank=*/1, /*tp_size=*/2} : ParallelConfig{});
+      const std::shared_ptr<const ModelLayout> layout = Layout(
+          scheme, tp ? ParallelConfig{/*tp_rank=*/1, /*tp_size=*/2} : ParallelConfig{}, GetParam());
       ASSERT_NE(layout, nullptr);
       const Ingested copied = IngestAll(*layout, tensors, 17, nullptr);
       auto keep = std::make_shared<int>(0);
@@ -132,12 +142,21 @@ TEST(LayerAssemblerInPlaceTest, InPlaceRowsGiveTheKernelsOfCopiedRowsForEverySch
         EXPECT_EQ(in_place.kernels[l], copied.kernels[l]) << layout->layers()[l].name;
         layers += copied.kernels[l].empty() ? 0 : 1;
       }
-      EXPECT_GE(layers, 10);  // every dense layer completed during ingest
+      EXPECT_GE(layers, 10);  // every layer but attention completed during ingest
       // Everything processed and the assembler gone: nothing holds the memory.
       EXPECT_EQ(keep.use_count(), 1);
     }
   }
 }
+
+// Dense Llama; Qwen3-MoE, whose experts' w13 and w2 are read in place part
+// by part.
+INSTANTIATE_TEST_SUITE_P(Architectures, LayerAssemblerInPlaceArchTest,
+                         ::testing::Values(Architecture::kLlama, Architecture::kQwen3Moe),
+                         [](const ::testing::TestParamInfo<Architecture>& info) {
+                           return info.param == Architecture::kLlama ? std::string("Llama")
+                                                                     : std::string("Qwen3Moe");
+                         });
 
 TEST(LayerAssemblerInPlaceTest, WhatCannotBeReadInPlaceIsCopied) {
   const std::shared_ptr<const ModelLayout> layout = Layout(QuantScheme::kPerTensor);

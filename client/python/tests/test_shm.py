@@ -127,6 +127,27 @@ def test_shared_tensors_are_one_sealed_mapped_region_and_go_without_any_copy(
     assert len(client._shm.regions()) == 1
 
 
+def test_moe_experts_are_read_in_place_from_shared_tensors(start_daemon, fixture_root):
+    from conftest import MAKE_FIXTURE
+
+    out = fixture_root / "qwen3_moe"
+    if not out.exists():
+        subprocess.run(
+            [str(MAKE_FIXTURE), f"--out={out}", "--seed=4", "--arch=qwen3_moe"],
+            check=True, capture_output=True, text=True,
+        )
+    weights = load_state_dict(out)
+    daemon = start_daemon("--model=demo:qwen3_moe")
+    with RefitClient(daemon.address, timeout=30) as c:
+        expected = c.push(weights, lane="grpc").fingerprint
+        result = c.push(shared_tensors(weights), lane="shm")
+    assert result.fingerprint == expected
+    # Every expert's gate/up/down and the attention projections; the
+    # router and the norms are kept in bf16 and copied.
+    assert result.bytes_read_in_place == quantized_bytes(weights)
+    assert any(".experts." in k for k in weights)
+
+
 def test_offset_past_the_region_is_out_of_range_and_nothing_changes(client, daemon, seed2):
     before = client.status()
     lane = client._shm_lane()

@@ -27,6 +27,12 @@ int64_t ViewCols(absl::Span<const int64_t> shape) {
   return cols;
 }
 
+absl::Status ChecksumMismatch(const CheckpointTensor& ct, uint64_t begin, uint64_t size) {
+  return absl::DataLossError(absl::StrCat("tensor \"", ct.name,
+                                          "\": checksum mismatch in chunk bytes [", begin, ", ",
+                                          begin + size, ")"));
+}
+
 }  // namespace
 
 LayerAssembler::LayerAssembler(const ModelLayout& layout, Options options, ReserveFn reserve)
@@ -96,9 +102,7 @@ absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
   if (scatter && CanReadInPlace(ct, chunk)) {
     if (chunk.xxh3.has_value() &&
         XXH3_64bits(chunk.data.data(), chunk.data.size()) != *chunk.xxh3) {
-      return absl::DataLossError(absl::StrCat("tensor \"", ct.name,
-                                              "\": checksum mismatch in chunk bytes [", begin, ", ",
-                                              begin + size, ")"));
+      return ChecksumMismatch(ct, begin, size);
     }
     absl::Status s = AliasInPlace(ct, chunk, begin / elem, (begin + size) / elem, &completed);
     if (!s.ok()) return s;
@@ -156,9 +160,7 @@ absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
     }
   }
   if (state != nullptr && XXH3_64bits_digest(state.get()) != *chunk.xxh3) {
-    return absl::DataLossError(absl::StrCat("tensor \"", ct.name,
-                                            "\": checksum mismatch in chunk bytes [", begin, ", ",
-                                            begin + size, ")"));
+    return ChecksumMismatch(ct, begin, size);
   }
   return completed;
 }
@@ -198,21 +200,10 @@ absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, co
     }
     if (!touches) return absl::OkStatus();
   }
-  // A part's buffer holds its own rows of the param.
   int64_t row_base = 0;
-  uint8_t* dst_base = nullptr;
-  if (part != nullptr) {
-    if (part->buffer.empty()) {
-      if (absl::Status s = EnsurePartStaging(ct.layer, ct.part); !s.ok()) return s;
-    }
-    row_base = spec.parts[ct.part].row0;
-    dst_base = part->buffer.data();
-  } else {
-    if (layer.params.empty()) {
-      if (absl::Status s = EnsureStaging(ct.layer); !s.ok()) return s;
-    }
-    dst_base = layer.params[ct.param].data();
-  }
+  absl::StatusOr<StagingBuffer*> staging = StagingFor(ct, &row_base);
+  if (!staging.ok()) return staging.status();
+  uint8_t* dst_base = (*staging)->data();
   int64_t contributed = 0;
   for (int64_t r = row_first; r < row_last; ++r) {
     int64_t a, b;
@@ -228,6 +219,25 @@ absl::Status LayerAssembler::Scatter(const CheckpointTensor& ct, DType dtype, co
   }
   Count(ct, contributed, completed);
   return absl::OkStatus();
+}
+
+absl::StatusOr<StagingBuffer*> LayerAssembler::StagingFor(const CheckpointTensor& ct,
+                                                          int64_t* row_base) {
+  LayerState& layer = layers_[ct.layer];
+  *row_base = 0;
+  if (ct.part >= 0) {
+    PartState& part = layer.parts[ct.part];
+    if (part.buffer.empty()) {
+      if (absl::Status s = EnsurePartStaging(ct.layer, ct.part); !s.ok()) return s;
+    }
+    // A part's buffer holds its own rows of the param.
+    *row_base = layout_.layers()[ct.layer].parts[ct.part].row0;
+    return &part.buffer;
+  }
+  if (layer.params.empty()) {
+    if (absl::Status s = EnsureStaging(ct.layer); !s.ok()) return s;
+  }
+  return &layer.params[ct.param];
 }
 
 void LayerAssembler::Count(const CheckpointTensor& ct, int64_t contributed, WorkUnit* completed) {
@@ -281,24 +291,12 @@ absl::Status LayerAssembler::AliasInPlace(const CheckpointTensor& ct, const Chun
   const int64_t lo = std::max(static_cast<int64_t>(e0), slice.src_row * cols);
   const int64_t hi = std::min(static_cast<int64_t>(e1), (slice.src_row + slice.num_rows) * cols);
   if (lo >= hi) return absl::OkStatus();
-  // An expert part's buffer holds its own rows of the param.
-  StagingBuffer* buffer = nullptr;
   int64_t row_base = 0;
-  if (part != nullptr) {
-    if (part->buffer.empty()) {
-      if (absl::Status s = EnsurePartStaging(ct.layer, ct.part); !s.ok()) return s;
-    }
-    buffer = &part->buffer;
-    row_base = layout_.layers()[ct.layer].parts[ct.part].row0;
-  } else {
-    if (layer.params.empty()) {
-      if (absl::Status s = EnsureStaging(ct.layer); !s.ok()) return s;
-    }
-    buffer = &layer.params[ct.param];
-  }
+  absl::StatusOr<StagingBuffer*> staging = StagingFor(ct, &row_base);
+  if (!staging.ok()) return staging.status();
   const int64_t dst = (slice.dst_row - row_base) * cols + (lo - slice.src_row * cols);
-  buffer->AddAlias(dst * elem, chunk.data.data() + (lo - static_cast<int64_t>(e0)) * elem,
-                   (hi - lo) * elem, chunk.keep);
+  (*staging)->AddAlias(dst * elem, chunk.data.data() + (lo - static_cast<int64_t>(e0)) * elem,
+                       (hi - lo) * elem, chunk.keep);
   bytes_in_place_ += (hi - lo) * elem;
   Count(ct, hi - lo, completed);
   return absl::OkStatus();

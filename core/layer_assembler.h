@@ -190,6 +190,10 @@ class LayerAssembler {
   // param's staging instead of copying them.
   absl::Status AliasInPlace(const CheckpointTensor& ct, const Chunk& chunk, uint64_t e0,
                             uint64_t e1, WorkUnit* completed);
+  // The staging `ct` is written into (allocated on first use): its layer's
+  // param, or its expert part's buffer, whose first row is *row_base of the
+  // param. Errors: EnsureStaging's / EnsurePartStaging's.
+  absl::StatusOr<StagingBuffer*> StagingFor(const CheckpointTensor& ct, int64_t* row_base);
   // Counts `contributed` elements of `ct`'s layer (or part); sets
   // *completed when that completed it.
   void Count(const CheckpointTensor& ct, int64_t contributed, WorkUnit* completed);

@@ -98,6 +98,35 @@ absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
 
   const bool scatter = ct.use != CheckpointTensor::Use::kIgnored && size > 0;
   WorkUnit completed;
+  if (chunk.device != nullptr) {
+    if (chunk.xxh3.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", ct.name, "\": chunk at byte ", begin,
+          " lies in a CUDA allocation, whose bytes are not checksummed: send it without xxh3"));
+    }
+    if (!chunk.pieces.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor \"", ct.name, "\": a device chunk comes as one range"));
+    }
+    if (!scatter) return completed;
+    if (options_.device_aliases && CanReadInPlace(ct, chunk)) {
+      absl::Status s = AliasInPlace(ct, chunk, begin / elem, (begin + size) / elem, &completed);
+      if (!s.ok()) return s;
+      return completed;
+    }
+    // Bytes the host must see: one copy to the host, then as any chunk.
+    device_bounce_.resize(size);
+    if (absl::Status copied = chunk.device->CopyToHost(
+            chunk.data.data(), static_cast<int64_t>(size), device_bounce_.data());
+        !copied.ok()) {
+      return absl::Status(copied.code(),
+                          absl::StrCat("tensor \"", ct.name, "\": ", copied.message()));
+    }
+    absl::Status s = Scatter(ct, chunk.dtype, device_bounce_.data(), begin / elem,
+                             (begin + size) / elem, &completed);
+    if (!s.ok()) return s;
+    return completed;
+  }
   if (!scatter && !chunk.xxh3.has_value()) return completed;
   if (scatter && CanReadInPlace(ct, chunk)) {
     if (chunk.xxh3.has_value() &&
@@ -296,7 +325,7 @@ absl::Status LayerAssembler::AliasInPlace(const CheckpointTensor& ct, const Chun
   if (!staging.ok()) return staging.status();
   const int64_t dst = (slice.dst_row - row_base) * cols + (lo - slice.src_row * cols);
   (*staging)->AddAlias(dst * elem, chunk.data.data() + (lo - static_cast<int64_t>(e0)) * elem,
-                       (hi - lo) * elem, chunk.keep);
+                       (hi - lo) * elem, chunk.keep, chunk.device);
   bytes_in_place_ += (hi - lo) * elem;
   Count(ct, hi - lo, completed);
   return absl::OkStatus();
@@ -412,6 +441,7 @@ void LayerAssembler::Clear() {
   tensors_.shrink_to_fit();
   layers_.clear();
   layers_.shrink_to_fit();
+  device_bounce_ = {};
   staging_bytes_ = 0;
 }
 

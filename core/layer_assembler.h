@@ -38,6 +38,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/byte_range_set.h"
+#include "core/device_source.h"
 #include "core/dtype.h"
 #include "core/model_layout.h"
 #include "core/staging_buffer.h"
@@ -64,6 +65,14 @@ struct Chunk {
   // written before the refit's Prepare returns; a writer changes only what
   // is quantized, never the daemon's memory safety.
   std::shared_ptr<const void> keep;
+  // Set when `data` is a device address range of a trainer's CUDA
+  // allocation (kept open by `keep`): the host never dereferences it. Rows
+  // that would be read in place are aliased as device rows when the
+  // session's processor is on the GPU (Options::device_aliases), and read
+  // device to device there; every other byte (kept tensors, conversions,
+  // row-parallel slices, a host processor's input) is first copied to the
+  // host through `device`. Checksums (xxh3) do not apply to such chunks.
+  const DeviceSource* device = nullptr;
 
   // Bytes of the chunk (of `data` or of all pieces).
   uint64_t size() const {
@@ -87,6 +96,9 @@ class LayerAssembler {
     // Zero every param buffer, so that tensors that never arrive read as
     // zeros (RefitOptions::allow_partial_layers).
     bool zero_fill = false;
+    // Rows of chunks in device memory (Chunk::device) may be aliased in
+    // staging: the processor reads staging through Segments() on the GPU.
+    bool device_aliases = false;
   };
   // Asked before a layer's staging is allocated; a non-OK status refuses the
   // allocation and is what Ingest returns. May block (backpressure).
@@ -206,6 +218,9 @@ class LayerAssembler {
   int64_t staging_bytes_ = 0;
   int64_t bytes_received_ = 0;
   int64_t bytes_in_place_ = 0;
+  // Host copy of a device chunk's bytes that are not read in place; kept
+  // for the next such chunk, freed by Clear().
+  std::vector<uint8_t> device_bounce_;
   int64_t elements_loaded_ = 0;
   int64_t elements_expected_ = 0;
 };

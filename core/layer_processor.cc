@@ -108,7 +108,7 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
         // The reject policy covers these too (embeddings, lm_head, norms):
         // the quantizer only sees the FP8 weights. A kernel owns its bytes:
         // anything read in place is copied in first.
-        params[plan.param].MaterializeAliases();
+        if (absl::Status m = params[plan.param].MaterializeAliases(); !m.ok()) return m;
         if (options_.non_finite == NonFinitePolicy::kReject) {
           if (absl::Status finite = CheckFinite(spec.kernels[k].name, param, params[plan.param]);
               !finite.ok()) {

@@ -112,7 +112,8 @@ RefitSession::RefitSession(ShardStore* store, RefitOptions options, std::shared_
       begin_time_(absl::Now()),
       slot_(std::move(slot)),
       processor_(std::move(processor)),
-      assembler_(layout_, LayerAssembler::Options{options_.allow_partial_layers},
+      assembler_(layout_,
+                 LayerAssembler::Options{options_.allow_partial_layers, processor_->on_device()},
                  [this](const LayerSpec& layer, int64_t bytes) {
                    // Called from within assembler_.Ingest, under call_mu_.
                    call_mu_.AssertHeld();

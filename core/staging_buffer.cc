@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "core/device_source.h"
 
 namespace refit::core {
 namespace {
@@ -216,18 +217,18 @@ void StagingBuffer::Reset() {
 }
 
 void StagingBuffer::AddAlias(int64_t offset, const uint8_t* source, int64_t size,
-                             std::shared_ptr<const void> keep) {
+                             std::shared_ptr<const void> keep, const DeviceSource* device) {
   if (size <= 0) return;
   auto it = std::lower_bound(aliases_.begin(), aliases_.end(), offset,
                              [](const Alias& a, int64_t o) { return a.offset < o; });
   if (it != aliases_.begin()) {
     Alias& before = *std::prev(it);
     if (before.offset + before.size == offset && before.source + before.size == source &&
-        before.keep == keep) {
+        before.keep == keep && before.device == device) {
       before.size += size;
       // The one after may now continue this one.
       if (it != aliases_.end() && it->offset == offset + size && it->source == source + size &&
-          it->keep == keep) {
+          it->keep == keep && it->device == device) {
         before.size += it->size;
         aliases_.erase(it);
       }
@@ -235,13 +236,13 @@ void StagingBuffer::AddAlias(int64_t offset, const uint8_t* source, int64_t size
     }
   }
   if (it != aliases_.end() && it->offset == offset + size && it->source == source + size &&
-      it->keep == keep) {
+      it->keep == keep && it->device == device) {
     it->offset = offset;
     it->source = source;
     it->size += size;
     return;
   }
-  aliases_.insert(it, Alias{offset, size, source, std::move(keep)});
+  aliases_.insert(it, Alias{offset, size, source, std::move(keep), device});
 }
 
 int64_t StagingBuffer::aliased_bytes() const {
@@ -250,40 +251,68 @@ int64_t StagingBuffer::aliased_bytes() const {
   return n;
 }
 
-std::vector<absl::Span<const uint8_t>> StagingBuffer::Pieces() const {
-  std::vector<absl::Span<const uint8_t>> pieces;
+bool StagingBuffer::has_device_aliases() const {
+  for (const Alias& a : aliases_) {
+    if (a.device != nullptr) return true;
+  }
+  return false;
+}
+
+std::vector<StagingBuffer::Segment> StagingBuffer::Segments() const {
+  std::vector<Segment> segments;
   const uint8_t* owned = data();
   int64_t at = 0;
   for (const Alias& a : aliases_) {
-    if (a.offset > at) pieces.emplace_back(owned + at, static_cast<size_t>(a.offset - at));
-    pieces.emplace_back(a.source, static_cast<size_t>(a.size));
+    if (a.offset > at) segments.push_back(Segment{at, owned + at, a.offset - at, nullptr});
+    segments.push_back(Segment{a.offset, a.source, a.size, a.device});
     at = a.offset + a.size;
   }
-  if (size_ > at) pieces.emplace_back(owned + at, static_cast<size_t>(size_ - at));
+  if (size_ > at) segments.push_back(Segment{at, owned + at, size_ - at, nullptr});
+  return segments;
+}
+
+std::vector<absl::Span<const uint8_t>> StagingBuffer::Pieces() const {
+  std::vector<absl::Span<const uint8_t>> pieces;
+  for (const Segment& s : Segments()) {
+    // A device address is never handed out as a host span.
+    if (s.device != nullptr) std::abort();
+    pieces.emplace_back(s.data, static_cast<size_t>(s.size));
+  }
   return pieces;
 }
 
-void StagingBuffer::CopyOut(int64_t offset, void* dst, int64_t n) const {
+absl::Status StagingBuffer::CopyOut(int64_t offset, void* dst, int64_t n) const {
   uint8_t* out = static_cast<uint8_t*>(dst);
-  int64_t at = 0;  // buffer offset of the current piece
-  for (absl::Span<const uint8_t> piece : Pieces()) {
-    const int64_t end = at + static_cast<int64_t>(piece.size());
-    const int64_t from = std::max(offset, at);
+  for (const Segment& s : Segments()) {
+    const int64_t end = s.offset + s.size;
+    const int64_t from = std::max(offset, s.offset);
     const int64_t to = std::min(offset + n, end);
     if (from < to) {
-      std::memcpy(out + (from - offset), piece.data() + (from - at),
-                  static_cast<size_t>(to - from));
+      if (s.device != nullptr) {
+        absl::Status copied =
+            s.device->CopyToHost(s.data + (from - s.offset), to - from, out + (from - offset));
+        if (!copied.ok()) return copied;
+      } else {
+        std::memcpy(out + (from - offset), s.data + (from - s.offset),
+                    static_cast<size_t>(to - from));
+      }
     }
-    at = end;
-    if (at >= offset + n) break;
+    if (end >= offset + n) break;
   }
+  return absl::OkStatus();
 }
 
-void StagingBuffer::MaterializeAliases() {
+absl::Status StagingBuffer::MaterializeAliases() {
   for (const Alias& a : aliases_) {
-    std::memcpy(data() + a.offset, a.source, static_cast<size_t>(a.size));
+    if (a.device != nullptr) {
+      absl::Status copied = a.device->CopyToHost(a.source, a.size, data() + a.offset);
+      if (!copied.ok()) return copied;
+    } else {
+      std::memcpy(data() + a.offset, a.source, static_cast<size_t>(a.size));
+    }
   }
   aliases_.clear();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StagingBuffer> StagingBuffer::HostZeroed(int64_t size, absl::string_view what) {

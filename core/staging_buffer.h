@@ -18,12 +18,15 @@
 #include <memory>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 
 namespace refit::core {
+
+class DeviceSource;
 
 class StagingBuffer {
  public:
@@ -82,24 +85,40 @@ class StagingBuffer {
   static int64_t TrimHostPool(absl::Time now);
 
   // Aliases: byte ranges of a host buffer whose bytes are read in place from
-  // memory the buffer does not own (a trainer's sealed shared-memory region)
+  // memory the buffer does not own (a trainer's sealed shared-memory region,
+  // or its CUDA allocation: `device` set, the source a device address)
   // instead of being copied in. `keep` keeps that memory valid; it is held
   // until the buffer goes. The owned bytes under an alias are never read.
   // Ranges must not overlap; an alias that continues another one in the
-  // buffer and in the source, with the same `keep`, is merged with it. Readers of a buffer that
-  // may have aliases use Pieces() or CopyOut(), not data().
+  // buffer and in the source, with the same `keep` and `device`, is merged
+  // with it. Readers of a buffer that may have aliases use Pieces(),
+  // Segments() or CopyOut(), not data().
   void AddAlias(int64_t offset, const uint8_t* source, int64_t size,
-                std::shared_ptr<const void> keep);
+                std::shared_ptr<const void> keep, const DeviceSource* device = nullptr);
   bool has_aliases() const { return !aliases_.empty(); }
+  bool has_device_aliases() const;
   // Bytes of the buffer read from aliases.
   int64_t aliased_bytes() const;
   // The buffer's bytes in order, as spans of owned memory and of aliases
   // (one span, data(), when there are no aliases; none for an empty one).
+  // Host memory only: a buffer with device aliases materializes them first
+  // (MaterializeAliases) or is read through Segments().
   std::vector<absl::Span<const uint8_t>> Pieces() const;
-  // Copies bytes [offset, offset + n) of the buffer to `dst`.
-  void CopyOut(int64_t offset, void* dst, int64_t n) const;
-  // Copies every alias into the owned bytes and drops it.
-  void MaterializeAliases();
+  // The buffer's bytes in order, each range with the device source it lies
+  // in (null: host memory).
+  struct Segment {
+    int64_t offset = 0;  // in the buffer
+    const uint8_t* data = nullptr;
+    int64_t size = 0;
+    const DeviceSource* device = nullptr;
+  };
+  std::vector<Segment> Segments() const;
+  // Copies bytes [offset, offset + n) of the buffer to host memory `dst`
+  // (device aliases through their source). Errors: a device source's.
+  absl::Status CopyOut(int64_t offset, void* dst, int64_t n) const;
+  // Copies every alias into the owned bytes and drops it. Errors: a device
+  // source's (the aliases are then kept).
+  absl::Status MaterializeAliases();
 
   // Null for an empty buffer (size 0).
   uint8_t* data() const { return static_cast<uint8_t*>(data_); }
@@ -120,6 +139,7 @@ class StagingBuffer {
     int64_t size = 0;
     const uint8_t* source = nullptr;
     std::shared_ptr<const void> keep;
+    const DeviceSource* device = nullptr;
   };
   std::vector<Alias> aliases_;  // sorted by offset
 };

@@ -67,9 +67,26 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
   return region;
 }
 
+absl::StatusOr<std::unique_ptr<Region>> Region::OpenCudaIpc(std::string id,
+                                                            absl::string_view handle,
+                                                            absl::string_view device_uuid,
+                                                            uint64_t size) {
+  absl::StatusOr<std::unique_ptr<core::CudaIpcAllocation>> cuda =
+      core::CudaIpcAllocation::Open(handle, device_uuid, size);
+  if (!cuda.ok()) {
+    return absl::Status(cuda.status().code(),
+                        absl::StrCat("region \"", id, "\": ", cuda.status().message()));
+  }
+  std::unique_ptr<Region> region(new Region(std::move(id), -1, size));
+  region->map_ = (*cuda)->base();
+  region->cuda_ = *std::move(cuda);
+  region->access_ = Access::kCudaIpc;
+  return region;
+}
+
 Region::~Region() {
-  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), size_);
-  ::close(fd_);
+  if (access_ == Access::kMapped) ::munmap(const_cast<uint8_t*>(map_), size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 absl::StatusOr<absl::Span<const uint8_t>> Region::Read(absl::string_view tensor, uint64_t offset,
@@ -80,7 +97,7 @@ absl::StatusOr<absl::Span<const uint8_t>> Region::Read(absl::string_view tensor,
                                               id_, "\" offset ", offset, " length ", length,
                                               " reaches past its size ", size_));
   }
-  if (access_ == Access::kMapped) return absl::MakeConstSpan(map_ + offset, length);
+  if (access_ != Access::kPread) return absl::MakeConstSpan(map_ + offset, length);
   scratch->resize(length);
   uint64_t done = 0;
   while (done < length) {
@@ -131,27 +148,43 @@ absl::StatusOr<std::string> RegionRegistry::Reserve(const std::string& owner, ui
 }
 
 absl::StatusOr<Region::Access> RegionRegistry::Activate(const std::string& id, int fd) {
+  return ActivateWith(
+      id, [&](uint64_t size) { return Region::Open(id, fd, size); }, [fd] { ::close(fd); });
+}
+
+absl::StatusOr<Region::Access> RegionRegistry::ActivateCudaIpc(const std::string& id,
+                                                               absl::string_view handle,
+                                                               absl::string_view device_uuid) {
+  return ActivateWith(
+      id, [&](uint64_t size) { return Region::OpenCudaIpc(id, handle, device_uuid, size); }, [] {});
+}
+
+absl::StatusOr<Region::Access> RegionRegistry::ActivateWith(
+    const std::string& id, const Opener& open, const std::function<void()>& on_not_waiting) {
   uint64_t size = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(id);
     if (it == entries_.end() || it->second.region != nullptr) {
-      ::close(fd);
+      on_not_waiting();
       return absl::NotFoundError(
           absl::StrCat("region \"", id, "\" is not waiting for its descriptor"));
     }
     size = it->second.size;
   }
-  // Outside the lock: fstat and mmap of a large region are not instant.
-  absl::StatusOr<std::unique_ptr<Region>> region = Region::Open(id, fd, size);
+  // Outside the lock: fstat and mmap of a large region (or opening a CUDA
+  // allocation) are not instant.
+  absl::StatusOr<std::unique_ptr<Region>> region = open(size);
   if (!region.ok()) return region.status();
   const Region::Access access = (*region)->access();
+  std::shared_ptr<const Region> last;  // closed outside the lock if released meanwhile
   absl::MutexLock lock(&mu_);
   auto it = entries_.find(id);
   if (it == entries_.end()) {
+    last = *std::move(region);
     return absl::NotFoundError(absl::StrCat("region \"", id, "\" was released meanwhile"));
   }
-  it->second.region = std::move(*region);
+  it->second.region = *std::move(region);
   return access;
 }
 

@@ -23,6 +23,13 @@
 // and with it the mapping, until then), so what matters is the region's
 // bytes until the push's Prepare returns.
 //
+// A trainer's CUDA allocation is a region too (Access::kCudaIpc): it is
+// registered with its IPC handle instead of a descriptor, opened on its GPU
+// (core::CudaIpcAllocation, which checks that the allocation holds the
+// declared size, so no accepted range can fault on the device), and its
+// chunks carry device addresses (core::Chunk::device) that the host never
+// dereferences.
+//
 // Ownership: regions belong to a caller (the principal's name; "anonymous"
 // when authentication is off, where the region id, 128 random bits, is what
 // keeps others out). A chunk naming a region of another caller is
@@ -39,6 +46,7 @@
 #define REFIT_SERVER_REGION_REGISTRY_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -50,17 +58,23 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "core/device_source.h"
 
 namespace refit::server {
 
 class Region {
  public:
-  enum class Access { kMapped, kPread };
+  enum class Access { kMapped, kPread, kCudaIpc };
 
   // Takes `fd` (closed on error too). INVALID_ARGUMENT when it is not a
   // regular file, is not open for reading, or is smaller than `size`;
   // INTERNAL when a sealed one cannot be mapped.
   static absl::StatusOr<std::unique_ptr<Region>> Open(std::string id, int fd, uint64_t size);
+  // A CUDA allocation (kCudaIpc): core::CudaIpcAllocation::Open's errors.
+  static absl::StatusOr<std::unique_ptr<Region>> OpenCudaIpc(std::string id,
+                                                             absl::string_view handle,
+                                                             absl::string_view device_uuid,
+                                                             uint64_t size);
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
@@ -68,8 +82,14 @@ class Region {
   const std::string& id() const { return id_; }
   uint64_t size() const { return size_; }
   Access access() const { return access_; }
+  // The CUDA allocation of a kCudaIpc region (null otherwise): Read's spans
+  // are then device addresses.
+  const core::DeviceSource* device() const { return cuda_.get(); }
+  // Its GPU in this process (-1 for host regions).
+  int cuda_device() const { return cuda_ != nullptr ? cuda_->device() : -1; }
 
-  // The bytes [offset, offset + length): a span into the mapping, or read
+  // The bytes [offset, offset + length): a span into the mapping (device
+  // addresses for kCudaIpc), or read
   // into *scratch (kPread; resized as needed). OUT_OF_RANGE past size()
   // (naming `tensor`, the region, offset, length and size);
   // FAILED_PRECONDITION when a kPread region ends early (truncated while in
@@ -86,6 +106,7 @@ class Region {
   const uint64_t size_;
   Access access_ = Access::kPread;
   const uint8_t* map_ = nullptr;
+  std::unique_ptr<core::CudaIpcAllocation> cuda_;
 };
 
 class RegionRegistry {
@@ -109,6 +130,9 @@ class RegionRegistry {
   // The descriptor of a reserved region arrived: Region::Open's errors
   // (the reservation stays until Release); NOT_FOUND if it was released.
   absl::StatusOr<Region::Access> Activate(const std::string& id, int fd);
+  // As Activate, for a region registered with a CUDA IPC handle.
+  absl::StatusOr<Region::Access> ActivateCudaIpc(const std::string& id, absl::string_view handle,
+                                                 absl::string_view device_uuid);
   // Forgets the region (reserved or active); a no-op for an unknown id.
   void Release(const std::string& id);
   // OK if `id` is `owner`'s; NOT_FOUND unknown (or released),
@@ -128,6 +152,10 @@ class RegionRegistry {
     uint64_t size = 0;
     std::shared_ptr<const Region> region;  // null while pending
   };
+
+  using Opener = std::function<absl::StatusOr<std::unique_ptr<Region>>(uint64_t size)>;
+  absl::StatusOr<Region::Access> ActivateWith(const std::string& id, const Opener& open,
+                                              const std::function<void()>& on_not_waiting);
 
   const Limits limits_;
   mutable absl::Mutex mu_;

@@ -32,7 +32,27 @@ std::string RandomRegionTicket() {
 }
 
 const char* AccessName(Region::Access access) {
-  return access == Region::Access::kMapped ? "mapped" : "pread";
+  switch (access) {
+    case Region::Access::kMapped:
+      return "mapped";
+    case Region::Access::kPread:
+      return "pread";
+    case Region::Access::kCudaIpc:
+      return "cuda_ipc";
+  }
+  return "?";
+}
+
+v1::RegionRegistered::Access ToProtoAccess(Region::Access access) {
+  switch (access) {
+    case Region::Access::kMapped:
+      return v1::RegionRegistered::ACCESS_MAPPED;
+    case Region::Access::kPread:
+      return v1::RegionRegistered::ACCESS_PREAD;
+    case Region::Access::kCudaIpc:
+      return v1::RegionRegistered::ACCESS_CUDA_IPC;
+  }
+  return v1::RegionRegistered::ACCESS_UNSPECIFIED;
 }
 
 }  // namespace
@@ -78,9 +98,11 @@ absl::Status IngestRegionChunk(const RegionRegistry* regions, const std::string&
   c.offset = chunk.byte_offset();
   c.data = *bytes;
   if (chunk.has_xxh3()) c.xxh3 = chunk.xxh3();
-  // A mapped region stays mapped while the session holds it: the rows of
-  // quantized weights are read in place when their layer is processed.
-  if ((*region)->access() == Region::Access::kMapped) c.keep = *region;
+  // A mapped region (or an opened CUDA allocation) stays so while the
+  // session holds it: the rows of quantized weights are read in place when
+  // their layer is processed.
+  if ((*region)->access() != Region::Access::kPread) c.keep = *region;
+  c.device = (*region)->device();
   return session->Ingest(c);
 }
 
@@ -127,6 +149,20 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
       End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is shutting down"));
       return;
     }
+    if (!request.cuda_ipc_handle().empty() || !request.cuda_device_uuid().empty()) {
+      // A CUDA allocation: the handle came in the request, no descriptor.
+      service_->ForgetTicket(ticket);
+      absl::StatusOr<Region::Access> access = service_->registry_.ActivateCudaIpc(
+          *id, request.cuda_ipc_handle(), request.cuda_device_uuid());
+      if (!access.ok()) {
+        REFIT_LOG(WARNING).Field("region", *id).Field("caller", caller->name)
+            << "region refused: " << std::string(access.status().message());
+        End(ToGrpcStatus(access.status()));
+        return;
+      }
+      Registered(*access, -1, 0);
+      return;
+    }
     v1::RegionEvent event;
     v1::RegionTicket* t = event.mutable_ticket();
     t->set_region_id(*id);
@@ -149,21 +185,20 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
       name = name_;
       size = size_;
     }
-    REFIT_LOG(INFO)
-            .Field("region", id)
-            .Field("caller", owner)
-            .Field("name", name)
-            .Field("bytes", absl::StrCat(size))
-            .Field("access", AccessName(access))
-            .Field("pid", absl::StrCat(pid))
-            .Field("uid", absl::StrCat(uid))
-        << "region registered";
+    core::LogRecord log(core::LogSeverity::kInfo);
+    log.Field("region", id)
+        .Field("caller", owner)
+        .Field("name", name)
+        .Field("bytes", absl::StrCat(size))
+        .Field("access", AccessName(access));
+    // A descriptor's sender (the descriptor socket's peer credentials).
+    if (pid >= 0) log.Field("pid", absl::StrCat(pid)).Field("uid", absl::StrCat(uid));
+    log << "region registered";
     v1::RegionEvent event;
     v1::RegionRegistered* r = event.mutable_registered();
     r->set_region_id(id);
     r->set_size(size);
-    r->set_access(access == Region::Access::kMapped ? v1::RegionRegistered::ACCESS_MAPPED
-                                                    : v1::RegionRegistered::ACCESS_PREAD);
+    r->set_access(ToProtoAccess(access));
     Send(std::move(event));
   }
 
@@ -353,6 +388,11 @@ bool RegionService::AddLease(const std::string& id, const std::string& ticket, R
   leases_[id] = reactor;
   tickets_[ticket] = id;
   return true;
+}
+
+void RegionService::ForgetTicket(const std::string& ticket) {
+  absl::MutexLock lock(&mu_);
+  tickets_.erase(ticket);
 }
 
 void RegionService::RemoveLease(const std::string& id) {

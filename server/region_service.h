@@ -88,6 +88,7 @@ class RegionService final : public v1::RegionService::CallbackService {
   // False once shutting down.
   bool AddLease(const std::string& id, const std::string& ticket, Reactor* reactor);
   void RemoveLease(const std::string& id);
+  void ForgetTicket(const std::string& ticket);
 
   RefitServiceImpl* const refit_;
   RegionRegistry registry_;

@@ -128,8 +128,13 @@ class CudaLayerProcessor final : public LayerProcessor {
       absl::StatusOr<StagingBuffer> scales =
           AllocateDevice(p_.device_, spec_.kernels[s].nbytes(), weight.name);
       if (!scales.ok()) return scales.status();
-      if (absl::Status up = Upload(src, on_device->data()); !up.ok()) return up;
-      src = StagingBuffer();  // copied into pinned memory: the host copy can go
+      if (absl::Status up = Upload(src, on_device->data()); !up.ok()) {
+        HoldUntilIdle(std::move(src));
+        return up;
+      }
+      // Copied into pinned memory: the host copy can go (not what a device
+      // copy still reads).
+      HoldUntilIdle(std::move(src));
       Fp8CudaJob job;
       job.src = on_device->data();
       job.src_dtype = src_dtype;
@@ -164,8 +169,11 @@ class CudaLayerProcessor final : public LayerProcessor {
       if (absl::Status a = AllocateWhole(s); !a.ok()) return a;
       absl::StatusOr<StagingBuffer> on_device = AllocateDevice(p_.device_, src.size(), what);
       if (!on_device.ok()) return on_device.status();
-      if (absl::Status up = Upload(src, on_device->data()); !up.ok()) return up;
-      src = StagingBuffer();
+      absl::Status up = Upload(src, on_device->data());
+      if (!up.ok()) {
+        cudaStreamSynchronize(p_.stream_);
+        return up;
+      }
       Fp8CudaJob job;
       job.src = on_device->data();
       job.src_dtype = src_dtype;
@@ -252,24 +260,43 @@ class CudaLayerProcessor final : public LayerProcessor {
       return absl::OkStatus();
     }
 
-    // Host bytes to `dst` on the device through the pinned pool (a memcpy
-    // into a leased pinned buffer, then an async copy on the pool's stream);
-    // work enqueued later on the session's stream waits for it. `src` may be
-    // freed on return.
+    // `src`'s bytes to `dst` on the device: host bytes through the pinned
+    // pool (a memcpy into a leased pinned buffer, then an async copy on the
+    // pool's stream), rows aliased to a trainer's CUDA allocation with a
+    // device copy on the session's stream (device to device; cudaMemcpyDefault
+    // also crosses to another GPU). Work enqueued later on the session's
+    // stream waits for both. Host memory of `src` may be freed on return; its
+    // device aliases must stay open until the stream is idle (HoldUntilIdle).
     absl::Status Upload(const StagingBuffer& src, void* dst) const {
       uint8_t* to = static_cast<uint8_t*>(dst);
-      for (int64_t done = 0; done < src.size();) {
-        absl::StatusOr<PinnedStagingPool::Lease> lease = p_.shared_->pool->Acquire();
-        if (!lease.ok()) return lease.status();
-        const int64_t n = std::min(src.size() - done, lease->capacity());
-        // CopyOut reads rows aliased to a trainer's region in place.
-        src.CopyOut(done, lease->data(), n);
-        absl::Status copied =
-            p_.shared_->pool->CopyToDevice(*std::move(lease), to + done, n, p_.stream_);
-        if (!copied.ok()) return copied;
-        done += n;
+      for (const StagingBuffer::Segment& seg : src.Segments()) {
+        if (seg.device != nullptr) {
+          REFIT_CUDA_RETURN_IF_ERROR(
+              cudaMemcpyAsync(to + seg.offset, seg.data, static_cast<size_t>(seg.size),
+                              cudaMemcpyDefault, p_.stream_),
+              "copying a trainer's CUDA tensor rows into device staging");
+          continue;
+        }
+        for (int64_t done = 0; done < seg.size;) {
+          absl::StatusOr<PinnedStagingPool::Lease> lease = p_.shared_->pool->Acquire();
+          if (!lease.ok()) return lease.status();
+          const int64_t n = std::min(seg.size - done, lease->capacity());
+          // Host rows aliased to a trainer's shared-memory region are read
+          // where they lie.
+          std::memcpy(lease->data(), seg.data + done, static_cast<size_t>(n));
+          absl::Status copied = p_.shared_->pool->CopyToDevice(
+              *std::move(lease), to + seg.offset + done, n, p_.stream_);
+          if (!copied.ok()) return copied;
+          done += n;
+        }
       }
       return absl::OkStatus();
+    }
+
+    // Keeps `src` (and so the trainer allocations its device aliases point
+    // into) until the build's stream is idle.
+    void HoldUntilIdle(StagingBuffer src) {
+      if (src.has_device_aliases()) held_.push_back(std::move(src));
     }
 
     const CudaLayerProcessor& p_;
@@ -281,6 +308,10 @@ class CudaLayerProcessor final : public LayerProcessor {
     // High-precision weights on the device; declared after kernels_, so they
     // are freed first, but only after the destructor idled the stream.
     std::vector<StagingBuffer> sources_;
+    // Params whose device aliases a copy on the stream may still read;
+    // declared last, so they are released after the destructor idled the
+    // stream.
+    std::vector<StagingBuffer> held_;
     bool jobs_ = false;  // quantize jobs enqueued and not yet synced
   };
 

@@ -243,13 +243,13 @@ TEST(StagingBufferAliasTest, AliasedRangesReadFromTheirSourceAndHoldItUntilTheBu
   EXPECT_GT(keep.use_count(), 1);
 
   std::string out(7, '?');
-  buffer.CopyOut(4, out.data(), 7);
+  ASSERT_TRUE(buffer.CopyOut(4, out.data(), 7).ok());
   EXPECT_EQ(out, "EFooooK");
 
   // Moving carries the aliases and what keeps them.
   StagingBuffer moved = std::move(buffer);
   EXPECT_EQ(Joined(moved), "ooCDEFooooKLoooo");
-  moved.MaterializeAliases();
+  ASSERT_TRUE(moved.MaterializeAliases().ok());
   EXPECT_FALSE(moved.has_aliases());
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(moved.data()), 16), "ooCDEFooooKLoooo");
   EXPECT_EQ(keep.use_count(), 1);

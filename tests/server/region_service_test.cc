@@ -139,6 +139,9 @@ class Lease {
     request.set_name("test-weights");
     reader_ = stub->RegisterRegion(&context_, request);
   }
+  Lease(v1::RegionService::Stub* stub, const v1::RegisterRegionRequest& request) {
+    reader_ = stub->RegisterRegion(&context_, request);
+  }
   ~Lease() {
     Cancel();
     Finish();
@@ -410,6 +413,36 @@ TEST_F(RegionTest, DescriptorSmallerThanItsSizeIsInvalidArgumentAndTicketsWorkOn
   EXPECT_THAT(status.error_message(), HasSubstr("smaller than its declared size"));
   EXPECT_THAT(SendFd(ticket.fd_socket(), ticket.ticket(), file->fd),
               HasSubstr("unknown region ticket"));
+  EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 0\n"));
+}
+
+// A CUDA allocation is registered by its IPC handle in the request. This
+// daemon sees no GPU with the given UUID (on a CPU-only machine, none at
+// all): FAILED_PRECONDITION, and a malformed handle INVALID_ARGUMENT; the
+// lease ends and nothing stays registered.
+TEST_F(RegionTest, CudaRegionTheDaemonCannotOpenIsRefusedAndNothingStaysRegistered) {
+  v1::RegisterRegionRequest request;
+  request.set_size(1 << 20);
+  request.set_name("cuda tensors");
+  request.set_cuda_ipc_handle(std::string(64, '\x5a'));
+  request.set_cuda_device_uuid(std::string(16, '\x11'));
+  {
+    Lease lease(region_stub_.get(), request);
+    v1::RegionRegistered registered;
+    EXPECT_FALSE(lease.ReadRegistered(&registered));
+    const grpc::Status status = lease.Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("visible to refitd"));
+  }
+  request.set_cuda_ipc_handle(std::string(63, '\x5a'));
+  {
+    Lease lease(region_stub_.get(), request);
+    v1::RegionRegistered registered;
+    EXPECT_FALSE(lease.ReadRegistered(&registered));
+    const grpc::Status status = lease.Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), HasSubstr("64 bytes (cudaIpcMemHandle_t), got 63"));
+  }
   EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 0\n"));
 }
 

@@ -632,6 +632,10 @@ class RefitClient:
     reloads have none unless given one per call. ``shm_staging_limit``: the
     most bytes push(lane="auto") copies into the shared-memory lane's staging
     region (a larger push goes over gRPC, streamed with bounded memory).
+    ``cuda_ipc`` (default True): the shared-memory lane hands CUDA tensors
+    to the daemon by CUDA IPC handle (it reads them device to device) instead
+    of copying them into host staging; ``cuda_ipc_fallback_reason`` says why
+    it last could not.
 
     Read-only calls wait for the daemon to be reachable (wait_for_ready) up
     to their deadline, so they ride out a daemon restart; an unreachable
@@ -653,6 +657,7 @@ class RefitClient:
         *,
         timeout: Optional[float] = DEFAULT_TIMEOUT,
         shm_staging_limit: int = DEFAULT_SHM_STAGING_LIMIT,
+        cuda_ipc: bool = True,
     ) -> None:
         if not address:
             raise InvalidArgument("empty daemon address")
@@ -696,6 +701,7 @@ class RefitClient:
         self._shm_lock = threading.Lock()
         self._shm_auto = address.startswith("unix:")
         self._shm_staging_limit = shm_staging_limit
+        self._cuda_ipc = cuda_ipc
         # Why push(lane="auto") last fell back to gRPC, or None.
         self.shm_fallback_reason: Optional[str] = None
         # Push with requests encoded by Refit itself: building a PushRequest
@@ -862,8 +868,11 @@ class RefitClient:
         ``lane``: "shm" sends chunks that reference the tensors in shared
         memory instead of carrying their bytes (the daemon reads them in
         place; needs the daemon's Unix socket): CPU tensors already in shared
-        memory (``share_memory_()``) go with no copy, the others are copied
-        once into the client's staging region; checksums do not apply.
+        memory (``share_memory_()``) go with no copy, CUDA tensors by their
+        allocation's CUDA IPC handle (the daemon copies them device to
+        device; the client synchronizes their devices first), the others are
+        copied once into the client's staging region; checksums do not
+        apply.
         "grpc" carries the bytes in the messages. "auto" (the default) is
         "shm" on a ``unix:`` address with one stream unless the tensors to
         copy exceed the client's ``shm_staging_limit`` (default 4 GiB), and
@@ -947,10 +956,18 @@ class RefitClient:
         assert r.result is not None
         return r.result
 
+    @property
+    def cuda_ipc_fallback_reason(self) -> Optional[str]:
+        """Why the shared-memory lane last copied CUDA tensors into host
+        staging instead of handing them by CUDA IPC handle, or None."""
+        return self._shm.cuda_ipc_fallback_reason if self._shm is not None else None
+
     def _shm_lane(self) -> _shm.ShmLane:
         with self._shm_lock:
             if self._shm is None:
-                self._shm = _shm.ShmLane(self._channel, self._metadata, self.address)
+                self._shm = _shm.ShmLane(
+                    self._channel, self._metadata, self.address, cuda_ipc=self._cuda_ipc
+                )
             return self._shm
 
     def _push_shm(
@@ -981,32 +998,36 @@ class RefitClient:
         lane = self._shm_lane()
         with lane.lock:
             try:
-                plan = lane.plan(sources, None if explicit else self._shm_staging_limit)
-            except RefitError as e:
-                raise _ShmRefused(e) from None
-            r = self.refit(
-                prepare=prepare,
-                base_version=base_version,
-                label=label,
-                group=group,
-                chunk_bytes=chunk_bytes,
-                bucket_bytes=bucket_bytes,
-                checksums=False,
-                non_finite=non_finite,
-                allow_partial_layers=allow_partial_layers,
-                require_complete=require_complete,
-                progress=progress,
-                timeout=timeout,
-                _tensors_total=len(sources),
-                _refit_id=refit_id,
-            )
-            copied = 0
-            with r:
-                for src, lease, offset, copy in plan:
-                    if copy:
-                        lane.copy(src, offset)
-                        copied += src.nbytes
-                    r._send_region(src, lease, offset)
+                try:
+                    plan = lane.plan(sources, None if explicit else self._shm_staging_limit)
+                except RefitError as e:
+                    raise _ShmRefused(e) from None
+                r = self.refit(
+                    prepare=prepare,
+                    base_version=base_version,
+                    label=label,
+                    group=group,
+                    chunk_bytes=chunk_bytes,
+                    bucket_bytes=bucket_bytes,
+                    checksums=False,
+                    non_finite=non_finite,
+                    allow_partial_layers=allow_partial_layers,
+                    require_complete=require_complete,
+                    progress=progress,
+                    timeout=timeout,
+                    _tensors_total=len(sources),
+                    _refit_id=refit_id,
+                )
+                copied = 0
+                with r:
+                    for src, lease, offset, copy in plan:
+                        if copy:
+                            lane.copy(src, offset)
+                            copied += src.nbytes
+                        r._send_region(src, lease, offset)
+            finally:
+                # The push's CUDA allocations: released once it has ended.
+                lane.end_push()
             lane.last_copied_bytes = copied
         assert r.result is not None
         return r.result

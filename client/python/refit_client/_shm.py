@@ -18,6 +18,16 @@ descriptor socket with SCM_RIGHTS.
   staging (the daemon maps it). A trainer that keeps its weights there
   (copies each update into them, or trains them in place) pushes with no
   copy at all.
+- A CUDA tensor goes by its allocation's CUDA IPC handle (torch's
+  ``_share_cuda_()``: the caching allocator's segment, the tensor's offset
+  in it) and its GPU's UUID: the daemon opens the allocation and copies the
+  rows of quantized weights device to device into its staging (the rest
+  through host memory). These leases last one push: the daemon holds an
+  opened allocation, which keeps its memory allocated, only while it reads.
+  The devices are synchronized before the chunks go. A daemon that cannot
+  open them (no GPU, not the same GPUs visible, built without CUDA) makes
+  the lane copy CUDA tensors into the staging region instead, from then on
+  (``cuda_ipc_fallback_reason``).
 - Every other tensor is copied once into the client's staging region, a
   memfd sealed the same way, which the daemon maps and ingests in place.
   The staging region is reused by later pushes (grown when a push needs
@@ -88,6 +98,40 @@ def _send_fd(path: str, ticket: str, fd: int) -> str:
     return reply.decode(errors="replace").strip()
 
 
+def _access_name(access: int) -> str:
+    if access == rpb.RegionRegistered.ACCESS_MAPPED:
+        return "mapped"
+    if access == rpb.RegionRegistered.ACCESS_CUDA_IPC:
+        return "cuda_ipc"
+    return "pread"
+
+
+def register_cuda(
+    stub: Any, metadata: Any, handle: bytes, device_uuid: bytes, size: int, name: str,
+    address: str,
+) -> Lease:
+    """Registers `size` bytes of a CUDA allocation from its base, by its IPC
+    handle. Raises the daemon's error (FailedPrecondition without a GPU the
+    daemon can see, InvalidArgument for a handle it cannot open, ...)."""
+    call = stub.RegisterRegion(
+        rpb.RegisterRegionRequest(
+            size=size, name=name, cuda_ipc_handle=handle, cuda_device_uuid=device_uuid
+        ),
+        metadata=metadata,
+    )
+    try:
+        first = next(iter(call))
+        if not first.HasField("registered"):
+            raise RefitError("RegisterRegion: the daemon sent no registration for a CUDA region")
+    except grpc.RpcError as e:
+        call.cancel()
+        raise from_rpc_error(e, f"register a CUDA region at {address}") from None
+    except StopIteration:
+        call.cancel()
+        raise RefitError("RegisterRegion: the stream ended early") from None
+    return Lease(call, first.registered.region_id, size, _access_name(first.registered.access))
+
+
 def register(
     stub: Any, metadata: Any, fd: int, size: int, name: str, address: str
 ) -> Lease:
@@ -114,10 +158,9 @@ def register(
     except OSError as e:
         call.cancel()
         raise RefitError(f"RegisterRegion: descriptor socket: {e}") from None
-    access = (
-        "mapped" if second.registered.access == rpb.RegionRegistered.ACCESS_MAPPED else "pread"
+    return Lease(
+        call, second.registered.region_id, size, _access_name(second.registered.access)
     )
-    return Lease(call, second.registered.region_id, size, access)
 
 
 def _shared_storage(src: _tensors.Source) -> Optional[Tuple[Any, int, int, int]]:
@@ -132,6 +175,30 @@ def _shared_storage(src: _tensors.Source) -> Optional[Tuple[Any, int, int, int]]
     except (RuntimeError, AttributeError):
         return None  # e.g. the file_system sharing strategy: no descriptor
     return storage, int(fd), t.data_ptr() - storage.data_ptr(), int(size)
+
+
+def _cuda_allocation(src: _tensors.Source) -> Optional[Tuple[bytes, bytes, int, int, int]]:
+    """(IPC handle, GPU UUID, device index, byte offset of the tensor in the
+    allocation, end of its storage there) for a CUDA torch tensor, else None
+    (also when the allocator hands out no plain IPC handle, as with
+    expandable segments)."""
+    t = src.tensor
+    if t is None or t.device.type != "cuda":
+        return None
+    import torch
+
+    storage = t.untyped_storage()
+    try:
+        shared = storage._share_cuda_()
+    except (RuntimeError, AttributeError):
+        return None
+    handle, size_bytes, offset_bytes = shared[1], int(shared[2]), int(shared[3])
+    if not isinstance(handle, bytes) or len(handle) != 64:
+        return None
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    uuid = bytes(torch.cuda.get_device_properties(index).uuid.bytes)
+    offset = offset_bytes + (t.data_ptr() - storage.data_ptr())
+    return handle, uuid, index, offset, offset_bytes + size_bytes
 
 
 class Staging:
@@ -229,8 +296,15 @@ class ShmLane:
     """A client's registered regions (thread-safe; one push at a time uses
     the staging region, which push() ensures by holding the lock)."""
 
-    def __init__(self, channel: grpc.Channel, metadata: Any, address: str) -> None:
+    def __init__(
+        self, channel: grpc.Channel, metadata: Any, address: str, cuda_ipc: bool = True
+    ) -> None:
         self._stub = rpb_grpc.RegionServiceStub(channel)
+        self._cuda_ipc = cuda_ipc
+        # Why CUDA tensors last went through host staging instead, or None.
+        self.cuda_ipc_fallback_reason: Optional[str] = None
+        # The CUDA allocations registered for the push in progress.
+        self._cuda_leases: List[Lease] = []
         self._metadata = metadata
         self._address = address
         self.lock = threading.Lock()
@@ -273,20 +347,25 @@ class ShmLane:
         into the staging region first. Registers what is new. With
         `staging_limit`, a push that would need a larger staging region is
         ResourceExhausted before anything is registered."""
+        cuda = self._plan_cuda(sources)
         if staging_limit is not None:
             need = sum(
                 _aligned(src.nbytes)
-                for src in sources
-                if _arena_of(src) is None and _shared_storage(src) is None
+                for i, src in enumerate(sources)
+                if i not in cuda and _arena_of(src) is None and _shared_storage(src) is None
             )
             if need > staging_limit:
+                self.end_push()
                 raise ResourceExhausted(
                     f"the shared-memory lane would copy {need} bytes into its staging region, "
                     f"more than shm_staging_limit {staging_limit}"
                 )
         placed: List[Tuple[_tensors.Source, Optional[Lease], int, bool]] = []
         staging_bytes = 0
-        for src in sources:
+        for i, src in enumerate(sources):
+            if i in cuda:
+                placed.append((src, cuda[i][0], cuda[i][1], False))
+                continue
             in_arena = _arena_of(src)
             if in_arena is not None:
                 arena, offset = in_arena
@@ -306,6 +385,53 @@ class ShmLane:
         for src, lease, offset, copy in placed:
             out.append((src, lease if lease is not None else self._staging_lease, offset, copy))
         return out
+
+    def _plan_cuda(self, sources: List[_tensors.Source]) -> Dict[int, Tuple[Lease, int]]:
+        """Registers the CUDA allocations holding CUDA tensors (one lease
+        each, for this push) and synchronizes their devices; source index ->
+        (lease, offset). Empty when the lane is off or the daemon refused
+        (then cuda_ipc_fallback_reason says why and the tensors are copied)."""
+        if not self._cuda_ipc:
+            return {}
+        found: Dict[int, Tuple[bytes, int]] = {}
+        allocations: Dict[bytes, Tuple[bytes, int]] = {}  # handle -> (uuid, bytes needed)
+        devices = set()
+        for i, src in enumerate(sources):
+            alloc = _cuda_allocation(src)
+            if alloc is None:
+                continue
+            handle, uuid, index, offset, end = alloc
+            found[i] = (handle, offset)
+            devices.add(index)
+            prev = allocations.get(handle)
+            allocations[handle] = (uuid, max(end, prev[1] if prev else 0))
+        if not found:
+            return {}
+        import torch
+
+        # The daemon reads what the trainer's streams wrote: wait for them.
+        for index in devices:
+            torch.cuda.synchronize(index)
+        leases: Dict[bytes, Lease] = {}
+        try:
+            for handle, (uuid, size) in allocations.items():
+                lease = register_cuda(
+                    self._stub, self._metadata, handle, uuid, size, "cuda tensors", self._address
+                )
+                self._cuda_leases.append(lease)
+                leases[handle] = lease
+        except RefitError as e:
+            self.end_push()
+            self.cuda_ipc_fallback_reason = str(e)
+            self._cuda_ipc = False  # this daemon cannot open them: copy from now on
+            return {}
+        return {i: (leases[handle], offset) for i, (handle, offset) in found.items()}
+
+    def end_push(self) -> None:
+        """Releases the CUDA allocations registered for the push."""
+        for lease in self._cuda_leases:
+            lease.release()
+        self._cuda_leases = []
 
     def _ensure_staging(self, size: int) -> None:
         if (
@@ -339,6 +465,7 @@ class ShmLane:
             self._staging = None
 
     def close(self) -> None:
+        self.end_push()
         for lease, _ in self._shared.values():
             lease.release()
         self._shared.clear()

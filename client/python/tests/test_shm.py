@@ -1,8 +1,10 @@
 """push() over the shared-memory lane (Chunk.region) against a real refitd:
 the same fingerprint as a gRPC push of the same checkpoint, no client copy of
 tensors already in shared memory, the refusals (bad offsets, another
-caller's region, TCP), regions released when the client goes, and a region
-truncated mid-refit failing that refit while the daemon keeps serving."""
+caller's region, TCP, a CUDA allocation the daemon cannot open), regions
+released when the client goes, and a region truncated mid-refit failing
+that refit while the daemon keeps serving. On a GPU (marked gpu): CUDA
+tensors go by CUDA IPC handle with no client copy."""
 
 from __future__ import annotations
 
@@ -270,14 +272,77 @@ def test_region_truncated_mid_refit_fails_cleanly_and_the_old_version_serves(
     del victim, shared  # never touch the truncated storage's pages
 
 
+def _register_cuda(client, handle: bytes, uuid: bytes):
+    return _shm.register_cuda(
+        _shm.rpb_grpc.RegionServiceStub(client._channel), client._metadata, handle, uuid, 1 << 20,
+        "test", client.address,
+    )
+
+
+def test_a_cuda_region_the_daemon_cannot_open_is_refused_and_nothing_changes(
+    client, daemon, seed2
+):
+    before = client.push(seed2, lane="grpc")
+    # This daemon sees no GPU with that UUID (on a CPU-only host: none).
+    with pytest.raises(FailedPrecondition) as info:
+        _register_cuda(client, b"\x5a" * 64, b"\x11" * 16)
+    assert "visible to refitd" in info.value.message
+    with pytest.raises(InvalidArgument) as info:
+        _register_cuda(client, b"\x5a" * 63, b"\x11" * 16)
+    assert "64 bytes (cudaIpcMemHandle_t), got 63" in info.value.message
+    after = client.status()
+    assert (after.version, after.fingerprint) == (before.version, before.fingerprint)
+    assert daemon.proc.poll() is None
+
+
+def test_a_daemon_that_cannot_open_cuda_tensors_gets_them_copied_from_then_on(
+    client, daemon, seed2, monkeypatch
+):
+    expected = client.push(seed2, lane="grpc").fingerprint
+    # The lane sees every tensor as a CUDA allocation (the seam where torch
+    # is asked for its IPC handle); the daemon, with no such GPU, refuses.
+    asked = []
+
+    def fake_allocation(src):
+        asked.append(src.name)
+        return b"\x5a" * 64, b"\x11" * 16, 0, 0, src.nbytes
+
+    monkeypatch.setattr(_shm, "_cuda_allocation", fake_allocation)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    result = client.push(seed2, lane="shm")
+    assert result.fingerprint == expected
+    assert "visible to refitd" in client.cuda_ipc_fallback_reason
+    assert client._shm.last_copied_bytes == sum(t.numel() * t.element_size() for t in seed2.values())
+    assert client._shm._cuda_leases == []
+    # Not asked again: the lane copies CUDA tensors for this daemon.
+    asked.clear()
+    assert client.push(seed2, lane="shm").fingerprint == expected
+    assert asked == []
+
+
 @pytest.mark.gpu
-def test_cuda_tensors_go_over_the_shm_lane_with_one_device_to_host_copy(client, seed2):
+def test_cuda_tensors_go_by_ipc_handle_with_no_client_copy(client, daemon, seed2):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     expected = client.push(seed2, lane="grpc").fingerprint
     on_gpu = {k: v.to("cuda") for k, v in seed2.items()}
     result = client.push(on_gpu, lane="shm")
     assert result.fingerprint == expected
-    assert client._shm.last_copied_bytes == sum(
-        t.numel() * t.element_size() for t in seed2.values()
-    )
+    assert client.cuda_ipc_fallback_reason is None
+    assert client._shm.last_copied_bytes == 0
+    assert "access=cuda_ipc" in daemon.wait_for_line("region registered")
+    # The allocations were registered for that push only.
+    assert client._shm._cuda_leases == []
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_off_copies_cuda_tensors_into_host_staging(daemon, seed2):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    with RefitClient(daemon.address, cuda_ipc=False) as c:
+        expected = c.push(seed2, lane="grpc").fingerprint
+        result = c.push({k: v.to("cuda") for k, v in seed2.items()}, lane="shm")
+        assert result.fingerprint == expected
+        assert c._shm.last_copied_bytes == sum(
+            t.numel() * t.element_size() for t in seed2.values()
+        )

@@ -27,9 +27,12 @@
 #include "core/layer_processor.h"
 #include "core/model_config.h"
 #include "core/model_layout.h"
+#include "core/refit_session.h"
+#include "core/shard_store.h"
 #include "core/staging_buffer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/refit_helpers.h"
 
 namespace refit::core {
 namespace {
@@ -335,6 +338,42 @@ TEST(DeviceChunkTest, AChecksumOnADeviceChunkAndAFailingReadAreSpecificErrors) {
     EXPECT_EQ(params[0].MaterializeAliases().code(), absl::StatusCode::kInternal);
     EXPECT_TRUE(params[0].has_device_aliases());
   }
+}
+
+// A whole refit of a host store from device chunks: the session reads them
+// through host memory (its processor is not on a device, so nothing is
+// aliased) and commits the fingerprint and bytes of host chunks; a read that
+// fails midway aborts the refit and the live version stays.
+TEST(DeviceChunkTest, AHostStoreRefitsFromDeviceChunksAndAFailedReadChangesNothing) {
+  const std::shared_ptr<const ModelLayout> layout = Layout(QuantScheme::kPerTensor);
+  ASSERT_NE(layout, nullptr);
+  const Allocation a = Weights(8);
+  std::unique_ptr<ShardStore> expected = ShardStore::Create(layout, {}).value();
+  ASSERT_TRUE(::refit::testing::PushAll(*expected, a.tensors).ok());
+  std::unique_ptr<ShardStore> store = ShardStore::Create(layout, {}).value();
+  FakeDevice device(a.bytes.data(), a.bytes.size());
+  auto refit = [&]() -> absl::StatusOr<RefitResult> {
+    std::unique_ptr<RefitSession> session = RefitSession::Begin(store.get(), {}).value();
+    for (size_t i = 0; i < a.tensors.size(); ++i) {
+      if (absl::Status s = session->Ingest(DeviceChunk(a, i, &device)); !s.ok()) return s;
+    }
+    return session->Commit();
+  };
+  absl::StatusOr<RefitResult> result = refit();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->fingerprint, expected->fingerprint());
+  EXPECT_EQ(result->bytes_read_in_place, 0);
+  EXPECT_TRUE(::refit::testing::Snapshot(*store) == ::refit::testing::Snapshot(*expected));
+  EXPECT_EQ(device.copied(), TotalBytes(a));
+
+  const uint64_t version = store->version();
+  const std::string fingerprint = store->fingerprint();
+  device.set_fail(true);
+  absl::StatusOr<RefitResult> failed = refit();
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+  EXPECT_EQ(store->version(), version);
+  EXPECT_EQ(store->fingerprint(), fingerprint);
+  EXPECT_EQ(store->active_session(), "");
 }
 
 TEST(DeviceChunkTest, HostAndDeviceAliasesWithTheSameOwnerAreNotMerged) {

@@ -106,6 +106,27 @@ def _access_name(access: int) -> str:
     return "pread"
 
 
+def _lease(call: Any, size: int, address: str, what: str, handshake: Any) -> Lease:
+    """The lease of a RegisterRegion `call` once `handshake(events)` has
+    returned its RegionRegistered; any failure cancels the call and raises
+    (the daemon's error, or RefitError)."""
+    try:
+        registered = handshake(iter(call))
+    except grpc.RpcError as e:
+        call.cancel()
+        raise from_rpc_error(e, f"register a {what} at {address}") from None
+    except StopIteration:
+        call.cancel()
+        raise RefitError("RegisterRegion: the stream ended early") from None
+    except OSError as e:
+        call.cancel()
+        raise RefitError(f"RegisterRegion: descriptor socket: {e}") from None
+    except BaseException:
+        call.cancel()
+        raise
+    return Lease(call, registered.region_id, size, _access_name(registered.access))
+
+
 def register_cuda(
     stub: Any, metadata: Any, handle: bytes, device_uuid: bytes, size: int, name: str,
     address: str,
@@ -119,17 +140,14 @@ def register_cuda(
         ),
         metadata=metadata,
     )
-    try:
-        first = next(iter(call))
+
+    def handshake(events: Any) -> Any:
+        first = next(events)
         if not first.HasField("registered"):
             raise RefitError("RegisterRegion: the daemon sent no registration for a CUDA region")
-    except grpc.RpcError as e:
-        call.cancel()
-        raise from_rpc_error(e, f"register a CUDA region at {address}") from None
-    except StopIteration:
-        call.cancel()
-        raise RefitError("RegisterRegion: the stream ended early") from None
-    return Lease(call, first.registered.region_id, size, _access_name(first.registered.access))
+        return first.registered
+
+    return _lease(call, size, address, "CUDA region", handshake)
 
 
 def register(
@@ -140,8 +158,8 @@ def register(
     over TCP, ResourceExhausted over the per-caller limits, InvalidArgument
     for a descriptor too small, ...)."""
     call = stub.RegisterRegion(rpb.RegisterRegionRequest(size=size, name=name), metadata=metadata)
-    events = iter(call)
-    try:
+
+    def handshake(events: Any) -> Any:
         first = next(events)
         if not first.HasField("ticket"):
             raise RefitError("RegisterRegion: the daemon sent no ticket")
@@ -149,18 +167,9 @@ def register(
         second = next(events)
         if not second.HasField("registered"):
             raise RefitError(f"RegisterRegion: no registration ({reply})")
-    except grpc.RpcError as e:
-        call.cancel()
-        raise from_rpc_error(e, f"register a shared-memory region at {address}") from None
-    except StopIteration:
-        call.cancel()
-        raise RefitError("RegisterRegion: the stream ended early") from None
-    except OSError as e:
-        call.cancel()
-        raise RefitError(f"RegisterRegion: descriptor socket: {e}") from None
-    return Lease(
-        call, second.registered.region_id, size, _access_name(second.registered.access)
-    )
+        return second.registered
+
+    return _lease(call, size, address, "shared-memory region", handshake)
 
 
 def _shared_storage(src: _tensors.Source) -> Optional[Tuple[Any, int, int, int]]:

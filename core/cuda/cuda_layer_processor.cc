@@ -309,7 +309,7 @@ class CudaLayerProcessor final : public LayerProcessor {
     // are freed first, but only after the destructor idled the stream.
     std::vector<StagingBuffer> sources_;
     // Params whose device aliases a copy on the stream may still read;
-    // declared last, so they are released after the destructor idled the
+    // released with the other members, after the destructor idled the
     // stream.
     std::vector<StagingBuffer> held_;
     bool jobs_ = false;  // quantize jobs enqueued and not yet synced

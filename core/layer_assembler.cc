@@ -98,6 +98,13 @@ absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
 
   const bool scatter = ct.use != CheckpointTensor::Use::kIgnored && size > 0;
   WorkUnit completed;
+  // The chunk's elements stay where they are, recorded as aliases of the
+  // staging; the layer reads them in place when it completes.
+  auto read_in_place = [&]() -> absl::StatusOr<WorkUnit> {
+    absl::Status s = AliasInPlace(ct, chunk, begin / elem, (begin + size) / elem, &completed);
+    if (!s.ok()) return s;
+    return completed;
+  };
   if (chunk.device != nullptr) {
     if (chunk.xxh3.has_value()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -109,11 +116,7 @@ absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
           absl::StrCat("tensor \"", ct.name, "\": a device chunk comes as one range"));
     }
     if (!scatter) return completed;
-    if (options_.device_aliases && CanReadInPlace(ct, chunk)) {
-      absl::Status s = AliasInPlace(ct, chunk, begin / elem, (begin + size) / elem, &completed);
-      if (!s.ok()) return s;
-      return completed;
-    }
+    if (options_.device_aliases && CanReadInPlace(ct, chunk)) return read_in_place();
     // Bytes the host must see: one copy to the host, then as any chunk.
     device_bounce_.resize(size);
     if (absl::Status copied = chunk.device->CopyToHost(
@@ -133,9 +136,7 @@ absl::StatusOr<WorkUnit> LayerAssembler::IngestUnit(const Chunk& chunk) {
         XXH3_64bits(chunk.data.data(), chunk.data.size()) != *chunk.xxh3) {
       return ChecksumMismatch(ct, begin, size);
     }
-    absl::Status s = AliasInPlace(ct, chunk, begin / elem, (begin + size) / elem, &completed);
-    if (!s.ok()) return s;
-    return completed;
+    return read_in_place();
   }
   const absl::Span<const uint8_t> whole[] = {chunk.data};
   const absl::Span<const absl::Span<const uint8_t>> pieces =

@@ -181,6 +181,15 @@ absl::StatusOr<StagingBuffer> AllocateHost(int64_t size, absl::string_view what,
   return StagingBuffer(data, size, /*on_device=*/false, [data] { std::free(data); });
 }
 
+// Copies n bytes at `src` (host memory, or an address in `device`) to host
+// memory `dst`.
+absl::Status CopyBytesToHost(const DeviceSource* device, const uint8_t* src, int64_t n,
+                             uint8_t* dst) {
+  if (device != nullptr) return device->CopyToHost(src, n, dst);
+  std::memcpy(dst, src, static_cast<size_t>(n));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 StagingBuffer::StagingBuffer(void* data, int64_t size, bool on_device,
@@ -219,30 +228,33 @@ void StagingBuffer::Reset() {
 void StagingBuffer::AddAlias(int64_t offset, const uint8_t* source, int64_t size,
                              std::shared_ptr<const void> keep, const DeviceSource* device) {
   if (size <= 0) return;
+  Alias added{offset, size, source, std::move(keep), device};
+  // `b` continues `a`: it starts where `a` ends, in the buffer and in the
+  // same source.
+  auto continues = [](const Alias& a, const Alias& b) {
+    return a.offset + a.size == b.offset && a.source + a.size == b.source && a.keep == b.keep &&
+           a.device == b.device;
+  };
   auto it = std::lower_bound(aliases_.begin(), aliases_.end(), offset,
                              [](const Alias& a, int64_t o) { return a.offset < o; });
-  if (it != aliases_.begin()) {
+  if (it != aliases_.begin() && continues(*std::prev(it), added)) {
     Alias& before = *std::prev(it);
-    if (before.offset + before.size == offset && before.source + before.size == source &&
-        before.keep == keep && before.device == device) {
+    // The one after may continue the added range too: the three become one.
+    if (it != aliases_.end() && continues(added, *it)) {
+      before.size += size + it->size;
+      aliases_.erase(it);
+    } else {
       before.size += size;
-      // The one after may now continue this one.
-      if (it != aliases_.end() && it->offset == offset + size && it->source == source + size &&
-          it->keep == keep && it->device == device) {
-        before.size += it->size;
-        aliases_.erase(it);
-      }
-      return;
     }
+    return;
   }
-  if (it != aliases_.end() && it->offset == offset + size && it->source == source + size &&
-      it->keep == keep && it->device == device) {
+  if (it != aliases_.end() && continues(added, *it)) {
     it->offset = offset;
     it->source = source;
     it->size += size;
     return;
   }
-  aliases_.insert(it, Alias{offset, size, source, std::move(keep), device});
+  aliases_.insert(it, std::move(added));
 }
 
 int64_t StagingBuffer::aliased_bytes() const {
@@ -288,14 +300,9 @@ absl::Status StagingBuffer::CopyOut(int64_t offset, void* dst, int64_t n) const 
     const int64_t from = std::max(offset, s.offset);
     const int64_t to = std::min(offset + n, end);
     if (from < to) {
-      if (s.device != nullptr) {
-        absl::Status copied =
-            s.device->CopyToHost(s.data + (from - s.offset), to - from, out + (from - offset));
-        if (!copied.ok()) return copied;
-      } else {
-        std::memcpy(out + (from - offset), s.data + (from - s.offset),
-                    static_cast<size_t>(to - from));
-      }
+      absl::Status copied =
+          CopyBytesToHost(s.device, s.data + (from - s.offset), to - from, out + (from - offset));
+      if (!copied.ok()) return copied;
     }
     if (end >= offset + n) break;
   }
@@ -304,12 +311,8 @@ absl::Status StagingBuffer::CopyOut(int64_t offset, void* dst, int64_t n) const 
 
 absl::Status StagingBuffer::MaterializeAliases() {
   for (const Alias& a : aliases_) {
-    if (a.device != nullptr) {
-      absl::Status copied = a.device->CopyToHost(a.source, a.size, data() + a.offset);
-      if (!copied.ok()) return copied;
-    } else {
-      std::memcpy(data() + a.offset, a.source, static_cast<size_t>(a.size));
-    }
+    absl::Status copied = CopyBytesToHost(a.device, a.source, a.size, data() + a.offset);
+    if (!copied.ok()) return copied;
   }
   aliases_.clear();
   return absl::OkStatus();

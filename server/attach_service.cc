@@ -3,7 +3,6 @@
 #include <sys/random.h>
 
 #include <atomic>
-#include <deque>
 #include <optional>
 #include <utility>
 
@@ -15,6 +14,7 @@
 #include "core/log.h"
 #include "core/text.h"
 #include "server/grpc_convert.h"
+#include "server/reactor_util.h"
 
 namespace refit::server {
 
@@ -110,19 +110,12 @@ class AttachService::Reactor final
 
   // Called by the registry with its lock held: queue only.
   void Send(v1::DaemonMessage message) override {
-    bool start = false;
+    v1::DaemonMessage* start = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      if (final_.has_value()) return;
-      queue_.push_back(std::move(message));
-      if (!writing_) {
-        writing_ = true;
-        current_ = std::move(queue_.front());
-        queue_.pop_front();
-        start = true;
-      }
+      start = out_.Push(std::move(message));
     }
-    if (start) StartWrite(&current_);
+    if (start != nullptr) StartWrite(start);
   }
 
   // Ends the lease with `status` (first call wins).
@@ -132,9 +125,7 @@ class AttachService::Reactor final
     EngineRegistry* registry = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      if (final_.has_value()) return;
-      final_ = std::move(status);
-      queue_.clear();
+      if (!out_.Close(std::move(status), /*drop_queue=*/true)) return;
       engine_id = engine_id_;
       ticket = ticket_;
       registry = registry_;
@@ -160,26 +151,19 @@ class AttachService::Reactor final
     }
     {
       absl::MutexLock lock(&mu_);
-      if (final_.has_value()) return;
+      if (out_.closed()) return;
     }
     StartRead(&in_);
   }
 
   void OnWriteDone(bool ok) override {
-    bool start = false;
+    v1::DaemonMessage* next = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      if (!ok) queue_.clear();
-      if (!queue_.empty()) {
-        current_ = std::move(queue_.front());
-        queue_.pop_front();
-        start = true;
-      } else {
-        writing_ = false;
-      }
+      next = out_.WriteDone(ok);
     }
-    if (start) {
-      StartWrite(&current_);
+    if (next != nullptr) {
+      StartWrite(next);
     } else {
       if (!ok) End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "engine stream broke"));
       MaybeFinish();
@@ -204,11 +188,9 @@ class AttachService::Reactor final
     std::optional<grpc::Status> finish;
     {
       absl::MutexLock lock(&mu_);
-      if (!final_.has_value() || writing_ || finish_called_) return;
-      finish_called_ = true;
-      finish = *final_;
+      finish = out_.TakeFinish();
     }
-    Finish(*finish);
+    if (finish.has_value()) Finish(*finish);
   }
 
   absl::Status HandleAttach() {
@@ -286,7 +268,7 @@ class AttachService::Reactor final
       engine_id_ = engine_id;
       ticket_ = ticket;
       registry_ = registry;
-      ended = final_.has_value();
+      ended = out_.closed();
     }
     attached_ = true;
     if (ended) {
@@ -321,11 +303,7 @@ class AttachService::Reactor final
   EngineRegistry* registry_ = nullptr;  // set with engine_id_, read by the reading side
 
   absl::Mutex mu_;
-  std::deque<v1::DaemonMessage> queue_ ABSL_GUARDED_BY(mu_);
-  v1::DaemonMessage current_;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<grpc::Status> final_ ABSL_GUARDED_BY(mu_);
-  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+  WriteQueue<v1::DaemonMessage> out_ ABSL_GUARDED_BY(mu_);
   std::string engine_id_;
   std::string ticket_;
 

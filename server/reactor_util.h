@@ -1,5 +1,8 @@
 // Building blocks for refitd's callback-API reactors.
 //
+// WriteQueue: the queue of messages and the final status of one stream, for
+// reactors that keep more state under their own lock (bidirectional ones).
+//
 // QueuedWriteReactor: a server-streaming reactor with a message queue that any
 // thread may feed (Enqueue) and end (FinishWhenDrained / FinishNow). gRPC
 // allows one write in flight; the queue keeps the rest, and Finish is only
@@ -36,6 +39,74 @@
 
 namespace refit::server {
 
+// The write side of a callback stream, held by a reactor under its own
+// mutex (it does not lock): gRPC allows one write in flight, the queue keeps
+// the rest, and the final status is handed out once, when no write is in
+// flight. A returned message is the one to StartWrite; it stays valid until
+// its write completes. After Close, Push is a no-op.
+template <typename Msg>
+class WriteQueue {
+ public:
+  // Queues `msg`; with `coalesce`, replaces a queued (not yet written)
+  // coalescable message instead of growing the queue (progress updates).
+  // Returns the message to start writing now, or null (a write is in
+  // flight, or the queue is closed).
+  Msg* Push(Msg msg, bool coalesce = false) {
+    if (final_.has_value()) return nullptr;
+    if (coalesce && !queue_.empty() && queue_.back().second) {
+      queue_.back().first = std::move(msg);
+    } else {
+      queue_.emplace_back(std::move(msg), coalesce);
+    }
+    if (writing_) return nullptr;
+    writing_ = true;
+    return PopCurrent();
+  }
+
+  // The write in flight completed. Returns the next message to write, or
+  // null: the queue is empty, or the write failed (the stream is broken;
+  // what was queued is dropped).
+  Msg* WriteDone(bool ok) {
+    if (!ok) queue_.clear();
+    if (queue_.empty()) {
+      writing_ = false;
+      return nullptr;
+    }
+    return PopCurrent();
+  }
+
+  // Sets the final status (first call wins: false after). With
+  // `drop_queue`, what is queued is not written.
+  bool Close(grpc::Status status, bool drop_queue) {
+    if (final_.has_value()) return false;
+    final_ = std::move(status);
+    if (drop_queue) queue_.clear();
+    return true;
+  }
+  bool closed() const { return final_.has_value(); }
+
+  // The status to Finish with, once: after Close, when no write is in
+  // flight.
+  std::optional<grpc::Status> TakeFinish() {
+    if (!final_.has_value() || writing_ || finish_taken_) return std::nullopt;
+    finish_taken_ = true;
+    return final_;
+  }
+
+ private:
+  Msg* PopCurrent() {
+    current_ = std::move(queue_.front().first);
+    queue_.pop_front();
+    return &current_;
+  }
+
+  std::deque<std::pair<Msg, bool>> queue_;  // message, coalescable
+  Msg current_;                             // the message in flight
+  bool writing_ = false;
+  std::optional<grpc::Status> final_;
+  bool finish_taken_ = false;
+};
+
 template <typename Msg>
 class QueuedWriteReactor : public grpc::ServerWriteReactor<Msg> {
  public:
@@ -47,23 +118,12 @@ class QueuedWriteReactor : public grpc::ServerWriteReactor<Msg> {
   // Queues `msg`. With `coalesce`, replaces a queued (not yet written)
   // coalescable message instead of growing the queue (progress updates).
   void Enqueue(Msg msg, bool coalesce = false) {
-    bool start = false;
+    Msg* start = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      if (final_.has_value()) return;
-      if (coalesce && !queue_.empty() && queue_.back().second) {
-        queue_.back().first = std::move(msg);
-      } else {
-        queue_.emplace_back(std::move(msg), coalesce);
-      }
-      if (!writing_) {
-        writing_ = true;
-        current_ = std::move(queue_.front().first);
-        queue_.pop_front();
-        start = true;
-      }
+      start = out_.Push(std::move(msg), coalesce);
     }
-    if (start) this->StartWrite(&current_);
+    if (start != nullptr) this->StartWrite(start);
   }
 
   // Writes what is queued, then finishes with `status`. First call wins.
@@ -72,24 +132,14 @@ class QueuedWriteReactor : public grpc::ServerWriteReactor<Msg> {
   void FinishNow(grpc::Status status) { SetFinal(std::move(status), true); }
 
   void OnWriteDone(bool ok) override {
-    bool start = false;
+    Msg* next = nullptr;
     std::optional<grpc::Status> finish;
     {
       absl::MutexLock lock(&mu_);
-      if (!ok) queue_.clear();
-      if (!queue_.empty()) {
-        current_ = std::move(queue_.front().first);
-        queue_.pop_front();
-        start = true;
-      } else {
-        writing_ = false;
-        if (final_.has_value() && !finish_called_) {
-          finish_called_ = true;
-          finish = *final_;
-        }
-      }
+      next = out_.WriteDone(ok);
+      if (next == nullptr) finish = out_.TakeFinish();
     }
-    if (start) this->StartWrite(&current_);
+    if (next != nullptr) this->StartWrite(next);
     if (finish.has_value()) this->Finish(*finish);
   }
 
@@ -109,24 +159,15 @@ class QueuedWriteReactor : public grpc::ServerWriteReactor<Msg> {
     std::optional<grpc::Status> finish;
     {
       absl::MutexLock lock(&mu_);
-      if (final_.has_value()) return;
-      final_ = std::move(status);
-      if (drop_queue) queue_.clear();
-      if (!writing_ && !finish_called_) {
-        finish_called_ = true;
-        finish = *final_;
-      }
+      if (!out_.Close(std::move(status), drop_queue)) return;
+      finish = out_.TakeFinish();
     }
     if (finish.has_value()) this->Finish(*finish);
   }
 
   std::atomic<int> refs_{1};
   absl::Mutex mu_;
-  std::deque<std::pair<Msg, bool>> queue_ ABSL_GUARDED_BY(mu_);
-  Msg current_;  // the message in flight; touched only by the writer of the moment
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<grpc::Status> final_ ABSL_GUARDED_BY(mu_);
-  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+  WriteQueue<Msg> out_ ABSL_GUARDED_BY(mu_);
 };
 
 template <typename Msg>

@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <deque>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -15,6 +14,7 @@
 #include "core/text.h"
 #include "server/attach_service.h"
 #include "server/grpc_convert.h"
+#include "server/reactor_util.h"
 
 namespace refit::server {
 namespace {
@@ -208,9 +208,7 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
     bool active = false;
     {
       absl::MutexLock lock(&mu_);
-      if (final_.has_value()) return;
-      final_ = std::move(status);
-      queue_.clear();
+      if (!out_.Close(std::move(status), /*drop_queue=*/true)) return;
       id = region_id_;
       active = active_;
     }
@@ -226,20 +224,13 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
   }
 
   void OnWriteDone(bool ok) override {
-    bool start = false;
+    v1::RegionEvent* next = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      if (!ok) queue_.clear();
-      if (!queue_.empty()) {
-        current_ = std::move(queue_.front());
-        queue_.pop_front();
-        start = true;
-      } else {
-        writing_ = false;
-      }
+      next = out_.WriteDone(ok);
     }
-    if (start) {
-      StartWrite(&current_);
+    if (next != nullptr) {
+      StartWrite(next);
     } else {
       if (!ok) End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "region stream broke"));
       MaybeFinish();
@@ -265,30 +256,21 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
   ~Reactor() override = default;
 
   void Send(v1::RegionEvent event) {
-    bool start = false;
+    v1::RegionEvent* start = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      if (final_.has_value()) return;
-      queue_.push_back(std::move(event));
-      if (!writing_) {
-        writing_ = true;
-        current_ = std::move(queue_.front());
-        queue_.pop_front();
-        start = true;
-      }
+      start = out_.Push(std::move(event));
     }
-    if (start) StartWrite(&current_);
+    if (start != nullptr) StartWrite(start);
   }
 
   void MaybeFinish() {
     std::optional<grpc::Status> finish;
     {
       absl::MutexLock lock(&mu_);
-      if (!final_.has_value() || writing_ || finish_called_) return;
-      finish_called_ = true;
-      finish = *final_;
+      finish = out_.TakeFinish();
     }
-    Finish(*finish);
+    if (finish.has_value()) Finish(*finish);
   }
 
   RegionService* const service_;
@@ -299,11 +281,7 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
   std::string name_ ABSL_GUARDED_BY(mu_);
   uint64_t size_ ABSL_GUARDED_BY(mu_) = 0;
   bool active_ ABSL_GUARDED_BY(mu_) = false;
-  std::deque<v1::RegionEvent> queue_ ABSL_GUARDED_BY(mu_);
-  v1::RegionEvent current_;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<grpc::Status> final_ ABSL_GUARDED_BY(mu_);
-  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+  WriteQueue<v1::RegionEvent> out_ ABSL_GUARDED_BY(mu_);
 };
 
 RegionService::RegionService(RefitServiceImpl* refit, RegionRegistry::Limits limits)

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from typing import List, Optional, Sequence
+from bench_figures import figure
 
 
 def log(msg: str) -> None:
@@ -117,15 +118,6 @@ def push(refitctl: str, socket: str, model: str) -> float:
     if r.returncode != 0:
         raise RuntimeError(f"refitctl push failed: {r.stderr}")
     return time.monotonic() - t0
-
-
-def figure(name, value, unit, ref_name, ref_value, target, met, note=""):
-    ratio = value / ref_value if ref_value else None
-    d = {"name": name, "value": value, "unit": unit, "reference_name": ref_name,
-         "reference_value": ref_value, "ratio": ratio, "target": target, "met": met}
-    if note:
-        d["note"] = note
-    return d
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -211,20 +203,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     figures = [
         figure("refitd start to ready, restart from a --state-dir snapshot", warm_wall, "s",
                "cold start loading the same model from safetensors", cold_wall, "<= 0.7",
-               warm_wall / cold_wall <= 0.7,
-               f"medians of {a.reps}, interleaved; process start included; snapshot "
+               met=warm_wall / cold_wall <= 0.7,
+               note=f"medians of {a.reps}, interleaved; process start included; snapshot "
                f"{snapshot_bytes / 2**20:.0f} MiB vs checkpoint {model_bytes / 2**20:.0f} MiB"),
         figure("load phase alone, snapshot restore (read + verify + restore)", warm_load, "s",
                "cold load (read + quantize + commit)", cold_load, "<= 0.7",
-               warm_load / cold_load <= 0.7, "from the daemon's log timestamps"),
+               met=warm_load / cold_load <= 0.7, note="from the daemon's log timestamps"),
         figure("commit pause with --state-dir", pw, "s", "commit pause without --state-dir", pwo,
-               "<= 1.1", pw / pwo <= 1.1 if pwo else False,
-               f"medians of {a.reps} pushes each, alternating; the snapshot of a version "
+               "<= 1.1", met=pw / pwo <= 1.1 if pwo else False,
+               note=f"medians of {a.reps} pushes each, alternating; the snapshot of a version "
                f"takes {snapshot_ms} ms after its commit ({copy_ms} ms of it copying under the "
                f"reader lock)"),
         figure("push (refitctl, whole) with --state-dir", med(push_s["with"]), "s",
-               "push without --state-dir", med(push_s["without"]), "", True,
-               "includes the version record's fsyncs before the commit"),
+               "push without --state-dir", med(push_s["without"]), "", met=True,
+               note="includes the version record's fsyncs before the commit"),
     ]
     series = {"restart": {"cold": cold, "snapshot": warm, "snapshot_bytes": snapshot_bytes,
                           "model_bytes": model_bytes},

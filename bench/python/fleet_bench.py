@@ -51,6 +51,7 @@ import tempfile
 import time
 import urllib.request
 from typing import List, Optional, Sequence
+from bench_figures import figure
 
 
 def log(msg: str) -> None:
@@ -70,15 +71,6 @@ def wait_for(predicate, what: str, timeout: float = 120) -> None:
             return
         time.sleep(0.05)  # the next check, bounded by the deadline
     raise RuntimeError(f"timed out waiting for {what}")
-
-
-def figure(name, value, unit, ref_name, ref_value, target, met, note=""):
-    ratio = value / ref_value if ref_value else None
-    d = {"name": name, "value": value, "unit": unit, "reference_name": ref_name,
-         "reference_value": ref_value, "ratio": ratio, "target": target, "met": met}
-    if note:
-        d["note"] = note
-    return d
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -261,13 +253,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     figures = [
         figure(f"fleet refit of {a.members} daemons (refitctl fleet push), throughput", fleet_tp / 2**20,
                "MiB/s", f"{a.members} independent pushes of the same bytes", indep_tp / 2**20,
-               ">= 0.9", fleet_tp / indep_tp >= 0.9,
-               f"medians of {a.reps}, interleaved; {model_bytes / 2**20:.1f} MiB checkpoint per "
-               f"member; loopback Unix sockets; load {load:.1f}"),
+               ">= 0.9", met=fleet_tp / indep_tp >= 0.9,
+               note=f"medians of {a.reps}, interleaved; {model_bytes / 2**20:.1f} MiB checkpoint "
+               f"per member; loopback Unix sockets; load {load:.1f}"),
         figure("fleet flip skew p50 (first to last member's commit)", p50 * 1e3, "ms",
-               "target", 10.0, "<= 10 ms", p50 <= 0.010, f"{a.reps} fleet refits"),
-        figure("fleet flip skew p99", p99 * 1e3, "ms", "target", 10.0, "<= 10 ms", p99 <= 0.010,
-               f"{a.reps} fleet refits"),
+               "target", 10.0, "<= 10 ms", met=p50 <= 0.010, note=f"{a.reps} fleet refits"),
+        figure("fleet flip skew p99", p99 * 1e3, "ms", "target", 10.0, "<= 10 ms",
+               met=p99 <= 0.010, note=f"{a.reps} fleet refits"),
     ]
     series = {"fleet_s": fleet_s, "independent_s": independent_s, "flip_skew_s": skews,
               "commit_start_skew_s": big["start_skew_s"],
@@ -277,13 +269,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pause = statistics.median(big["pause_median_s"])
     figures += [
         figure("fleet flip skew p50 against the members' commit copy", p50 * 1e3, "ms",
-               "members' commit pause (the copy), median", pause * 1e3, "report", None,
-               f"{a.reps} fleet refits; the slowest member's copy, median "
+               "members' commit pause (the copy), median", pause * 1e3, "report",
+               note=f"{a.reps} fleet refits; the slowest member's copy, median "
                f"{statistics.median(big['pause_max_s']) * 1e3:.2f} ms"),
         figure("fleet commit start skew p50 (first to last member's commit beginning)",
                percentile(big["start_skew_s"], 0.5) * 1e3, "ms",
-               "fleet flip skew p50 (commit ends)", p50 * 1e3, "report", None,
-               f"p99 {percentile(big['start_skew_s'], 0.99) * 1e3:.2f} ms; the decision reaching "
+               "fleet flip skew p50 (commit ends)", p50 * 1e3, "report",
+               note=f"p99 {percentile(big['start_skew_s'], 0.99) * 1e3:.2f} ms; the decision reaching "
                f"the members, without their copies; {a.reps} fleet refits"),
     ]
     if a.small_model_dir:
@@ -296,9 +288,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"{max(small['pause_max_s']) * 1e3:.3f} ms; load {load:.1f}")
         figures += [
             figure("fleet flip skew p50, small checkpoint: protocol only", sp50 * 1e3, "ms",
-                   "target", 10.0, "<= 10 ms", sp50 <= 0.010, note),
+                   "target", 10.0, "<= 10 ms", met=sp50 <= 0.010, note=note),
             figure("fleet flip skew p99, small checkpoint: protocol only", sp99 * 1e3, "ms",
-                   "target", 10.0, "<= 10 ms", sp99 <= 0.010, note),
+                   "target", 10.0, "<= 10 ms", met=sp99 <= 0.010, note=note),
         ]
         series.update({"small_model_bytes": small_bytes, "small_flip_skew_s": small_skews,
                        "small_fleet_s": small_s,
@@ -309,8 +301,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         figures.append(figure(
             f"fleet refit of {a.members} tp={a.tp} ranks, whole checkpoint to each, time",
             med(fleet_s), "s", f"fleet refit of {a.members} tp=1 daemons (the same bytes each)",
-            med(fleet_tp1_s), "report", None,
-            f"medians of {a.reps}, interleaved; each member is sent {model_bytes / 2**20:.1f} MiB "
+            med(fleet_tp1_s), "report",
+            note=f"medians of {a.reps}, interleaved; each member is sent "
+            f"{model_bytes / 2**20:.1f} MiB "
             f"and keeps ~{kept * 100:.0f}% of it (~{kept * model_bytes / 2**20:.1f} MiB, from its "
             f"FP8 kernel bytes); prepare {med(fleet_tpn_prepare_s):.3f} s vs "
             f"{med(fleet_tp1_prepare_s):.3f} s; load {load:.1f}"))

@@ -68,6 +68,7 @@ import refit_client
 from refit_client import _client as rc_client  # defaults, for the figure names
 from refit_client import _tensors
 from refit_client._proto import refit_pb2 as pb
+from bench_figures import figure
 
 # The C++ pusher's glibc settings for cpp_fixed: buffers of up to 32 MiB come
 # from the heap and stay there, whatever the process's allocation history.
@@ -380,20 +381,6 @@ def breakdown(tensors, chunk_bytes: int, bucket_bytes: int, reps: int) -> Dict[s
 
 
 # -------------------------------------------------------------------- main
-
-def figure(name, value, unit, ref_name, ref_value, target="", note=""):
-    ratio = value / ref_value if ref_value else 0.0
-    met = None
-    if target.startswith(">="):
-        met = ratio >= float(target[3:])
-    elif target.startswith("<="):
-        met = ratio <= float(target[3:])
-    d = {"name": name, "value": value, "unit": unit, "reference_name": ref_name,
-         "reference_value": ref_value, "ratio": ratio, "target": target or None, "met": met}
-    if note:
-        d["note"] = note
-    return d
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -54,20 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from refit_client import RefitClient, shared_tensors  # noqa: E402
-
-
-def figure(name, value, unit, ref_name, ref_value, target="", note=""):
-    ratio = value / ref_value if ref_value else 0.0
-    met = None
-    if target.startswith(">="):
-        met = ratio >= float(target[3:])
-    elif target.startswith("<="):
-        met = ratio <= float(target[3:])
-    d = {"name": name, "value": value, "unit": unit, "reference_name": ref_name,
-         "reference_value": ref_value, "ratio": ratio, "target": target or None, "met": met}
-    if note:
-        d["note"] = note
-    return d
+from bench_figures import figure  # noqa: E402
 
 
 def start_refitd(refitd: str, model_dir: str, sock: str, log_path: str) -> subprocess.Popen:

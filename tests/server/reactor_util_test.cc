@@ -1,12 +1,14 @@
-// The reactor building blocks against a real in-process gRPC server on port
-// 0: QueuedWriteReactor's queue, coalescing, finishing and lifetime (through
-// a Watch-shaped server stream whose handler scripts the reactor), and
-// IdleWatchdog calling targets whose deadline has passed.
+// The reactor building blocks: WriteQueue on its own; QueuedWriteReactor's
+// queue, coalescing, finishing and lifetime against a real in-process gRPC
+// server on port 0 (through a Watch-shaped server stream whose handler
+// scripts the reactor); and IdleWatchdog calling targets whose deadline has
+// passed.
 #include "server/reactor_util.h"
 
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -295,6 +297,84 @@ class FakeTarget : public IdleWatchdog::Target {
   absl::Time deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   absl::Notification idle_;
 };
+
+// WriteQueue on its own, as the bidirectional reactors (Attach, regions)
+// drive it under their locks.
+TEST(WriteQueueTest, OneWriteInFlightTheRestInOrder) {
+  WriteQueue<v1::WatchEvent> q;
+  v1::WatchEvent* first = q.Push(Event(1));
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(first->version(), 1u);
+  EXPECT_EQ(q.Push(Event(2)), nullptr);  // a write is in flight
+  EXPECT_EQ(q.Push(Event(3)), nullptr);
+  v1::WatchEvent* next = q.WriteDone(true);
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->version(), 2u);
+  next = q.WriteDone(true);
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->version(), 3u);
+  EXPECT_EQ(q.WriteDone(true), nullptr);
+  // Idle again: the next message starts at once.
+  next = q.Push(Event(4));
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->version(), 4u);
+}
+
+TEST(WriteQueueTest, CoalescingReplacesOnlyAQueuedCoalescableTail) {
+  WriteQueue<v1::WatchEvent> q;
+  ASSERT_NE(q.Push(Event(1), /*coalesce=*/true), nullptr);  // in flight: not replaced
+  EXPECT_EQ(q.Push(Event(2), /*coalesce=*/true), nullptr);
+  EXPECT_EQ(q.Push(Event(3), /*coalesce=*/true), nullptr);  // replaces 2
+  EXPECT_EQ(q.Push(Event(4)), nullptr);
+  EXPECT_EQ(q.Push(Event(5), /*coalesce=*/true), nullptr);  // after a plain one: queued
+  std::vector<uint64_t> written;
+  for (v1::WatchEvent* m = q.WriteDone(true); m != nullptr; m = q.WriteDone(true)) {
+    written.push_back(m->version());
+  }
+  EXPECT_THAT(written, ElementsAre(3, 4, 5));
+}
+
+TEST(WriteQueueTest, AFailedWriteDropsWhatIsQueued) {
+  WriteQueue<v1::WatchEvent> q;
+  ASSERT_NE(q.Push(Event(1)), nullptr);
+  EXPECT_EQ(q.Push(Event(2)), nullptr);
+  EXPECT_EQ(q.WriteDone(false), nullptr);
+  ASSERT_TRUE(q.Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "broke"), false));
+  std::optional<grpc::Status> finish = q.TakeFinish();
+  ASSERT_TRUE(finish.has_value());
+  EXPECT_EQ(finish->error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST(WriteQueueTest, FinishComesOnceAndOnlyWithNoWriteInFlight) {
+  WriteQueue<v1::WatchEvent> q;
+  EXPECT_FALSE(q.TakeFinish().has_value());  // not closed
+  ASSERT_NE(q.Push(Event(1)), nullptr);
+  EXPECT_EQ(q.Push(Event(2)), nullptr);
+  ASSERT_TRUE(q.Close(grpc::Status(grpc::StatusCode::ABORTED, "first"), /*drop_queue=*/true));
+  EXPECT_TRUE(q.closed());
+  EXPECT_FALSE(q.Close(grpc::Status::OK, false));  // first call wins
+  EXPECT_EQ(q.Push(Event(3)), nullptr);            // closed: dropped
+  EXPECT_FALSE(q.TakeFinish().has_value());        // 1 is still being written
+  EXPECT_EQ(q.WriteDone(true), nullptr);           // 2 was dropped with the queue
+  std::optional<grpc::Status> finish = q.TakeFinish();
+  ASSERT_TRUE(finish.has_value());
+  EXPECT_EQ(finish->error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(finish->error_message(), "first");
+  EXPECT_FALSE(q.TakeFinish().has_value());
+}
+
+TEST(WriteQueueTest, CloseWithoutDroppingWritesTheQueueFirst) {
+  WriteQueue<v1::WatchEvent> q;
+  ASSERT_NE(q.Push(Event(1)), nullptr);
+  EXPECT_EQ(q.Push(Event(2)), nullptr);
+  ASSERT_TRUE(q.Close(grpc::Status::OK, /*drop_queue=*/false));
+  v1::WatchEvent* next = q.WriteDone(true);
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->version(), 2u);
+  EXPECT_FALSE(q.TakeFinish().has_value());
+  EXPECT_EQ(q.WriteDone(true), nullptr);
+  EXPECT_TRUE(q.TakeFinish().has_value());
+}
 
 TEST(IdleWatchdogTest, CallsATargetWhoseDeadlineHasPassed) {
   IdleWatchdog watchdog;

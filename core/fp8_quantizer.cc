@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <system_error>
@@ -524,8 +527,10 @@ Fp8Isa CurrentIsa() {
 }
 
 // ---------------------------------------------------------------------------
-// Threading: contiguous ranges, one per worker; the calling thread takes the
-// first. Spawning costs tens of microseconds, so small inputs use fewer.
+// Threading: contiguous ranges, one per worker. A call hands its ranges to
+// helper threads kept between calls (RangePool) and works on them itself:
+// whichever thread is free takes the next range, so the caller never waits
+// for a helper that has not woken up yet. Small inputs use fewer ranges.
 
 constexpr int64_t kMinElementsPerWorker = int64_t{1} << 18;
 
@@ -540,6 +545,126 @@ int WorkersFor(int threads, int64_t elements, int64_t tasks) {
   return static_cast<int>(std::max<int64_t>(1, std::min({int64_t{threads}, by_size, tasks})));
 }
 
+// Helper threads for the quantizer, started on first use and kept for the
+// life of the process (two passes per tensor used to start a thread each,
+// hundreds per refit). One call at a time uses them: a call that finds the
+// pool taken (another model group's worker, say) starts threads of its own.
+// Helpers wait for work spinning briefly (the next pass or tensor usually
+// follows within microseconds), then sleeping.
+class RangePool {
+ public:
+  static RangePool& Get() {
+    static RangePool* pool = new RangePool;  // never destroyed: helpers may be waiting at exit
+    return *pool;
+  }
+
+  // Runs task(i) for every i in [0, ranges), on this thread and on up to
+  // `ranges - 1` helpers. False, with nothing run, if another call holds
+  // the pool.
+  bool TryRun(int ranges, const std::function<void(int)>& task) {
+    std::unique_lock<std::mutex> claim(busy_, std::try_to_lock);
+    if (!claim.owns_lock()) return false;
+    Grow(ranges - 1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      task_ = &task;
+      ranges_ = ranges;
+      next_.store(0, std::memory_order_relaxed);
+      pending_.store(ranges, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    // Sleeping helpers, as many as there are ranges to share (spinning ones
+    // see the new generation by themselves).
+    for (int i = 1; i < ranges; ++i) wake_.notify_one();
+    Work();
+    // Every range is taken; wait for the helpers still running one.
+    for (int spin = 0; pending_.load(std::memory_order_acquire) > 0; ++spin) {
+      if (spin < kSpins) {
+        Pause();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      done_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    task_ = nullptr;
+    return true;
+  }
+
+ private:
+  static constexpr int kSpins = 1000;  // some tens of microseconds of pause instructions
+
+  static void Pause() {
+#if REFIT_FP8_X86
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
+
+  // Takes and runs ranges until none is left.
+  void Work() {
+    const std::function<void(int)>* task = task_;
+    const int ranges = ranges_;
+    for (int i = next_.fetch_add(1, std::memory_order_relaxed); i < ranges;
+         i = next_.fetch_add(1, std::memory_order_relaxed)) {
+      (*task)(i);
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(mu_);
+        done_.notify_all();
+      }
+    }
+  }
+
+  void Grow(int helpers) {
+    while (static_cast<int>(threads_.size()) < helpers) {
+      try {
+        threads_.emplace_back([this] { Loop(); });
+      } catch (const std::system_error&) {
+        return;  // out of threads: the caller runs what no helper takes
+      }
+    }
+  }
+
+  void Loop() {
+    uint64_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      int spin = 0;
+      while (generation_.load(std::memory_order_acquire) == seen && spin < kSpins) {
+        Pause();
+        ++spin;
+      }
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+        seen = generation_.load(std::memory_order_relaxed);
+        // A call that already finished (its ranges all taken) leaves
+        // nothing to join.
+        if (task_ == nullptr) continue;
+        // Holding a range (below) keeps the call, and so task_, alive.
+        if (next_.load(std::memory_order_relaxed) >= ranges_) continue;
+        pending_.fetch_add(1, std::memory_order_relaxed);  // joined: the call waits for us
+      }
+      Work();
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(mu_);
+        done_.notify_all();
+      }
+    }
+  }
+
+  std::mutex busy_;                   // held by the call using the pool
+  std::vector<std::thread> threads_;  // only the call holding busy_ grows it
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  std::atomic<uint64_t> generation_{0};
+  const std::function<void(int)>* task_ = nullptr;  // guarded by mu_ for the helpers' join
+  int ranges_ = 0;
+  std::atomic<int> next_{0};
+  std::atomic<int> pending_{0};  // ranges not yet finished, plus helpers inside Work()
+};
+
 // Runs fn(worker, begin, end) for `workers` contiguous ranges covering
 // [0, count), every boundary but the last a multiple of `align`.
 template <typename Fn>
@@ -553,19 +678,20 @@ void ParallelRanges(int workers, int64_t count, int64_t align, const Fn& fn) {
     fn(0, 0, count);
     return;
   }
+  const std::function<void(int)> range = [&](int w) { fn(w, bound(w), bound(w + 1)); };
+  if (RangePool::Get().TryRun(workers, range)) return;
   std::vector<std::thread> threads;
   threads.reserve(workers - 1);
   int started = 1;
   for (; started < workers; ++started) {
     try {
-      threads.emplace_back(
-          [&fn, &bound, started] { fn(started, bound(started), bound(started + 1)); });
+      threads.emplace_back([&range, started] { range(started); });
     } catch (const std::system_error&) {
       break;  // out of threads: the remaining ranges run here
     }
   }
-  fn(0, bound(0), bound(1));
-  for (int w = started; w < workers; ++w) fn(w, bound(w), bound(w + 1));
+  range(0);
+  for (int w = started; w < workers; ++w) range(w);
   for (std::thread& t : threads) t.join();
 }
 

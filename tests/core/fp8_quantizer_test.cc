@@ -8,6 +8,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/fp8_quantizer_internal.h"
@@ -437,6 +438,41 @@ TEST(Fp8QuantizerTest, ResultDoesNotDependOnThreadCount) {
       ASSERT_TRUE(ours.status.ok()) << ours.status;
       ExpectSameScales(ours.scales, expected.scales);
       ExpectSameBytes(ours.q, expected.q, x.size(1));
+    }
+  }
+}
+
+// Calls from several threads at once: one holds the quantizer's helper
+// threads, the others start threads of their own, and every call still gets
+// exactly its own bytes, call after call (the helpers are reused).
+TEST(Fp8QuantizerTest, ConcurrentCallsEachGetTheirOwnBytes) {
+  constexpr int kCallers = 4;
+  std::vector<at::Tensor> inputs;
+  std::vector<Quantized> expected;
+  for (int c = 0; c < kCallers; ++c) {
+    inputs.push_back(RandomWeights(700 + 13 * c, 1100, at::kBFloat16, 500 + c));
+    expected.push_back(TorchReference(inputs.back(), QuantScheme::kPerTensor));
+  }
+  std::vector<std::vector<Quantized>> results(kCallers);
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      for (int round = 0; round < 20; ++round) {
+        for (QuantScheme scheme : kSchemes) {
+          Quantized q = RunOurs(inputs[c], scheme, NonFinitePolicy::kReject, 3);
+          if (scheme == QuantScheme::kPerTensor) results[c].push_back(std::move(q));
+        }
+      }
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  for (int c = 0; c < kCallers; ++c) {
+    SCOPED_TRACE(c);
+    ASSERT_EQ(results[c].size(), 20u);
+    for (const Quantized& q : results[c]) {
+      ASSERT_TRUE(q.status.ok()) << q.status;
+      ExpectSameScales(q.scales, expected[c].scales);
+      ExpectSameBytes(q.q, expected[c].q, inputs[c].size(1));
     }
   }
 }

@@ -577,16 +577,14 @@ class RangePool {
     // see the new generation by themselves).
     for (int i = 1; i < ranges; ++i) wake_.notify_one();
     Work();
-    // Every range is taken; wait for the helpers still running one.
-    for (int spin = 0; pending_.load(std::memory_order_acquire) > 0; ++spin) {
-      if (spin < kSpins) {
-        Pause();
-        continue;
-      }
-      std::unique_lock<std::mutex> lock(mu_);
-      done_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+    // Every range is taken; wait for the helpers still running one. The
+    // last check and the reset happen under mu_, where helpers join: none
+    // can join this call after it.
+    for (int spin = 0; spin < kSpins && pending_.load(std::memory_order_acquire) > 0; ++spin) {
+      Pause();
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
     task_ = nullptr;
     return true;
   }
@@ -609,10 +607,15 @@ class RangePool {
     for (int i = next_.fetch_add(1, std::memory_order_relaxed); i < ranges;
          i = next_.fetch_add(1, std::memory_order_relaxed)) {
       (*task)(i);
-      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        std::lock_guard<std::mutex> lock(mu_);
-        done_.notify_all();
-      }
+      Done();
+    }
+  }
+
+  // One range, or one helper's stay in a call, is over.
+  void Done() {
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_.notify_all();
     }
   }
 
@@ -646,10 +649,7 @@ class RangePool {
         pending_.fetch_add(1, std::memory_order_relaxed);  // joined: the call waits for us
       }
       Work();
-      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        std::lock_guard<std::mutex> lock(mu_);
-        done_.notify_all();
-      }
+      Done();
     }
   }
 

@@ -142,7 +142,20 @@ void StreamingCopy(void* dst, const void* src, size_t n) {
 #endif
 }
 
-void HostArena::EndWrite(uint64_t version) {
+namespace {
+
+// `text` NUL-padded into `field`, or an empty field when it does not fit
+// (with its terminating NUL): a reader never sees a truncated value.
+template <size_t N>
+void SetTextField(char (&field)[N], absl::string_view text) {
+  std::memset(field, 0, N);
+  if (text.size() < N) std::memcpy(field, text.data(), text.size());
+}
+
+}  // namespace
+
+void HostArena::EndWrite(uint64_t version, absl::string_view fingerprint,
+                         absl::string_view refit_id) {
 #if defined(__x86_64__)
   // Streaming stores are not ordered by the release below.
   _mm_sfence();
@@ -156,6 +169,10 @@ void HostArena::EndWrite(uint64_t version) {
     h->committed_unix_ns.store(
         static_cast<uint64_t>(now.tv_sec) * 1000000000u + static_cast<uint64_t>(now.tv_nsec),
         std::memory_order_relaxed);
+    // Still inside the odd seq: the release below publishes these with the
+    // version.
+    SetTextField(h->fingerprint, fingerprint);
+    SetTextField(h->refit_id, refit_id);
   }
   h->version.store(version, std::memory_order_relaxed);
   h->seq.fetch_add(1, std::memory_order_release);

@@ -25,6 +25,12 @@
 //   16 data_offset (4096)    48 version: the version the data holds
 //                            56 committed_unix_ns: when the copy of `version`
 //                               ended (CLOCK_REALTIME, ns; 0 before the first)
+//   64 fingerprint: the content fingerprint of `version` (the Committed
+//      event's, ASCII, NUL-padded; empty before the first commit)
+//   96 refit_id: the refit that committed `version` (ASCII, NUL-padded;
+//      empty for a restore, or for an id longer than 127 bytes)
+// With these an engine has the whole Committed event from the header alone,
+// as soon as the copy ends, without waiting for it to cross the stream.
 // Each commit's end wakes the shared futex on seq's low 32 bits (offset 40),
 // so a reader can sleep until a copy ends instead of polling.
 // A reader that loads seq (even), reads, and loads seq again (unchanged) read
@@ -66,8 +72,12 @@ struct ArenaHeader {
   std::atomic<uint64_t> seq;
   std::atomic<uint64_t> version;
   std::atomic<uint64_t> committed_unix_ns;
+  char fingerprint[32];
+  char refit_id[128];
 };
-static_assert(sizeof(ArenaHeader) == 64, "ArenaHeader's offsets are part of the engine protocol");
+static_assert(sizeof(ArenaHeader) == 224, "ArenaHeader's offsets are part of the engine protocol");
+static_assert(offsetof(ArenaHeader, fingerprint) == 64 && offsetof(ArenaHeader, refit_id) == 96,
+              "ArenaHeader's offsets are part of the engine protocol");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "seqlock needs lock-free 64-bit atomics");
 
 // Rounds `bytes` up to kArenaAlign.
@@ -111,10 +121,12 @@ class HostArena {
 
   // Seqlock: seq becomes odd before a commit writes into the data, and even
   // again, with the new version, after (and, when the version changed, the
-  // time the copy ended). EndWrite fences StreamingCopy's stores first. Only the store's committer
-  // calls these, under its writer lock.
+  // time the copy ended, `fingerprint` and `refit_id`; a value that does not
+  // fit its field is left empty). EndWrite fences StreamingCopy's stores
+  // first. Only the store's committer calls these, under its writer lock.
   void BeginWrite();
-  void EndWrite(uint64_t version);
+  void EndWrite(uint64_t version, absl::string_view fingerprint = {},
+                absl::string_view refit_id = {});
 
  private:
   HostArena() = default;

@@ -183,11 +183,12 @@ absl::Status ShardStoreImpl::CheckStaged(const std::vector<StagedKernel>& staged
 }
 
 absl::StatusOr<CommitStats> ShardStoreImpl::CommitStaged(const std::vector<StagedKernel>& staged,
-                                                         uint64_t set_version) {
+                                                         uint64_t set_version,
+                                                         absl::string_view refit_id) {
   if (absl::Status checked = CheckStaged(staged); !checked.ok()) return checked;
   absl::MutexLock lock(&mu);
   if (absl::Status prepared = PrepareCommitLocked(staged); !prepared.ok()) return prepared;
-  return CopyStagedLocked(staged, set_version);
+  return CopyStagedLocked(staged, set_version, refit_id);
 }
 
 absl::Status ShardStoreImpl::PrepareCommitLocked(const std::vector<StagedKernel>& staged) {
@@ -204,7 +205,7 @@ absl::Status ShardStoreImpl::PrepareCommitLocked(const std::vector<StagedKernel>
 }
 
 CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& staged,
-                                             uint64_t set_version) {
+                                             uint64_t set_version, absl::string_view refit_id) {
   CommitStats stats;
 #ifdef REFIT_WITH_CUDA
   // Device-staged kernels: one batch of device-to-device copies on the
@@ -264,8 +265,8 @@ CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& st
   }
 #endif
   version = set_version > 0 ? set_version : NextVersionLocked();
-  host_arena->EndWrite(version);
   fingerprint = ComputeFingerprint(hashes);
+  host_arena->EndWrite(version, fingerprint, refit_id);
   last_commit = absl::Now();
   stats.pause = last_commit - start;
   stats.version = version;
@@ -399,8 +400,8 @@ absl::StatusOr<CommitStats> ShardStoreImpl::RestoreInPlace(uint64_t set_version,
   }
   hashes = *std::move(filled);
   version = set_version;
-  host_arena->EndWrite(version);
   fingerprint = ComputeFingerprint(hashes);
+  host_arena->EndWrite(version, fingerprint);
   last_commit = absl::Now();
   CommitStats stats;
   stats.version = version;
@@ -703,14 +704,14 @@ absl::StatusOr<CommitStats> RefitSlot::Commit(const std::vector<StagedKernel>& s
     if (absl::Status s = store_->commit_guard_(next); !s.ok()) return s;
   }
   CommitCoordinator* coordinator = store_->coordinator_.load(std::memory_order_acquire);
-  if (coordinator == nullptr) return store_->impl_->CommitStaged(staged);
+  if (coordinator == nullptr) return store_->impl_->CommitStaged(staged, 0, refit_id_);
   uint64_t next = 0;
   {
     absl::ReaderMutexLock lock(&store_->impl_->mu);
     next = store_->impl_->NextVersionLocked();
   }
   if (absl::Status s = coordinator->BeforeCommit(refit_id_, next); !s.ok()) return s;
-  absl::StatusOr<CommitStats> stats = store_->impl_->CommitStaged(staged);
+  absl::StatusOr<CommitStats> stats = store_->impl_->CommitStaged(staged, 0, refit_id_);
   coordinator->AfterCommit(refit_id_, stats);
   return stats;
 }
@@ -804,7 +805,8 @@ absl::StatusOr<std::vector<CommitStats>> RefitSlot::CommitLinkedLocked(
   std::vector<CommitStats> stats(parts.size());
   if (prepared.ok()) {
     for (size_t i : order) {
-      stats[i] = parts[i].slot->store_->impl_->CopyStagedLocked(*parts[i].staged, 0);
+      stats[i] = parts[i].slot->store_->impl_->CopyStagedLocked(*parts[i].staged, 0,
+                                                                parts[i].slot->refit_id());
     }
   }
   for (auto it = order.rbegin(); it != order.rend(); ++it) {

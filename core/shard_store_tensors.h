@@ -50,9 +50,11 @@ class ShardStoreImpl {
   // complete, and the writer lock is released only once it has completed, so
   // readers under the reader lock never see a mix.
   // `set_version` > 0: publish exactly that version (recovery) instead of
-  // the next one.
+  // the next one. `refit_id` (empty for a restore) goes into the arena's
+  // header with the version.
   absl::StatusOr<CommitStats> CommitStaged(const std::vector<StagedKernel>& staged,
-                                           uint64_t set_version = 0);
+                                           uint64_t set_version = 0,
+                                           absl::string_view refit_id = {});
   // CommitStaged in three steps, for a commit that spans several stores
   // (RefitSlot::CommitLinked): CheckStaged before any lock; with `mu` held,
   // PrepareCommitLocked (what can still fail: the GPU commit stream), then
@@ -61,8 +63,8 @@ class ShardStoreImpl {
   absl::Status CheckStaged(const std::vector<StagedKernel>& staged) const;
   absl::Status PrepareCommitLocked(const std::vector<StagedKernel>& staged)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  CommitStats CopyStagedLocked(const std::vector<StagedKernel>& staged, uint64_t set_version)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  CommitStats CopyStagedLocked(const std::vector<StagedKernel>& staged, uint64_t set_version,
+                               absl::string_view refit_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // RefitSlot::RestoreInPlace's body: `fill` under the writer lock, then
   // publishes `set_version`, or zeroes the kernels again if `fill` fails.
   absl::StatusOr<CommitStats> RestoreInPlace(uint64_t set_version, RefitSlot::RestoreFill fill);

@@ -14,8 +14,9 @@ measures, over --reps repetitions (medians):
              private memory of the same sizes (memcpy bandwidth)
   committed  how long after the copy ends (the arena header's
              committed_unix_ns, written by the daemon as its copy ends) the
-             engine's reader thread has the Committed event (wall clock, one
-             host), p99 over every push, against the commit pause itself
+             engine has the Committed event (its on_event callback, whichever
+             of the header's futex and the stream brought it first; wall
+             clock, one host), p99 over every push, against the commit pause
   pause      a coordinated engine's pause (Quiesced sent to Committed
              received, safe_point()) against a memcpy of the kernel bytes
              (libc memcpy, warm buffers, as the prefaulted arena is) plus an ack round trip
@@ -96,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     series: Dict[str, List[float]] = {k: [] for k in (
         "attach_s", "readtensor_s", "engine_read_s", "private_read_s", "committed_after_copy_s",
         "resumed_after_copy_s",
-        "commit_pause_s", "engine_pause_s", "memcpy_kernels_s", "status_rtt_s")}
+        "commit_pause_s", "engine_pause_s", "memcpy_kernels_s", "status_rtt_s", "committed_via")}
     try:
         client = RefitClient(address, timeout=600)
         names = [t.name for t in client.tensors()]
@@ -126,12 +127,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         perturbed = {k: (v * 1.001 if v.is_floating_point() else v) for k, v in weights.items()}
         stop = threading.Event()
         received: Dict[int, float] = {}
+        via: Dict[int, str] = {}  # "arena" (the header's futex) or "stream"
 
         def on_event(event) -> None:
             # The reader thread, as the event arrives: wall clock, to compare
             # with the header's end of the daemon's copy.
             if event.kind == "committed":
                 received[event.version] = time.time()
+                via[event.version] = event.via
 
         resumed: Dict[int, float] = {}
 
@@ -167,6 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 time.sleep(0.001)
             if version == r.version and r.version in received:
                 series["committed_after_copy_s"].append(received[r.version] - copy_end)
+                series["committed_via"].append(via[r.version])
             if version == r.version and r.version in resumed:
                 series["resumed_after_copy_s"].append(resumed[r.version] - copy_end)
         del big_src, big_dst
@@ -181,7 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         proc.terminate()
         proc.wait(timeout=60)
 
-    med = {k: statistics.median(v) if v else 0.0 for k, v in series.items()}
+    med = {k: statistics.median(v) if v else 0.0 for k, v in series.items() if k != "committed_via"}
     gib = kernel_bytes / (1 << 30)
     def p99_of(values: List[float]) -> float:
         lat = sorted(values)
@@ -198,7 +202,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                gib / med["private_read_s"] if med["private_read_s"] else 0.0, ">= 0.9"),
         figure("Committed after the copy ends, p99", p99 * 1e3, "ms",
                "commit pause (median)", med["commit_pause_s"] * 1e3, "",
-               "the Committed event on the engine's reader thread; the issue's bound is 1 ms"),
+               "the Committed event delivered to the engine (on_event), from the arena header "
+               f"{series['committed_via'].count('arena')} of {len(series['committed_via'])} times, "
+               "from the stream otherwise; the issue's bound is 1 ms"),
         figure("coordinated engine resumes after the copy ends, p99",
                p99_of(series["resumed_after_copy_s"]) * 1e3, "ms",
                "commit pause (median)", med["commit_pause_s"] * 1e3, "",

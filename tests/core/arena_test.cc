@@ -108,6 +108,38 @@ TEST(HostArenaTest, SeqIsOddWhileWritingAndEvenWithTheVersionAfter) {
   EXPECT_EQ((*arena)->header().version.load(), 7u);
 }
 
+TEST(HostArenaTest, EndWriteRecordsTheFingerprintAndRefitIdOfANewVersion) {
+  absl::StatusOr<std::unique_ptr<HostArena>> arena = HostArena::Create("test", 64, 0, true);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const ArenaHeader& h = (*arena)->header();
+  EXPECT_EQ(std::string(h.fingerprint, sizeof h.fingerprint), std::string(32, '\0'));
+  EXPECT_EQ(std::string(h.refit_id, sizeof h.refit_id), std::string(128, '\0'));
+  (*arena)->BeginWrite();
+  (*arena)->EndWrite(1, "0123456789abcdef", "r-one");
+  EXPECT_STREQ(h.fingerprint, "0123456789abcdef");
+  EXPECT_STREQ(h.refit_id, "r-one");
+  // A shorter value leaves no bytes of the longer one behind.
+  (*arena)->BeginWrite();
+  (*arena)->EndWrite(2, "fe", "r2");
+  EXPECT_EQ(std::string(h.fingerprint, 4), std::string("fe\0\0", 4));
+  EXPECT_EQ(std::string(h.refit_id, sizeof h.refit_id), "r2" + std::string(126, '\0'));
+  // A write that publishes no new version (a failed restore) keeps them.
+  (*arena)->BeginWrite();
+  (*arena)->EndWrite(2);
+  EXPECT_STREQ(h.fingerprint, "fe");
+  EXPECT_STREQ(h.refit_id, "r2");
+  // What does not fit (with its NUL) is left empty, never cut short: the
+  // engine then waits for the stream's Committed.
+  (*arena)->BeginWrite();
+  (*arena)->EndWrite(3, std::string(32, 'f'), std::string(128, 'r'));
+  EXPECT_STREQ(h.fingerprint, "");
+  EXPECT_STREQ(h.refit_id, "");
+  (*arena)->BeginWrite();
+  (*arena)->EndWrite(4, std::string(31, 'f'), std::string(127, 'r'));
+  EXPECT_EQ(std::string(h.fingerprint), std::string(31, 'f'));
+  EXPECT_EQ(std::string(h.refit_id), std::string(127, 'r'));
+}
+
 TEST(StreamingCopyTest, CopiesEveryByteAtAnyAlignmentAndLength) {
   std::vector<char> src(3 << 20);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>((i * 131 + 7) % 251);
@@ -200,9 +232,15 @@ TEST_F(StoreArenaTest, AnEngineMappingSeesEachCommitWithItsVersionAndAnEvenSeq) 
   EXPECT_EQ(header->version.load(), 0u);
   EXPECT_EQ(header->committed_unix_ns.load(), 0u);
   const absl::Time before = absl::Now();
-  ASSERT_TRUE(testing::PushAll(*store_, Weights(1)).ok());
+  absl::StatusOr<RefitResult> first = testing::PushAll(*store_, Weights(1));
+  ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(header->version.load(), 1u);
   EXPECT_EQ(header->seq.load(), 2u);
+  // The whole Committed event: the refit and the content fingerprint.
+  EXPECT_EQ(std::string(header->refit_id), first->refit_id);
+  EXPECT_FALSE(first->refit_id.empty());
+  EXPECT_EQ(std::string(header->fingerprint), first->fingerprint);
+  EXPECT_EQ(std::string(header->fingerprint), store_->fingerprint());
   // When the copy ended: within the push, on the wall clock.
   const absl::Time committed =
       absl::FromUnixNanos(static_cast<int64_t>(header->committed_unix_ns.load()));
@@ -215,9 +253,14 @@ TEST_F(StoreArenaTest, AnEngineMappingSeesEachCommitWithItsVersionAndAnEvenSeq) 
   EXPECT_EQ(std::string(static_cast<const char*>(p) + kArenaDataOffset + k.arena_offset,
                         static_cast<size_t>(k.nbytes)),
             live);
-  ASSERT_TRUE(testing::PushAll(*store_, Weights(2)).ok());
+  absl::StatusOr<RefitResult> second = testing::PushAll(*store_, Weights(2));
+  ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(header->version.load(), 2u);
   EXPECT_EQ(header->seq.load(), 4u);
+  EXPECT_EQ(std::string(header->refit_id), second->refit_id);
+  EXPECT_NE(second->refit_id, first->refit_id);
+  EXPECT_EQ(std::string(header->fingerprint), second->fingerprint);
+  EXPECT_NE(second->fingerprint, first->fingerprint);
   EXPECT_GE(header->committed_unix_ns.load(), first_commit);
   ::munmap(p, static_cast<size_t>(arena.host_bytes));
 }

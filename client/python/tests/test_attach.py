@@ -106,6 +106,60 @@ def test_uncoordinated_engine_is_told_of_commits_without_being_asked(daemon, cli
         assert engine.header()[1] == 2
 
 
+def test_each_committed_is_delivered_once_in_order_with_the_arena_header(daemon, client, weights):
+    delivered = []
+    with attach(daemon.address, coordinate=False) as engine:
+        engine.on_event(delivered.append)
+        results = [client.push(load_state_dict(weights(seed))) for seed in (2, 3, 2)]
+        for r in results:
+            assert r.refit_id
+        events = first_events(engine, 3)
+        # The stream's copies of what the header delivered (or the other way
+        # round) have had time to arrive: none is delivered twice.
+        assert list(engine.events(timeout=1.0)) == []
+        assert [(e.kind, e.version, e.refit_id, e.fingerprint) for e in events] == [
+            ("committed", r.version, r.refit_id, r.fingerprint) for r in results
+        ]
+        assert all(e.via in ("arena", "stream") for e in events)
+        assert [e.version for e in delivered] == [r.version for r in results]
+        # The header holds the whole event of the latest commit.
+        last = results[-1]
+        assert engine.arena_commit() == (last.version, last.refit_id, last.fingerprint)
+        assert (engine.version, engine.fingerprint) == (last.version, last.fingerprint)
+
+
+def test_committed_arrives_from_the_arena_header_without_the_stream(
+    daemon, client, weights, monkeypatch
+):
+    # The reader thread holds back the Attach stream until released: the
+    # only way Committed can arrive meanwhile is the header and its futex.
+    from refit_client import _attach
+
+    release = threading.Event()
+    read_events = _attach.AttachedEngine._read_events
+
+    def held_reader(self):
+        release.wait(LIMIT)
+        read_events(self)
+
+    monkeypatch.setattr(_attach.AttachedEngine, "_read_events", held_reader)
+    with attach(daemon.address, coordinate=False) as engine:
+        result = client.push(load_state_dict(weights(2)))
+        (event,) = first_events(engine, 1)
+        assert (event.kind, event.via) == ("committed", "arena")
+        assert (event.version, event.refit_id, event.fingerprint) == (
+            result.version, result.refit_id, result.fingerprint)
+        assert engine.version == result.version
+        release.set()
+        # The stream's Committed of that version is not delivered again: the
+        # next event is the next commit's.
+        second = client.push(load_state_dict(weights(3)))
+        (event,) = first_events(engine, 1)
+        assert (event.kind, event.version, event.refit_id) == (
+            "committed", second.version, second.refit_id)
+        assert list(engine.events(timeout=1.0)) == []
+
+
 def test_one_phase_push_with_an_engine_that_never_acks_is_aborted_naming_it(start_daemon, weights):
     d = start_daemon("--engine-quiesce-timeout=300ms")
     with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address, name="stuck") as engine:

@@ -413,6 +413,10 @@ absl::Status RefitSession::FinalizeLocked() {
   if (options_.require_complete && assembler_.bytes_received() > 0) {
     if (absl::Status complete = CheckAllLayersLocked(); !complete.ok()) return complete;
   }
+  // Nothing reads the refit's inputs after this.
+  if (options_.input_check) {
+    if (absl::Status intact = options_.input_check(); !intact.ok()) return intact;
+  }
   timings_.finalize = absl::Now() - start;
   return absl::OkStatus();
 }

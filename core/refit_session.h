@@ -32,6 +32,7 @@
 #define REFIT_CORE_REFIT_SESSION_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -75,6 +76,11 @@ struct RefitOptions {
   // AnnounceStart() once registered, so that whoever sees the event can
   // already find the refit.
   bool announce_start = true;
+  // Called by Prepare once every byte the refit reads has been read (the
+  // last layer processed), before it reports PREPARED: an error fails the
+  // refit with that status. For inputs that can go bad under a read (a
+  // trainer's shared-memory region that shrank: its reads came back zeros).
+  std::function<absl::Status()> input_check;
 };
 
 enum class SessionState { kReceiving, kPrepared, kCommitted, kAborted };

@@ -345,6 +345,11 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
     options->core.host_staging = service_->options().host_staging;
     options->core.announce_start = false;  // once Abort/Commit can find it
     if (!begin.refit_id().empty()) options->core.refit_id = begin.refit_id();
+    // Chunks from a trainer's region may be read in place until the last
+    // layer is processed: only then can the session know that none of the
+    // regions shrank under it.
+    auto region_reads = std::make_shared<RegionReads>();
+    options->core.input_check = [region_reads] { return region_reads->Check(); };
     absl::StatusOr<std::unique_ptr<core::RefitSession>> began =
         core::RefitSession::Begin((*group)->store(), options->core);
     if (!began.ok()) {
@@ -355,7 +360,7 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
     std::shared_ptr<core::RefitSession> session(std::move(*began));
     const int streams = begin.streams() > 1 ? static_cast<int>(begin.streams()) : 1;
     auto refit = std::make_shared<PushRefit>(service_->push_refits(), caller_.name, *group, session,
-                                             streams, options->prepare_only);
+                                             streams, options->prepare_only, region_reads);
     if (absl::Status s = refit->Join(this); !s.ok()) return s;
     if (absl::Status s = service_->push_refits()->Add(refit); !s.ok()) {
       session->Abort(s.message());
@@ -452,7 +457,8 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
         // The bytes lie in the caller's shared-memory region
         // (server/region_service.h).
         absl::Status ingested =
-            IngestRegionChunk(service_->regions(), caller_.name, session_.get(), chunk, max_bytes);
+            IngestRegionChunk(service_->regions(), caller_.name, session_.get(), chunk, max_bytes,
+                              refit_->region_reads());
         if (!ingested.ok()) return ingested;
         service_->metrics()->AddBytesReceived(static_cast<int64_t>(chunk.region().length()));
         continue;

@@ -8,13 +8,15 @@
 namespace refit::server {
 
 PushRefit::PushRefit(PushRefits* registry, std::string owner, ModelGroup* group,
-                     std::shared_ptr<core::RefitSession> session, int streams, bool prepare_only)
+                     std::shared_ptr<core::RefitSession> session, int streams, bool prepare_only,
+                     std::shared_ptr<RegionReads> region_reads)
     : registry_(registry),
       owner_(std::move(owner)),
       group_(group),
       session_(std::move(session)),
       streams_(streams),
-      prepare_only_(prepare_only) {}
+      prepare_only_(prepare_only),
+      region_reads_(std::move(region_reads)) {}
 
 PushRefit::~PushRefit() {
   // Close() was not called (the opener failed before registering): drop

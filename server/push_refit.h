@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/refit_session.h"
 #include "server/model_group.h"
+#include "server/region_registry.h"
 
 namespace refit::server {
 
@@ -57,7 +58,8 @@ class PushRefit {
   static constexpr int kMaxStreams = 64;
 
   PushRefit(PushRefits* registry, std::string owner, ModelGroup* group,
-            std::shared_ptr<core::RefitSession> session, int streams, bool prepare_only);
+            std::shared_ptr<core::RefitSession> session, int streams, bool prepare_only,
+            std::shared_ptr<RegionReads> region_reads);
   ~PushRefit();
   PushRefit(const PushRefit&) = delete;
   PushRefit& operator=(const PushRefit&) = delete;
@@ -68,6 +70,9 @@ class PushRefit {
   const std::shared_ptr<core::RefitSession>& session() const { return session_; }
   int streams() const { return streams_; }
   bool prepare_only() const { return prepare_only_; }
+  // The guarded shared-memory regions its chunks came from (the session
+  // checks them once it has read its last byte).
+  RegionReads* region_reads() const { return region_reads_.get(); }
 
   // Adds a member stream (the opener first), taking a reference to it.
   // Errors: FAILED_PRECONDITION when the refit is closed or already has all
@@ -90,6 +95,7 @@ class PushRefit {
   const std::shared_ptr<core::RefitSession> session_;
   const int streams_;
   const bool prepare_only_;
+  const std::shared_ptr<RegionReads> region_reads_;
   mutable absl::Mutex mu_;
   std::vector<PushMember*> members_ ABSL_GUARDED_BY(mu_);
   int ended_ ABSL_GUARDED_BY(mu_) = 0;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/text.h"
+#include "server/sigbus_guard.h"
 
 namespace refit::server {
 namespace {
@@ -55,16 +56,55 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
                                                    size));
   }
   const int seals = ::fcntl(fd, F_GET_SEALS);
-  if (seals >= 0 && (seals & F_SEAL_SHRINK) != 0) {
-    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-      return absl::InternalError(
-          absl::StrCat("region \"", region->id_, "\": cannot map it: ", std::strerror(errno)));
-    }
-    region->map_ = static_cast<const uint8_t*>(p);
-    region->access_ = Access::kMapped;
+  const bool sealed = seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    if (!sealed) return region;  // pread
+    return absl::InternalError(
+        absl::StrCat("region \"", region->id_, "\": cannot map it: ", std::strerror(errno)));
   }
+  if (!sealed) {
+    region->guard_slot_ = SigbusGuard::Register(p, size);
+    if (region->guard_slot_ < 0) {  // no slot: pread
+      ::munmap(p, size);
+      return region;
+    }
+  }
+  region->map_ = static_cast<const uint8_t*>(p);
+  region->access_ = Access::kMapped;
   return region;
+}
+
+bool Region::faulted() const { return guard_slot_ >= 0 && SigbusGuard::Faulted(guard_slot_); }
+
+absl::Status Region::CheckIntact(absl::string_view tensor, int64_t more) const {
+  if (!faulted()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "tensor ", core::QuoteText(tensor),
+      more > 0 ? absl::StrCat(" (and ", more, " more read from it)") : "", ": region \"", id_,
+      "\" was truncated while in use: its file shrank below the registered size ", size_,
+      " while refitd read it (the bytes read are not the trainer's; a memfd sealed with "
+      "F_SEAL_SHRINK cannot shrink); register it again"));
+}
+
+void RegionReads::Add(const std::shared_ptr<const Region>& region, absl::string_view tensor) {
+  if (!region->guarded()) return;
+  absl::MutexLock lock(&mu_);
+  Read& read = read_[region.get()];
+  if (read.region == nullptr) {
+    read.region = region;
+    read.first = std::string(tensor);
+  }
+  read.tensors.insert(std::string(tensor));
+}
+
+absl::Status RegionReads::Check() const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, read] : read_) {
+    const int64_t more = static_cast<int64_t>(read.tensors.size()) - 1;
+    if (absl::Status s = read.region->CheckIntact(read.first, more); !s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Region>> Region::OpenCudaIpc(std::string id,
@@ -85,6 +125,7 @@ absl::StatusOr<std::unique_ptr<Region>> Region::OpenCudaIpc(std::string id,
 }
 
 Region::~Region() {
+  SigbusGuard::Unregister(guard_slot_);
   if (access_ == Access::kMapped) ::munmap(const_cast<uint8_t*>(map_), size_);
   if (fd_ >= 0) ::close(fd_);
 }
@@ -97,6 +138,7 @@ absl::StatusOr<absl::Span<const uint8_t>> Region::Read(absl::string_view tensor,
                                               id_, "\" offset ", offset, " length ", length,
                                               " reaches past its size ", size_));
   }
+  if (absl::Status intact = CheckIntact(tensor); !intact.ok()) return intact;
   if (access_ != Access::kPread) return absl::MakeConstSpan(map_ + offset, length);
   scratch->resize(length);
   uint64_t done = 0;

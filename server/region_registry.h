@@ -9,19 +9,25 @@
 //
 // Safety against a hostile or buggy trainer. A region that shrinks while it
 // is mapped would kill the daemon with SIGBUS at the first read past its new
-// end, so a region is mapped only when its descriptor is sealed against
-// shrinking (a memfd with F_SEAL_SHRINK, checked with F_GET_SEALS): then the
-// chunk is ingested straight from the mapping (Access::kMapped, no copy).
-// Any other descriptor (a /dev/shm file, torch's share_memory_(), a memfd
-// without the seal) is read with pread into a buffer of the reading thread
-// (Access::kPread, one copy): a region truncated under a refit reads short,
-// which is FAILED_PRECONDITION for that chunk, so the refit aborts and
-// nothing live changes. The trainer may still write into its region while a
-// refit reads it; that changes the bytes it pushes, never the daemon's
-// memory safety. From a mapped region the rows of quantized weights are
-// read when their layer is processed (core::Chunk::keep holds the Region,
-// and with it the mapping, until then), so what matters is the region's
-// bytes until the push's Prepare returns.
+// end. A descriptor sealed against shrinking (a memfd with F_SEAL_SHRINK,
+// checked with F_GET_SEALS) cannot, and is simply mapped. Any other
+// descriptor (a /dev/shm file, torch's share_memory_(), a memfd without the
+// seal) is mapped under SigbusGuard (server/sigbus_guard.h): a read past a
+// new end reads zeros instead of faulting and flags the region (faulted()).
+// Every chunk of either kind is ingested straight from the mapping
+// (Access::kMapped, no copy). The refit checks, once it has read its last
+// byte (RegionReads, the session's input_check, before Prepare returns),
+// that no region it read from faulted: one that did is FAILED_PRECONDITION
+// naming the region and a tensor read from it, so the refit aborts and
+// nothing live changes; later reads of that region are refused. Where no
+// guard slot is free the descriptor is read with pread into a buffer of the
+// reading thread instead (Access::kPread, one copy; a short read is the
+// same FAILED_PRECONDITION). The trainer may still write into its region
+// while a refit reads it; that changes the bytes it pushes, never the
+// daemon's memory safety. From a mapped region the rows of quantized weights
+// are read when their layer is processed (core::Chunk::keep holds the
+// Region, and with it the mapping, until then), so what matters is the
+// region's bytes until the push's Prepare returns.
 //
 // A trainer's CUDA allocation is a region too (Access::kCudaIpc): it is
 // registered with its IPC handle instead of a descriptor, opened on its GPU
@@ -53,6 +59,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -87,13 +94,20 @@ class Region {
   const core::DeviceSource* device() const { return cuda_.get(); }
   // Its GPU in this process (-1 for host regions).
   int cuda_device() const { return cuda_ != nullptr ? cuda_->device() : -1; }
+  // Mapped without a seal against shrinking, under SigbusGuard.
+  bool guarded() const { return guard_slot_ >= 0; }
+  // A guarded region's file shrank under a read: its mapping reads zeros.
+  bool faulted() const;
+  // FAILED_PRECONDITION naming `tensor` (and how many `more` were read
+  // from the region) when faulted(), else OK.
+  absl::Status CheckIntact(absl::string_view tensor, int64_t more = 0) const;
 
   // The bytes [offset, offset + length): a span into the mapping (device
   // addresses for kCudaIpc), or read
   // into *scratch (kPread; resized as needed). OUT_OF_RANGE past size()
   // (naming `tensor`, the region, offset, length and size);
   // FAILED_PRECONDITION when a kPread region ends early (truncated while in
-  // use) or cannot be read.
+  // use) or cannot be read, or a guarded one faulted before.
   absl::StatusOr<absl::Span<const uint8_t>> Read(absl::string_view tensor, uint64_t offset,
                                                  uint64_t length,
                                                  std::vector<uint8_t>* scratch) const;
@@ -106,7 +120,28 @@ class Region {
   const uint64_t size_;
   Access access_ = Access::kPread;
   const uint8_t* map_ = nullptr;
+  int guard_slot_ = -1;
   std::unique_ptr<core::CudaIpcAllocation> cuda_;
+};
+
+// The guarded regions one refit read from, and a tensor of each (for the
+// error). Check() runs once the refit has read its last byte. Thread-safe:
+// the refit's streams add concurrently.
+class RegionReads {
+ public:
+  // Records `region` when it is guarded (others cannot fault).
+  void Add(const std::shared_ptr<const Region>& region, absl::string_view tensor);
+  // FAILED_PRECONDITION for the first recorded region that faulted.
+  absl::Status Check() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  struct Read {
+    std::shared_ptr<const Region> region;
+    std::string first;  // the first tensor read from it
+    absl::flat_hash_set<std::string> tensors;
+  };
+  std::map<const Region*, Read> read_ ABSL_GUARDED_BY(mu_);
 };
 
 class RegionRegistry {

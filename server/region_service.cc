@@ -59,7 +59,7 @@ v1::RegionRegistered::Access ToProtoAccess(Region::Access access) {
 
 absl::Status IngestRegionChunk(const RegionRegistry* regions, const std::string& caller,
                                core::RefitSession* session, const v1::Chunk& chunk,
-                               int64_t max_chunk_bytes) {
+                               int64_t max_chunk_bytes, RegionReads* reads) {
   const std::string prefix = absl::StrCat("refit \"", session->refit_id(), "\": tensor ",
                                           core::QuoteText(chunk.tensor_name()), ": ");
   if (regions == nullptr) {
@@ -103,7 +103,16 @@ absl::Status IngestRegionChunk(const RegionRegistry* regions, const std::string&
   // their layer is processed.
   if ((*region)->access() != Region::Access::kPread) c.keep = *region;
   c.device = (*region)->device();
-  return session->Ingest(c);
+  // Rows read in place later are checked with the refit's other reads.
+  if (reads != nullptr) reads->Add(*region, chunk.tensor_name());
+  absl::Status ingested = session->Ingest(c);
+  // What Ingest copied out of a guarded mapping: zeros if its file shrank
+  // (the cause of whatever else Ingest may have found wrong with them).
+  if (absl::Status intact = (*region)->CheckIntact(chunk.tensor_name()); !intact.ok()) {
+    return absl::Status(intact.code(),
+                        absl::StrCat("refit \"", session->refit_id(), "\": ", intact.message()));
+  }
+  return ingested;
 }
 
 // One RegisterRegion stream: the region's lease.

@@ -50,10 +50,12 @@ namespace refit::server {
 // PERMISSION_DENIED another caller's), INVALID_ARGUMENT for a chunk that
 // carries data too or is longer than `max_chunk_bytes`, Region::Read's
 // (OUT_OF_RANGE, FAILED_PRECONDITION), FAILED_PRECONDITION when the daemon
-// has no RegionService (`regions` null), then RefitSession::Ingest's.
+// has no RegionService (`regions` null), then RefitSession::Ingest's, and
+// Region::CheckIntact's after it. The region goes into `reads` (the refit's,
+// checked once its last byte is read; may be null).
 absl::Status IngestRegionChunk(const RegionRegistry* regions, const std::string& caller,
                                core::RefitSession* session, const v1::Chunk& chunk,
-                               int64_t max_chunk_bytes);
+                               int64_t max_chunk_bytes, RegionReads* reads);
 
 class RegionService final : public v1::RegionService::CallbackService {
  public:

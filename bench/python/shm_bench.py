@@ -10,8 +10,9 @@ refit (FP8, commit) of the whole checkpoint pushed by the Python client:
               into the client's sealed staging memfd, which refitd maps and
               ingests in place
   shm_shared  lane="shm" from tensors already in shared memory
-              (share_memory_()): no client copy; refitd reads them with pread
-              (torch's /dev/shm files cannot be sealed)
+              (share_memory_()): no client copy; torch's /dev/shm files cannot
+              be sealed, so refitd maps them under its SIGBUS guard and reads
+              them in place
   shm_arena   lane="shm" from refit_client.shared_tensors() (a trainer that
               keeps its weights in the client's sealed memfd): no copy on
               either side but refitd's own staging
@@ -187,7 +188,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         figure(f"shm lane push, full refit, tensors in shared memory (share_memory_), {label}",
                gbps(med["shm_shared_s"]), "GB/s", "gRPC Push of the same tensors (Python client)",
                gbps(med["grpc_s"]), ">= 3",
-               f"no client copy ({copied_shared} bytes copied); refitd reads with pread"),
+               f"no client copy ({copied_shared} bytes copied); refitd maps them under its "
+               "SIGBUS guard"),
         figure(f"shm lane push, full refit, tensors in shared memory (share_memory_), {label}",
                gbps(med["shm_shared_s"]), "GB/s", "memcpy of the same bytes (one thread)",
                gbps(med["memcpy_s"]), ">= 0.5"),
@@ -203,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         figure("refitd CPU per GiB, shm lane push (private tensors, mapped staging region)",
                med["shm_copy_daemon_cpu_s"] / gib, "CPU s/GiB", "refitd CPU per GiB, gRPC Push",
                med["grpc_daemon_cpu_s"] / gib, ""),
-        figure("refitd CPU per GiB, shm lane push (tensors in shared memory, pread)",
+        figure("refitd CPU per GiB, shm lane push (tensors in shared memory, guarded mapping)",
                med["shm_shared_daemon_cpu_s"] / gib, "CPU s/GiB", "refitd CPU per GiB, gRPC Push",
                med["grpc_daemon_cpu_s"] / gib, ""),
         figure("client CPU per GiB, shm lane push (private tensors: one copy)",

@@ -289,6 +289,41 @@ TEST_F(RefitSessionTest, AbortAfterPreparedChangesNothing) {
   ExpectUnchanged();
 }
 
+TEST_F(RefitSessionTest, AFailedInputCheckFailsTheCommitOnceEveryLayerIsProcessed) {
+  int calls = 0;
+  RefitOptions options;
+  options.input_check = [&] {
+    ++calls;
+    return absl::FailedPreconditionError("region \"r\" was truncated while in use");
+  };
+  std::unique_ptr<RefitSession> session = Begin(options);
+  ASSERT_TRUE(IngestAll(*session, v2_).ok());
+  EXPECT_EQ(calls, 0);  // not while bytes may still be read
+  absl::StatusOr<RefitResult> result = session->Commit();
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(result.status().message(), HasSubstr("truncated while in use"));
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(session->state(), SessionState::kAborted);
+  ExpectUnchanged();
+}
+
+TEST_F(RefitSessionTest, APassingInputCheckCommits) {
+  int calls = 0;
+  RefitOptions options;
+  options.input_check = [&] {
+    ++calls;
+    return absl::OkStatus();
+  };
+  std::unique_ptr<RefitSession> session = Begin(options);
+  ASSERT_TRUE(IngestAll(*session, v2_).ok());
+  ASSERT_TRUE(session->Prepare().ok());
+  EXPECT_EQ(calls, 1);
+  absl::StatusOr<RefitResult> result = session->Commit();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->version, 2u);
+  EXPECT_EQ(calls, 1);
+}
+
 TEST_F(RefitSessionTest, PreparedSessionCommitsLater) {
   std::unique_ptr<RefitSession> session = Begin();
   ASSERT_TRUE(IngestAll(*session, v2_).ok());

@@ -263,7 +263,7 @@ TEST_F(RegionTest, SealedRegionIsMappedAndCommitsTheFingerprintOfTheSameBytesPus
   EXPECT_EQ(errno, EPERM);
 }
 
-TEST_F(RegionTest, UnsealedRegionIsReadWithPreadAndCommitsTheSameFingerprint) {
+TEST_F(RegionTest, UnsealedRegionIsMappedUnderTheGuardAndCommitsTheSameFingerprint) {
   const std::vector<core::OwnedTensor> tensors = FixtureWeights(9);
   ASSERT_TRUE(PushMessages(stub_.get(), FullPush(9)).status.ok());
   const std::string expected = Status(stub_.get()).fingerprint();
@@ -272,10 +272,11 @@ TEST_F(RegionTest, UnsealedRegionIsReadWithPreadAndCommitsTheSameFingerprint) {
   v1::RegionRegistered::Access access = v1::RegionRegistered::ACCESS_UNSPECIFIED;
   const std::string id = lease.Register(file->fd, &access);
   ASSERT_FALSE(id.empty()) << lease.reply();
-  EXPECT_EQ(access, v1::RegionRegistered::ACCESS_PREAD);
+  EXPECT_EQ(access, v1::RegionRegistered::ACCESS_MAPPED);
   const PushOutcome outcome = PushRegion(tensors, *file, id);
   ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
-  EXPECT_EQ(outcome.response.result().bytes_read_in_place(), 0u);  // copied as read
+  // The quantized weights' rows were read in place, as from a sealed memfd.
+  EXPECT_GT(outcome.response.result().bytes_read_in_place(), 0u);
   EXPECT_EQ(Status(stub_.get()).fingerprint(), expected);
 }
 
@@ -503,6 +504,65 @@ TEST_F(RegionTest, RegionTruncatedMidRefitFailsTheRefitAndTheLiveVersionStays) {
   EXPECT_EQ(after.version(), before.version());
   EXPECT_EQ(after.fingerprint(), before.fingerprint());
   EXPECT_FALSE(after.has_active_refit());
+}
+
+TEST_F(RegionTest, UnsealedRegionShrunkBeforeItsRowsAreQuantizedFailsAtPrepareAndIsRefusedAfter) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(6);
+  auto file = MakeRegionFile(tensors, /*seal=*/false);
+  Lease lease(region_stub_.get(), file->size);
+  const std::string id = lease.Register(file->fd);
+  ASSERT_FALSE(id.empty()) << lease.reply();
+  const v1::GetStatusResponse before = Status(stub_.get());
+
+  // Every tensor by reference but one half of a fused weight, sent with its
+  // bytes after the file shrank: the other half's rows are aliased, not
+  // copied, so the first read of the lost pages is the quantizer's, when
+  // the layer completes. It reads zeros, and the refit fails at Prepare.
+  const std::string held = "model.layers.1.mlp.up_proj.weight";
+  grpc::ClientContext context;
+  v1::PushResponse response;
+  auto writer = stub_->Push(&context, &response);
+  ASSERT_TRUE(writer->Write(BeginMessage()));
+  v1::PushRequest last;
+  for (const v1::PushRequest& m : RegionChunkMessages(tensors, *file, id, /*bucket=*/1)) {
+    if (m.chunks().chunks(0).tensor_name() == held) continue;
+    ASSERT_TRUE(writer->Write(m));
+  }
+  for (const core::OwnedTensor& t : tensors) {
+    if (t.name != held) continue;
+    v1::Chunk* chunk = last.mutable_chunks()->add_chunks();
+    chunk->set_tensor_name(t.name);
+    chunk->set_dtype(ToProtoDType(t.dtype));
+    for (int64_t d : t.shape) chunk->add_shape(d);
+    chunk->set_data(std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size()));
+  }
+  writer->WaitForInitialMetadata();
+  uint64_t sent = 0;
+  for (const core::OwnedTensor& t : tensors) sent += t.name == held ? 0 : t.bytes.size();
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (Status(stub_.get()).active_refit().bytes_received() < sent && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(Status(stub_.get()).active_refit().bytes_received(), sent);
+  ASSERT_EQ(::ftruncate(file->fd, 0), 0);
+  ASSERT_TRUE(writer->Write(last));
+  writer->Write(EndMessage());
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("truncated while in use"));
+  EXPECT_THAT(status.error_message(), HasSubstr(id));
+  const v1::GetStatusResponse after = Status(stub_.get());
+  EXPECT_EQ(after.version(), before.version());
+  EXPECT_EQ(after.fingerprint(), before.fingerprint());
+  EXPECT_FALSE(after.has_active_refit());
+  // The region reads zeros now: a later push from it is refused at once,
+  // even where the file is whole again.
+  ASSERT_EQ(::ftruncate(file->fd, static_cast<off_t>(file->size)), 0);
+  const PushOutcome again = PushRegion(tensors, *file, id);
+  EXPECT_EQ(again.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(again.status.error_message(), HasSubstr("register it again"));
+  EXPECT_EQ(Status(stub_.get()).version(), before.version());
 }
 
 TEST_F(RegionTest, UnregisterAndCancelledLeaseReleaseTheRegion) {

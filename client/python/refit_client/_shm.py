@@ -10,9 +10,9 @@ descriptor socket with SCM_RIGHTS.
 - A CPU torch tensor whose storage is already shared (share_memory_(),
   model.share_memory(), a DataLoader worker's tensors) is sent with no copy:
   its storage's descriptor is registered (once per storage) and the chunks
-  point into it. Such a descriptor (a /dev/shm file) cannot be sealed, so
-  the daemon reads it with pread: one copy on the daemon's side, and a
-  storage truncated under a refit fails that refit.
+  point into it. Such a descriptor (a /dev/shm file) cannot be sealed; the
+  daemon maps it under its SIGBUS guard and reads it in place all the same,
+  and a storage truncated under a refit fails that refit.
 - Tensors made by shared_tensors() live in a memfd sealed against shrinking
   that the client registers once: no copy anywhere but the daemon's own
   staging (the daemon maps it). A trainer that keeps its weights there

@@ -456,9 +456,8 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
       if (chunk.has_region()) {
         // The bytes lie in the caller's shared-memory region
         // (server/region_service.h).
-        absl::Status ingested =
-            IngestRegionChunk(service_->regions(), caller_.name, session_.get(), chunk, max_bytes,
-                              refit_->region_reads());
+        absl::Status ingested = IngestRegionChunk(service_->regions(), caller_.name, session_.get(),
+                                                  chunk, max_bytes, refit_->region_reads());
         if (!ingested.ok()) return ingested;
         service_->metrics()->AddBytesReceived(static_cast<int64_t>(chunk.region().length()));
         continue;

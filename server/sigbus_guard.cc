@@ -14,9 +14,9 @@ namespace refit::server {
 namespace {
 
 struct Range {
-  std::atomic<bool> taken{false};         // the slot belongs to a Register
-  std::atomic<uintptr_t> begin{0};        // 0: not guarded (yet, or any more)
-  std::atomic<uintptr_t> length{0};       // page-rounded
+  std::atomic<bool> taken{false};    // the slot belongs to a Register
+  std::atomic<uintptr_t> begin{0};   // 0: not guarded (yet, or any more)
+  std::atomic<uintptr_t> length{0};  // page-rounded
   std::atomic<bool> faulted{false};
 };
 

@@ -51,7 +51,7 @@ TEST(SigbusGuardTest, AReadPastAShrunkFileReadsZerosAndFlagsTheRange) {
   EXPECT_FALSE(SigbusGuard::Faulted(slot));
   EXPECT_EQ(file.map[3 * file.page], 'x');
   ASSERT_EQ(::ftruncate(file.fd, static_cast<off_t>(file.page)), 0);
-  EXPECT_FALSE(SigbusGuard::Faulted(slot));  // nothing touched the lost pages yet
+  EXPECT_FALSE(SigbusGuard::Faulted(slot));   // nothing touched the lost pages yet
   EXPECT_EQ(file.map[3 * file.page + 5], 0);  // past the new end: SIGBUS without the guard
   EXPECT_TRUE(SigbusGuard::Faulted(slot));
   // The whole range reads zeros now, the page still inside the file too:

@@ -289,7 +289,7 @@ TEST_F(RefitSessionTest, AbortAfterPreparedChangesNothing) {
   ExpectUnchanged();
 }
 
-TEST_F(RefitSessionTest, AFailedInputCheckFailsTheCommitOnceEveryLayerIsProcessed) {
+TEST_F(RefitSessionTest, AFailedInputCheckFailsTheCommitAndChangesNothing) {
   int calls = 0;
   RefitOptions options;
   options.input_check = [&] {

@@ -212,6 +212,36 @@ std::string Scrape(int port) {
 
 class RegionTest : public ServerTest {
  protected:
+  // Begins a Push on `writer` and sends every tensor by reference to region
+  // `id` but `held`, whose chunk (with its bytes) goes into *last; returns
+  // once every chunk sent was ingested (bounded wait).
+  void SendAllButHeld(grpc::ClientWriter<v1::PushRequest>* writer,
+                      const std::vector<core::OwnedTensor>& tensors, const RegionFile& file,
+                      const std::string& id, const std::string& held, v1::PushRequest* last) {
+    ASSERT_TRUE(writer->Write(BeginMessage()));
+    for (const v1::PushRequest& m : RegionChunkMessages(tensors, file, id, /*bucket=*/1)) {
+      if (m.chunks().chunks(0).tensor_name() == held) continue;
+      ASSERT_TRUE(writer->Write(m));
+    }
+    for (const core::OwnedTensor& t : tensors) {
+      if (t.name != held) continue;
+      v1::Chunk* chunk = last->mutable_chunks()->add_chunks();
+      chunk->set_tensor_name(t.name);
+      chunk->set_dtype(ToProtoDType(t.dtype));
+      for (int64_t d : t.shape) chunk->add_shape(d);
+      chunk->set_data(std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size()));
+    }
+    ASSERT_EQ(last->chunks().chunks_size(), 1);
+    writer->WaitForInitialMetadata();
+    uint64_t sent = 0;
+    for (const core::OwnedTensor& t : tensors) sent += t.name == held ? 0 : t.bytes.size();
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (Status(stub_.get()).active_refit().bytes_received() < sent && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_EQ(Status(stub_.get()).active_refit().bytes_received(), sent);
+  }
+
   void SetUp() override { Start(TestOptions(dir_)); }
 
   void Start(ServerOptions options) {
@@ -298,31 +328,8 @@ TEST_F(RegionTest, RegionReleasedMidRefitStaysMappedUntilItsRowsAreQuantized) {
   grpc::ClientContext context;
   v1::PushResponse response;
   auto writer = stub_->Push(&context, &response);
-  ASSERT_TRUE(writer->Write(BeginMessage()));
   v1::PushRequest last;
-  for (const v1::PushRequest& m : RegionChunkMessages(tensors, *file, id, /*bucket=*/1)) {
-    if (m.chunks().chunks(0).tensor_name() == held) continue;
-    ASSERT_TRUE(writer->Write(m));
-  }
-  for (const core::OwnedTensor& t : tensors) {
-    if (t.name != held) continue;
-    v1::Chunk* chunk = last.mutable_chunks()->add_chunks();
-    chunk->set_tensor_name(t.name);
-    chunk->set_dtype(ToProtoDType(t.dtype));
-    for (int64_t d : t.shape) chunk->add_shape(d);
-    chunk->set_data(std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size()));
-  }
-  ASSERT_EQ(last.chunks().chunks_size(), 1);
-  writer->WaitForInitialMetadata();
-  // Every chunk sent was ingested (bounded wait): only then is the region
-  // released.
-  uint64_t sent = 0;
-  for (const core::OwnedTensor& t : tensors) sent += t.name == held ? 0 : t.bytes.size();
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (Status(stub_.get()).active_refit().bytes_received() < sent && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(Status(stub_.get()).active_refit().bytes_received(), sent);
+  ASSERT_NO_FATAL_FAILURE(SendAllButHeld(writer.get(), tensors, *file, id, held, &last));
   {
     grpc::ClientContext unregister;
     v1::UnregisterRegionRequest request;
@@ -522,28 +529,8 @@ TEST_F(RegionTest, UnsealedRegionShrunkBeforeItsRowsAreQuantizedFailsAtPrepareAn
   grpc::ClientContext context;
   v1::PushResponse response;
   auto writer = stub_->Push(&context, &response);
-  ASSERT_TRUE(writer->Write(BeginMessage()));
   v1::PushRequest last;
-  for (const v1::PushRequest& m : RegionChunkMessages(tensors, *file, id, /*bucket=*/1)) {
-    if (m.chunks().chunks(0).tensor_name() == held) continue;
-    ASSERT_TRUE(writer->Write(m));
-  }
-  for (const core::OwnedTensor& t : tensors) {
-    if (t.name != held) continue;
-    v1::Chunk* chunk = last.mutable_chunks()->add_chunks();
-    chunk->set_tensor_name(t.name);
-    chunk->set_dtype(ToProtoDType(t.dtype));
-    for (int64_t d : t.shape) chunk->add_shape(d);
-    chunk->set_data(std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size()));
-  }
-  writer->WaitForInitialMetadata();
-  uint64_t sent = 0;
-  for (const core::OwnedTensor& t : tensors) sent += t.name == held ? 0 : t.bytes.size();
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (Status(stub_.get()).active_refit().bytes_received() < sent && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(Status(stub_.get()).active_refit().bytes_received(), sent);
+  ASSERT_NO_FATAL_FAILURE(SendAllButHeld(writer.get(), tensors, *file, id, held, &last));
   ASSERT_EQ(::ftruncate(file->fd, 0), 0);
   ASSERT_TRUE(writer->Write(last));
   writer->Write(EndMessage());

@@ -240,6 +240,7 @@ class AttachedEngine:
         self._acked = False
         self._closed: Optional[BaseException] = None
         self._closing = False
+        self._sleeping = False  # a safe point sleeps on the header's futex
         self._callbacks: List[Callable[[EngineEvent], None]] = []
         self._events: "queue.Queue[Optional[EngineEvent]]" = queue.Queue()
         # Events are delivered by two threads (the stream's reader and the
@@ -406,15 +407,24 @@ class AttachedEngine:
             with self._cv:
                 if self._closed is not None:
                     return
+                if self._sleeping:
+                    # A safe point sleeps on the futex for this commit and
+                    # delivers its Committed as it wakes: one thread woken
+                    # as the copy ends, not two contending for the GIL.
+                    self._cv.wait(0.25)
+                    continue
             seq, _version = self.header()
             if seq % 2 == 0:
-                commit = self.arena_commit()
-                if commit is not None and commit[1]:  # no refit id: the stream's
-                    version, refit_id, fingerprint = commit
-                    self._committed(refit_id, version, fingerprint, "arena")
+                self._deliver_from_arena()
             # Sleeps until the next copy ends (or seq already moved on: at
             # once); slices bound how long a close takes to be noticed.
             futex.wait(seq & 0xFFFFFFFF, 0.25)
+
+    def _deliver_from_arena(self) -> None:
+        commit = self.arena_commit()
+        if commit is not None and commit[1]:  # no refit id: the stream's to deliver
+            version, refit_id, fingerprint = commit
+            self._committed(refit_id, version, fingerprint, "arena")
 
     def _wake_safe_point(self) -> None:
         # A safe point sleeping on the futex sees the pending commit gone.
@@ -456,9 +466,9 @@ class AttachedEngine:
     def safe_point(self, timeout: Optional[float] = None) -> bool:
         """Call between forward steps. Returns at once unless a coordinated
         commit is pending; then acks it and blocks until the daemon's copy has
-        ended (the arena header shows the new version; the Committed event
-        follows on the stream) or the daemon gave up (Aborted). True if it
-        paused."""
+        ended (the arena header shows the new version; this thread then
+        delivers its Committed event from the header) or the daemon gave up
+        (Aborted). True if it paused."""
         with self._cv:
             if self._pending is None:
                 return False
@@ -471,8 +481,18 @@ class AttachedEngine:
                 )
             start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        if self._futex is not None:
-            self._sleep_until_copied(pending, deadline)
+        futex = self._futex
+        if futex is not None:
+            with self._cv:
+                self._sleeping = True
+            futex.wake()  # the watcher leaves the futex to this thread
+            try:
+                self._sleep_until_copied(pending, deadline)
+                self._deliver_from_arena()
+            finally:
+                with self._cv:
+                    self._sleeping = False
+                    self._cv.notify_all()
         with self._cv:
             if self._pending == pending:
                 if self._copied(version):

@@ -208,11 +208,13 @@ def test_a_safe_point_resumes_once_the_copy_ended_and_the_header_says_when(
         resumed = threading.Event()
         stop = threading.Event()
         times: list = []
+        seen: list = []
 
         def serve() -> None:
             while not stop.is_set() and engine.closed is None:
                 if engine.safe_point(timeout=LIMIT):
                     times.append(time.time())
+                    seen.append(engine.version)  # Committed delivered before the return
                     resumed.set()
                 time.sleep(0.001)  # a forward step
 
@@ -231,8 +233,13 @@ def test_a_safe_point_resumes_once_the_copy_ended_and_the_header_says_when(
         assert before <= copied_at <= after
         assert times[0] >= copied_at  # never before the copy ended
         assert [v for v, _ in engine.pauses] == [2]
-        kinds = [(e.kind, e.version) for e in first_events(engine, 2)]
-        assert kinds == [("commit_pending", 2), ("committed", 2)]
+        events = first_events(engine, 2)
+        assert [(e.kind, e.version) for e in events] == [("commit_pending", 2), ("committed", 2)]
+        # With the futex the safe point itself delivers Committed from the
+        # header as it wakes; without it, the stream's message ends the pause.
+        assert events[1].via == ("arena" if futex else "stream")
+        assert events[1].refit_id == result.refit_id
+        assert seen == [2]
         assert engine.version == 2 and engine.fingerprint == result.fingerprint
 
 

@@ -19,6 +19,9 @@ With coordinate=True the daemon waits, before each commit copies, until the
 engine has passed a safe_point() (or --engine-quiesce-timeout passes: then the
 commit does not happen). Without it the engine only learns of versions, and
 `consistent(fn)` re-runs `fn` until it read one version (the arena's seqlock).
+Committed events come from the arena's header the moment the daemon's copy
+ends (a thread asleep on the header's futex delivers them), ahead of the same
+message on the stream, which is then dropped.
 The tensors are views of memory mapped read-only: writing to one kills the
 process (SIGSEGV).
 """
@@ -448,7 +451,10 @@ class AttachedEngine:
             return self._closed
 
     def on_event(self, callback: Callable[[EngineEvent], None]) -> None:
-        """Calls `callback(event)` on the reader thread for every later event."""
+        """Calls `callback(event)` for every later event, one at a time and in
+        order: on the stream's reader thread, the arena watcher's, or (for a
+        coordinated commit's Committed) the thread in safe_point(). A slow
+        callback delays the next event, and a safe point's return."""
         self._callbacks.append(callback)
 
     def events(self, timeout: Optional[float] = None) -> Iterator[EngineEvent]:

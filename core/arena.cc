@@ -149,7 +149,7 @@ namespace {
 template <size_t N>
 void SetTextField(char (&field)[N], absl::string_view text) {
   std::memset(field, 0, N);
-  if (text.size() < N) std::memcpy(field, text.data(), text.size());
+  if (!text.empty() && text.size() < N) std::memcpy(field, text.data(), text.size());
 }
 
 }  // namespace

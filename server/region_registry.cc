@@ -77,11 +77,10 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
 
 bool Region::faulted() const { return guard_slot_ >= 0 && SigbusGuard::Faulted(guard_slot_); }
 
-absl::Status Region::CheckIntact(absl::string_view tensor, int64_t more) const {
+absl::Status Region::CheckIntact(absl::string_view tensor) const {
   if (!faulted()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      "tensor ", core::QuoteText(tensor),
-      more > 0 ? absl::StrCat(" (and ", more, " more read from it)") : "", ": region \"", id_,
+      "tensor ", core::QuoteText(tensor), ": region \"", id_,
       "\" was truncated while in use: its file shrank below the registered size ", size_,
       " while refitd read it (the bytes read are not the trainer's; a memfd sealed with "
       "F_SEAL_SHRINK cannot shrink); register it again"));
@@ -90,19 +89,13 @@ absl::Status Region::CheckIntact(absl::string_view tensor, int64_t more) const {
 void RegionReads::Add(const std::shared_ptr<const Region>& region, absl::string_view tensor) {
   if (!region->guarded()) return;
   absl::MutexLock lock(&mu_);
-  Read& read = read_[region.get()];
-  if (read.region == nullptr) {
-    read.region = region;
-    read.first = std::string(tensor);
-  }
-  read.tensors.insert(std::string(tensor));
+  read_.try_emplace(region.get(), region, tensor);  // the first tensor stays
 }
 
 absl::Status RegionReads::Check() const {
   absl::MutexLock lock(&mu_);
   for (const auto& [key, read] : read_) {
-    const int64_t more = static_cast<int64_t>(read.tensors.size()) - 1;
-    if (absl::Status s = read.region->CheckIntact(read.first, more); !s.ok()) return s;
+    if (absl::Status s = read.first->CheckIntact(read.second); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

@@ -59,7 +59,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -98,9 +97,8 @@ class Region {
   bool guarded() const { return guard_slot_ >= 0; }
   // A guarded region's file shrank under a read: its mapping reads zeros.
   bool faulted() const;
-  // FAILED_PRECONDITION naming `tensor` (and how many `more` were read
-  // from the region) when faulted(), else OK.
-  absl::Status CheckIntact(absl::string_view tensor, int64_t more = 0) const;
+  // FAILED_PRECONDITION naming `tensor` when faulted(), else OK.
+  absl::Status CheckIntact(absl::string_view tensor) const;
 
   // The bytes [offset, offset + length): a span into the mapping (device
   // addresses for kCudaIpc), or read
@@ -124,8 +122,8 @@ class Region {
   std::unique_ptr<core::CudaIpcAllocation> cuda_;
 };
 
-// The guarded regions one refit read from, and a tensor of each (for the
-// error). Check() runs once the refit has read its last byte. Thread-safe:
+// The guarded regions one refit read from, and the first tensor read from
+// each (for the error). Check() runs once the refit has read its last byte. Thread-safe:
 // the refit's streams add concurrently.
 class RegionReads {
  public:
@@ -136,12 +134,9 @@ class RegionReads {
 
  private:
   mutable absl::Mutex mu_;
-  struct Read {
-    std::shared_ptr<const Region> region;
-    std::string first;  // the first tensor read from it
-    absl::flat_hash_set<std::string> tensors;
-  };
-  std::map<const Region*, Read> read_ ABSL_GUARDED_BY(mu_);
+  // Each region, held, with the first tensor read from it.
+  std::map<const Region*, std::pair<std::shared_ptr<const Region>, std::string>> read_
+      ABSL_GUARDED_BY(mu_);
 };
 
 class RegionRegistry {

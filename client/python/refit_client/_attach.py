@@ -417,8 +417,7 @@ class AttachedEngine:
                     self._cv.wait(0.25)
                     continue
             seq, _version = self.header()
-            if seq % 2 == 0:
-                self._deliver_from_arena()
+            self._deliver_from_arena()  # nothing while a copy is under way
             # Sleeps until the next copy ends (or seq already moved on: at
             # once); slices bound how long a close takes to be noticed.
             futex.wait(seq & 0xFFFFFFFF, 0.25)

@@ -17,7 +17,8 @@
 #   scripts/gpu-check.sh             all of it, plus the GPU benchmark
 #
 # Output: a table (printed last) and JSON in $OUT/gpu-check-results.json when
-# $OUT is a directory, else ./gpu-check-results.json (the caller's directory).
+# $OUT is a directory, else ./gpu-check-results.json (the caller's directory);
+# the ctest, benchmark and build logs beside it (gpu-check-*.log).
 # Environment: PYTHON (a python with torch; default python3, then .venv),
 # GPU_CHECK_BUILD_DIR (default build-gpu-check), JOBS (default nproc),
 # GPU_CHECK_BENCH_ARGS (extra refit_gpu_bench flags, e.g. --quick).
@@ -285,6 +286,13 @@ else
     "refit_gpu_bench rc=$bench_rc"
 fi
 
+# The full logs go beside the results (a failing test's output is in the
+# ctest log only).
+LOG_DIR=$(dirname "$RESULTS")
+for f in ctest.log bench.log build.log; do
+  if [ -f "$WORK/$f" ]; then cp "$WORK/$f" "$LOG_DIR/gpu-check-$f"; fi
+done
+
 # --------------------------------------------------------------- report ----
 python3 - "$WORK" "$RESULTS" "$MODE" "$START" "$TORCH_VERSION" "$TORCH_CUDA" "$NVCC_VERSION" \
     "$GPU_NAME" "$ctest_rc" "$bench_rc" <<'EOF'
@@ -357,7 +365,9 @@ if bench and not bench.get('skipped'):
     if c:
         rows.append(('commit (device copies + event)', 'ok' if c['pass'] else 'MISS',
                      f"{c['commit_over_plain']:.2f} x plain",
-                     f"{c['commit_s']*1e3:.2f} vs {c['plain_copy_s']*1e3:.2f} ms (target <= 1.2)"))
+                     f"{c['commit_s']*1e3:.2f} vs {c['plain_copy_s']*1e3:.2f} ms (target <= 1.2); "
+                     f"{c['copies']} copies one cudaMemcpyAsync each: "
+                     f"{c.get('memcpy_each_s', float('nan'))*1e3:.2f} ms"))
     for r in bench.get('refit', []):
         gib = r['model_bytes_bf16'] / 2**30
         rows.append((f"refit e2e {gib:.0f} GiB bf16->fp8", 'ok' if r['cpu_parity_first_tensor'] else 'PARITY',

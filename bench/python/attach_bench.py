@@ -22,6 +22,11 @@ measures, over --reps repetitions (medians):
              (libc memcpy, warm buffers, as the prefaulted arena is) plus an ack round trip
              (a GetStatus call), both measured right before each push
 
+With --device=cuda:N the daemon keeps the kernels on that GPU: the engine's
+tensors are CUDA tensors opened from the arena's CUDA IPC handle, the read
+reference is device-to-device copies out of ordinary device memory, and the
+pause reference is one device-to-device copy of the kernel bytes.
+
 Pushes alternate the checkpoint and a perturbed copy, so every commit copies
 new bytes. Prints {"figures": [...], "series": {...}} on stdout (the format
 scripts/bench.sh merges) and the figures on stderr.
@@ -54,9 +59,10 @@ from refit_client import RefitClient, attach  # noqa: E402
 from bench_figures import figure  # noqa: E402
 
 
-def start_refitd(refitd: str, model_dir: str, sock: str) -> subprocess.Popen:
+def start_refitd(refitd: str, model_dir: str, sock: str, device: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [refitd, f"--model={model_dir}", f"--listen=unix:{sock}", "--engine-quiesce-timeout=60s"],
+        [refitd, f"--model={model_dir}", f"--listen=unix:{sock}", "--engine-quiesce-timeout=60s",
+         f"--device={device}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -75,10 +81,17 @@ def load(model_dir: str) -> Dict[str, torch.Tensor]:
     return out
 
 
+def sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def copy_all(sources: List[torch.Tensor], sinks: List[torch.Tensor]) -> float:
+    sync(sources[0])
     start = time.perf_counter()
     for s, d in zip(sources, sinks):
         d.copy_(s)
+    sync(sources[0])
     return time.perf_counter() - start
 
 
@@ -87,13 +100,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--model_dir", required=True)
     parser.add_argument("--refitd", default=str(REPO / "build" / "bin" / "refitd"))
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="refitd's --device (cpu or cuda:N)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a memcpy per tensor on both sides
 
     work = tempfile.mkdtemp(prefix="rfa-", dir="/tmp")
     sock = f"{work}/s.sock"
     address = f"unix:{sock}"
-    proc = start_refitd(args.refitd, args.model_dir, sock)
+    proc = start_refitd(args.refitd, args.model_dir, sock, args.device)
     series: Dict[str, List[float]] = {k: [] for k in (
         "attach_s", "readtensor_s", "engine_read_s", "private_read_s", "committed_after_copy_s",
         "resumed_after_copy_s",
@@ -152,12 +166,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # the same load; nothing else runs in this process during a commit
         # (a spinning watcher here took a core from the copy and the GIL from
         # the engine's reader thread).
-        big_src = torch.ones(kernel_bytes, dtype=torch.uint8)
+        on_gpu = args.device.startswith("cuda")
+        big_src = torch.ones(kernel_bytes, dtype=torch.uint8, device=args.device)
         big_dst = torch.zeros_like(big_src)
         results = []
         for rep in range(args.reps):
-            start = time.perf_counter()
-            ctypes.memmove(big_dst.data_ptr(), big_src.data_ptr(), kernel_bytes)  # libc's, as refitd's
+            if on_gpu:
+                sync(big_src)
+                start = time.perf_counter()
+                big_dst.copy_(big_src)  # device to device, as refitd's commit
+                sync(big_src)
+            else:
+                start = time.perf_counter()
+                ctypes.memmove(big_dst.data_ptr(), big_src.data_ptr(), kernel_bytes)  # libc's, as refitd's
             series["memcpy_kernels_s"].append(time.perf_counter() - start)
             start = time.perf_counter()
             client.status()

@@ -63,15 +63,25 @@ class DeviceEvent {
   void* const event_;
 };
 
-// Enqueues every copy on `stream` in order and, if `done` is not null,
-// records `done` after the last one. Returns without waiting. The staged
-// sources must stay valid until `done` completes. INVALID_ARGUMENT for a
-// negative size or a null pointer with bytes > 0 (nothing is enqueued then);
-// INTERNAL for CUDA errors (copies before the failing one may have been
-// enqueued: the caller aborts the commit and must restore from its staging,
-// which is unchanged).
+// How EnqueueDeviceCopies moves the bytes.
+enum class CopyMethod {
+  // Copies whose source and destination are both memory of the stream's
+  // device go in one kernel launch per 256 copies; the rest (host memory,
+  // another device's) one cudaMemcpyAsync each.
+  kBatched,
+  // One cudaMemcpyAsync per copy (for comparison in benchmarks).
+  kMemcpyEach,
+};
+
+// Enqueues every copy on `stream` and, if `done` is not null, records `done`
+// after the last one. Returns without waiting. The copies must not overlap
+// one another (they may run in any order before `done`). The staged sources
+// must stay valid until `done` completes. INVALID_ARGUMENT for a negative
+// size or a null pointer with bytes > 0 (nothing is enqueued then); INTERNAL
+// for CUDA errors (some copies may have been enqueued: the caller aborts the
+// commit and must restore from its staging, which is unchanged).
 absl::Status EnqueueDeviceCopies(absl::Span<const DeviceCopy> copies, void* stream,
-                                 DeviceEvent* done);
+                                 DeviceEvent* done, CopyMethod method = CopyMethod::kBatched);
 
 }  // namespace refit::core::cuda
 

@@ -294,6 +294,7 @@ TEST(Fp8CudaGpuTest, SkippedWithoutCudaBuild) {
 
 #else  // REFIT_WITH_CUDA
 
+using cuda::CopyMethod;
 using cuda::CudaDeviceCount;
 using cuda::DeviceCopy;
 using cuda::DeviceEvent;
@@ -666,6 +667,52 @@ TEST_F(DeviceCommitGpuTest, CopiesInPlaceAndSignalsTheEvent) {
   for (size_t i = 0; i < live.size(); ++i) {
     EXPECT_EQ(live[i].data_ptr(), pointers_before[i]);
     EXPECT_TRUE(at::equal(live[i].cpu(), staged[i].cpu())) << "copy " << i;
+  }
+}
+
+TEST_F(DeviceCommitGpuTest, BatchedKernelAndMemcpyEachGiveTheSameBytesForEveryKindOfCopy) {
+  // Device copies of every alignment go to the batched kernel; a pinned host
+  // source goes to cudaMemcpyAsync; both methods must write the same bytes
+  // and nothing outside the destinations.
+  const at::TensorOptions device_bytes = at::TensorOptions().dtype(at::kByte).device(at::kCUDA);
+  const int64_t kTile = int64_t{64} << 10;
+  struct Case {
+    int64_t bytes, src_off, dst_off;
+    bool host_src;
+  };
+  const std::vector<Case> cases = {{4, 0, 0, false},
+                                   {1, 3, 7, false},
+                                   {kTile + 17, 5, 5, false},
+                                   {3 * kTile + 1000, 0, 0, false},
+                                   {2 * kTile + 3, 1, 2, false},
+                                   {(int64_t{5} << 20) + 9, 0, 0, false},
+                                   {70000, 0, 0, true}};
+  for (CopyMethod method : {CopyMethod::kBatched, CopyMethod::kMemcpyEach}) {
+    std::vector<at::Tensor> live, staged;
+    std::vector<DeviceCopy> copies;
+    for (const Case& c : cases) {
+      live.push_back(at::full({c.bytes + c.dst_off + 64}, 0xEE, device_bytes));
+      at::Tensor src =
+          at::randint(0, 256, {c.bytes + c.src_off}, at::TensorOptions().dtype(at::kByte));
+      staged.push_back(c.host_src ? src.pin_memory() : src.to(at::kCUDA));
+      copies.push_back({static_cast<uint8_t*>(live.back().data_ptr()) + c.dst_off,
+                        static_cast<const uint8_t*>(staged.back().data_ptr()) + c.src_off,
+                        c.bytes});
+    }
+    absl::StatusOr<std::unique_ptr<DeviceEvent> > done = DeviceEvent::Create(0);
+    ASSERT_TRUE(done.ok()) << done.status();
+    ASSERT_TRUE(EnqueueDeviceCopies(copies, nullptr, done->get(), method).ok());
+    ASSERT_TRUE((*done)->Wait().ok());
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      at::Tensor out = live[i].cpu();
+      at::Tensor want = staged[i].cpu().narrow(0, c.src_off, c.bytes);
+      EXPECT_TRUE(at::equal(out.narrow(0, c.dst_off, c.bytes), want))
+          << "case " << i << (method == CopyMethod::kBatched ? " batched" : " memcpy");
+      EXPECT_EQ(out.narrow(0, 0, c.dst_off).ne(0xEE).sum().item<int64_t>(), 0) << "case " << i;
+      EXPECT_EQ(out.narrow(0, c.dst_off + c.bytes, 64).ne(0xEE).sum().item<int64_t>(), 0)
+          << "case " << i << ": wrote past the end";
+    }
   }
 }
 

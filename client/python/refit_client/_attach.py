@@ -22,8 +22,10 @@ commit does not happen). Without it the engine only learns of versions, and
 Committed events come from the arena's header the moment the daemon's copy
 ends (a thread asleep on the header's futex delivers them), ahead of the same
 message on the stream, which is then dropped.
-The tensors are views of memory mapped read-only: writing to one kills the
-process (SIGSEGV).
+The CPU tensors are views of memory mapped read-only: writing to one kills the
+process (SIGSEGV). CUDA IPC has no read-only mapping: the CUDA tensors are
+writable, and an engine that writes to one changes what every attached
+engine serves until the next commit overwrites those bytes.
 """
 
 from __future__ import annotations
@@ -148,8 +150,20 @@ def _receive_fd(path: str, ticket: str, timeout: float) -> int:
         raise PermissionDenied(f"attach: the daemon refused the arena descriptor: {text}")
 
 
+class _CudaIpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
 class _CudaIpc:
-    """cudaIpcOpenMemHandle through the CUDA runtime torch has loaded."""
+    """cudaIpcOpenMemHandle through the CUDA runtime torch has loaded.
+
+    A handle is opened once per process and stays mapped: tensors built on
+    it may outlive the attachment, and opening the same allocation twice in
+    one process is an error, so a second attach to the same arena reuses the
+    first mapping."""
+
+    _opened: Dict[Tuple[bytes, int], int] = {}
+    _opened_mu = threading.Lock()
 
     def __init__(self) -> None:
         import torch
@@ -166,31 +180,54 @@ class _CudaIpc:
         self.rt = ctypes.CDLL(lib)
 
     def open(self, handle: bytes, device: int) -> int:
+        if len(handle) != ctypes.sizeof(_CudaIpcMemHandle):
+            raise RefitError(
+                f"attach: the daemon sent a CUDA IPC handle of {len(handle)} bytes, "
+                f"expected {ctypes.sizeof(_CudaIpcMemHandle)}"
+            )
+        with _CudaIpc._opened_mu:
+            ptr = _CudaIpc._opened.get((handle, device))
+            if ptr is None:
+                ptr = self._open(handle, device)
+                _CudaIpc._opened[(handle, device)] = ptr
+            return ptr
+
+    def _open(self, handle: bytes, device: int) -> int:
         import torch
 
         with torch.cuda.device(device):
             ptr = ctypes.c_void_p()
-            h = (ctypes.c_byte * 64).from_buffer_copy(handle)
-            # cudaIpcMemLazyEnablePeerAccess = 1; the handle is passed by value.
+            # cudaIpcMemHandle_t is a struct passed by value (an array
+            # argument would decay to a pointer); flag 1 is
+            # cudaIpcMemLazyEnablePeerAccess.
             self.rt.cudaIpcOpenMemHandle.argtypes = [
                 ctypes.POINTER(ctypes.c_void_p),
-                ctypes.c_byte * 64,
+                _CudaIpcMemHandle,
                 ctypes.c_uint,
             ]
-            err = self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, 1)
+            self.rt.cudaIpcOpenMemHandle.restype = ctypes.c_int
+            err = self.rt.cudaIpcOpenMemHandle(
+                ctypes.byref(ptr), _CudaIpcMemHandle.from_buffer_copy(handle), 1
+            )
             if err != 0:
+                # The runtime keeps the error as the thread's last error;
+                # clear it, or torch's next CUDA call would report it.
+                self.rt.cudaGetLastError()
                 raise RefitError(f"attach: cudaIpcOpenMemHandle failed (CUDA error {err})")
             return int(ptr.value or 0)
 
 
 class _DevicePointer:
-    """Presents a device allocation to torch.as_tensor as uint8 bytes."""
+    """Presents a device allocation to torch.as_tensor as uint8 bytes.
+
+    Not flagged read-only: torch refuses that flag for CUDA memory, and a
+    CUDA IPC mapping is read-write anyway (see the module docstring)."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
-            "data": (ptr, True),
+            "data": (ptr, False),
             "version": 2,
         }
 

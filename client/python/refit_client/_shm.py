@@ -186,6 +186,27 @@ def _shared_storage(src: _tensors.Source) -> Optional[Tuple[Any, int, int, int]]
     return storage, int(fd), t.data_ptr() - storage.data_ptr(), int(size)
 
 
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def cuda_ipc_mem_handle(shared: object) -> Optional[bytes]:
+    """The cudaIpcMemHandle_t inside the handle torch's caching allocator
+    shares (``UntypedStorage._share_cuda_()[1]``), or None when there is none.
+
+    Older torch returns the 64 handle bytes alone. Newer torch prefixes them
+    with a version byte and a type byte: ``'c'`` for a block of a cudaMalloc
+    allocation (the 64 bytes follow), ``'e'`` for an expandable segment
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), which has no
+    cudaIpcMemHandle_t and cannot be opened by another process this way."""
+    if not isinstance(shared, bytes):
+        return None
+    if len(shared) == CUDA_IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) == CUDA_IPC_HANDLE_BYTES + 2 and shared[1:2] == b"c":
+        return shared[2:]
+    return None
+
+
 def _cuda_allocation(src: _tensors.Source) -> Optional[Tuple[bytes, bytes, int, int, int]]:
     """(IPC handle, GPU UUID, device index, byte offset of the tensor in the
     allocation, end of its storage there) for a CUDA torch tensor, else None
@@ -201,8 +222,9 @@ def _cuda_allocation(src: _tensors.Source) -> Optional[Tuple[bytes, bytes, int, 
         shared = storage._share_cuda_()
     except (RuntimeError, AttributeError):
         return None
-    handle, size_bytes, offset_bytes = shared[1], int(shared[2]), int(shared[3])
-    if not isinstance(handle, bytes) or len(handle) != 64:
+    handle = cuda_ipc_mem_handle(shared[1])
+    size_bytes, offset_bytes = int(shared[2]), int(shared[3])
+    if handle is None:
         return None
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     uuid = bytes(torch.cuda.get_device_properties(index).uuid.bytes)
@@ -408,6 +430,11 @@ class ShmLane:
         for i, src in enumerate(sources):
             alloc = _cuda_allocation(src)
             if alloc is None:
+                if src.tensor is not None and src.tensor.device.type == "cuda":
+                    self.cuda_ipc_fallback_reason = (
+                        f"tensor {src.name!r}: its CUDA allocation has no cudaIpcMemHandle "
+                        "(expandable segments?); CUDA tensors without one are copied"
+                    )
                 continue
             handle, uuid, index, offset, end = alloc
             found[i] = (handle, offset)

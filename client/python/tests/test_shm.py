@@ -325,6 +325,20 @@ def test_a_daemon_that_cannot_open_cuda_tensors_gets_them_copied_from_then_on(
     assert asked == []
 
 
+def test_the_ipc_handle_inside_torchs_shareable_handle_is_found():
+    raw = bytes(range(64))
+    # torch before 2.4: the cudaIpcMemHandle_t alone.
+    assert _shm.cuda_ipc_mem_handle(raw) == raw
+    # Later torch: a version byte, 'c' for a cudaMalloc block, then the handle.
+    assert _shm.cuda_ipc_mem_handle(b"\x02c" + raw) == raw
+    assert _shm.cuda_ipc_mem_handle(b"\x03c" + raw) == raw
+    # An expandable segment has no cudaIpcMemHandle_t; nor has anything else.
+    assert _shm.cuda_ipc_mem_handle(b"\x02e" + raw) is None
+    assert _shm.cuda_ipc_mem_handle(b"\x02c" + raw[:63]) is None
+    assert _shm.cuda_ipc_mem_handle(raw[:63]) is None
+    assert _shm.cuda_ipc_mem_handle("c" * 66) is None
+
+
 @pytest.mark.gpu
 def test_cuda_tensors_go_by_ipc_handle_with_no_client_copy(client, daemon, seed2):
     if not torch.cuda.is_available():

@@ -1,0 +1,16 @@
+// Launches of the batched copy kernel (copy_kernels.cuh) for device_commit.cc.
+#include <cuda_runtime.h>
+
+#include "core/cuda/copy_kernels.cuh"
+
+namespace refit::core::cuda::copy_kernels {
+
+cudaError_t LaunchCopyBatch(const CopyBatch& batch, cudaStream_t stream) {
+  const int64_t tiles = batch.first_tile[batch.count];
+  if (tiles == 0) return cudaSuccess;
+  if (tiles > 0x7fffffff) return cudaErrorInvalidValue;
+  BatchedCopyKernel<<<static_cast<unsigned>(tiles), kCopyThreads, 0, stream>>>(batch);
+  return cudaGetLastError();
+}
+
+}  // namespace refit::core::cuda::copy_kernels

@@ -21,6 +21,12 @@ refit (FP8, commit) of the whole checkpoint pushed by the Python client:
   memcpy      one memcpy of a buffer of the checkpoint's size (numpy copyto,
               one thread)
 
+With --device=cuda:N refitd keeps the kernels on that GPU (it quantizes
+there), and one more lane is timed:
+
+  shm_cuda    lane="shm" from CUDA tensors of the client: handed over by CUDA
+              IPC handle, read device to device
+
 and, for each lane, the CPU seconds per GiB refitd spent (utime + stime
 from /proc) and the client spent (process_time): on a shared machine the
 wall-clock ratios follow the load, the CPU per GiB does not.
@@ -58,9 +64,11 @@ from refit_client import RefitClient, shared_tensors  # noqa: E402
 from bench_figures import figure  # noqa: E402
 
 
-def start_refitd(refitd: str, model_dir: str, sock: str, log_path: str) -> subprocess.Popen:
+def start_refitd(refitd: str, model_dir: str, sock: str, log_path: str,
+                 device: str) -> subprocess.Popen:
     log = open(log_path, "w")
-    proc = subprocess.Popen([refitd, f"--model={model_dir}", f"--listen=unix:{sock}"],
+    proc = subprocess.Popen([refitd, f"--model={model_dir}", f"--listen=unix:{sock}",
+                             f"--device={device}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
 
@@ -100,6 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="2 repetitions; the 119 MiB model when --model_dir is not given")
     parser.add_argument("--workdir", default="")
+    parser.add_argument("--device", default="cpu", help="refitd's --device (cpu or cuda:N)")
     args = parser.parse_args(argv)
     if args.quick:
         args.reps = min(args.reps, 2)
@@ -118,14 +127,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shared = [{k: v.clone().share_memory_() for k, v in w.items()} for w in (weights, perturbed)]
     private = [weights, perturbed]
     arenas = [shared_tensors(w) for w in (weights, perturbed)]
+    on_gpu = args.device.startswith("cuda")
+    cuda = [{k: v.to(args.device) for k, v in w.items()} for w in (weights, perturbed)] if on_gpu else []
+    kinds = ("shm_copy", "grpc", "shm_shared", "shm_arena") + (("shm_cuda",) if on_gpu else ())
 
     series: Dict[str, List[float]] = {k: [] for k in (
-        "shm_copy_s", "shm_shared_s", "shm_arena_s", "grpc_s", "memcpy_s",
+        "shm_copy_s", "shm_shared_s", "shm_arena_s", "shm_cuda_s", "grpc_s", "memcpy_s",
         "shm_copy_receive_s", "grpc_receive_s", "shm_copy_daemon_cpu_s",
         "shm_shared_daemon_cpu_s", "shm_arena_daemon_cpu_s", "grpc_daemon_cpu_s",
         "shm_copy_client_cpu_s", "shm_shared_client_cpu_s", "shm_arena_client_cpu_s",
-        "grpc_client_cpu_s")}
-    proc = start_refitd(args.refitd, args.model_dir, sock, f"{work}/refitd-shm.log")
+        "grpc_client_cpu_s", "shm_cuda_daemon_cpu_s", "shm_cuda_client_cpu_s")}
+    proc = start_refitd(args.refitd, args.model_dir, sock, f"{work}/refitd-shm.log", args.device)
     first_register_s = 0.0
     try:
         client = RefitClient(address, timeout=600)
@@ -137,13 +149,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         client.push(private[1], lane="shm")
         client.push(arenas[1], lane="shm")
         client.push(private[0], lane="grpc")
+        if on_gpu:
+            client.push(cuda[1], lane="shm")
         src = np.ones(total, dtype=np.uint8)
         dst = np.empty_like(src)
         np.copyto(dst, src)
         k = 0
         for _ in range(args.reps):
-            for kind in ("shm_copy", "grpc", "shm_shared", "shm_arena"):
-                w = {"shm_shared": shared, "shm_arena": arenas}.get(kind, private)[k % 2]
+            for kind in kinds:
+                w = {"shm_shared": shared, "shm_arena": arenas, "shm_cuda": cuda}.get(kind, private)[k % 2]
                 k += 1
                 daemon_cpu = process_cpu(proc.pid)
                 client_cpu = time.process_time()
@@ -152,6 +166,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 series[f"{kind}_s"].append(time.perf_counter() - start)
                 series[f"{kind}_daemon_cpu_s"].append(process_cpu(proc.pid) - daemon_cpu)
                 series[f"{kind}_client_cpu_s"].append(time.process_time() - client_cpu)
+                for phase in ("receive", "quantize", "finalize", "commit"):
+                    series.setdefault(f"{kind}_{phase}_phase_s", []).append(
+                        getattr(r.timings, f"{phase}_seconds"))
                 if kind == "shm_copy":
                     series["shm_copy_receive_s"].append(r.timings.receive_seconds)
                 if kind == "grpc":
@@ -160,6 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             np.copyto(dst, src)
             series["memcpy_s"].append(time.perf_counter() - start)
         copied_shared = client._shm.last_copied_bytes if client._shm else -1
+        cuda_fallback = client.cuda_ipc_fallback_reason
         client.close()
     finally:
         proc.terminate()
@@ -176,7 +194,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def gbps(seconds: float) -> float:
         return total / seconds / 1e9 if seconds else 0.0
 
-    label = f"{mib:.0f} MiB bf16"
+    label = f"{mib:.0f} MiB bf16" + (f", store on {args.device}" if on_gpu else "")
     figures = [
         figure(f"shm lane push, full refit (FP8 per-tensor, commit), private tensors, {label}",
                gbps(med["shm_copy_s"]), "GB/s", "gRPC Push of the same tensors (Python client)",
@@ -199,6 +217,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         figure(f"shm lane push, full refit, tensors from shared_tensors() (sealed memfd), {label}",
                gbps(med["shm_arena_s"]), "GB/s", "memcpy of the same bytes (one thread)",
                gbps(med["memcpy_s"]), ">= 0.5"),
+    ]
+    if on_gpu:
+        figures += [
+            figure(f"shm lane push, full refit into {args.device}, CUDA tensors by IPC handle, {label}",
+                   gbps(med["shm_cuda_s"]), "GB/s", "gRPC Push of the same tensors (Python client)",
+                   gbps(med["grpc_s"]), ">= 3",
+                   f"device to device; fallback reason: {cuda_fallback}"),
+            figure(f"shm lane push, full refit into {args.device}, CUDA tensors by IPC handle, {label}",
+                   gbps(med["shm_cuda_s"]), "GB/s", "memcpy of the same bytes (one thread)",
+                   gbps(med["memcpy_s"]), ">= 0.5"),
+        ]
+    figures += [
         figure("refitd CPU per GiB, shm lane push (shared_tensors(), mapped)",
                med["shm_arena_daemon_cpu_s"] / gib, "CPU s/GiB", "refitd CPU per GiB, gRPC Push",
                med["grpc_daemon_cpu_s"] / gib, ""),
@@ -219,8 +249,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                med["shm_shared_s"], ""),
     ]
     for f in figures:
+        ratio = "n/a" if f["ratio"] is None else f"{f['ratio']:.3f}"
         print(f"{f['name']}: {f['value']:.3f} {f['unit']} vs {f['reference_name']} "
-              f"{f['reference_value']:.3f} -> {f['ratio']:.3f} (target {f['target']}, met {f['met']})",
+              f"{f['reference_value']:.3f} -> {ratio} (target {f['target']}, met {f['met']})",
               file=sys.stderr)
     print(json.dumps({"figures": figures, "series": series, "bytes": total,
                       "load": os.getloadavg()}, indent=1))

@@ -27,7 +27,7 @@
 namespace refit::core::cuda::copy_kernels {
 
 inline constexpr int kCopyThreads = 256;
-inline constexpr int kCopyBatch = 256;                 // copies per launch
+inline constexpr int kCopyBatch = 256;                    // copies per launch
 inline constexpr int64_t kTileBytes = int64_t{64} << 10;  // bytes per thread block
 
 struct CopyBatch {

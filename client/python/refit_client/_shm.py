@@ -44,7 +44,7 @@ import os
 import socket
 import threading
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 import grpc
 import numpy as np
@@ -56,7 +56,12 @@ from .errors import RefitError, ResourceExhausted, from_rpc_error
 
 _ALIGN = 256
 # Shared storages registered per client; the oldest is dropped beyond this.
-MAX_CACHED_REGIONS = 512
+# The daemon's own limits (--max-regions-per-caller, 1024 by default, and
+# --max-region-bytes-per-caller) are met by dropping the least recently used
+# storages that the push in progress does not use, as its refusals come.
+MAX_CACHED_REGIONS = 4096
+# Registrations dropped at a time when the daemon refuses one over its limits.
+_EVICT_BATCH = 64
 _FD_SOCKET_TIMEOUT = 10.0
 
 
@@ -342,6 +347,8 @@ class ShmLane:
         self._shared: "collections.OrderedDict[Tuple[int, int], Tuple[Lease, Any]]" = (
             collections.OrderedDict()
         )
+        # The cached storages the push being planned uses (never evicted for it).
+        self._push_keys: Set[Tuple[int, int]] = set()
         self._staging: Optional[Staging] = None
         self._staging_lease: Optional[Lease] = None
         # Bytes copied into the staging region by the last push (0: every
@@ -360,16 +367,44 @@ class ShmLane:
         hit = self._shared.get(key)
         if hit is not None and hit[0].size >= size and hit[0].alive():
             self._shared.move_to_end(key)
+            self._push_keys.add(key)
             return hit[0]
         if hit is not None:
             hit[0].release()
-        lease = register(self._stub, self._metadata, fd, size, "shared storage", self._address)
+        while True:
+            try:
+                lease = register(
+                    self._stub, self._metadata, fd, size, "shared storage", self._address
+                )
+                break
+            except ResourceExhausted:
+                # Over the daemon's per-caller limits: make room, or give up.
+                if self._evict(_EVICT_BATCH) == 0:
+                    raise
         # The storage is kept so that its inode (the key) is not reused.
         self._shared[key] = (lease, storage)
+        self._push_keys.add(key)
         while len(self._shared) > MAX_CACHED_REGIONS:
             _, (old, _) = self._shared.popitem(last=False)
             old.release()
         return self._shared[key][0]
+
+    def _evict(self, count: int) -> int:
+        """Unregisters up to `count` cached shared storages, least recently
+        used first, that the push in progress has not used; returns how many.
+        UnregisterRegion is answered once the daemon has dropped the region,
+        so the room is there for the next registration."""
+        victims = [k for k in self._shared if k not in self._push_keys][:count]
+        for key in victims:
+            lease, _ = self._shared.pop(key)
+            try:
+                self._stub.UnregisterRegion(
+                    rpb.UnregisterRegionRequest(region_id=lease.region_id), metadata=self._metadata
+                )
+            except grpc.RpcError:
+                pass  # gone already; cancelling the lease below releases it anyway
+            lease.release()
+        return len(victims)
 
     def plan(
         self, sources: List[_tensors.Source], staging_limit: Optional[int] = None
@@ -378,6 +413,7 @@ class ShmLane:
         into the staging region first. Registers what is new. With
         `staging_limit`, a push that would need a larger staging region is
         ResourceExhausted before anything is registered."""
+        self._push_keys = set()
         cuda = self._plan_cuda(sources)
         if staging_limit is not None:
             need = sum(
@@ -451,9 +487,20 @@ class ShmLane:
         leases: Dict[bytes, Lease] = {}
         try:
             for handle, (uuid, size) in allocations.items():
-                lease = register_cuda(
-                    self._stub, self._metadata, handle, uuid, size, "cuda tensors", self._address
-                )
+                while True:
+                    try:
+                        lease = register_cuda(
+                            self._stub, self._metadata, handle, uuid, size, "cuda tensors",
+                            self._address,
+                        )
+                        break
+                    except ResourceExhausted as e:
+                        # Over the daemon's per-caller limits: drop cached
+                        # shared storages; with none left, copy them this time.
+                        if self._evict(_EVICT_BATCH) == 0:
+                            self.end_push()
+                            self.cuda_ipc_fallback_reason = str(e)
+                            return {}
                 self._cuda_leases.append(lease)
                 leases[handle] = lease
         except RefitError as e:
@@ -480,9 +527,15 @@ class ShmLane:
         self.drop_staging()
         staging = Staging(size)
         try:
-            self._staging_lease = register(
-                self._stub, self._metadata, staging.fd, size, "staging", self._address
-            )
+            while True:
+                try:
+                    self._staging_lease = register(
+                        self._stub, self._metadata, staging.fd, size, "staging", self._address
+                    )
+                    break
+                except ResourceExhausted:
+                    if self._evict(_EVICT_BATCH) == 0:
+                        raise
         except BaseException:
             staging.close()
             raise

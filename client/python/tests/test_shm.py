@@ -113,6 +113,33 @@ def test_tensors_in_shared_memory_go_without_a_client_copy(client, daemon, seed2
     assert len(client._shm.regions()) == count
 
 
+def test_shared_storages_beyond_the_daemons_region_limit_make_room_and_are_not_copied(
+    start_daemon, seed2
+):
+    # Two trainers' worth of weights in shared memory, 21 storages each,
+    # pushed in turn to a daemon that lets a caller hold 25 regions: each
+    # push drops registrations the other one made (least recently used
+    # first, never its own) instead of failing or copying.
+    d = start_daemon("--max-regions-per-caller=25")
+    with RefitClient(d.address, timeout=30) as client:
+        sets = [
+            {k: v.clone().share_memory_() for k, v in seed2.items()},
+            {k: (v * 1.5).share_memory_() for k, v in seed2.items()},
+        ]
+        expected = [client.push(w, lane="grpc").fingerprint for w in sets]
+        for round in range(4):
+            which = round % 2
+            result = client.push(sets[which], lane="shm")
+            assert result.fingerprint == expected[which], round
+            assert client._shm.last_copied_bytes == 0, round
+            assert len(client._shm.regions()) <= 25
+        # Every storage of the last push is still registered and reused.
+        count = len(client._shm.regions())
+        assert client.push(sets[1], lane="shm").fingerprint == expected[1]
+        assert len(client._shm.regions()) == count
+    assert d.proc.poll() is None
+
+
 def test_shared_tensors_are_one_sealed_mapped_region_and_go_without_any_copy(
     client, daemon, seed2
 ):

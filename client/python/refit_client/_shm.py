@@ -377,16 +377,19 @@ class ShmLane:
                     self._stub, self._metadata, fd, size, "shared storage", self._address
                 )
                 break
-            except ResourceExhausted:
+            except ResourceExhausted as e:
                 # Over the daemon's per-caller limits: make room, or give up.
                 if self._evict(_EVICT_BATCH) == 0:
-                    raise
+                    raise ResourceExhausted(
+                        f"{e.message}; this push's tensors are in {len(self._push_keys) + 1} "
+                        "or more shared storages, each its own region: put them in one with "
+                        "refit_client.shared_tensors(), or raise the daemon's limit"
+                    ) from None
         # The storage is kept so that its inode (the key) is not reused.
         self._shared[key] = (lease, storage)
         self._push_keys.add(key)
-        while len(self._shared) > MAX_CACHED_REGIONS:
-            _, (old, _) = self._shared.popitem(last=False)
-            old.release()
+        if len(self._shared) > MAX_CACHED_REGIONS:
+            self._evict(len(self._shared) - MAX_CACHED_REGIONS)
         return self._shared[key][0]
 
     def _evict(self, count: int) -> int:

@@ -25,6 +25,7 @@ from refit_client import (
     PermissionDenied,
     RefitClient,
     RefitError,
+    ResourceExhausted,
     shared_tensors,
 )
 from refit_client import _shm
@@ -137,6 +138,24 @@ def test_shared_storages_beyond_the_daemons_region_limit_make_room_and_are_not_c
         count = len(client._shm.regions())
         assert client.push(sets[1], lane="shm").fingerprint == expected[1]
         assert len(client._shm.regions()) == count
+    assert d.proc.poll() is None
+
+
+def test_one_push_in_more_shared_storages_than_the_limit_says_so_and_changes_nothing(
+    start_daemon, seed2
+):
+    d = start_daemon("--max-regions-per-caller=10")
+    with RefitClient(d.address, timeout=30) as client:
+        before = client.status()
+        shared = {k: v.clone().share_memory_() for k, v in seed2.items()}  # 21 storages
+        with pytest.raises(ResourceExhausted) as info:
+            client.push(shared, lane="shm")
+        assert "--max-regions-per-caller 10" in info.value.message
+        assert "shared_tensors()" in info.value.message
+        after = client.status()
+        assert (after.version, after.fingerprint) == (before.version, before.fingerprint)
+        # One region for all of them goes through.
+        assert client.push(shared_tensors(seed2), lane="shm").version == before.version + 1
     assert d.proc.poll() is None
 
 

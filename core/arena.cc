@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/parallel.h"
 #include "core/snapshot.h"
 
 #ifdef REFIT_WITH_CUDA
@@ -140,6 +141,41 @@ void StreamingCopy(void* dst, const void* src, size_t n) {
 #else
   std::memcpy(dst, src, n);
 #endif
+}
+
+void ParallelStreamingCopy(const std::vector<HostCopy>& copies, int threads) {
+  size_t total = 0;
+  for (const HostCopy& c : copies) total += c.n;
+  // Below a few MiB a helper's wake-up costs more than it saves.
+  constexpr size_t kBytesPerThread = size_t{4} << 20;
+  const int workers =
+      static_cast<int>(std::max<size_t>(1, std::min<size_t>(threads, total / kBytesPerThread)));
+  if (workers <= 1) {
+    for (const HostCopy& c : copies) StreamingCopy(c.dst, c.src, c.n);
+    return;
+  }
+  // Worker w copies bytes [bound(w), bound(w + 1)) of the copies laid end to
+  // end; boundaries on 64-byte multiples of that sequence.
+  auto bound = [&](int w) -> size_t {
+    if (w >= workers) return total;
+    return static_cast<size_t>(static_cast<unsigned __int128>(total) * w / workers) & ~size_t{63};
+  };
+  RunInParallel(workers, [&](int w) {
+    const size_t begin = bound(w), end = bound(w + 1);
+    size_t at = 0;  // where the current copy starts in the sequence
+    for (const HostCopy& c : copies) {
+      const size_t from = std::max(begin, at), to = std::min(end, at + c.n);
+      if (from < to) {
+        StreamingCopy(static_cast<char*>(c.dst) + (from - at),
+                      static_cast<const char*>(c.src) + (from - at), to - from);
+      }
+      at += c.n;
+      if (at >= end) break;
+    }
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+  });
 }
 
 namespace {

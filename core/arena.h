@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -91,6 +92,19 @@ inline int64_t ArenaAligned(int64_t bytes) {
 // as long through the cache. The stores are weakly ordered: EndWrite fences
 // them before it publishes the version. Plain memcpy off x86-64.
 void StreamingCopy(void* dst, const void* src, size_t n);
+
+// One host copy of a commit.
+struct HostCopy {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t n = 0;
+};
+
+// StreamingCopy of every copy, their bytes split evenly over up to `threads`
+// threads (core/parallel.h): one thread cannot fill a server's memory
+// bandwidth. Small totals use one thread. Every thread fences its own
+// stores, so all of them are ordered before what the caller stores next.
+void ParallelStreamingCopy(const std::vector<HostCopy>& copies, int threads);
 
 class HostArena {
  public:

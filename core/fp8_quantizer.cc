@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/fp8_quantizer_internal.h"
+#include "core/parallel.h"
 
 // x86-64 gets SSE2 packs and streaming stores, and AVX2 / AVX-512 variants;
 // elsewhere (or with REFIT_FP8_GENERIC, to test that path on x86) only the
@@ -665,6 +666,25 @@ class RangePool {
   std::atomic<int> pending_{0};  // ranges not yet finished, plus helpers inside Work()
 };
 
+// Runs task(i) for every i in [0, n), n >= 2: on the pool, or, when another
+// call holds it, on threads of this call's own.
+void RunTasks(int n, const std::function<void(int)>& task) {
+  if (RangePool::Get().TryRun(n, task)) return;
+  std::vector<std::thread> threads;
+  threads.reserve(n - 1);
+  int started = 1;
+  for (; started < n; ++started) {
+    try {
+      threads.emplace_back([&task, started] { task(started); });
+    } catch (const std::system_error&) {
+      break;  // out of threads: the remaining tasks run here
+    }
+  }
+  task(0);
+  for (int i = started; i < n; ++i) task(i);
+  for (std::thread& t : threads) t.join();
+}
+
 // Runs fn(worker, begin, end) for `workers` contiguous ranges covering
 // [0, count), every boundary but the last a multiple of `align`.
 template <typename Fn>
@@ -679,20 +699,7 @@ void ParallelRanges(int workers, int64_t count, int64_t align, const Fn& fn) {
     return;
   }
   const std::function<void(int)> range = [&](int w) { fn(w, bound(w), bound(w + 1)); };
-  if (RangePool::Get().TryRun(workers, range)) return;
-  std::vector<std::thread> threads;
-  threads.reserve(workers - 1);
-  int started = 1;
-  for (; started < workers; ++started) {
-    try {
-      threads.emplace_back([&range, started] { range(started); });
-    } catch (const std::system_error&) {
-      break;  // out of threads: the remaining ranges run here
-    }
-  }
-  range(0);
-  for (int w = started; w < workers; ++w) range(w);
-  for (std::thread& t : threads) t.join();
+  RunTasks(workers, range);
 }
 
 // ---------------------------------------------------------------------------
@@ -1164,6 +1171,15 @@ absl::Status QuantizeFp8Pieces(absl::Span<const absl::Span<const uint8_t>> piece
     row0 += piece_rows;
   }
   return absl::OkStatus();
+}
+
+void RunInParallel(int n, const std::function<void(int)>& task) {
+  if (n <= 0) return;
+  if (n == 1) {
+    task(0);
+    return;
+  }
+  RunTasks(n, task);
 }
 
 namespace internal {

@@ -9,6 +9,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -151,6 +152,38 @@ TEST(StreamingCopyTest, CopiesEveryByteAtAnyAlignmentAndLength) {
           << length << " bytes at offset " << offset;
       EXPECT_EQ(std::string(dst.data(), offset), std::string(offset, 'x'));
       EXPECT_EQ(dst[offset + length], 'x');
+    }
+  }
+}
+
+TEST(ParallelStreamingCopyTest, SplitsTheBytesOverThreadsAndCopiesEachExactlyOnce) {
+  // Copies of odd sizes and alignments, large enough together to be split
+  // (boundaries fall inside copies), into one buffer with gaps that must
+  // stay untouched.
+  const std::vector<size_t> sizes = {5,        (3 << 20) + 17, 64, 1,
+                                     4096 + 3, (7 << 20) + 1,  0,  (2 << 20) - 9,
+                                     255,      (5 << 20) + 64, 100};
+  size_t total = 0;
+  for (size_t n : sizes) total += n + 7;
+  std::vector<char> src(total), dst(total + 64);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>((i * 37 + 11) % 253);
+  for (int threads : {1, 2, 3, 8}) {
+    std::fill(dst.begin(), dst.end(), 'x');
+    std::vector<HostCopy> copies;
+    size_t at = 0;
+    for (size_t n : sizes) {
+      copies.push_back({dst.data() + at + 3, src.data() + at + 1, n});
+      at += n + 7;
+    }
+    ParallelStreamingCopy(copies, threads);
+    at = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const size_t n = sizes[i];
+      ASSERT_EQ(std::memcmp(dst.data() + at + 3, src.data() + at + 1, n), 0)
+          << "copy " << i << " with " << threads << " threads";
+      for (size_t k : {size_t{0}, size_t{1}, size_t{2}}) ASSERT_EQ(dst[at + k], 'x');
+      for (size_t k = at + 3 + n; k < at + n + 7; ++k) ASSERT_EQ(dst[k], 'x') << "past copy " << i;
+      at += n + 7;
     }
   }
 }

@@ -1,0 +1,18 @@
+// Work spread over the process' helper threads: the ones the FP8 quantizer
+// keeps between calls (started on first use, never more than a call asks
+// for). Other bulk work of a refit (the commit's copy) uses them too.
+#ifndef REFIT_CORE_PARALLEL_H_
+#define REFIT_CORE_PARALLEL_H_
+
+#include <functional>
+
+namespace refit::core {
+
+// Runs task(i) for every i in [0, n) on the calling thread and up to n - 1
+// helpers, and returns once every task has run. One call at a time uses the
+// helpers; a call that finds them taken starts threads of its own.
+void RunInParallel(int n, const std::function<void(int)>& task);
+
+}  // namespace refit::core
+
+#endif  // REFIT_CORE_PARALLEL_H_

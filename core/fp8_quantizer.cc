@@ -666,25 +666,6 @@ class RangePool {
   std::atomic<int> pending_{0};  // ranges not yet finished, plus helpers inside Work()
 };
 
-// Runs task(i) for every i in [0, n), n >= 2: on the pool, or, when another
-// call holds it, on threads of this call's own.
-void RunTasks(int n, const std::function<void(int)>& task) {
-  if (RangePool::Get().TryRun(n, task)) return;
-  std::vector<std::thread> threads;
-  threads.reserve(n - 1);
-  int started = 1;
-  for (; started < n; ++started) {
-    try {
-      threads.emplace_back([&task, started] { task(started); });
-    } catch (const std::system_error&) {
-      break;  // out of threads: the remaining tasks run here
-    }
-  }
-  task(0);
-  for (int i = started; i < n; ++i) task(i);
-  for (std::thread& t : threads) t.join();
-}
-
 // Runs fn(worker, begin, end) for `workers` contiguous ranges covering
 // [0, count), every boundary but the last a multiple of `align`.
 template <typename Fn>
@@ -698,8 +679,7 @@ void ParallelRanges(int workers, int64_t count, int64_t align, const Fn& fn) {
     fn(0, 0, count);
     return;
   }
-  const std::function<void(int)> range = [&](int w) { fn(w, bound(w), bound(w + 1)); };
-  RunTasks(workers, range);
+  RunInParallel(workers, [&](int w) { fn(w, bound(w), bound(w + 1)); });
 }
 
 // ---------------------------------------------------------------------------
@@ -1179,7 +1159,21 @@ void RunInParallel(int n, const std::function<void(int)>& task) {
     task(0);
     return;
   }
-  RunTasks(n, task);
+  if (RangePool::Get().TryRun(n, task)) return;
+  // Another call holds the pool: threads of this call's own.
+  std::vector<std::thread> threads;
+  threads.reserve(n - 1);
+  int started = 1;
+  for (; started < n; ++started) {
+    try {
+      threads.emplace_back([&task, started] { task(started); });
+    } catch (const std::system_error&) {
+      break;  // out of threads: the remaining tasks run here
+    }
+  }
+  task(0);
+  for (int i = started; i < n; ++i) task(i);
+  for (std::thread& t : threads) t.join();
 }
 
 namespace internal {

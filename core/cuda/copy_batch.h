@@ -10,13 +10,15 @@
 // (CUDA 12.1+ allows 32 KiB of parameters on sm_70 and newer), so a launch
 // needs no table in device memory and no upload before it.
 //
-// Torch-free and CUDA-free: the planning is plain C++, tested on any machine
+// Torch-free and free of CUDA types: the planning is plain C++, tested on any machine
 // (tests/core/copy_kernels_sim_test.cc runs the kernel in a simulated grid).
 #ifndef REFIT_CORE_CUDA_COPY_BATCH_H_
 #define REFIT_CORE_CUDA_COPY_BATCH_H_
 
 #include <cstdint>
 #include <vector>
+
+#include "core/cuda/device_commit.h"
 
 #if defined(__CUDACC__)
 #define REFIT_HOST_DEVICE __host__ __device__
@@ -56,16 +58,10 @@ REFIT_HOST_DEVICE inline int CopyOfTile(const CopyBatch& batch, int64_t tile) {
   return lo;
 }
 
-struct PlannedCopy {
-  void* dst = nullptr;
-  const void* src = nullptr;
-  int64_t bytes = 0;
-};
-
 // Packs copies (bytes > 0) into batches of at most kCopyBatch, in order.
-inline std::vector<CopyBatch> PlanCopyBatches(const std::vector<PlannedCopy>& copies) {
+inline std::vector<CopyBatch> PlanCopyBatches(const std::vector<DeviceCopy>& copies) {
   std::vector<CopyBatch> batches;
-  for (const PlannedCopy& c : copies) {
+  for (const DeviceCopy& c : copies) {
     if (c.bytes <= 0) continue;
     if (batches.empty() || batches.back().count == kCopyBatch) {
       batches.emplace_back();

@@ -12,13 +12,14 @@
 
 #include "core/cuda/copy_batch.h"
 
+// As in fp8_kernels.cuh (an identical redefinition is allowed).
 #if defined(__CUDACC__)
-#define REFIT_UNROLL_COPY _Pragma("unroll")
+#define REFIT_UNROLL _Pragma("unroll")
 // The batch is read straight from the parameter space: without this, the
 // kernel's dynamic indexing into it would copy it to local memory.
 #define REFIT_GRID_CONSTANT __grid_constant__
 #else
-#define REFIT_UNROLL_COPY
+#define REFIT_UNROLL
 #define REFIT_GRID_CONSTANT
 #endif
 
@@ -53,12 +54,12 @@ __device__ __forceinline__ void CopyRange(unsigned char* dst, const unsigned cha
   const Vec16* vsrc = reinterpret_cast<const Vec16*>(src + head);
   for (int64_t base = thread; base < nvec; base += int64_t{kCopyUnroll} * threads) {
     Vec16 v[kCopyUnroll];
-    REFIT_UNROLL_COPY
+    REFIT_UNROLL
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int64_t i = base + int64_t{u} * threads;
       if (i < nvec) v[u] = vsrc[i];
     }
-    REFIT_UNROLL_COPY
+    REFIT_UNROLL
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int64_t i = base + int64_t{u} * threads;
       if (i < nvec) vdst[i] = v[u];

@@ -95,7 +95,7 @@ absl::Status EnqueueDeviceCopies(absl::Span<const DeviceCopy> copies, void* stre
     }
   }
   const cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
-  std::vector<copy_kernels::PlannedCopy> batched;
+  std::vector<DeviceCopy> batched;
   int device = -1;
   if (method == CopyMethod::kBatched) {
     absl::StatusOr<int> stream_device = StreamDevice(cuda_stream);
@@ -107,7 +107,7 @@ absl::Status EnqueueDeviceCopies(absl::Span<const DeviceCopy> copies, void* stre
     if (copy.bytes == 0) continue;
     if (method == CopyMethod::kBatched && OnDevice(copy.dst, device) &&
         OnDevice(copy.src, device)) {
-      batched.push_back({copy.dst, copy.src, copy.bytes});
+      batched.push_back(copy);
       continue;
     }
     // cudaMemcpyDefault: unified addressing tells the direction, so a

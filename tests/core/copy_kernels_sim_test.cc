@@ -46,7 +46,7 @@ void RunBatch(const CopyBatch& batch) {
 TEST(CopyBatchPlanTest, TilesCoverEveryCopyAndZeroSizedOnesAreLeftOut) {
   std::vector<unsigned char> buf(1);
   const std::vector<int64_t> sizes = {1, 4, 0, kTileBytes, kTileBytes + 1, 3 * kTileBytes - 7};
-  std::vector<PlannedCopy> copies;
+  std::vector<DeviceCopy> copies;
   for (int64_t n : sizes) copies.push_back({buf.data(), buf.data(), n});
   const std::vector<CopyBatch> batches = PlanCopyBatches(copies);
   ASSERT_EQ(batches.size(), 1u);
@@ -60,7 +60,7 @@ TEST(CopyBatchPlanTest, TilesCoverEveryCopyAndZeroSizedOnesAreLeftOut) {
 
 TEST(CopyBatchPlanTest, BatchesHoldAtMost256CopiesInOrder) {
   std::vector<unsigned char> buf(600);
-  std::vector<PlannedCopy> copies;
+  std::vector<DeviceCopy> copies;
   for (int i = 0; i < 600; ++i) copies.push_back({&buf[i], &buf[i], 1});
   const std::vector<CopyBatch> batches = PlanCopyBatches(copies);
   ASSERT_EQ(batches.size(), 3u);
@@ -90,7 +90,7 @@ TEST(BatchedCopyKernelTest, CopiesEveryByteOfEveryAlignmentAndNothingElse) {
                                    {100000, 9, 9}};
   std::mt19937 rng(7);
   std::vector<std::vector<unsigned char>> srcs, dsts;
-  std::vector<PlannedCopy> copies;
+  std::vector<DeviceCopy> copies;
   constexpr int64_t kGuard = 64;
   for (const Case& c : cases) {
     srcs.emplace_back(c.bytes + c.src_off + kGuard + 16);

@@ -44,7 +44,7 @@ import os
 import socket
 import threading
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 import grpc
 import numpy as np
@@ -371,26 +371,34 @@ class ShmLane:
             return hit[0]
         if hit is not None:
             hit[0].release()
-        while True:
-            try:
-                lease = register(
+        try:
+            lease = self._with_room(
+                lambda: register(
                     self._stub, self._metadata, fd, size, "shared storage", self._address
                 )
-                break
-            except ResourceExhausted as e:
-                # Over the daemon's per-caller limits: make room, or give up.
-                if self._evict(_EVICT_BATCH) == 0:
-                    raise ResourceExhausted(
-                        f"{e.message}; this push's tensors are in {len(self._push_keys) + 1} "
-                        "or more shared storages, each its own region: put them in one with "
-                        "refit_client.shared_tensors(), or raise the daemon's limit"
-                    ) from None
+            )
+        except ResourceExhausted as e:
+            raise ResourceExhausted(
+                f"{e.message}; this push's tensors are in {len(self._push_keys) + 1} "
+                "or more shared storages, each its own region: put them in one with "
+                "refit_client.shared_tensors(), or raise the daemon's limit"
+            ) from None
         # The storage is kept so that its inode (the key) is not reused.
         self._shared[key] = (lease, storage)
         self._push_keys.add(key)
         if len(self._shared) > MAX_CACHED_REGIONS:
             self._evict(len(self._shared) - MAX_CACHED_REGIONS)
         return self._shared[key][0]
+
+    def _with_room(self, register_once: Callable[[], Lease]) -> Lease:
+        """register_once(), making room while the daemon refuses it over its
+        per-caller limits; ResourceExhausted once nothing is left to drop."""
+        while True:
+            try:
+                return register_once()
+            except ResourceExhausted:
+                if self._evict(_EVICT_BATCH) == 0:
+                    raise
 
     def _evict(self, count: int) -> int:
         """Unregisters up to `count` cached shared storages, least recently
@@ -490,20 +498,18 @@ class ShmLane:
         leases: Dict[bytes, Lease] = {}
         try:
             for handle, (uuid, size) in allocations.items():
-                while True:
-                    try:
-                        lease = register_cuda(
+                try:
+                    lease = self._with_room(
+                        lambda: register_cuda(
                             self._stub, self._metadata, handle, uuid, size, "cuda tensors",
                             self._address,
                         )
-                        break
-                    except ResourceExhausted as e:
-                        # Over the daemon's per-caller limits: drop cached
-                        # shared storages; with none left, copy them this time.
-                        if self._evict(_EVICT_BATCH) == 0:
-                            self.end_push()
-                            self.cuda_ipc_fallback_reason = str(e)
-                            return {}
+                    )
+                except ResourceExhausted as e:
+                    # Nothing left to drop: copy them this time.
+                    self.end_push()
+                    self.cuda_ipc_fallback_reason = str(e)
+                    return {}
                 self._cuda_leases.append(lease)
                 leases[handle] = lease
         except RefitError as e:
@@ -530,15 +536,11 @@ class ShmLane:
         self.drop_staging()
         staging = Staging(size)
         try:
-            while True:
-                try:
-                    self._staging_lease = register(
-                        self._stub, self._metadata, staging.fd, size, "staging", self._address
-                    )
-                    break
-                except ResourceExhausted:
-                    if self._evict(_EVICT_BATCH) == 0:
-                        raise
+            self._staging_lease = self._with_room(
+                lambda: register(
+                    self._stub, self._metadata, staging.fd, size, "staging", self._address
+                )
+            )
         except BaseException:
             staging.close()
             raise

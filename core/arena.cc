@@ -143,13 +143,12 @@ void StreamingCopy(void* dst, const void* src, size_t n) {
 #endif
 }
 
-void ParallelStreamingCopy(const std::vector<HostCopy>& copies, int threads) {
+void ParallelStreamingCopy(const std::vector<HostCopy>& copies, int threads,
+                           size_t min_bytes_per_thread) {
   size_t total = 0;
   for (const HostCopy& c : copies) total += c.n;
-  // Below a few MiB a helper's wake-up costs more than it saves.
-  constexpr size_t kBytesPerThread = size_t{4} << 20;
-  const int workers =
-      static_cast<int>(std::max<size_t>(1, std::min<size_t>(threads, total / kBytesPerThread)));
+  const int workers = static_cast<int>(std::max<size_t>(
+      1, std::min<size_t>(threads, total / std::max<size_t>(min_bytes_per_thread, 64))));
   if (workers <= 1) {
     for (const HostCopy& c : copies) StreamingCopy(c.dst, c.src, c.n);
     return;

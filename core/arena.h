@@ -102,9 +102,12 @@ struct HostCopy {
 
 // StreamingCopy of every copy, their bytes split evenly over up to `threads`
 // threads (core/parallel.h): one thread cannot fill a server's memory
-// bandwidth. Small totals use one thread. Every thread fences its own
-// stores, so all of them are ordered before what the caller stores next.
-void ParallelStreamingCopy(const std::vector<HostCopy>& copies, int threads);
+// bandwidth. Each thread gets at least `min_bytes_per_thread` (below a few
+// MiB a helper's wake-up costs a fair share of what it saves), so small
+// totals use one thread. Every thread fences its own stores, so all of them
+// are ordered before what the caller stores next.
+void ParallelStreamingCopy(const std::vector<HostCopy>& copies, int threads,
+                           size_t min_bytes_per_thread = size_t{4} << 20);
 
 class HostArena {
  public:

@@ -151,4 +151,33 @@ absl::Status CudaIpcAllocation::CopyToHost(const uint8_t* src, int64_t n, uint8_
 #endif
 }
 
+std::unique_ptr<PinnedHostRange> PinnedHostRange::Pin(const void* base, size_t size) {
+#ifdef REFIT_WITH_CUDA
+  if (base == nullptr || size == 0) return nullptr;
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  // Read-only: the mapping is PROT_READ, and the devices only read it.
+  void* p = const_cast<void*>(base);
+  if (cudaHostRegister(p, size, cudaHostRegisterPortable | cudaHostRegisterReadOnly) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return std::unique_ptr<PinnedHostRange>(new PinnedHostRange(p));
+#else
+  (void)base;
+  (void)size;
+  return nullptr;
+#endif
+}
+
+PinnedHostRange::~PinnedHostRange() {
+#ifdef REFIT_WITH_CUDA
+  cudaHostUnregister(base_);
+#endif
+}
+
 }  // namespace refit::core

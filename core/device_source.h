@@ -14,6 +14,7 @@
 #ifndef REFIT_CORE_DEVICE_SOURCE_H_
 #define REFIT_CORE_DEVICE_SOURCE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -68,6 +69,25 @@ class CudaIpcAllocation final : public DeviceSource {
   const uint8_t* base_ = nullptr;
   int device_ = -1;
   uint64_t allocation_bytes_ = 0;
+};
+
+// Host memory page-locked for this process' GPUs (cudaHostRegister,
+// read-only): a device copy reads it by DMA, with no bounce through pinned
+// staging. For mappings that cannot shrink under the copy (a trainer's
+// sealed memfd); unregistered when destroyed, which must happen before the
+// memory is unmapped and after every copy from it is done.
+class PinnedHostRange {
+ public:
+  // Null when it cannot be pinned: a build without CUDA, no usable device,
+  // or the driver refuses (then the memory is copied through staging).
+  static std::unique_ptr<PinnedHostRange> Pin(const void* base, size_t size);
+  ~PinnedHostRange();
+  PinnedHostRange(const PinnedHostRange&) = delete;
+  PinnedHostRange& operator=(const PinnedHostRange&) = delete;
+
+ private:
+  explicit PinnedHostRange(void* base) : base_(base) {}
+  void* const base_;
 };
 
 }  // namespace refit::core

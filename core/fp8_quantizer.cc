@@ -1176,6 +1176,17 @@ void RunInParallel(int n, const std::function<void(int)>& task) {
   for (std::thread& t : threads) t.join();
 }
 
+void ForEachInParallel(int n, int threads, const std::function<void(int)>& task) {
+  if (n <= 0) return;
+  std::atomic<int> next{0};
+  RunInParallel(std::clamp(threads, 1, n), [&](int) {
+    for (int i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      task(i);
+    }
+  });
+}
+
 namespace internal {
 
 absl::string_view Fp8IsaName(Fp8Isa isa) {

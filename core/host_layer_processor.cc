@@ -2,13 +2,16 @@
 // kernel in host memory. Used for stores in host memory, and for GPU stores
 // with LayerProcessorOptions::host_staging (the commit then copies host to
 // device).
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <utility>
 #include <vector>
 
 #include "core/fp8_quantizer.h"
 #include "core/layer_processor.h"
+#include "core/parallel.h"
 
 namespace refit::core {
 namespace {
@@ -92,12 +95,20 @@ class HostLayerProcessor final : public LayerProcessor {
       return absl::OkStatus();
     }
 
+    // The kernels are hashed in parallel, the largest first.
     absl::StatusOr<ProcessedLayer> Finish() override {
       ProcessedLayer out;
-      out.hashes.reserve(kernels_.size());
-      for (const StagingBuffer& kernel : kernels_) {
-        out.hashes.push_back(HashBytes(kernel.data(), kernel.size()));
-      }
+      out.hashes.assign(kernels_.size(), 0);
+      std::vector<size_t> order(kernels_.size());
+      std::iota(order.begin(), order.end(), size_t{0});
+      std::sort(order.begin(), order.end(),
+                [&](size_t a, size_t b) { return kernels_[a].size() > kernels_[b].size(); });
+      int64_t total = 0;
+      for (const StagingBuffer& kernel : kernels_) total += kernel.size();
+      ForEachInParallel(static_cast<int>(order.size()), HashThreads(total), [&](int i) {
+        const StagingBuffer& kernel = kernels_[order[i]];
+        out.hashes[order[i]] = HashBytes(kernel.data(), kernel.size());
+      });
       out.kernels = std::move(kernels_);
       return out;
     }

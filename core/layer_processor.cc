@@ -2,8 +2,10 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -64,6 +66,12 @@ absl::Status CheckFinite(absl::string_view kernel_name, const ParamSpec& param,
 
 uint64_t HashBytes(const void* data, int64_t size) {
   return XXH3_64bits(data, static_cast<size_t>(size));
+}
+
+int HashThreads(int64_t bytes) {
+  static const int kMaxThreads =
+      static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8));
+  return bytes < (int64_t{1} << 20) ? 1 : kMaxThreads;
 }
 
 absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<StagingBuffer> params) {

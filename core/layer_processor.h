@@ -158,6 +158,10 @@ std::unique_ptr<LayerProcessor> CreateHostLayerProcessor(const ModelLayout& layo
 // XXH3-64 of `size` bytes of host memory.
 uint64_t HashBytes(const void* data, int64_t size);
 
+// How many threads hash `bytes` in all, spread over several buffers (one
+// buffer's hash is sequential): one below a MiB, else up to 8.
+int HashThreads(int64_t bytes);
+
 }  // namespace refit::core
 
 #endif  // REFIT_CORE_LAYER_PROCESSOR_H_

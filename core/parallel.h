@@ -13,6 +13,11 @@ namespace refit::core {
 // helpers; a call that finds them taken starts threads of its own.
 void RunInParallel(int n, const std::function<void(int)>& task);
 
+// Runs task(i) for every i in [0, n), each exactly once, on the calling
+// thread and up to `threads` - 1 helpers, each taking the next i as it
+// finishes one: for tasks of uneven sizes (put the largest first).
+void ForEachInParallel(int n, int threads, const std::function<void(int)>& task);
+
 }  // namespace refit::core
 
 #endif  // REFIT_CORE_PARALLEL_H_

@@ -32,7 +32,8 @@ std::string RandomRegionId() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uint64_t size) {
+absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uint64_t size,
+                                                     bool pin) {
   std::unique_ptr<Region> region(new Region(std::move(id), fd, size));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
@@ -72,6 +73,7 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
   }
   region->map_ = static_cast<const uint8_t*>(p);
   region->access_ = Access::kMapped;
+  if (sealed && pin) region->pinned_ = core::PinnedHostRange::Pin(p, size);
   return region;
 }
 
@@ -118,6 +120,7 @@ absl::StatusOr<std::unique_ptr<Region>> Region::OpenCudaIpc(std::string id,
 }
 
 Region::~Region() {
+  pinned_.reset();
   SigbusGuard::Unregister(guard_slot_);
   if (access_ == Access::kMapped) ::munmap(const_cast<uint8_t*>(map_), size_);
   if (fd_ >= 0) ::close(fd_);
@@ -184,7 +187,8 @@ absl::StatusOr<std::string> RegionRegistry::Reserve(const std::string& owner, ui
 
 absl::StatusOr<Region::Access> RegionRegistry::Activate(const std::string& id, int fd) {
   return ActivateWith(
-      id, [&](uint64_t size) { return Region::Open(id, fd, size); }, [fd] { ::close(fd); });
+      id, [&](uint64_t size) { return Region::Open(id, fd, size, pin_sealed_); },
+      [fd] { ::close(fd); });
 }
 
 absl::StatusOr<Region::Access> RegionRegistry::ActivateCudaIpc(const std::string& id,

@@ -74,8 +74,12 @@ class Region {
 
   // Takes `fd` (closed on error too). INVALID_ARGUMENT when it is not a
   // regular file, is not open for reading, or is smaller than `size`;
-  // INTERNAL when a sealed one cannot be mapped.
-  static absl::StatusOr<std::unique_ptr<Region>> Open(std::string id, int fd, uint64_t size);
+  // INTERNAL when a sealed one cannot be mapped. With `pin`, a sealed
+  // mapping is also page-locked for the GPUs (core::PinnedHostRange), so a
+  // GPU store's refit copies it to the device by DMA; one the driver
+  // refuses is used unpinned.
+  static absl::StatusOr<std::unique_ptr<Region>> Open(std::string id, int fd, uint64_t size,
+                                                      bool pin = false);
   // A CUDA allocation (kCudaIpc): core::CudaIpcAllocation::Open's errors.
   static absl::StatusOr<std::unique_ptr<Region>> OpenCudaIpc(std::string id,
                                                              absl::string_view handle,
@@ -95,6 +99,8 @@ class Region {
   int cuda_device() const { return cuda_ != nullptr ? cuda_->device() : -1; }
   // Mapped without a seal against shrinking, under SigbusGuard.
   bool guarded() const { return guard_slot_ >= 0; }
+  // Page-locked for the GPUs (Open with `pin`).
+  bool pinned() const { return pinned_ != nullptr; }
   // A guarded region's file shrank under a read: its mapping reads zeros.
   bool faulted() const;
   // FAILED_PRECONDITION naming `tensor` when faulted(), else OK.
@@ -120,6 +126,7 @@ class Region {
   const uint8_t* map_ = nullptr;
   int guard_slot_ = -1;
   std::unique_ptr<core::CudaIpcAllocation> cuda_;
+  std::unique_ptr<core::PinnedHostRange> pinned_;  // released before the unmap
 };
 
 // The guarded regions one refit read from, and the first tensor read from
@@ -151,7 +158,10 @@ class RegionRegistry {
     int64_t pending = 0;  // reserved, descriptor not yet received
   };
 
-  explicit RegionRegistry(Limits limits) : limits_(limits) {}
+  // `pin_sealed`: page-lock sealed mappings for the GPUs (Region::Open's
+  // `pin`), for a daemon that serves a store on a GPU.
+  explicit RegionRegistry(Limits limits, bool pin_sealed = false)
+      : limits_(limits), pin_sealed_(pin_sealed) {}
 
   // A new region id for `owner`, counted against its limits until Release.
   // INVALID_ARGUMENT size 0; RESOURCE_EXHAUSTED over a limit (naming the
@@ -188,6 +198,7 @@ class RegionRegistry {
                                               const std::function<void()>& on_not_waiting);
 
   const Limits limits_;
+  const bool pin_sealed_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };

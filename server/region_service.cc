@@ -200,6 +200,11 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
         .Field("name", name)
         .Field("bytes", absl::StrCat(size))
         .Field("access", AccessName(access));
+    // Page-locked for a GPU store's DMA (sealed regions of a daemon with one).
+    if (absl::StatusOr<std::shared_ptr<const Region>> region = service_->registry_.Find(owner, id);
+        region.ok() && (*region)->pinned()) {
+      log.Field("pinned", "true");
+    }
     // A descriptor's sender (the descriptor socket's peer credentials).
     if (pid >= 0) log.Field("pid", absl::StrCat(pid)).Field("uid", absl::StrCat(uid));
     log << "region registered";
@@ -293,8 +298,9 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
   WriteQueue<v1::RegionEvent> out_ ABSL_GUARDED_BY(mu_);
 };
 
-RegionService::RegionService(RefitServiceImpl* refit, RegionRegistry::Limits limits)
-    : refit_(refit), registry_(limits) {}
+RegionService::RegionService(RefitServiceImpl* refit, RegionRegistry::Limits limits,
+                             bool pin_sealed)
+    : refit_(refit), registry_(limits, pin_sealed) {}
 
 RegionService::~RegionService() { Shutdown(); }
 

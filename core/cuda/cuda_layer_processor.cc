@@ -5,25 +5,38 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
+#include <xxhash.h>
+
 #include <algorithm>
-#include <cstring>
 #include <map>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "core/arena.h"
 #include "core/cuda/cuda_device.h"
 #include "core/cuda/cuda_status.h"
 #include "core/cuda/fp8_cuda.h"
 #include "core/cuda/pinned_staging.h"
+#include "core/parallel.h"
 
 namespace refit::core::cuda {
 namespace {
 
 constexpr int64_t kPinnedBufferBytes = int64_t{32} << 20;
 constexpr int kPinnedBuffers = 4;
+// One thread's memcpy into pinned memory runs at a fraction of what the
+// host-to-device copy behind it moves; a few threads keep up with it.
+const int kUploadCopyThreads =
+    static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 2, 1, 4));
+// A layer's weights are a few MiB each: split them finely enough that most
+// of them use every upload thread.
+constexpr size_t kUploadBytesPerThread = size_t{512} << 10;
+// Pinned host memory quantized kernels are read back into to be hashed.
+constexpr int64_t kReadbackBytes = int64_t{64} << 20;
 
 // Uninitialized device bytes from LibTorch's caching allocator; every byte is
 // written before use. RESOURCE_EXHAUSTED when the device is out of memory.
@@ -47,13 +60,18 @@ absl::StatusOr<StagingBuffer> AllocateDevice(int device, int64_t size, absl::str
 }
 
 // What every session on one device shares: the pinned pool, the quantizer
-// (both thread-safe and bounded) and the streams of finished sessions. Never
-// freed: sessions of any store may use them until the process ends.
+// (both thread-safe and bounded), the streams of finished sessions and the
+// pinned read-back buffer. Never freed: sessions of any store may use them
+// until the process ends.
 struct DeviceShared {
   std::unique_ptr<PinnedStagingPool> pool;
   std::unique_ptr<Fp8CudaQuantizer> quantizer;
   absl::Mutex mu;
   std::vector<cudaStream_t> free_streams ABSL_GUARDED_BY(mu);
+  // kReadbackBytes of pinned memory, allocated on first use; one layer's
+  // read-back at a time.
+  absl::Mutex readback_mu;
+  uint8_t* readback ABSL_GUARDED_BY(readback_mu) = nullptr;
 };
 
 absl::StatusOr<DeviceShared*> GetDeviceShared(int device) {
@@ -128,13 +146,10 @@ class CudaLayerProcessor final : public LayerProcessor {
       absl::StatusOr<StagingBuffer> scales =
           AllocateDevice(p_.device_, spec_.kernels[s].nbytes(), weight.name);
       if (!scales.ok()) return scales.status();
-      if (absl::Status up = Upload(src, on_device->data()); !up.ok()) {
-        HoldUntilIdle(std::move(src));
-        return up;
-      }
-      // Copied into pinned memory: the host copy can go (not what a device
-      // copy still reads).
-      HoldUntilIdle(std::move(src));
+      absl::StatusOr<bool> up = Upload(src, on_device->data());
+      // A failed upload may have enqueued copies that still read `src`.
+      HoldUntilIdle(std::move(src), !up.ok() || *up);
+      if (!up.ok()) return up.status();
       Fp8CudaJob job;
       job.src = on_device->data();
       job.src_dtype = src_dtype;
@@ -169,10 +184,11 @@ class CudaLayerProcessor final : public LayerProcessor {
       if (absl::Status a = AllocateWhole(s); !a.ok()) return a;
       absl::StatusOr<StagingBuffer> on_device = AllocateDevice(p_.device_, src.size(), what);
       if (!on_device.ok()) return on_device.status();
-      absl::Status up = Upload(src, on_device->data());
+      // Every path out syncs the stream, so `src` may go on return.
+      absl::StatusOr<bool> up = Upload(src, on_device->data());
       if (!up.ok()) {
         cudaStreamSynchronize(p_.stream_);
-        return up;
+        return up.status();
       }
       Fp8CudaJob job;
       job.src = on_device->data();
@@ -212,7 +228,9 @@ class CudaLayerProcessor final : public LayerProcessor {
       absl::StatusOr<StagingBuffer> staged =
           AllocateDevice(p_.device_, bytes.size(), spec_.kernels[k].name);
       if (!staged.ok()) return staged.status();
-      if (absl::Status up = Upload(bytes, staged->data()); !up.ok()) return up;
+      absl::StatusOr<bool> up = Upload(bytes, staged->data());
+      HoldUntilIdle(std::move(bytes), !up.ok() || *up);
+      if (!up.ok()) return up.status();
       kernels_[k] = *std::move(staged);
       return absl::OkStatus();
     }
@@ -224,23 +242,7 @@ class CudaLayerProcessor final : public LayerProcessor {
         if (absl::Status s = p_.shared_->quantizer->Sync(p_.stream_); !s.ok()) return s;
       }
       // Quantized kernels: hash the bytes the device wrote.
-      std::vector<StagingBuffer> back(kernels_.size());
-      for (size_t k = 0; k < kernels_.size(); ++k) {
-        if (!quantized_[k] || kernels_[k].empty()) continue;
-        absl::StatusOr<StagingBuffer> host =
-            StagingBuffer::HostUninitialized(kernels_[k].size(), spec_.kernels[k].name);
-        if (!host.ok()) return host.status();
-        REFIT_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(host->data(), kernels_[k].data(), static_cast<size_t>(host->size()),
-                            cudaMemcpyDeviceToHost, p_.stream_),
-            "reading staged kernel bytes back for hashing");
-        back[k] = *std::move(host);
-      }
-      REFIT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(p_.stream_),
-                                 "waiting for the staging stream");
-      for (size_t k = 0; k < kernels_.size(); ++k) {
-        if (quantized_[k]) hashes_[k] = HashBytes(back[k].data(), back[k].size());
-      }
+      if (absl::Status s = HashQuantized(); !s.ok()) return s;
       ProcessedLayer out;
       out.kernels = std::move(kernels_);
       out.hashes = std::move(hashes_);
@@ -248,6 +250,83 @@ class CudaLayerProcessor final : public LayerProcessor {
     }
 
    private:
+    // The hashes of the quantized kernels, of their bytes read back from the
+    // device: in batches of up to kReadbackBytes into the device's pinned
+    // read-back buffer (a copy per piece, one sync per batch), each batch's
+    // pieces then hashed in parallel. A kernel is split over batches at most
+    // at a batch's end, so a batch holds at most one piece of each kernel and
+    // each kernel's hash streams over its pieces in order.
+    absl::Status HashQuantized() {
+      std::vector<size_t> quantized;
+      for (size_t k = 0; k < kernels_.size(); ++k) {
+        if (quantized_[k]) quantized.push_back(k);
+      }
+      if (quantized.empty()) return absl::OkStatus();
+      using State = std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)>;
+      std::vector<State> states;
+      states.reserve(kernels_.size());
+      for (size_t k = 0; k < kernels_.size(); ++k) {
+        states.emplace_back(quantized_[k] ? XXH3_createState() : nullptr, XXH3_freeState);
+        if (quantized_[k] &&
+            (states.back() == nullptr || XXH3_64bits_reset(states.back().get()) != XXH_OK)) {
+          return absl::ResourceExhaustedError(
+              absl::StrCat("cannot allocate a hash state for ", spec_.kernels[k].name));
+        }
+      }
+      DeviceShared& shared = *p_.shared_;
+      absl::MutexLock lock(&shared.readback_mu);
+      if (shared.readback == nullptr) {
+        void* pinned = nullptr;
+        if (cudaHostAlloc(&pinned, static_cast<size_t>(kReadbackBytes), cudaHostAllocDefault) !=
+            cudaSuccess) {
+          cudaGetLastError();
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "cannot allocate ", kReadbackBytes,
+              " bytes of pinned host memory to read quantized kernels back for hashing"));
+        }
+        shared.readback = static_cast<uint8_t*>(pinned);
+      }
+      uint8_t* const buffer = shared.readback;
+      struct Piece {
+        size_t k;
+        int64_t at;  // in the buffer
+        int64_t n;
+      };
+      size_t next = 0;     // in `quantized`
+      int64_t offset = 0;  // into kernel quantized[next]
+      while (next < quantized.size()) {
+        std::vector<Piece> batch;
+        int64_t used = 0;
+        while (next < quantized.size() && used < kReadbackBytes) {
+          const size_t k = quantized[next];
+          const int64_t n = std::min(kernels_[k].size() - offset, kReadbackBytes - used);
+          if (n > 0) {
+            REFIT_CUDA_RETURN_IF_ERROR(
+                cudaMemcpyAsync(buffer + used, kernels_[k].data() + offset, static_cast<size_t>(n),
+                                cudaMemcpyDeviceToHost, p_.stream_),
+                "reading staged kernel bytes back for hashing");
+            batch.push_back({k, used, n});
+          }
+          used += n;
+          offset += n;
+          if (offset == kernels_[k].size()) {
+            ++next;
+            offset = 0;
+          }
+        }
+        REFIT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(p_.stream_),
+                                   "waiting for the staging stream");
+        std::sort(batch.begin(), batch.end(),
+                  [](const Piece& a, const Piece& b) { return a.n > b.n; });
+        ForEachInParallel(static_cast<int>(batch.size()), HashThreads(used), [&](int b) {
+          XXH3_64bits_update(states[batch[b].k].get(), buffer + batch[b].at,
+                             static_cast<size_t>(batch[b].n));
+        });
+      }
+      for (size_t k : quantized) hashes_[k] = XXH3_64bits_digest(states[k].get());
+      return absl::OkStatus();
+    }
+
     // Kernel `k` whole in device memory, on its first region; hashed by
     // reading it back at Finish.
     absl::Status AllocateWhole(int k) {
@@ -262,19 +341,33 @@ class CudaLayerProcessor final : public LayerProcessor {
 
     // `src`'s bytes to `dst` on the device: host bytes through the pinned
     // pool (a memcpy into a leased pinned buffer, then an async copy on the
-    // pool's stream), rows aliased to a trainer's CUDA allocation with a
-    // device copy on the session's stream (device to device; cudaMemcpyDefault
-    // also crosses to another GPU). Work enqueued later on the session's
-    // stream waits for both. Host memory of `src` may be freed on return; its
-    // device aliases must stay open until the stream is idle (HoldUntilIdle).
-    absl::Status Upload(const StagingBuffer& src, void* dst) const {
+    // pool's stream), except host bytes already page-locked (a trainer's
+    // sealed region the daemon pinned), which are copied from where they lie
+    // by DMA on the session's stream; rows aliased to a trainer's CUDA
+    // allocation with a device copy on the session's stream (device to
+    // device; cudaMemcpyDefault also crosses to another GPU). Work enqueued
+    // later on the session's stream waits for all of them. Returns whether
+    // copies still read `src`'s memory after the call (its device aliases or
+    // page-locked host bytes): then `src` must be kept until the stream is
+    // idle (HoldUntilIdle); otherwise it may be freed on return.
+    absl::StatusOr<bool> Upload(const StagingBuffer& src, void* dst) const {
       uint8_t* to = static_cast<uint8_t*>(dst);
+      bool reads_pending = false;
       for (const StagingBuffer::Segment& seg : src.Segments()) {
         if (seg.device != nullptr) {
           REFIT_CUDA_RETURN_IF_ERROR(
               cudaMemcpyAsync(to + seg.offset, seg.data, static_cast<size_t>(seg.size),
                               cudaMemcpyDefault, p_.stream_),
               "copying a trainer's CUDA tensor rows into device staging");
+          reads_pending = true;
+          continue;
+        }
+        if (PageLocked(seg.data)) {
+          REFIT_CUDA_RETURN_IF_ERROR(
+              cudaMemcpyAsync(to + seg.offset, seg.data, static_cast<size_t>(seg.size),
+                              cudaMemcpyHostToDevice, p_.stream_),
+              "copying a trainer's page-locked rows into device staging");
+          reads_pending = true;
           continue;
         }
         for (int64_t done = 0; done < seg.size;) {
@@ -283,20 +376,32 @@ class CudaLayerProcessor final : public LayerProcessor {
           const int64_t n = std::min(seg.size - done, lease->capacity());
           // Host rows aliased to a trainer's shared-memory region are read
           // where they lie.
-          std::memcpy(lease->data(), seg.data + done, static_cast<size_t>(n));
+          ParallelStreamingCopy({HostCopy{lease->data(), seg.data + done, static_cast<size_t>(n)}},
+                                kUploadCopyThreads, kUploadBytesPerThread);
           absl::Status copied = p_.shared_->pool->CopyToDevice(
               *std::move(lease), to + seg.offset + done, n, p_.stream_);
           if (!copied.ok()) return copied;
           done += n;
         }
       }
-      return absl::OkStatus();
+      return reads_pending;
     }
 
-    // Keeps `src` (and so the trainer allocations its device aliases point
-    // into) until the build's stream is idle.
-    void HoldUntilIdle(StagingBuffer src) {
-      if (src.has_device_aliases()) held_.push_back(std::move(src));
+    // Whether host memory at `p` is page-locked (registered or allocated
+    // pinned), so a device copy can read it directly.
+    static bool PageLocked(const void* p) {
+      cudaPointerAttributes attributes{};
+      if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+      }
+      return attributes.type == cudaMemoryTypeHost;
+    }
+
+    // Keeps `src` (and so the trainer memory its aliases point into) until
+    // the build's stream is idle, when copies still read it.
+    void HoldUntilIdle(StagingBuffer src, bool reads_pending) {
+      if (reads_pending) held_.push_back(std::move(src));
     }
 
     const CudaLayerProcessor& p_;
@@ -308,9 +413,8 @@ class CudaLayerProcessor final : public LayerProcessor {
     // High-precision weights on the device; declared after kernels_, so they
     // are freed first, but only after the destructor idled the stream.
     std::vector<StagingBuffer> sources_;
-    // Params whose device aliases a copy on the stream may still read;
-    // released with the other members, after the destructor idled the
-    // stream.
+    // Params whose memory a copy on the stream may still read; released
+    // with the other members, after the destructor idled the stream.
     std::vector<StagingBuffer> held_;
     bool jobs_ = false;  // quantize jobs enqueued and not yet synced
   };

@@ -15,16 +15,20 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/fixture_model.h"
 #include "core/model_layout.h"
+#include "core/parallel.h"
 #include "core/refit_session.h"
 #include "core/shard_store.h"
 #include "core/snapshot.h"
@@ -167,7 +171,12 @@ TEST(ParallelStreamingCopyTest, SplitsTheBytesOverThreadsAndCopiesEachExactlyOnc
   for (size_t n : sizes) total += n + 7;
   std::vector<char> src(total), dst(total + 64);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>((i * 37 + 11) % 253);
-  for (int threads : {1, 2, 3, 8}) {
+  for (auto [threads, per_thread] : std::vector<std::pair<int, size_t>>{{1, size_t{4} << 20},
+                                                                        {2, size_t{4} << 20},
+                                                                        {3, size_t{4} << 20},
+                                                                        {8, size_t{4} << 20},
+                                                                        {8, size_t{64} << 10},
+                                                                        {5, 1}}) {
     std::fill(dst.begin(), dst.end(), 'x');
     std::vector<HostCopy> copies;
     size_t at = 0;
@@ -175,16 +184,33 @@ TEST(ParallelStreamingCopyTest, SplitsTheBytesOverThreadsAndCopiesEachExactlyOnc
       copies.push_back({dst.data() + at + 3, src.data() + at + 1, n});
       at += n + 7;
     }
-    ParallelStreamingCopy(copies, threads);
+    ParallelStreamingCopy(copies, threads, per_thread);
     at = 0;
     for (size_t i = 0; i < sizes.size(); ++i) {
       const size_t n = sizes[i];
       ASSERT_EQ(std::memcmp(dst.data() + at + 3, src.data() + at + 1, n), 0)
-          << "copy " << i << " with " << threads << " threads";
+          << "copy " << i << " with " << threads << " threads, " << per_thread << " bytes each";
       for (size_t k : {size_t{0}, size_t{1}, size_t{2}}) ASSERT_EQ(dst[at + k], 'x');
       for (size_t k = at + 3 + n; k < at + n + 7; ++k) ASSERT_EQ(dst[k], 'x') << "past copy " << i;
       at += n + 7;
     }
+  }
+}
+
+TEST(ForEachInParallelTest, RunsEveryTaskExactlyOnceOnAtMostTheThreadsAsked) {
+  for (auto [n, threads] :
+       std::vector<std::pair<int, int>>{{0, 4}, {1, 4}, {7, 1}, {7, 3}, {64, 8}, {3, 16}}) {
+    std::vector<std::atomic<int>> runs(static_cast<size_t>(n));
+    absl::Mutex mu;
+    std::set<std::thread::id> ran_on;
+    ForEachInParallel(n, threads, [&](int i) {
+      runs[static_cast<size_t>(i)].fetch_add(1);
+      absl::MutexLock lock(&mu);
+      ran_on.insert(std::this_thread::get_id());
+    });
+    for (int i = 0; i < n; ++i)
+      EXPECT_EQ(runs[static_cast<size_t>(i)].load(), 1) << i << " of " << n;
+    EXPECT_LE(static_cast<int>(ran_on.size()), std::max(1, std::min(n, threads))) << n << " tasks";
   }
 }
 

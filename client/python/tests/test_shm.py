@@ -411,3 +411,25 @@ def test_cuda_ipc_off_copies_cuda_tensors_into_host_staging(daemon, seed2):
         assert c._shm.last_copied_bytes == sum(
             t.numel() * t.element_size() for t in seed2.values()
         )
+
+
+@pytest.mark.gpu
+def test_sealed_regions_go_to_a_gpu_store_by_dma_from_where_they_lie(start_daemon, seed2):
+    # A daemon with a GPU store page-locks sealed regions, and its refits
+    # copy them to the device straight from the trainer's memory: the same
+    # bytes as the gRPC lane's.
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    d = start_daemon("--device=cuda:0")
+    with RefitClient(d.address, timeout=60) as c:
+        zeros = {k: v * 0 for k, v in seed2.items()}
+        expected = c.push(seed2, lane="grpc").fingerprint
+        c.push(zeros, lane="grpc", non_finite="vllm")
+        result = c.push(shared_tensors(seed2), lane="shm")
+        assert result.fingerprint == expected
+        assert c._shm.last_copied_bytes == 0
+        assert "access=mapped" in d.wait_for_line("region registered", also="pinned=true")
+        # Private tensors go through the client's sealed staging memfd:
+        # pinned too.
+        c.push(zeros, lane="grpc", non_finite="vllm")
+        assert c.push(seed2, lane="shm").fingerprint == expected

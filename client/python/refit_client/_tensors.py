@@ -7,12 +7,54 @@ torch is imported only when a torch tensor is seen (or read(as_="torch")).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from .errors import InvalidArgument
+
+# Threads that copy one tensor into the shared-memory lane's staging: one
+# thread's memcpy is a fraction of a server's memory bandwidth, and the copy
+# is what the daemon waits for. A quarter of the cores, at most 4 (the
+# daemon on the same host needs the rest); 1 on small machines.
+COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+_COPY_PIECE = 1 << 20  # no thread copies less
+_copy_pool: Any = None
+_copy_pool_workers = 0
+_copy_pool_lock = threading.Lock()
+
+
+def parallel_copyto(dst: np.ndarray, src: np.ndarray, threads: Optional[int] = None) -> None:
+    """np.copyto of two 1-D uint8 arrays of one size, split over up to
+    `threads` (default COPY_THREADS) threads: this one and a shared pool's
+    (np.copyto releases the GIL while it copies)."""
+    threads = COPY_THREADS if threads is None else threads
+    n = src.shape[0]
+    parts = max(1, min(threads, n // _COPY_PIECE))
+    if parts == 1:
+        np.copyto(dst, src)
+        return
+    global _copy_pool, _copy_pool_workers
+    with _copy_pool_lock:
+        if _copy_pool_workers < parts - 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # A larger pool replaces a smaller one; copies already given to
+            # the old one finish there.
+            _copy_pool_workers = max(parts - 1, 3)
+            _copy_pool = ThreadPoolExecutor(
+                max_workers=_copy_pool_workers, thread_name_prefix="refit-copy"
+            )
+        pool = _copy_pool
+    bounds = [n * i // parts for i in range(parts + 1)]
+    futures = [pool.submit(np.copyto, dst[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]])
+               for i in range(1, parts)]
+    np.copyto(dst[: bounds[1]], src[: bounds[1]])
+    for f in futures:
+        f.result()
 
 # dtype name -> (proto DType value, bytes per element). Values match
 # refit.v1.DType; _client checks them against the generated enum.
@@ -142,10 +184,11 @@ def _from_torch(name: str, tensor: Any, dtype: Optional[str]) -> Source:
 
     def copy_into(dst: np.ndarray) -> None:
         if flat.device.type == "cpu":
-            # One plain memcpy: torch's copy_ would spread it over its
-            # intra-op threads, which then spin (CPU time the daemon, on
-            # the same host, could have used).
-            np.copyto(dst, flat.view(torch.uint8).numpy())
+            # Plain memcpys on a few threads (parallel_copyto): torch's
+            # copy_ would spread it over all its intra-op threads, which
+            # then spin (CPU time the daemon, on the same host, could have
+            # used).
+            parallel_copyto(dst, flat.view(torch.uint8).numpy())
         else:
             torch.from_numpy(dst).copy_(flat.view(torch.uint8))
 
@@ -193,7 +236,7 @@ def _from_numpy(name: str, value: Any, dtype: Optional[str]) -> Source:
         return flat[offset : offset + n].tobytes()
 
     def copy_into(dst: np.ndarray) -> None:
-        np.copyto(dst, flat)
+        parallel_copyto(dst, flat)
 
     return Source(name, dtype, shape, int(flat.size), read, copy_into=copy_into)
 

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import urllib.request
 
+import numpy as np
 import pytest
 import torch
 
@@ -433,3 +434,15 @@ def test_sealed_regions_go_to_a_gpu_store_by_dma_from_where_they_lie(start_daemo
         # pinned too.
         c.push(zeros, lane="grpc", non_finite="vllm")
         assert c.push(seed2, lane="shm").fingerprint == expected
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_parallel_copyto_copies_every_byte_once_into_its_place(threads):
+    from refit_client._tensors import parallel_copyto
+
+    n = (5 << 20) + 12345  # pieces that do not divide evenly
+    src = np.random.default_rng(threads).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n + 64, dtype=np.uint8)
+    parallel_copyto(dst[32 : 32 + n], src, threads=threads)
+    assert np.array_equal(dst[32 : 32 + n], src)
+    assert not dst[:32].any() and not dst[32 + n :].any()

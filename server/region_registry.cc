@@ -273,6 +273,7 @@ RegionRegistry::Totals RegionRegistry::totals() const {
     }
     ++t.regions;
     t.bytes += static_cast<int64_t>(entry.size);
+    if (entry.region->pinned()) t.pinned_bytes += static_cast<int64_t>(entry.size);
   }
   return t;
 }
@@ -288,7 +289,13 @@ std::string RegionRegistry::RenderMetrics() const {
       "# HELP refitd_trainer_region_bytes Bytes of the registered shared-memory regions.\n"
       "# TYPE refitd_trainer_region_bytes gauge\n"
       "refitd_trainer_region_bytes ",
-      t.bytes, "\n");
+      t.bytes,
+      "\n"
+      "# HELP refitd_trainer_region_pinned_bytes Bytes of registered regions page-locked for a "
+      "GPU store's DMA (sealed regions, when a store is on a GPU).\n"
+      "# TYPE refitd_trainer_region_pinned_bytes gauge\n"
+      "refitd_trainer_region_pinned_bytes ",
+      t.pinned_bytes, "\n");
 }
 
 }  // namespace refit::server

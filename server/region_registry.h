@@ -156,6 +156,7 @@ class RegionRegistry {
     int64_t regions = 0;  // registered (descriptor received), all callers
     int64_t bytes = 0;
     int64_t pending = 0;  // reserved, descriptor not yet received
+    int64_t pinned_bytes = 0;  // of regions page-locked for the GPUs
   };
 
   // `pin_sealed`: page-lock sealed mappings for the GPUs (Region::Open's
@@ -183,7 +184,8 @@ class RegionRegistry {
   absl::StatusOr<std::shared_ptr<const Region>> Find(const std::string& owner,
                                                      const std::string& id) const;
   Totals totals() const;
-  // refitd_trainer_regions / refitd_trainer_region_bytes (Prometheus text).
+  // refitd_trainer_regions / refitd_trainer_region_bytes /
+  // refitd_trainer_region_pinned_bytes (Prometheus text).
   std::string RenderMetrics() const;
 
  private:

@@ -280,6 +280,8 @@ TEST_F(RegionTest, SealedRegionIsMappedAndCommitsTheFingerprintOfTheSameBytesPus
   EXPECT_EQ(lease.reply(), "K");
   EXPECT_EQ(access, v1::RegionRegistered::ACCESS_MAPPED);
   EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 1\n"));
+  // A host store: nothing is page-locked.
+  EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_region_pinned_bytes 0\n"));
 
   const PushOutcome outcome = PushRegion(tensors, *file, id);
   ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();

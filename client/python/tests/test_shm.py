@@ -421,7 +421,7 @@ def test_sealed_regions_go_to_a_gpu_store_by_dma_from_where_they_lie(start_daemo
     # bytes as the gRPC lane's.
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    d = start_daemon("--device=cuda:0")
+    d = start_daemon("--device=cuda:0", "--metrics-listen=127.0.0.1:0")
     with RefitClient(d.address, timeout=60) as c:
         zeros = {k: v * 0 for k, v in seed2.items()}
         expected = c.push(seed2, lane="grpc").fingerprint
@@ -430,6 +430,7 @@ def test_sealed_regions_go_to_a_gpu_store_by_dma_from_where_they_lie(start_daemo
         assert result.fingerprint == expected
         assert c._shm.last_copied_bytes == 0
         assert "access=mapped" in d.wait_for_line("region registered", also="pinned=true")
+        assert re.search(r"^refitd_trainer_region_pinned_bytes [1-9]", metrics(d), re.M)
         # Private tensors go through the client's sealed staging memfd:
         # pinned too.
         c.push(zeros, lane="grpc", non_finite="vllm")

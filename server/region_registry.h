@@ -155,7 +155,7 @@ class RegionRegistry {
   struct Totals {
     int64_t regions = 0;  // registered (descriptor received), all callers
     int64_t bytes = 0;
-    int64_t pending = 0;  // reserved, descriptor not yet received
+    int64_t pending = 0;       // reserved, descriptor not yet received
     int64_t pinned_bytes = 0;  // of regions page-locked for the GPUs
   };
 

@@ -100,6 +100,11 @@ ABSL_FLAG(int, max_regions_per_caller, 1024,
 ABSL_FLAG(std::string, max_region_bytes_per_caller, "256GiB",
           "Total size of the shared-memory regions one caller may hold at once; more is "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(bool, pin_regions, true,
+          "With a model group on a GPU: page-lock trainers' sealed shared-memory regions "
+          "(cudaHostRegister, read-only) so that refits copy them to the device by DMA, with no "
+          "host copy. Pinned pages cannot be swapped or reclaimed while registered; "
+          "--pin-regions=false copies them through the pinned staging pool instead.");
 ABSL_FLAG(std::string, reload_root, "",
           "Directory that Reload may read from (paths are resolved with realpath); empty: "
           "Reload is refused with PERMISSION_DENIED.");
@@ -305,6 +310,7 @@ int main(int argc, char** argv) {
       refit::server::ParseByteSize(absl::GetFlag(FLAGS_max_region_bytes_per_caller));
   if (!region_bytes.ok()) return UsageError(region_bytes.status());
   options.max_region_bytes_per_caller = *region_bytes;
+  options.pin_regions = absl::GetFlag(FLAGS_pin_regions);
   options.reload_root = absl::GetFlag(FLAGS_reload_root);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);

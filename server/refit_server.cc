@@ -255,12 +255,13 @@ absl::Status RefitServer::StartGrpc() {
   service_->SetAttachService(attach_.get());
   // Sealed trainer regions are page-locked when a store is on a GPU: its
   // refits then copy them to the device by DMA, with no host copy.
-  bool any_gpu_store = false;
-  for (const auto& [name, group] : groups_) any_gpu_store |= group->store()->on_gpu();
+  bool pin_sealed = false;
+  for (const auto& [name, group] : groups_) pin_sealed |= group->store()->on_gpu();
+  pin_sealed &= options_.pin_regions;
   regions_ = std::make_unique<RegionService>(
       service_.get(),
       RegionRegistry::Limits{options_.max_regions_per_caller, options_.max_region_bytes_per_caller},
-      any_gpu_store);
+      pin_sealed);
   service_->SetRegions(regions_->registry());
   health_ = std::make_unique<HealthService>();
   health_->SetServing(kRefitServiceName, false);

@@ -435,6 +435,22 @@ def test_sealed_regions_go_to_a_gpu_store_by_dma_from_where_they_lie(start_daemo
         # pinned too.
         c.push(zeros, lane="grpc", non_finite="vllm")
         assert c.push(seed2, lane="shm").fingerprint == expected
+    # --pin-regions=false: the same bytes through the pinned staging pool.
+    d = start_daemon("--device=cuda:0", "--pin-regions=false", "--metrics-listen=127.0.0.1:0")
+    with RefitClient(d.address, timeout=60) as c:
+        assert c.push(shared_tensors(seed2), lane="shm").fingerprint == expected
+        assert "pinned=" not in d.wait_for_line("region registered")
+        assert "refitd_trainer_region_pinned_bytes 0\n" in metrics(d)
+
+
+def test_a_host_store_pins_nothing(start_daemon, seed2):
+    # Page-locking is for a GPU store's DMA; --pin-regions is accepted either way.
+    for flags in ((), ("--pin-regions=true",)):
+        d = start_daemon("--metrics-listen=127.0.0.1:0", *flags)
+        with RefitClient(d.address, timeout=60) as c:
+            c.push(shared_tensors(seed2), lane="shm")
+            assert "pinned=" not in d.wait_for_line("region registered")
+            assert "refitd_trainer_region_pinned_bytes 0\n" in metrics(d)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])

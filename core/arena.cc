@@ -151,6 +151,9 @@ void ParallelStreamingCopy(const std::vector<HostCopy>& copies, int threads,
       1, std::min<size_t>(threads, total / std::max<size_t>(min_bytes_per_thread, 64))));
   if (workers <= 1) {
     for (const HostCopy& c : copies) StreamingCopy(c.dst, c.src, c.n);
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
     return;
   }
   // Worker w copies bytes [bound(w), bound(w + 1)) of the copies laid end to

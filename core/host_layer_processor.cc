@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "core/fp8_quantizer.h"
 #include "core/layer_processor.h"
 #include "core/parallel.h"
@@ -97,6 +98,7 @@ class HostLayerProcessor final : public LayerProcessor {
 
     // The kernels are hashed in parallel, the largest first.
     absl::StatusOr<ProcessedLayer> Finish() override {
+      const absl::Time start = absl::Now();
       ProcessedLayer out;
       out.hashes.assign(kernels_.size(), 0);
       std::vector<size_t> order(kernels_.size());
@@ -110,6 +112,7 @@ class HostLayerProcessor final : public LayerProcessor {
         out.hashes[order[i]] = HashBytes(kernel.data(), kernel.size());
       });
       out.kernels = std::move(kernels_);
+      out.hashing = absl::Now() - start;
       return out;
     }
 

@@ -50,6 +50,7 @@ struct ProcessedLayer {
   std::vector<StagingBuffer> kernels;  // sizes equal the layout's kernels
   std::vector<uint64_t> hashes;        // XXH3-64 of each kernel's bytes
   absl::Duration took;
+  absl::Duration hashing;  // of `took`: hashing the kernels (with a GPU's read-back)
 };
 
 struct LayerProcessorOptions {

@@ -323,6 +323,7 @@ void RefitSession::RecordLocked(ProcessedLayer processed) {
   if (processed.part >= 0) return;
   for (const StagingBuffer& kernel : processed.kernels) staged_kernel_bytes_ += kernel.size();
   timings_.quantize += processed.took;
+  timings_.hashing += processed.hashing;
   ++layers_done_;
   const int layer = processed.layer;
   processed_[layer] = std::move(processed);
@@ -366,6 +367,10 @@ absl::StatusOr<RefitResult> RefitSession::PrepareLocked() {
           .Field("group", store_->group())
           .Field("bytes", absl::StrCat(assembler_.bytes_received()))
           .Field("kept_layers", absl::StrCat(kept_layers_.size()))
+          // Where the layer worker's time went.
+          .Field("quantize_ms",
+                 absl::StrFormat("%.1f", absl::ToDoubleMilliseconds(timings_.quantize)))
+          .Field("hash_ms", absl::StrFormat("%.1f", absl::ToDoubleMilliseconds(timings_.hashing)))
       << "prepared";
   QueueEventLocked(StoreEventType::kPrepared);
   return ResultLocked(store_->version(), store_->fingerprint());

@@ -89,6 +89,7 @@ absl::string_view SessionStateName(SessionState state);
 struct PhaseTimings {
   absl::Duration receive;   // Begin to the last Ingest
   absl::Duration quantize;  // total time in layer processing
+  absl::Duration hashing;   // of `quantize`: hashing the made kernels
   absl::Duration finalize;  // Prepare
   absl::Duration commit;    // the in-place copy (readers' pause)
 };

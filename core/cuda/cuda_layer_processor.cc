@@ -16,6 +16,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "core/arena.h"
 #include "core/cuda/cuda_device.h"
 #include "core/cuda/cuda_status.h"
@@ -242,8 +243,10 @@ class CudaLayerProcessor final : public LayerProcessor {
         if (absl::Status s = p_.shared_->quantizer->Sync(p_.stream_); !s.ok()) return s;
       }
       // Quantized kernels: hash the bytes the device wrote.
+      const absl::Time start = absl::Now();
       if (absl::Status s = HashQuantized(); !s.ok()) return s;
       ProcessedLayer out;
+      out.hashing = absl::Now() - start;
       out.kernels = std::move(kernels_);
       out.hashes = std::move(hashes_);
       return out;

@@ -113,6 +113,13 @@ TEST_F(RefitSessionTest, ReloadGivesExactlyTheBytesOfAFreshLoad) {
   EXPECT_NE(store_->fingerprint(), fingerprint_);
 }
 
+TEST_F(RefitSessionTest, TimingsSayHowMuchOfTheLayerWorkWasHashing) {
+  absl::StatusOr<RefitResult> result = PushAll(*store_, v2_);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_GT(result->timings.hashing, absl::ZeroDuration());
+  EXPECT_LE(result->timings.hashing, result->timings.quantize);
+}
+
 TEST_F(RefitSessionTest, FirstLoadFromSafetensorsMatchesPush) {
   std::string dir = TempDir("first_load");
   ASSERT_TRUE(WriteFixtureModel(dir, config_, 2, 3).ok());

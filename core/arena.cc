@@ -149,13 +149,6 @@ void ParallelStreamingCopy(const std::vector<HostCopy>& copies, int threads,
   for (const HostCopy& c : copies) total += c.n;
   const int workers = static_cast<int>(std::max<size_t>(
       1, std::min<size_t>(threads, total / std::max<size_t>(min_bytes_per_thread, 64))));
-  if (workers <= 1) {
-    for (const HostCopy& c : copies) StreamingCopy(c.dst, c.src, c.n);
-#if defined(__x86_64__)
-    _mm_sfence();
-#endif
-    return;
-  }
   // Worker w copies bytes [bound(w), bound(w + 1)) of the copies laid end to
   // end; boundaries on 64-byte multiples of that sequence.
   auto bound = [&](int w) -> size_t {

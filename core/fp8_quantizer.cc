@@ -1187,6 +1187,12 @@ void ForEachInParallel(int n, int threads, const std::function<void(int)>& task)
   });
 }
 
+int BulkThreads() {
+  static const int threads =
+      static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8));
+  return threads;
+}
+
 namespace internal {
 
 absl::string_view Fp8IsaName(Fp8Isa isa) {

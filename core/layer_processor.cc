@@ -2,15 +2,14 @@
 
 #include <xxhash.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/dtype.h"
+#include "core/parallel.h"
 #include "core/shard_store.h"
 
 #ifdef REFIT_WITH_CUDA
@@ -68,11 +67,7 @@ uint64_t HashBytes(const void* data, int64_t size) {
   return XXH3_64bits(data, static_cast<size_t>(size));
 }
 
-int HashThreads(int64_t bytes) {
-  static const int kMaxThreads =
-      static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8));
-  return bytes < (int64_t{1} << 20) ? 1 : kMaxThreads;
-}
+int HashThreads(int64_t bytes) { return bytes < (int64_t{1} << 20) ? 1 : BulkThreads(); }
 
 absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<StagingBuffer> params) {
   const absl::Time start = absl::Now();

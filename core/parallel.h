@@ -18,6 +18,11 @@ void RunInParallel(int n, const std::function<void(int)>& task);
 // finishes one: for tasks of uneven sizes (put the largest first).
 void ForEachInParallel(int n, int threads, const std::function<void(int)>& task);
 
+// Threads for memory-bound bulk work (a commit's copy, hashing a layer): the
+// machine's cores, at most 8. A few saturate most servers' memory bandwidth;
+// one alone gets a fraction of it.
+int BulkThreads();
+
 }  // namespace refit::core
 
 #endif  // REFIT_CORE_PARALLEL_H_

@@ -10,7 +10,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -19,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/log.h"
+#include "core/parallel.h"
 #include "core/shard_store_tensors.h"
 #include "core/snapshot.h"
 #include "core/text.h"
@@ -32,11 +32,6 @@
 
 namespace refit::core {
 namespace {
-
-// Threads of a commit's host copy: a few saturate the memory bandwidth of
-// most servers; one alone copies at a fraction of it.
-const int kCommitCopyThreads =
-    static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8));
 
 uint64_t HashZeros(int64_t nbytes) {
   static const std::vector<uint8_t> zeros(1 << 20, 0);
@@ -260,7 +255,7 @@ CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& st
     REFIT_LOG(ERROR) << "commit copy failed: " << e.what_without_backtrace();
     std::abort();
   }
-  ParallelStreamingCopy(host_copies, kCommitCopyThreads);
+  ParallelStreamingCopy(host_copies, BulkThreads());
 #ifdef REFIT_WITH_CUDA
   if (any_on_device) {
     // The event marks version N+1 complete; the writer lock is held until

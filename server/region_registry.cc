@@ -185,20 +185,20 @@ absl::StatusOr<std::string> RegionRegistry::Reserve(const std::string& owner, ui
   return id;
 }
 
-absl::StatusOr<Region::Access> RegionRegistry::Activate(const std::string& id, int fd) {
+absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::Activate(const std::string& id,
+                                                                       int fd) {
   return ActivateWith(
       id, [&](uint64_t size) { return Region::Open(id, fd, size, pin_sealed_); },
       [fd] { ::close(fd); });
 }
 
-absl::StatusOr<Region::Access> RegionRegistry::ActivateCudaIpc(const std::string& id,
-                                                               absl::string_view handle,
-                                                               absl::string_view device_uuid) {
+absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateCudaIpc(
+    const std::string& id, absl::string_view handle, absl::string_view device_uuid) {
   return ActivateWith(
       id, [&](uint64_t size) { return Region::OpenCudaIpc(id, handle, device_uuid, size); }, [] {});
 }
 
-absl::StatusOr<Region::Access> RegionRegistry::ActivateWith(
+absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateWith(
     const std::string& id, const Opener& open, const std::function<void()>& on_not_waiting) {
   uint64_t size = 0;
   {
@@ -213,18 +213,17 @@ absl::StatusOr<Region::Access> RegionRegistry::ActivateWith(
   }
   // Outside the lock: fstat and mmap of a large region (or opening a CUDA
   // allocation) are not instant.
-  absl::StatusOr<std::unique_ptr<Region>> region = open(size);
-  if (!region.ok()) return region.status();
-  const Region::Access access = (*region)->access();
-  std::shared_ptr<const Region> last;  // closed outside the lock if released meanwhile
+  absl::StatusOr<std::unique_ptr<Region>> opened = open(size);
+  if (!opened.ok()) return opened.status();
+  std::shared_ptr<const Region> region = *std::move(opened);
   absl::MutexLock lock(&mu_);
   auto it = entries_.find(id);
+  // Released meanwhile: `region` is closed outside the lock, on return.
   if (it == entries_.end()) {
-    last = *std::move(region);
     return absl::NotFoundError(absl::StrCat("region \"", id, "\" was released meanwhile"));
   }
-  it->second.region = *std::move(region);
-  return access;
+  it->second.region = region;
+  return region;
 }
 
 void RegionRegistry::Release(const std::string& id) {

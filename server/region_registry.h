@@ -168,12 +168,14 @@ class RegionRegistry {
   // INVALID_ARGUMENT size 0; RESOURCE_EXHAUSTED over a limit (naming the
   // flag).
   absl::StatusOr<std::string> Reserve(const std::string& owner, uint64_t size);
-  // The descriptor of a reserved region arrived: Region::Open's errors
-  // (the reservation stays until Release); NOT_FOUND if it was released.
-  absl::StatusOr<Region::Access> Activate(const std::string& id, int fd);
+  // The descriptor of a reserved region arrived: the region, opened.
+  // Region::Open's errors (the reservation stays until Release); NOT_FOUND
+  // if it was released.
+  absl::StatusOr<std::shared_ptr<const Region>> Activate(const std::string& id, int fd);
   // As Activate, for a region registered with a CUDA IPC handle.
-  absl::StatusOr<Region::Access> ActivateCudaIpc(const std::string& id, absl::string_view handle,
-                                                 absl::string_view device_uuid);
+  absl::StatusOr<std::shared_ptr<const Region>> ActivateCudaIpc(const std::string& id,
+                                                                absl::string_view handle,
+                                                                absl::string_view device_uuid);
   // Forgets the region (reserved or active); a no-op for an unknown id.
   void Release(const std::string& id);
   // OK if `id` is `owner`'s; NOT_FOUND unknown (or released),
@@ -196,8 +198,8 @@ class RegionRegistry {
   };
 
   using Opener = std::function<absl::StatusOr<std::unique_ptr<Region>>(uint64_t size)>;
-  absl::StatusOr<Region::Access> ActivateWith(const std::string& id, const Opener& open,
-                                              const std::function<void()>& on_not_waiting);
+  absl::StatusOr<std::shared_ptr<const Region>> ActivateWith(
+      const std::string& id, const Opener& open, const std::function<void()>& on_not_waiting);
 
   const Limits limits_;
   const bool pin_sealed_;

@@ -161,15 +161,15 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
     if (!request.cuda_ipc_handle().empty() || !request.cuda_device_uuid().empty()) {
       // A CUDA allocation: the handle came in the request, no descriptor.
       service_->ForgetTicket(ticket);
-      absl::StatusOr<Region::Access> access = service_->registry_.ActivateCudaIpc(
+      absl::StatusOr<std::shared_ptr<const Region>> region = service_->registry_.ActivateCudaIpc(
           *id, request.cuda_ipc_handle(), request.cuda_device_uuid());
-      if (!access.ok()) {
+      if (!region.ok()) {
         REFIT_LOG(WARNING).Field("region", *id).Field("caller", caller->name)
-            << "region refused: " << std::string(access.status().message());
-        End(ToGrpcStatus(access.status()));
+            << "region refused: " << std::string(region.status().message());
+        End(ToGrpcStatus(region.status()));
         return;
       }
-      Registered(*access, -1, 0);
+      Registered(**region, -1, 0);
       return;
     }
     v1::RegionEvent event;
@@ -181,7 +181,8 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
   }
 
   // The descriptor was checked and mapped.
-  void Registered(Region::Access access, int pid, uint32_t uid) {
+  void Registered(const Region& region, int pid, uint32_t uid) {
+    const Region::Access access = region.access();
     std::string id;
     std::string owner;
     std::string name;
@@ -201,10 +202,7 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
         .Field("bytes", absl::StrCat(size))
         .Field("access", AccessName(access));
     // Page-locked for a GPU store's DMA (sealed regions of a daemon with one).
-    if (absl::StatusOr<std::shared_ptr<const Region>> region = service_->registry_.Find(owner, id);
-        region.ok() && (*region)->pinned()) {
-      log.Field("pinned", "true");
-    }
+    if (region.pinned()) log.Field("pinned", "true");
     // A descriptor's sender (the descriptor socket's peer credentials).
     if (pid >= 0) log.Field("pid", absl::StrCat(pid)).Field("uid", absl::StrCat(uid));
     log << "region registered";
@@ -362,15 +360,15 @@ absl::Status RegionService::Deposit(absl::string_view ticket, int fd, int pid, u
     return absl::PermissionDeniedError(
         "unknown region ticket (used already, or its RegisterRegion stream ended)");
   }
-  absl::StatusOr<Region::Access> access = registry_.Activate(id, fd);
-  if (!access.ok()) {
+  absl::StatusOr<std::shared_ptr<const Region>> region = registry_.Activate(id, fd);
+  if (!region.ok()) {
     REFIT_LOG(WARNING).Field("region", id).Field("pid", absl::StrCat(pid))
-        << "region refused: " << std::string(access.status().message());
-    lease->End(ToGrpcStatus(access.status()));
+        << "region refused: " << std::string(region.status().message());
+    lease->End(ToGrpcStatus(region.status()));
     lease->Unref();
-    return access.status();
+    return region.status();
   }
-  lease->Registered(*access, pid, uid);
+  lease->Registered(**region, pid, uid);
   lease->Unref();
   return absl::OkStatus();
 }

@@ -22,31 +22,28 @@ from .errors import InvalidArgument
 # daemon on the same host needs the rest); 1 on small machines.
 COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 _COPY_PIECE = 1 << 20  # no thread copies less
+_MAX_COPY_THREADS = 8
 _copy_pool: Any = None
-_copy_pool_workers = 0
 _copy_pool_lock = threading.Lock()
 
 
 def parallel_copyto(dst: np.ndarray, src: np.ndarray, threads: Optional[int] = None) -> None:
     """np.copyto of two 1-D uint8 arrays of one size, split over up to
-    `threads` (default COPY_THREADS) threads: this one and a shared pool's
-    (np.copyto releases the GIL while it copies)."""
+    `threads` (default COPY_THREADS, at most 8) threads: this one and a
+    shared pool's (np.copyto releases the GIL while it copies)."""
     threads = COPY_THREADS if threads is None else threads
     n = src.shape[0]
-    parts = max(1, min(threads, n // _COPY_PIECE))
+    parts = max(1, min(threads, _MAX_COPY_THREADS, n // _COPY_PIECE))
     if parts == 1:
         np.copyto(dst, src)
         return
-    global _copy_pool, _copy_pool_workers
+    global _copy_pool
     with _copy_pool_lock:
-        if _copy_pool_workers < parts - 1:
+        if _copy_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            # A larger pool replaces a smaller one; copies already given to
-            # the old one finish there.
-            _copy_pool_workers = max(parts - 1, 3)
             _copy_pool = ThreadPoolExecutor(
-                max_workers=_copy_pool_workers, thread_name_prefix="refit-copy"
+                max_workers=_MAX_COPY_THREADS - 1, thread_name_prefix="refit-copy"
             )
         pool = _copy_pool
     bounds = [n * i // parts for i in range(parts + 1)]

@@ -1,7 +1,6 @@
 #include "client/refit_client.h"
 
 #include <grpcpp/grpcpp.h>
-#include <xxhash.h>
 
 #include <unistd.h>
 
@@ -23,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/safetensors_view.h"
+#include "core/xxh3.h"
 
 namespace refit::client {
 namespace {

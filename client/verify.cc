@@ -1,7 +1,5 @@
 #include "client/verify.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -16,6 +14,7 @@
 #include "core/model_config.h"
 #include "core/model_layout.h"
 #include "core/safetensors.h"
+#include "core/xxh3.h"
 #include "nlohmann/json.hpp"
 
 namespace refit::client {

@@ -1,7 +1,5 @@
 #include "core/layer_assembler.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -10,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/xxh3.h"
 
 namespace refit::core {
 namespace {

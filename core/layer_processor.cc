@@ -1,7 +1,5 @@
 #include "core/layer_processor.h"
 
-#include <xxhash.h>
-
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -11,6 +9,7 @@
 #include "core/dtype.h"
 #include "core/parallel.h"
 #include "core/shard_store.h"
+#include "core/xxh3.h"
 
 #ifdef REFIT_WITH_CUDA
 #include "core/cuda/cuda_layer_processor.h"

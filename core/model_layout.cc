@@ -4,8 +4,6 @@
 #include <limits>
 #include <utility>
 
-#include <xxhash.h>
-
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -13,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "core/text.h"
+#include "core/xxh3.h"
 
 namespace refit::core {
 namespace {

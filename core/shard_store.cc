@@ -4,7 +4,6 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Device.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -23,6 +22,7 @@
 #include "core/snapshot.h"
 #include "core/text.h"
 #include "core/torch_dtype.h"
+#include "core/xxh3.h"
 
 #ifdef REFIT_WITH_CUDA
 #include <cuda_runtime_api.h>

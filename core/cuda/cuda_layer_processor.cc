@@ -5,8 +5,6 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <map>
 #include <thread>
@@ -23,6 +21,7 @@
 #include "core/cuda/fp8_cuda.h"
 #include "core/cuda/pinned_staging.h"
 #include "core/parallel.h"
+#include "core/xxh3.h"
 
 namespace refit::core::cuda {
 namespace {

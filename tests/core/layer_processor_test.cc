@@ -203,6 +203,25 @@ TEST(LayerProcessorTest, UnquantizedWeightIsKeptAsIs) {
   EXPECT_TRUE(Str(out->kernels[0]) == params.bytes[0]);
 }
 
+// Kernels are hashed through libxxhash's CPU dispatch (AVX2 / AVX-512) where
+// the library has it; the hashes must be the library's default XXH3-64, which
+// this test calls, at every length class XXH3 treats apart and at unaligned
+// starts.
+TEST(LayerProcessorTest, HashBytesIsTheLibrarysXxh3AtEveryLength) {
+  std::mt19937_64 rng(7);
+  std::vector<uint8_t> bytes((size_t{1} << 20) + 4099);
+  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+  for (size_t size : {size_t{0}, size_t{1}, size_t{3}, size_t{4}, size_t{8}, size_t{9}, size_t{16},
+                      size_t{17}, size_t{128}, size_t{129}, size_t{240}, size_t{241}, size_t{1023},
+                      size_t{1024}, size_t{1025}, size_t{65536} + 5, bytes.size() - 3}) {
+    for (size_t offset : {size_t{0}, size_t{1}, size_t{3}}) {
+      EXPECT_EQ(HashBytes(bytes.data() + offset, static_cast<int64_t>(size)),
+                XXH3_64bits(bytes.data() + offset, size))
+          << "size " << size << " offset " << offset;
+    }
+  }
+}
+
 TEST(LayerProcessorTest, HashesAreXxh3OfTheReturnedKernels) {
   std::shared_ptr<const ModelLayout> layout = Layout(BiasedConfig(), QuantScheme::kBlock128);
   ASSERT_NE(layout, nullptr);

@@ -179,6 +179,26 @@ def test_shared_tensors_are_one_sealed_mapped_region_and_go_without_any_copy(
     assert len(client._shm.regions()) == 1
 
 
+def test_references_share_messages_and_each_copied_tensor_goes_before_the_next_copy(
+    client, seed2
+):
+    """A message per 64 MiB referenced (a reference costs the same whatever
+    its length); a tensor copied into staging is sent before the next copy
+    starts, so the daemon ingests while the client copies."""
+    total = sum(t.numel() * t.element_size() for t in seed2.values())
+    shared_progress = []
+    shared = client.push(shared_tensors(seed2), lane="shm", progress=shared_progress.append)
+    assert client._shm.last_copied_bytes == 0
+    assert shared_progress[-1].messages_sent == -(-total // (64 << 20))
+    assert shared_progress[-1].tensors_done == len(seed2)
+    copied_progress = []
+    copied = client.push(seed2, lane="shm", progress=copied_progress.append)
+    assert client._shm.last_copied_bytes == total
+    assert copied_progress[-1].messages_sent == len(seed2)
+    assert [p.tensors_done for p in copied_progress] == list(range(1, len(seed2) + 1))
+    assert copied.fingerprint == shared.fingerprint
+
+
 def test_moe_experts_are_read_in_place_from_shared_tensors(start_daemon, fixture_root):
     from conftest import MAKE_FIXTURE
 

@@ -535,10 +535,14 @@ Fp8Isa CurrentIsa() {
 
 constexpr int64_t kMinElementsPerWorker = int64_t{1} << 18;
 
-int ResolveThreads(int requested) {
-  if (requested > 0) return requested;
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1 : static_cast<int>(hw);
+int ResolveThreads(int requested) { return requested > 0 ? requested : DefaultQuantizeThreads(); }
+
+// SetHostThreads' cap; 0: none.
+std::atomic<int> g_host_threads{0};
+
+int Cores() {
+  static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return cores;
 }
 
 int WorkersFor(int threads, int64_t elements, int64_t tasks) {
@@ -1188,9 +1192,17 @@ void ForEachInParallel(int n, int threads, const std::function<void(int)>& task)
 }
 
 int BulkThreads() {
-  static const int threads =
-      static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8));
-  return threads;
+  const int cap = g_host_threads.load(std::memory_order_relaxed);
+  return cap > 0 ? cap : std::min(Cores(), 8);
+}
+
+int DefaultQuantizeThreads() {
+  const int cap = g_host_threads.load(std::memory_order_relaxed);
+  return cap > 0 ? cap : Cores();
+}
+
+void SetHostThreads(int threads) {
+  g_host_threads.store(std::max(threads, 0), std::memory_order_relaxed);
 }
 
 namespace internal {

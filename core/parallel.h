@@ -20,8 +20,19 @@ void ForEachInParallel(int n, int threads, const std::function<void(int)>& task)
 
 // Threads for memory-bound bulk work (a commit's copy, hashing a layer): the
 // machine's cores, at most 8. A few saturate most servers' memory bandwidth;
-// one alone gets a fraction of it.
+// one alone gets a fraction of it. SetHostThreads overrides it.
 int BulkThreads();
+
+// Threads the FP8 quantizer uses when a call asks for its default: one per
+// core, or the SetHostThreads cap.
+int DefaultQuantizeThreads();
+
+// Caps the threads of a refit's CPU work, process-wide: the FP8 quantizer's
+// default and BulkThreads() both become `threads` (so that a daemon beside
+// an inference engine can be kept to a share of the host's cores); 0 restores
+// the defaults. Meant to be called once at start, before any refit; calls
+// already running keep what they resolved.
+void SetHostThreads(int threads);
 
 }  // namespace refit::core
 

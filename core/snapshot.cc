@@ -22,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "core/log.h"
+#include "core/parallel.h"
 #include "core/xxh3.h"
 
 namespace refit::core {
@@ -512,10 +513,9 @@ absl::StatusOr<std::vector<uint64_t>> ReadKernels(int fd, const std::string& pat
   // one bounce buffer takes one piece at a time.
   const int64_t kPerThread = int64_t{64} << 20;
   const size_t threads =
-      !host ? 1
-            : static_cast<size_t>(std::clamp<int64_t>(
-                  m.kernel_bytes / kPerThread, 1,
-                  std::max(1u, std::min(8u, std::thread::hardware_concurrency()))));
+      !host
+          ? 1
+          : static_cast<size_t>(std::clamp<int64_t>(m.kernel_bytes / kPerThread, 1, BulkThreads()));
   std::vector<absl::Status> read_status(threads);
   auto work = [&](size_t t) {
     // Kernels whose first byte falls in this thread's share of the bytes.

@@ -25,6 +25,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/time/time.h"
 #include "core/log.h"
+#include "core/parallel.h"
 #include "core/runtime_info.h"
 #include "core/snapshot.h"
 #include "core/staging_buffer.h"
@@ -75,6 +76,11 @@ ABSL_FLAG(bool, host_staging, false,
 ABSL_FLAG(std::string, max_chunk_bytes, "64MiB",
           "Largest chunk payload in one Push message (K/M/G suffixes); gRPC's receive limit is "
           "this plus 1 MiB.");
+ABSL_FLAG(int, host_threads, 0,
+          "Threads a refit's CPU work uses at most: the FP8 quantizer on the host, hashing the "
+          "new kernels, the commit's copy, a GPU store's copies into pinned memory. 0: one per "
+          "core for the quantizer, at most 8 for the memory-bound rest. Set it to keep a daemon "
+          "beside an inference engine to a share of the host's cores.");
 ABSL_FLAG(absl::Duration, staging_pool_idle, absl::Seconds(30),
           "Host staging buffers (layer params, FP8 kernels before commit) are kept for reuse by "
           "the next refit and freed once unused for this long; 0 frees them after every refit "
@@ -235,6 +241,9 @@ void NotifyServiceManager(const char* state) {
   if (!status.ok()) REFIT_LOG(WARNING) << "sd_notify failed: " << status.ToString();
 }
 
+// --host-threads at most.
+constexpr int kMaxHostThreads = 1024;
+
 // Bad flag values: a message and exit status 2.
 int UsageError(const absl::Status& status) {
   std::cerr << "refitd: " << status << " (see --help)\n";
@@ -298,6 +307,13 @@ int main(int argc, char** argv) {
   }
   // Process-wide: the refits of every group stage from one pool.
   refit::core::StagingBuffer::SetHostPoolIdle(absl::GetFlag(FLAGS_staging_pool_idle));
+  const int host_threads = absl::GetFlag(FLAGS_host_threads);
+  if (host_threads < 0 || host_threads > kMaxHostThreads) {
+    return UsageError(absl::InvalidArgumentError(absl::StrCat(
+        "--host-threads must be 0 (one per core) to ", kMaxHostThreads, ", got ", host_threads)));
+  }
+  // Process-wide too: one set of helper threads serves every group.
+  refit::core::SetHostThreads(host_threads);
   options.prepared_timeout = absl::GetFlag(FLAGS_prepared_timeout);
   options.refit_timeout = absl::GetFlag(FLAGS_refit_timeout);
   options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
@@ -373,6 +389,8 @@ int main(int argc, char** argv) {
           .Field("version", refit::core::VersionString())
           .Field("torch", refit::core::TorchVersion())
           .Field("cuda_devices", absl::StrCat(refit::core::CudaDeviceCount()))
+          .Field("quantize_threads", absl::StrCat(refit::core::DefaultQuantizeThreads()))
+          .Field("bulk_threads", absl::StrCat(refit::core::BulkThreads()))
       << "refitd starting";
   absl::StatusOr<std::unique_ptr<refit::server::RefitServer>> server =
       refit::server::RefitServer::Create(options);

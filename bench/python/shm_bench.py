@@ -65,10 +65,10 @@ from bench_figures import figure  # noqa: E402
 
 
 def start_refitd(refitd: str, model_dir: str, sock: str, log_path: str,
-                 device: str) -> subprocess.Popen:
+                 device: str, flags: Sequence[str] = ()) -> subprocess.Popen:
     log = open(log_path, "w")
     proc = subprocess.Popen([refitd, f"--model={model_dir}", f"--listen=unix:{sock}",
-                             f"--device={device}"],
+                             f"--device={device}", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
 
@@ -109,6 +109,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="2 repetitions; the 119 MiB model when --model_dir is not given")
     parser.add_argument("--workdir", default="")
     parser.add_argument("--device", default="cpu", help="refitd's --device (cpu or cuda:N)")
+    parser.add_argument("--daemon_flag", action="append", default=[],
+                        help="an extra refitd flag, e.g. --daemon_flag=--host-threads=8 (repeatable)")
     args = parser.parse_args(argv)
     if args.quick:
         args.reps = min(args.reps, 2)
@@ -137,7 +139,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "shm_shared_daemon_cpu_s", "shm_arena_daemon_cpu_s", "grpc_daemon_cpu_s",
         "shm_copy_client_cpu_s", "shm_shared_client_cpu_s", "shm_arena_client_cpu_s",
         "grpc_client_cpu_s", "shm_cuda_daemon_cpu_s", "shm_cuda_client_cpu_s")}
-    proc = start_refitd(args.refitd, args.model_dir, sock, f"{work}/refitd-shm.log", args.device)
+    proc = start_refitd(args.refitd, args.model_dir, sock, f"{work}/refitd-shm.log", args.device,
+                        args.daemon_flag)
     first_register_s = 0.0
     try:
         client = RefitClient(address, timeout=600)

@@ -30,8 +30,12 @@ constexpr int64_t kPinnedBufferBytes = int64_t{32} << 20;
 constexpr int kPinnedBuffers = 4;
 // One thread's memcpy into pinned memory runs at a fraction of what the
 // host-to-device copy behind it moves; a few threads keep up with it.
-const int kUploadCopyThreads =
-    static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 2, 1, 4));
+// Half the cores, 1 to 4, and within the host-threads cap.
+int UploadCopyThreads() {
+  static const int half =
+      static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 2, 1, 4));
+  return std::min(half, BulkThreads());
+}
 // A layer's weights are a few MiB each: split them finely enough that most
 // of them use every upload thread.
 constexpr size_t kUploadBytesPerThread = size_t{512} << 10;
@@ -379,7 +383,7 @@ class CudaLayerProcessor final : public LayerProcessor {
           // Host rows aliased to a trainer's shared-memory region are read
           // where they lie.
           ParallelStreamingCopy({HostCopy{lease->data(), seg.data + done, static_cast<size_t>(n)}},
-                                kUploadCopyThreads, kUploadBytesPerThread);
+                                UploadCopyThreads(), kUploadBytesPerThread);
           absl::Status copied = p_.shared_->pool->CopyToDevice(
               *std::move(lease), to + seg.offset + done, n, p_.stream_);
           if (!copied.ok()) return copied;

@@ -214,6 +214,23 @@ TEST(ForEachInParallelTest, RunsEveryTaskExactlyOnceOnAtMostTheThreadsAsked) {
   }
 }
 
+// SetHostThreads caps both the quantizer's default and the bulk copies'
+// threads; 0 gives back one per core for the quantizer, at most 8 for the rest.
+TEST(HostThreadsTest, SetHostThreadsCapsTheQuantizerAndBulkWork) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  EXPECT_EQ(DefaultQuantizeThreads(), cores);
+  EXPECT_EQ(BulkThreads(), std::min(cores, 8));
+  SetHostThreads(3);
+  EXPECT_EQ(DefaultQuantizeThreads(), 3);
+  EXPECT_EQ(BulkThreads(), 3);
+  SetHostThreads(12);
+  EXPECT_EQ(DefaultQuantizeThreads(), 12);
+  EXPECT_EQ(BulkThreads(), 12);
+  SetHostThreads(0);
+  EXPECT_EQ(DefaultQuantizeThreads(), cores);
+  EXPECT_EQ(BulkThreads(), std::min(cores, 8));
+}
+
 // Whether thread `tid` of this process is blocked in the futex syscall.
 bool InFutexWait(pid_t tid) {
   std::ifstream f(absl::StrCat("/proc/self/task/", tid, "/syscall"));

@@ -608,6 +608,29 @@ TEST_F(RefitdE2eTest, RefitsThatReuseStagingServeExactlyTheLastPush) {
   EXPECT_THAT(child->Stderr(), HasSubstr("--staging-pool-idle must be >= 0"));
 }
 
+// --host-threads caps a refit's CPU threads (the start-up line says what the
+// quantizer and the bulk copies resolved to), and a refit under the cap
+// serves exactly the pushed weights. Out of range is refused at start-up.
+TEST_F(RefitdE2eTest, HostThreadsCapsTheRefitsThreadsAndChangesNoByte) {
+  StartDaemon({"--host-threads=1"});
+  EXPECT_THAT(daemon_->Stderr(), HasSubstr("quantize_threads=1 bulk_threads=1"));
+  const std::string weights = Fixture(2);
+  CommandResult push = Ctl({"push", weights});
+  ASSERT_EQ(push.code, 0) << push.err;
+  CommandResult verify = Ctl({"verify", weights});
+  EXPECT_EQ(verify.code, 0) << verify.out << verify.err;
+  EXPECT_THAT(verify.out, HasSubstr("0 mismatch"));
+  for (const char* bad : {"--host-threads=-1", "--host-threads=1025"}) {
+    auto child = Child::Start({BinPath("refitd"), "--model=demo", bad}, Path("bad-threads.out"),
+                              Path("bad-threads.err"));
+    std::optional<int> code = child->Wait();
+    ASSERT_TRUE(code.has_value()) << bad;
+    EXPECT_EQ(*code, 2) << bad;
+    EXPECT_THAT(child->Stderr(), HasSubstr("--host-threads must be 0 (one per core) to 1024"))
+        << bad;
+  }
+}
+
 TEST_F(RefitdE2eTest, VersionsAreTheBuildsVersion) {
   for (const char* bin : {"refitd", "refitctl"}) {
     auto child = Child::Start({BinPath(bin), "--version"}, Path(absl::StrCat(bin, "-version.out")),

@@ -14,15 +14,16 @@
 #include <climits>
 #include <cstring>
 #include <new>
-
-#include <xxhash.h>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/parallel.h"
 #include "core/snapshot.h"
+#include "core/xxh3.h"
 
 #ifdef REFIT_WITH_CUDA
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #endif
 #if defined(__x86_64__)
@@ -216,34 +217,192 @@ void HostArena::EndWrite(uint64_t version, absl::string_view fingerprint,
 #endif
 }
 
+namespace {
+
+std::atomic<int> g_default_sharing{static_cast<int>(DeviceArenaSharing::kCudaIpc)};
+
+#ifdef REFIT_WITH_CUDA
+// The driver's virtual-memory API, through the runtime's driver entry points
+// (the daemon does not link libcuda, so that it starts where there is no
+// driver). Resolved once; a missing one leaves the table unusable.
+struct VmmApi {
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*device_get_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+  CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
+                          CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                     unsigned long long) = nullptr;
+  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*address_reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
+                              unsigned long long) = nullptr;
+  CUresult (*address_free)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                  unsigned long long) = nullptr;
+  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*export_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                            unsigned long long) = nullptr;
+  bool ok = false;
+};
+
+const VmmApi& Vmm() {
+  static const VmmApi api = [] {
+    VmmApi a;
+    bool all = true;
+    auto get = [&](const char* name, auto& fn) {
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult found{};
+      if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) !=
+              cudaSuccess ||
+          found != cudaDriverEntryPointSuccess || p == nullptr) {
+        all = false;
+        return;
+      }
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+    };
+    get("cuDeviceGet", a.device_get);
+    get("cuDeviceGetAttribute", a.device_get_attribute);
+    get("cuMemGetAllocationGranularity", a.granularity);
+    get("cuMemCreate", a.create);
+    get("cuMemRelease", a.release);
+    get("cuMemAddressReserve", a.address_reserve);
+    get("cuMemAddressFree", a.address_free);
+    get("cuMemMap", a.map);
+    get("cuMemUnmap", a.unmap);
+    get("cuMemSetAccess", a.set_access);
+    get("cuMemExportToShareableHandle", a.export_handle);
+    a.ok = all;
+    return a;
+  }();
+  return api;
+}
+
+std::string DriverError(const char* call, CUresult r) {
+  return absl::StrCat(call, " failed (CUDA driver error ", static_cast<int>(r), ")");
+}
+#endif  // REFIT_WITH_CUDA
+
+}  // namespace
+
+absl::string_view DeviceArenaSharingName(DeviceArenaSharing sharing) {
+  return sharing == DeviceArenaSharing::kVmmFd ? "vmm" : "ipc";
+}
+
+absl::StatusOr<DeviceArenaSharing> ParseDeviceArenaSharing(absl::string_view name) {
+  if (name == "ipc") return DeviceArenaSharing::kCudaIpc;
+  if (name == "vmm") return DeviceArenaSharing::kVmmFd;
+  return absl::InvalidArgumentError(
+      absl::StrCat("device arena sharing must be ipc or vmm, got \"", name, "\""));
+}
+
+void DeviceArena::SetDefaultSharing(DeviceArenaSharing sharing) {
+  g_default_sharing.store(static_cast<int>(sharing), std::memory_order_relaxed);
+}
+
+DeviceArenaSharing DeviceArena::default_sharing() {
+  return static_cast<DeviceArenaSharing>(g_default_sharing.load(std::memory_order_relaxed));
+}
+
 absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(int device_index,
                                                                  int64_t data_bytes) {
 #ifdef REFIT_WITH_CUDA
   std::unique_ptr<DeviceArena> arena(new DeviceArena());
   arena->device_index_ = device_index;
   arena->data_bytes_ = data_bytes;
+  arena->mapped_bytes_ = std::max<int64_t>(data_bytes, 1);
+  arena->sharing_ = default_sharing();
   int previous = -1;
   if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
   cudaError_t error = cudaSetDevice(device_index);
-  void* p = nullptr;
-  if (error == cudaSuccess)
+  std::string failure;  // a driver call's error, when one failed
+  bool unsupported = false;
+  if (error == cudaSuccess && arena->sharing_ == DeviceArenaSharing::kVmmFd) {
+    // cudaSetDevice made the device's primary context current, which the
+    // driver calls below act in.
+    const VmmApi& api = Vmm();
+    CUdevice dev = 0;
+    int vmm = 0, posix_fd = 0;
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device_index;
+    size_t granularity = 0;
+    CUresult r = CUDA_SUCCESS;
+    if (!api.ok) {
+      failure = "the CUDA driver lacks the virtual memory management API";
+      unsupported = true;
+    } else if ((r = api.device_get(&dev, device_index)) != CUDA_SUCCESS) {
+      failure = DriverError("cuDeviceGet", r);
+    } else if (api.device_get_attribute(&vmm,
+                                        CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                        dev) != CUDA_SUCCESS ||
+               api.device_get_attribute(
+                   &posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                   dev) != CUDA_SUCCESS ||
+               vmm == 0 || posix_fd == 0) {
+      failure =
+          "the device does not support virtual memory allocations exported as POSIX "
+          "file descriptors";
+      unsupported = true;
+    } else if ((r = api.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) !=
+               CUDA_SUCCESS) {
+      failure = DriverError("cuMemGetAllocationGranularity", r);
+    } else {
+      const int64_t g = static_cast<int64_t>(std::max<size_t>(granularity, 1));
+      arena->mapped_bytes_ = (std::max<int64_t>(data_bytes, 1) + g - 1) / g * g;
+      const size_t size = static_cast<size_t>(arena->mapped_bytes_);
+      CUmemGenericAllocationHandle handle = 0;
+      CUdeviceptr ptr = 0;
+      CUmemAccessDesc access{};
+      access.location = prop.location;
+      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      if ((r = api.create(&handle, size, &prop, 0)) != CUDA_SUCCESS) {
+        failure = DriverError("cuMemCreate", r);
+        if (r == CUDA_ERROR_OUT_OF_MEMORY) error = cudaErrorMemoryAllocation;
+      } else if ((r = api.address_reserve(&ptr, size, static_cast<size_t>(g), 0, 0)) !=
+                 CUDA_SUCCESS) {
+        failure = DriverError("cuMemAddressReserve", r);
+        api.release(handle);
+      } else if ((r = api.map(ptr, size, 0, handle, 0)) != CUDA_SUCCESS) {
+        failure = DriverError("cuMemMap", r);
+        api.address_free(ptr, size);
+        api.release(handle);
+      } else if ((r = api.set_access(ptr, size, &access, 1)) != CUDA_SUCCESS) {
+        failure = DriverError("cuMemSetAccess", r);
+        api.unmap(ptr, size);
+        api.address_free(ptr, size);
+        api.release(handle);
+      } else {
+        arena->vmm_handle_ = handle;
+        arena->base_ = reinterpret_cast<void*>(ptr);
+      }
+    }
+    if (!failure.empty() && error == cudaSuccess) error = cudaErrorUnknown;
+  } else if (error == cudaSuccess) {
+    void* p = nullptr;
     error = cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(data_bytes, 1)));
-  if (error == cudaSuccess) {
-    arena->base_ = p;
-    error = cudaMemset(p, 0, static_cast<size_t>(data_bytes));
+    if (error == cudaSuccess) arena->base_ = p;
   }
+  if (error == cudaSuccess) error = cudaMemset(arena->base_, 0, static_cast<size_t>(data_bytes));
   cudaIpcMemHandle_t handle;
-  if (error == cudaSuccess) error = cudaIpcGetMemHandle(&handle, p);
+  if (error == cudaSuccess && arena->sharing_ == DeviceArenaSharing::kCudaIpc) {
+    error = cudaIpcGetMemHandle(&handle, arena->base_);
+  }
   if (error == cudaSuccess) error = cudaDeviceSynchronize();
   if (previous >= 0) cudaSetDevice(previous);
   if (error != cudaSuccess) {
     const std::string what =
-        absl::StrCat("device arena of ", data_bytes, " bytes on cuda:", device_index, ": ",
-                     cudaGetErrorString(error));
+        absl::StrCat("device arena of ", data_bytes, " bytes on cuda:", device_index, " (",
+                     DeviceArenaSharingName(arena->sharing_),
+                     "): ", failure.empty() ? std::string(cudaGetErrorString(error)) : failure);
     if (error == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(what);
+    if (unsupported) return absl::FailedPreconditionError(what);
     return absl::InternalError(what);
   }
-  arena->ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  if (arena->sharing_ == DeviceArenaSharing::kCudaIpc) {
+    arena->ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  }
   return arena;
 #else
   (void)device_index;
@@ -252,9 +411,39 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(int device_inde
 #endif
 }
 
+absl::StatusOr<int> DeviceArena::ExportFd() const {
+  if (sharing_ != DeviceArenaSharing::kVmmFd) {
+    return absl::FailedPreconditionError(
+        "this device arena is shared by CUDA IPC handle, not by file descriptor");
+  }
+#ifdef REFIT_WITH_CUDA
+  int fd = -1;
+  const CUresult r =
+      Vmm().export_handle(&fd, static_cast<CUmemGenericAllocationHandle>(vmm_handle_),
+                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  if (r != CUDA_SUCCESS || fd < 0) {
+    return absl::InternalError(DriverError("cuMemExportToShareableHandle", r));
+  }
+  return fd;
+#else
+  return absl::UnimplementedError("a device arena needs a build with REFIT_WITH_CUDA");
+#endif
+}
+
 DeviceArena::~DeviceArena() {
 #ifdef REFIT_WITH_CUDA
-  if (base_ != nullptr) cudaFree(base_);
+  if (base_ == nullptr) return;
+  if (sharing_ == DeviceArenaSharing::kVmmFd) {
+    // Engines that imported the allocation keep its memory until they unmap.
+    const VmmApi& api = Vmm();
+    const CUdeviceptr ptr = reinterpret_cast<CUdeviceptr>(base_);
+    const size_t size = static_cast<size_t>(mapped_bytes_);
+    api.unmap(ptr, size);
+    api.address_free(ptr, size);
+    api.release(static_cast<CUmemGenericAllocationHandle>(vmm_handle_));
+  } else {
+    cudaFree(base_);
+  }
 #endif
 }
 

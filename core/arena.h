@@ -155,12 +155,34 @@ class HostArena {
   bool sealed_ = false;
 };
 
-// A store's kernels on a GPU: one allocation, exported for CUDA IPC.
+// How a device arena is shared with engines.
+enum class DeviceArenaSharing {
+  // cudaMalloc, exported as a CUDA IPC handle: engines map it read-write
+  // (CUDA IPC has no read-only mapping).
+  kCudaIpc,
+  // A CUDA virtual-memory allocation (cuMemCreate) exported as a POSIX file
+  // descriptor: an engine imports it and maps it with read-only access
+  // (cuMemSetAccess PROT_READ), so a stray write faults in the engine instead
+  // of changing the served weights. Read-only is the importer's choice (the
+  // descriptor itself grants read-write): refit_client always maps it so.
+  kVmmFd,
+};
+absl::string_view DeviceArenaSharingName(DeviceArenaSharing sharing);  // "ipc", "vmm"
+// Parses "ipc" / "vmm"; INVALID_ARGUMENT naming the value otherwise.
+absl::StatusOr<DeviceArenaSharing> ParseDeviceArenaSharing(absl::string_view name);
+
+// A store's kernels on a GPU: one allocation, shared with engines as
+// `sharing` says.
 class DeviceArena {
  public:
-  // cudaMalloc of `data_bytes` on `device_index`, zeroed, and its IPC handle.
-  // Errors: RESOURCE_EXHAUSTED when it does not fit; INTERNAL for other CUDA
-  // errors; UNIMPLEMENTED in a build without CUDA.
+  // How arenas made from now on are shared, process-wide (default kCudaIpc).
+  static void SetDefaultSharing(DeviceArenaSharing sharing);
+  static DeviceArenaSharing default_sharing();
+
+  // `data_bytes` on `device_index`, zeroed, shared the default way.
+  // Errors: RESOURCE_EXHAUSTED when it does not fit; FAILED_PRECONDITION when
+  // the device cannot share the vmm way; INTERNAL for other CUDA errors;
+  // UNIMPLEMENTED in a build without CUDA.
   static absl::StatusOr<std::unique_ptr<DeviceArena>> Create(int device_index, int64_t data_bytes);
   ~DeviceArena();
   DeviceArena(const DeviceArena&) = delete;
@@ -169,15 +191,27 @@ class DeviceArena {
   void* base() const { return base_; }
   int64_t data_bytes() const { return data_bytes_; }
   int device_index() const { return device_index_; }
-  // cudaIpcMemHandle_t of base(), 64 bytes; another process opens it with
-  // cudaIpcOpenMemHandle and adds each kernel's offset.
+  DeviceArenaSharing sharing() const { return sharing_; }
+  // Bytes an importer maps: the allocation's size (kVmmFd: data_bytes
+  // rounded up to the allocation granularity).
+  int64_t mapped_bytes() const { return mapped_bytes_; }
+  // kCudaIpc: cudaIpcMemHandle_t of base(), 64 bytes; another process opens
+  // it with cudaIpcOpenMemHandle and adds each kernel's offset. Empty for
+  // kVmmFd.
   const std::string& ipc_handle() const { return ipc_handle_; }
+  // kVmmFd: a new descriptor of the allocation (the caller owns it), for
+  // cuMemImportFromShareableHandle in another process. FAILED_PRECONDITION
+  // for kCudaIpc.
+  absl::StatusOr<int> ExportFd() const;
 
  private:
   DeviceArena() = default;
   void* base_ = nullptr;
   int64_t data_bytes_ = 0;
+  int64_t mapped_bytes_ = 0;
   int device_index_ = -1;
+  DeviceArenaSharing sharing_ = DeviceArenaSharing::kCudaIpc;
+  unsigned long long vmm_handle_ = 0;  // CUmemGenericAllocationHandle (kVmmFd)
   std::string ipc_handle_;
 };
 

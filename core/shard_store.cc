@@ -532,7 +532,11 @@ ArenaInfo ShardStore::arena() const {
   info.data_bytes = impl_->arena_data_bytes;
   info.on_device = impl_->device.is_cuda();
   info.device_index = device_index();
-  if (impl_->device_arena != nullptr) info.ipc_handle = impl_->device_arena->ipc_handle();
+  if (impl_->device_arena != nullptr) {
+    info.ipc_handle = impl_->device_arena->ipc_handle();
+    info.device_vmm = impl_->device_arena->sharing() == DeviceArenaSharing::kVmmFd;
+    info.device_mapped_bytes = impl_->device_arena->mapped_bytes();
+  }
   info.layout_hash = impl_->layout_hash;
   info.sealed = impl_->host_arena->sealed();
   return info;
@@ -540,6 +544,13 @@ ArenaInfo ShardStore::arena() const {
 
 absl::StatusOr<int> ShardStore::OpenArenaReadOnly() const {
   return impl_->host_arena->OpenReadOnly();
+}
+
+absl::StatusOr<int> ShardStore::ExportDeviceArenaFd() const {
+  if (impl_->device_arena == nullptr) {
+    return absl::FailedPreconditionError("the store has no device arena to export");
+  }
+  return impl_->device_arena->ExportFd();
 }
 
 void ShardStore::SetCommitCoordinator(CommitCoordinator* coordinator) {

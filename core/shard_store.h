@@ -79,11 +79,15 @@ struct KernelView {
 // header; the kernels are one device allocation exported as a CUDA IPC
 // handle. Kernel i is at KernelView::arena_offset from the data start.
 struct ArenaInfo {
-  int64_t host_bytes = 0;    // the memfd's length (header + host data)
-  int64_t data_bytes = 0;    // the kernels' region, alignment included
-  bool on_device = false;    // data in device memory (ipc_handle), else in the memfd
-  int device_index = -1;     // CUDA device of the data, -1 on the host
-  std::string ipc_handle;    // cudaIpcMemHandle_t of the allocation base (GPU)
+  int64_t host_bytes = 0;  // the memfd's length (header + host data)
+  int64_t data_bytes = 0;  // the kernels' region, alignment included
+  bool on_device = false;  // data in device memory (ipc_handle), else in the memfd
+  int device_index = -1;   // CUDA device of the data, -1 on the host
+  std::string ipc_handle;  // cudaIpcMemHandle_t of the allocation base (GPU, ipc sharing)
+  // GPU, vmm sharing: the allocation goes to engines as a descriptor
+  // (ExportDeviceArenaFd) they map read-only, `device_mapped_bytes` long.
+  bool device_vmm = false;
+  int64_t device_mapped_bytes = 0;
   uint64_t layout_hash = 0;  // LayoutFingerprint as a number, also in the header
   bool sealed = false;       // F_SEAL_FUTURE_WRITE held (see HostArena::sealed)
 };
@@ -273,6 +277,10 @@ class ShardStore {
   // A new read-only descriptor of the arena's memfd (the caller owns it):
   // what an attached engine maps. INTERNAL with the errno text.
   absl::StatusOr<int> OpenArenaReadOnly() const;
+  // A new descriptor of the device arena's allocation (the caller owns it),
+  // for an engine to import: only when arena().device_vmm, else
+  // FAILED_PRECONDITION.
+  absl::StatusOr<int> ExportDeviceArenaFd() const;
   // Every commit from now on goes through `coordinator` (nullptr: none).
   // Set before refits run or while none commits; the coordinator must
   // outlive the store or be reset first.

@@ -156,31 +156,35 @@ void AttachFdServer::Serve(int conn) {
             deposited.ok() ? std::string("K\n") : absl::StrCat("E", deposited.message(), "\n"));
     return;
   }
-  absl::StatusOr<int> fd = redeem_(ticket, cred.pid, cred.uid);
-  if (!fd.ok()) {
+  absl::StatusOr<std::vector<int>> fds = redeem_(ticket, cred.pid, cred.uid);
+  if (fds.ok() && (fds->empty() || fds->size() > static_cast<size_t>(kMaxDescriptors))) {
+    for (int fd : *fds) ::close(fd);
+    fds = absl::InternalError(absl::StrCat(fds->size(), " descriptors to send"));
+  }
+  if (!fds.ok()) {
     REFIT_LOG(WARNING).Field("pid", absl::StrCat(cred.pid)).Field("uid", absl::StrCat(cred.uid))
-        << "attach descriptor refused: " << std::string(fd.status().message());
-    SendAll(conn, absl::StrCat("E", fd.status().message(), "\n"));
+        << "attach descriptor refused: " << std::string(fds.status().message());
+    SendAll(conn, absl::StrCat("E", fds.status().message(), "\n"));
     return;
   }
   char ok = 'K';
   iovec iov{&ok, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxDescriptors)] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
   msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
+  msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds->size());
   cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
   cmsg->cmsg_level = SOL_SOCKET;
   cmsg->cmsg_type = SCM_RIGHTS;
-  cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(cmsg), &*fd, sizeof(int));
+  cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds->size());
+  std::memcpy(CMSG_DATA(cmsg), fds->data(), sizeof(int) * fds->size());
   if (::sendmsg(conn, &msg, MSG_NOSIGNAL) != 1) {
     REFIT_LOG(WARNING).Field("pid", absl::StrCat(cred.pid))
         << "attach descriptor not delivered: " << std::strerror(errno);
   }
-  ::close(*fd);
+  for (int fd : *fds) ::close(fd);
 }
 
 }  // namespace refit::server

@@ -3,12 +3,13 @@
 // File descriptors cannot travel in gRPC messages, so Attach answers with a
 // one-time ticket and the path of this Unix socket, which sits beside the
 // daemon's gRPC socket (`<grpc socket>.fd`). The engine connects, sends the
-// ticket and a newline, and receives one byte 'K' with the descriptor
-// attached (SCM_RIGHTS) — the arena's memfd opened read-only, so the engine
-// can map it read-only only — or 'E' and the reason, then the connection is
-// closed. The peer's credentials (SO_PEERCRED: pid, uid) go to the redeemer,
-// which records them for the engine's status. Only a caller that the gRPC
-// service authorized holds a ticket; a ticket works once, and only while its
+// ticket and a newline, and receives one byte 'K' with the descriptors
+// attached (SCM_RIGHTS): the arena's memfd opened read-only, so the engine
+// can map it read-only only, and for a GPU arena shared as a virtual-memory
+// allocation that allocation's descriptor (which the engine maps with
+// read-only access) — or 'E' and the reason; then the connection is closed. The peer's credentials
+// (SO_PEERCRED: pid, uid) go to the redeemer, which records them for the engine's status. Only a
+// caller that the gRPC service authorized holds a ticket; a ticket works once, and only while its
 // Attach stream is open.
 //
 // The other direction: a trainer registering a shared-memory region
@@ -30,6 +31,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -38,10 +40,12 @@ namespace refit::server {
 
 class AttachFdServer {
  public:
-  // A descriptor for the ticket (the server sends and closes it), or an
-  // error whose message the engine receives.
-  using Redeem =
-      std::function<absl::StatusOr<int>(absl::string_view ticket, int pid, uint32_t uid)>;
+  // The descriptors for the ticket, 1 to kMaxDescriptors (the server sends
+  // them in one message, in this order, and closes them), or an error whose
+  // message the engine receives.
+  using Redeem = std::function<absl::StatusOr<std::vector<int>>(absl::string_view ticket, int pid,
+                                                                uint32_t uid)>;
+  static constexpr int kMaxDescriptors = 4;
 
   // A descriptor the peer sent with its ticket (owned by the callee from
   // then on, closed on error too); an error's message goes to the peer.

@@ -1,6 +1,7 @@
 #include "server/attach_service.h"
 
 #include <sys/random.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <optional>
@@ -232,7 +233,15 @@ class AttachService::Reactor final
           host->set_bytes(static_cast<uint64_t>(arena.host_bytes));
           host->set_data_offset(static_cast<uint64_t>(core::kArenaDataOffset));
           uint32_t data_region = 0;
-          if (arena.on_device) {
+          if (arena.on_device && arena.device_vmm) {
+            // The allocation's descriptor comes second from fd_socket.
+            v1::ArenaRegion* dev = a->add_regions();
+            dev->set_kind(v1::ArenaRegion::KIND_CUDA_VMM);
+            dev->set_bytes(static_cast<uint64_t>(arena.device_mapped_bytes));
+            dev->set_cuda_device(arena.device_index);
+            dev->set_fd_index(1);
+            data_region = 1;
+          } else if (arena.on_device) {
             v1::ArenaRegion* dev = a->add_regions();
             dev->set_kind(v1::ArenaRegion::KIND_CUDA_IPC);
             dev->set_bytes(static_cast<uint64_t>(arena.data_bytes));
@@ -415,7 +424,8 @@ void AttachService::Untrack(Reactor* reactor) {
   reactors_.erase(reactor);
 }
 
-absl::StatusOr<int> AttachService::Redeem(absl::string_view ticket, int pid, uint32_t uid) {
+absl::StatusOr<std::vector<int>> AttachService::Redeem(absl::string_view ticket, int pid,
+                                                       uint32_t uid) {
   Ticket t;
   EngineRegistry* registry = nullptr;
   {
@@ -438,7 +448,19 @@ absl::StatusOr<int> AttachService::Redeem(absl::string_view ticket, int pid, uin
           .Field("pid", absl::StrCat(pid))
           .Field("uid", absl::StrCat(uid))
       << "engine mapped the arena";
-  return (*group)->store()->OpenArenaReadOnly();
+  const core::ShardStore* store = (*group)->store();
+  absl::StatusOr<int> host = store->OpenArenaReadOnly();
+  if (!host.ok()) return host.status();
+  std::vector<int> fds = {*host};
+  if (store->arena().device_vmm) {
+    absl::StatusOr<int> device = store->ExportDeviceArenaFd();
+    if (!device.ok()) {
+      ::close(*host);
+      return device.status();
+    }
+    fds.push_back(*device);
+  }
+  return fds;
 }
 
 }  // namespace refit::server

@@ -87,7 +87,7 @@ class AttachService final : public v1::EngineService::CallbackService {
   void Untrack(Reactor* reactor);
 
  private:
-  absl::StatusOr<int> Redeem(absl::string_view ticket, int pid, uint32_t uid);
+  absl::StatusOr<std::vector<int>> Redeem(absl::string_view ticket, int pid, uint32_t uid);
 
   RefitServiceImpl* const refit_;
   const absl::Duration quiesce_timeout_;

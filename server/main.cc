@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/time/time.h"
+#include "core/arena.h"
 #include "core/log.h"
 #include "core/parallel.h"
 #include "core/runtime_info.h"
@@ -76,6 +77,11 @@ ABSL_FLAG(bool, host_staging, false,
 ABSL_FLAG(std::string, max_chunk_bytes, "64MiB",
           "Largest chunk payload in one Push message (K/M/G suffixes); gRPC's receive limit is "
           "this plus 1 MiB.");
+ABSL_FLAG(std::string, cuda_arena, "ipc",
+          "How a group on a GPU shares its kernels with attached engines: ipc (one cudaMalloc, "
+          "a CUDA IPC handle; engines map it read-write, CUDA IPC has no read-only mapping) or "
+          "vmm (a CUDA virtual-memory allocation whose file descriptor engines import and map "
+          "with read-only access, so an engine's stray write faults in the engine).");
 ABSL_FLAG(int, host_threads, 0,
           "Threads a refit's CPU work uses at most: the FP8 quantizer on the host, hashing the "
           "new kernels, the commit's copy, a GPU store's copies into pinned memory. 0: one per "
@@ -314,6 +320,13 @@ int main(int argc, char** argv) {
   }
   // Process-wide too: one set of helper threads serves every group.
   refit::core::SetHostThreads(host_threads);
+  absl::StatusOr<refit::core::DeviceArenaSharing> cuda_arena =
+      refit::core::ParseDeviceArenaSharing(absl::GetFlag(FLAGS_cuda_arena));
+  if (!cuda_arena.ok()) {
+    return UsageError(absl::InvalidArgumentError(absl::StrCat(
+        "--cuda-arena must be ipc or vmm, got \"", absl::GetFlag(FLAGS_cuda_arena), "\"")));
+  }
+  refit::core::DeviceArena::SetDefaultSharing(*cuda_arena);
   options.prepared_timeout = absl::GetFlag(FLAGS_prepared_timeout);
   options.refit_timeout = absl::GetFlag(FLAGS_refit_timeout);
   options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);

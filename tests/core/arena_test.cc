@@ -214,6 +214,17 @@ TEST(ForEachInParallelTest, RunsEveryTaskExactlyOnceOnAtMostTheThreadsAsked) {
   }
 }
 
+TEST(DeviceArenaSharingTest, ParsesIpcAndVmmAndNamesAnythingElse) {
+  EXPECT_EQ(ParseDeviceArenaSharing("ipc").value(), DeviceArenaSharing::kCudaIpc);
+  EXPECT_EQ(ParseDeviceArenaSharing("vmm").value(), DeviceArenaSharing::kVmmFd);
+  EXPECT_EQ(DeviceArenaSharingName(DeviceArenaSharing::kVmmFd), "vmm");
+  EXPECT_EQ(DeviceArenaSharingName(DeviceArenaSharing::kCudaIpc), "ipc");
+  absl::StatusOr<DeviceArenaSharing> bad = ParseDeviceArenaSharing("VMM");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr("\"VMM\""));
+  EXPECT_EQ(DeviceArena::default_sharing(), DeviceArenaSharing::kCudaIpc);
+}
+
 // SetHostThreads caps both the quantizer's default and the bulk copies'
 // threads; 0 gives back one per core for the quantizer, at most 8 for the rest.
 TEST(HostThreadsTest, SetHostThreadsCapsTheQuantizerAndBulkWork) {

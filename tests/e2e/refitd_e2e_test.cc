@@ -631,6 +631,15 @@ TEST_F(RefitdE2eTest, HostThreadsCapsTheRefitsThreadsAndChangesNoByte) {
   }
 }
 
+TEST_F(RefitdE2eTest, AnUnknownCudaArenaSharingIsRefusedAtStartUp) {
+  auto child = Child::Start({BinPath("refitd"), "--model=demo", "--cuda-arena=shared"},
+                            Path("bad-arena.out"), Path("bad-arena.err"));
+  std::optional<int> code = child->Wait();
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 2);
+  EXPECT_THAT(child->Stderr(), HasSubstr("--cuda-arena must be ipc or vmm, got \"shared\""));
+}
+
 TEST_F(RefitdE2eTest, VersionsAreTheBuildsVersion) {
   for (const char* bin : {"refitd", "refitctl"}) {
     auto child = Child::Start({BinPath(bin), "--version"}, Path(absl::StrCat(bin, "-version.out")),

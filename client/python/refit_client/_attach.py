@@ -23,9 +23,14 @@ Committed events come from the arena's header the moment the daemon's copy
 ends (a thread asleep on the header's futex delivers them), ahead of the same
 message on the stream, which is then dropped.
 The CPU tensors are views of memory mapped read-only: writing to one kills the
-process (SIGSEGV). CUDA IPC has no read-only mapping: the CUDA tensors are
-writable, and an engine that writes to one changes what every attached
-engine serves until the next commit overwrites those bytes.
+process (SIGSEGV). On a GPU it depends on the daemon's --cuda-arena: with
+"vmm" the kernels are a virtual-memory allocation whose descriptor comes with
+the memfd, mapped here with read-only access, so a kernel that writes to one
+faults (the engine's CUDA context is lost; ``read_only_device`` is True).
+With "ipc" (the default) they are opened from a CUDA IPC handle, which has no
+read-only mapping: the CUDA tensors are writable, and an engine that writes
+to one changes what every attached engine serves until the next commit
+overwrites those bytes.
 """
 
 from __future__ import annotations
@@ -136,18 +141,119 @@ def _torch_dtype(name: str) -> Any:
     return dtype
 
 
-def _receive_fd(path: str, ticket: str, timeout: float) -> int:
+# Descriptors the daemon sends for one ticket at most (its AttachFdServer).
+_MAX_FDS = 4
+
+
+def _receive_fds(path: str, ticket: str, timeout: float) -> List[int]:
+    """The descriptors the daemon hands for `ticket`, in order: the arena's
+    memfd first, then (a GPU arena shared as a virtual-memory allocation)
+    that allocation's."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
         s.sendall(ticket.encode() + b"\n")
-        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
+        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, _MAX_FDS)
         if msg[:1] == b"K" and fds:
-            return fds[0]
+            return list(fds)
         for fd in fds:
             os.close(fd)
         text = msg[1:].decode(errors="replace").strip() or "no descriptor"
         raise PermissionDenied(f"attach: the daemon refused the arena descriptor: {text}")
+
+
+class _CuMemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CuMemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", _CuMemLocation), ("flags", ctypes.c_int)]
+
+
+_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_ACCESS_FLAGS_PROT_READ = 1
+
+
+class _CudaVmm:
+    """Maps a CUDA virtual-memory allocation another process exported as a
+    POSIX file descriptor, with read-only access, through the CUDA driver
+    torch has loaded: cuMemImportFromShareableHandle, cuMemAddressReserve,
+    cuMemMap, cuMemSetAccess(PROT_READ). A kernel that writes to it faults
+    (the engine's CUDA context is lost; the daemon's bytes are untouched).
+    The mapping stays for the process' life: tensors built on it may outlive
+    the attachment."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.cuda.init()
+        try:
+            self.cu = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise RefitError(
+                f"attach: no CUDA driver (libcuda.so.1) in this process: {e}"
+            ) from None
+        cu = self.cu
+        u64 = ctypes.c_ulonglong
+        size = ctypes.c_size_t
+        cu.cuMemImportFromShareableHandle.argtypes = [
+            ctypes.POINTER(u64), ctypes.c_void_p, ctypes.c_int
+        ]
+        cu.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), size, size, u64, u64]
+        cu.cuMemMap.argtypes = [u64, size, size, u64, u64]
+        cu.cuMemSetAccess.argtypes = [u64, size, ctypes.POINTER(_CuMemAccessDesc), size]
+        cu.cuMemRelease.argtypes = [u64]
+        cu.cuMemUnmap.argtypes = [u64, ctypes.c_size_t]
+        cu.cuMemAddressFree.argtypes = [u64, ctypes.c_size_t]
+        for fn in ("cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemMap",
+                   "cuMemSetAccess", "cuMemRelease", "cuMemUnmap", "cuMemAddressFree"):
+            getattr(cu, fn).restype = ctypes.c_int
+
+    def _check(self, what: str, err: int) -> None:
+        if err != 0:
+            raise RefitError(f"attach: {what} failed (CUDA driver error {err})")
+
+    def map_read_only(self, fd: int, nbytes: int, device: int) -> int:
+        """The device address of the whole allocation behind `fd` (`nbytes`
+        long), mapped read-only on `device`. Does not take `fd`."""
+        import torch
+
+        cu = self.cu
+        u64 = ctypes.c_ulonglong
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)  # torch's (primary) context exists and is current
+            handle = u64()
+            self._check(
+                "cuMemImportFromShareableHandle",
+                cu.cuMemImportFromShareableHandle(
+                    ctypes.byref(handle),
+                    ctypes.c_void_p(fd),
+                    _CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                ),
+            )
+            ptr = u64()
+            try:
+                self._check(
+                    "cuMemAddressReserve", cu.cuMemAddressReserve(ctypes.byref(ptr), nbytes, 0, 0, 0)
+                )
+                try:
+                    self._check("cuMemMap", cu.cuMemMap(ptr, nbytes, 0, handle, 0))
+                    access = _CuMemAccessDesc(
+                        _CuMemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, device),
+                        _CU_MEM_ACCESS_FLAGS_PROT_READ,
+                    )
+                    err = cu.cuMemSetAccess(ptr, nbytes, ctypes.byref(access), 1)
+                    if err != 0:
+                        cu.cuMemUnmap(ptr, nbytes)
+                        self._check("cuMemSetAccess", err)
+                except BaseException:
+                    cu.cuMemAddressFree(ptr, nbytes)
+                    raise
+            finally:
+                # The mapping holds the allocation from now on.
+                cu.cuMemRelease(handle)
+            return int(ptr.value)
 
 
 class _CudaIpcMemHandle(ctypes.Structure):
@@ -288,6 +394,10 @@ class AttachedEngine:
         self._deliver_mu = threading.Lock()
         self._delivered: int = a.version  # the newest version delivered
         self.pauses: List[Tuple[int, float]] = []  # (version, seconds) of each safe_point pause
+        # The CUDA tensors are mapped with read-only access (a daemon with
+        # --cuda-arena=vmm); False for host tensors (read-only anyway) and
+        # for CUDA IPC mappings (writable).
+        self.read_only_device = False
         try:
             self._build(a, timeout)
         except BaseException:
@@ -310,14 +420,18 @@ class AttachedEngine:
             yield item
 
     def _build(self, a: Any, timeout: float) -> None:
+        fds = _receive_fds(a.fd_socket, a.ticket, timeout)
+        try:
+            self._build_on(a, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _build_on(self, a: Any, fds: List[int]) -> None:
         import torch
 
         host = a.regions[0]
-        fd = _receive_fd(a.fd_socket, a.ticket, timeout)
-        try:
-            self._map = mmap.mmap(fd, host.bytes, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        self._map = mmap.mmap(fds[0], host.bytes, mmap.MAP_SHARED, mmap.PROT_READ)
         if self._map[:8] != _MAGIC:
             raise FailedPrecondition("attach: the arena does not start with the refitd header")
         bases: Dict[int, Any] = {}
@@ -335,6 +449,19 @@ class AttachedEngine:
                 bases[index] = torch.as_tensor(
                     _DevicePointer(ptr, region.bytes), device=f"cuda:{region.cuda_device}"
                 )
+            elif region.kind == epb.ArenaRegion.KIND_CUDA_VMM:
+                if region.fd_index >= len(fds):
+                    raise RefitError(
+                        f"attach: the daemon sent {len(fds)} descriptors, the device arena is "
+                        f"number {region.fd_index}"
+                    )
+                ptr = _CudaVmm().map_read_only(
+                    fds[region.fd_index], region.bytes, region.cuda_device
+                )
+                bases[index] = torch.as_tensor(
+                    _DevicePointer(ptr, region.bytes), device=f"cuda:{region.cuda_device}"
+                )
+                self.read_only_device = True
         self.tensors: Dict[str, Any] = {}
         # One typed view of each region per dtype, and each tensor a single
         # as_strided over it: a model has hundreds of kernel tensors, and

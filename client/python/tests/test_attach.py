@@ -7,7 +7,10 @@ for bit."""
 from __future__ import annotations
 
 import itertools
+import os
 import pathlib
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -19,10 +22,12 @@ import torch
 from refit_client import (
     DeadlineExceeded,
     FailedPrecondition,
+    PermissionDenied,
     RefitClient,
     RefitConflict,
     attach,
 )
+from refit_client import _attach as _attach_module
 from refit_client._proto import engine_pb2 as epb
 from refit_client._proto import engine_pb2_grpc as epb_grpc
 from refit_client._proto import refit_pb2 as pb
@@ -393,3 +398,102 @@ def test_attach_to_a_gpu_store_gives_cuda_tensors_over_the_ipc_handle(start_daem
         assert engine.version == 2 and t.data_ptr() == ptr
         torch.cuda.synchronize()
         assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
+    assert not engine.read_only_device  # CUDA IPC maps read-write
+
+
+@pytest.mark.gpu
+def test_a_vmm_gpu_arena_is_mapped_read_only_and_a_write_faults_in_the_engine_alone(
+    start_daemon, weights, tmp_path
+):
+    """--cuda-arena=vmm: the kernels' allocation comes as a descriptor and is
+    mapped with read-only access. The engine reads the live bytes and follows
+    a commit in place; an engine process that writes to a kernel fails there,
+    and the daemon keeps serving the bytes it committed."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    d = start_daemon("--device=cuda:0", "--cuda-arena=vmm")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address) as engine:
+        assert engine.read_only_device
+        t = engine.tensors[name]
+        assert t.is_cuda and t.dtype == torch.float8_e4m3fn
+        ptr = t.data_ptr()
+        assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
+
+        def serve() -> None:
+            while engine.version < 2 and engine.closed is None:
+                engine.safe_point(timeout=LIMIT)
+
+        loop = threading.Thread(target=serve)
+        loop.start()
+        client.push(load_state_dict(weights(2)))
+        loop.join(LIMIT)
+        assert engine.version == 2 and t.data_ptr() == ptr
+        torch.cuda.synchronize()
+        assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
+        before = client.status().fingerprint
+        writer = tmp_path / "writer.py"
+        writer.write_text(
+            "import sys, torch\n"
+            "from refit_client import attach\n"
+            f"e = attach({d.address!r}, coordinate=False)\n"
+            f"w = e.tensors[{name!r}].view(torch.uint8)\n"
+            "try:\n"
+            "    w.add_(1)\n"
+            "    torch.cuda.synchronize()\n"
+            "except RuntimeError as err:\n"
+            "    print('write failed:', err)\n"
+            "    sys.exit(3)\n"
+            "print('write went through')\n"
+        )
+        run = subprocess.run(
+            [sys.executable, str(writer)],
+            capture_output=True,
+            text=True,
+            timeout=LIMIT,
+            env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])},
+        )
+        assert run.returncode != 0, run.stdout + run.stderr
+        assert "write went through" not in run.stdout
+        assert client.status().fingerprint == before
+        assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
+
+
+def test_every_descriptor_the_daemon_hands_arrives_in_order(tmp_path):
+    """The descriptor socket may hand several (the memfd, then a GPU arena's
+    allocation): all arrive, in order; a refusal is PermissionDenied with the
+    daemon's reason."""
+    path = str(tmp_path / "fd.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(2)
+    server.settimeout(LIMIT)
+    files = [os.memfd_create(f"fd{i}") for i in range(2)]
+    for i, fd in enumerate(files):
+        os.write(fd, f"region {i}".encode())
+
+    def serve() -> None:
+        for answer in ("K", "E"):
+            conn, _ = server.accept()
+            with conn:
+                assert conn.recv(64).endswith(b"\n")
+                if answer == "K":
+                    socket.send_fds(conn, [b"K"], files)
+                else:
+                    conn.sendall(b"Eunknown attach ticket\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        got = _attach_module._receive_fds(path, "t1", LIMIT)
+        assert len(got) == 2
+        assert [os.pread(fd, 16, 0) for fd in got] == [b"region 0", b"region 1"]
+        for fd in got:
+            os.close(fd)
+        with pytest.raises(PermissionDenied, match="unknown attach ticket"):
+            _attach_module._receive_fds(path, "t2", LIMIT)
+    finally:
+        thread.join(LIMIT)
+        server.close()
+        for fd in files:
+            os.close(fd)

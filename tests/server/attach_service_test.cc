@@ -32,37 +32,10 @@ using ::testing::HasSubstr;
 // Redeems `ticket` at the descriptor socket: the fd, or -1 and the daemon's
 // refusal in *error.
 int ReceiveFd(const std::string& path, const std::string& ticket, std::string* error) {
-  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    *error = absl::StrCat("connect: ", std::strerror(errno));
-    ::close(s);
-    return -1;
-  }
-  const std::string line = ticket + "\n";
-  (void)!::send(s, line.data(), line.size(), MSG_NOSIGNAL);
-  char buf[512];
-  iovec iov{buf, sizeof(buf)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  ssize_t n = ::recvmsg(s, &msg, 0);
-  ::close(s);
-  if (n > 0 && buf[0] == 'K') {
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-    if (cmsg != nullptr && cmsg->cmsg_type == SCM_RIGHTS) {
-      int fd = -1;
-      std::memcpy(&fd, CMSG_DATA(cmsg), sizeof(int));
-      return fd;
-    }
-  }
-  *error = n > 1 ? std::string(buf + 1, static_cast<size_t>(n - 1)) : "nothing";
-  return -1;
+  std::vector<int> fds = ReceiveFds(path, ticket, error);
+  if (fds.empty()) return -1;
+  for (size_t i = 1; i < fds.size(); ++i) ::close(fds[i]);
+  return fds[0];
 }
 
 // One engine's Attach stream.

@@ -38,14 +38,9 @@ using ::testing::HasSubstr;
 // Sends `ticket` with `fd` attached to the descriptor socket: the reply
 // ("K" or "E<reason>").
 std::string SendFd(const std::string& path, const std::string& ticket, int fd) {
-  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(s);
-    return absl::StrCat("Econnect: ", std::strerror(errno));
-  }
+  std::string error;
+  const int s = ConnectUnix(path, &error);
+  if (s < 0) return absl::StrCat("E", error);
   std::string line = ticket + "\n";
   iovec iov{line.data(), line.size()};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};

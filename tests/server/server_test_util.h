@@ -5,7 +5,13 @@
 #define REFIT_TESTS_SERVER_SERVER_TEST_UTIL_H_
 
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +29,53 @@
 #include "tests/testing/fake_clock.h"
 
 namespace refit::server::testing {
+
+// A stream socket connected to the Unix socket at `path`, or -1 and the
+// reason in *error.
+inline int ConnectUnix(const std::string& path, std::string* error) {
+  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), std::min(path.size(), sizeof(addr.sun_path) - 1));
+  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    *error = absl::StrCat("connect: ", std::strerror(errno));
+    ::close(s);
+    return -1;
+  }
+  return s;
+}
+
+// Redeems `ticket` at a descriptor socket: every descriptor of the 'K'
+// answer (up to 8), or none and the refusal in *error.
+inline std::vector<int> ReceiveFds(const std::string& path, const std::string& ticket,
+                                   std::string* error) {
+  const int s = ConnectUnix(path, error);
+  if (s < 0) return {};
+  const std::string line = ticket + "\n";
+  (void)!::send(s, line.data(), line.size(), MSG_NOSIGNAL);
+  char buf[512];
+  iovec iov{buf, sizeof(buf)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t n = ::recvmsg(s, &msg, MSG_CMSG_CLOEXEC);
+  ::close(s);
+  std::vector<int> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const size_t at = fds.size();
+    fds.resize(at + count);
+    std::memcpy(fds.data() + at, CMSG_DATA(c), count * sizeof(int));
+  }
+  if (n > 0 && buf[0] == 'K' && !fds.empty()) return fds;
+  for (int fd : fds) ::close(fd);
+  *error = n > 1 ? std::string(buf + 1, static_cast<size_t>(n - 1)) : "nothing";
+  return {};
+}
 
 inline std::string MakeTempDir() {
   const char* tmp = getenv("TEST_TMPDIR");

@@ -382,23 +382,29 @@ def test_attach_to_a_gpu_store_gives_cuda_tensors_over_the_ipc_handle(start_daem
     d = start_daemon("--device=cuda:0")
     with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address) as engine:
         name = "model.layers.0.self_attn.qkv_proj.weight"
-        t = engine.tensors[name]
-        assert t.is_cuda and t.dtype == torch.float8_e4m3fn
-        ptr = t.data_ptr()
-        assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
-
-        def serve() -> None:
-            while engine.version < 2 and engine.closed is None:
-                engine.safe_point(timeout=LIMIT)
-
-        loop = threading.Thread(target=serve)
-        loop.start()
-        client.push(load_state_dict(weights(2)))
-        loop.join(LIMIT)
-        assert engine.version == 2 and t.data_ptr() == ptr
-        torch.cuda.synchronize()
-        assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
+        _follows_a_commit_in_place(client, engine, weights, name)
     assert not engine.read_only_device  # CUDA IPC maps read-write
+
+
+def _follows_a_commit_in_place(client, engine, weights, name: str) -> None:
+    """The engine's CUDA tensor `name` holds the live bytes, before and after
+    a push it follows from safe_point(), at the same address."""
+    t = engine.tensors[name]
+    assert t.is_cuda and t.dtype == torch.float8_e4m3fn
+    ptr = t.data_ptr()
+    assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
+
+    def serve() -> None:
+        while engine.version < 2 and engine.closed is None:
+            engine.safe_point(timeout=LIMIT)
+
+    loop = threading.Thread(target=serve)
+    loop.start()
+    client.push(load_state_dict(weights(2)))
+    loop.join(LIMIT)
+    assert engine.version == 2 and t.data_ptr() == ptr
+    torch.cuda.synchronize()
+    assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
 
 
 @pytest.mark.gpu
@@ -415,22 +421,8 @@ def test_a_vmm_gpu_arena_is_mapped_read_only_and_a_write_faults_in_the_engine_al
     name = "model.layers.0.self_attn.qkv_proj.weight"
     with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address) as engine:
         assert engine.read_only_device
+        _follows_a_commit_in_place(client, engine, weights, name)
         t = engine.tensors[name]
-        assert t.is_cuda and t.dtype == torch.float8_e4m3fn
-        ptr = t.data_ptr()
-        assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
-
-        def serve() -> None:
-            while engine.version < 2 and engine.closed is None:
-                engine.safe_point(timeout=LIMIT)
-
-        loop = threading.Thread(target=serve)
-        loop.start()
-        client.push(load_state_dict(weights(2)))
-        loop.join(LIMIT)
-        assert engine.version == 2 and t.data_ptr() == ptr
-        torch.cuda.synchronize()
-        assert t.view(torch.uint8).cpu().numpy().tobytes() == client.read_raw(name)[2]
         before = client.status().fingerprint
         writer = tmp_path / "writer.py"
         writer.write_text(

@@ -121,7 +121,12 @@ absl::Status ShardStoreImpl::Allocate() {
         // A CPU-only build's device store (tests only): LibTorch's allocator.
         dev = std::unique_ptr<DeviceArena>();
       } else {
-        return absl::ResourceExhaustedError(
+        // A device that cannot share the arena the way asked (--cuda-arena)
+        // says so; anything else is taken as out of memory.
+        return absl::Status(
+            dev.status().code() == absl::StatusCode::kFailedPrecondition
+                ? absl::StatusCode::kFailedPrecondition
+                : absl::StatusCode::kResourceExhausted,
             absl::StrCat("cannot allocate ", layout.kernel_bytes(), " bytes of kernel tensors on ",
                          device.str(), ": ", dev.status().message()));
       }

@@ -8,15 +8,17 @@ LayerWorker::LayerWorker(ProcessFn process) : process_(std::move(process)) {}
 
 LayerWorker::~LayerWorker() { Stop(); }
 
-absl::Status LayerWorker::Submit(int layer, std::vector<StagingBuffer> params, int64_t bytes) {
+absl::Status LayerWorker::Submit(int layer, std::vector<StagingBuffer> params, int64_t bytes,
+                                 bool light) {
   absl::MutexLock lock(&mu_);
   if (stop_) return absl::CancelledError("the layer worker is stopped");
   if (!status_.ok()) return status_;
   pending_.push_back(Job{layer, std::move(params), bytes});
   held_bytes_ += bytes;
   if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
-  auto taken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return pending_.empty() || stop_ || !status_.ok();
+  const size_t may_wait = light ? 1 : 0;
+  auto taken = [this, may_wait]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return pending_.size() <= may_wait || stop_ || !status_.ok();
   };
   mu_.Await(absl::Condition(&taken));
   if (stop_) return absl::CancelledError("the layer worker is stopped");

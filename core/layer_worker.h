@@ -8,7 +8,8 @@
 // one complete layer waits for the processor while the next one arrives:
 // without that, a fast sender queues complete layers (each holding its
 // high-precision staging) ahead of the processor, and peak memory grows with
-// the model instead of with the largest layer.
+// the model instead of with the largest layer. A layer read in place (or a
+// small one) touches little staging, so one more such layer may wait.
 //
 // Errors: the first failed layer's status is kept; later layers are dropped
 // and every later Submit / Drain returns it.
@@ -47,9 +48,15 @@ class LayerWorker {
   LayerWorker& operator=(const LayerWorker&) = delete;
 
   // Queues layer `layer` (its params hold `bytes` of staging) and waits until
-  // the worker has taken it. Errors: the first failed layer's status;
-  // CANCELLED after Stop.
-  absl::Status Submit(int layer, std::vector<StagingBuffer> params, int64_t bytes);
+  // the worker has taken it. A `light` layer (one that touches little
+  // staging of its own: read in place from a trainer's region, the staging
+  // under its aliases never written, or small) may instead wait behind one
+  // other queued layer: the caller goes on receiving the next layer while
+  // the worker's threads have the cores, instead of the worker waiting for it
+  // between layers. Errors: the first failed layer's status; CANCELLED after
+  // Stop.
+  absl::Status Submit(int layer, std::vector<StagingBuffer> params, int64_t bytes,
+                      bool light = false);
   // Waits until every submitted layer is processed; the first error, if any.
   absl::Status Drain();
   // Layers processed since the last call, in completion order.

@@ -240,10 +240,22 @@ absl::Status RefitSession::IngestLocked(const Chunk& chunk) {
   return status;
 }
 
+namespace {
+// A complete layer holding at most this much staging of its own may wait
+// for the worker behind another one (LayerWorker::Submit's `light`).
+constexpr int64_t kLightLayerBytes = int64_t{1} << 20;
+}  // namespace
+
 absl::Status RefitSession::ProcessCompleteLocked(int layer) {
   if (!options_.overlap_processing) return ProcessHereLocked(layer);
   const int64_t bytes = layout_.layers()[layer].param_bytes();
-  absl::Status submitted = worker_.Submit(layer, assembler_.TakeParams(layer), bytes);
+  std::vector<StagingBuffer> params = assembler_.TakeParams(layer);
+  // Light: the bytes the layer's staging holds itself (not aliases into a
+  // trainer's region) are a sliver of it (norms, biases) or small.
+  int64_t aliased = 0;
+  for (const StagingBuffer& p : params) aliased += p.aliased_bytes();
+  const bool light = bytes - aliased <= std::max<int64_t>(bytes / 16, kLightLayerBytes);
+  absl::Status submitted = worker_.Submit(layer, std::move(params), bytes, light);
   CollectDoneLocked();
   return submitted;
 }

@@ -138,9 +138,10 @@ void AwaitHeldBytes(const LayerWorker& worker, int64_t bytes) {
 // Submit on a thread of its own, for Submits that block.
 class BackgroundSubmit {
  public:
-  BackgroundSubmit(LayerWorker* worker, int layer, std::vector<StagingBuffer> params, int64_t bytes)
-      : thread_([this, worker, layer, params = std::move(params), bytes]() mutable {
-          status_ = worker->Submit(layer, std::move(params), bytes);
+  BackgroundSubmit(LayerWorker* worker, int layer, std::vector<StagingBuffer> params, int64_t bytes,
+                   bool light = false)
+      : thread_([this, worker, layer, params = std::move(params), bytes, light]() mutable {
+          status_ = worker->Submit(layer, std::move(params), bytes, light);
           returned_.Notify();
         }) {}
   ~BackgroundSubmit() {
@@ -251,6 +252,40 @@ TEST(LayerWorkerTest, SubmitReturnsOnlyOnceTheWorkerHasTakenTheLayer) {
   ASSERT_TRUE(worker.Drain().ok());
   EXPECT_EQ(worker.held_bytes(), 0);
   EXPECT_THAT(Layers(worker.TakeDone()), ElementsAre(1));
+}
+
+// A light layer (read in place, or small) may wait behind one queued layer
+// (its Submit returns at once), not behind two; a layer with staging waits
+// until it is taken, as before.
+TEST(LayerWorkerTest, ALightLayerMayWaitBehindOneQueuedLayer) {
+  FakeProcess process;
+  ReleaseCounter counter;
+  LayerWorker worker(process.Fn());
+  for (int l = 0; l < 4; ++l) process.Hold(l);
+  ASSERT_TRUE(worker.Submit(0, counter.Params(1, 8), 100, /*light=*/true).ok());
+  process.AwaitStarted(0);
+  // Layer 1 waits for the worker, but its Submit returns.
+  ASSERT_TRUE(worker.Submit(1, counter.Params(1, 8), 10, /*light=*/true).ok());
+  EXPECT_EQ(worker.held_bytes(), 110);
+  // Layer 2 would be the second one waiting: its Submit waits.
+  BackgroundSubmit third(&worker, 2, counter.Params(1, 8), 1, /*light=*/true);
+  AwaitHeldBytes(worker, 111);
+  EXPECT_FALSE(third.returned());
+  process.Release(0);
+  EXPECT_TRUE(third.Join().ok());
+  process.AwaitStarted(1);
+  // With staging, a layer waits until it is taken even behind one layer.
+  BackgroundSubmit fourth(&worker, 3, counter.Params(1, 8), 1000);
+  AwaitHeldBytes(worker, 1011);
+  EXPECT_FALSE(fourth.returned());
+  process.Release(1);
+  process.AwaitStarted(2);
+  EXPECT_FALSE(fourth.returned());  // layer 3 still waits behind layer 2
+  process.Release(2);
+  EXPECT_TRUE(fourth.Join().ok());
+  process.Release(3);
+  ASSERT_TRUE(worker.Drain().ok());
+  EXPECT_THAT(Layers(worker.TakeDone()), ElementsAre(0, 1, 2, 3));
 }
 
 TEST(LayerWorkerTest, KeepsTheFirstErrorAndDropsLaterLayers) {

@@ -314,15 +314,21 @@ def shared_tensors(
     return out
 
 
-def _arena_of(src: _tensors.Source) -> Optional[Tuple[_Arena, int]]:
-    """The shared_tensors() arena holding the tensor, and its offset there."""
+def _live_arenas() -> List[_Arena]:
+    with _ARENAS_LOCK:
+        return list(_ARENAS)
+
+
+def _arena_of(
+    src: _tensors.Source, arenas: Optional[List[_Arena]] = None
+) -> Optional[Tuple[_Arena, int]]:
+    """The shared_tensors() arena holding the tensor, and its offset there
+    (among `arenas`, default: every live one)."""
     t = src.tensor
     if t is None or t.device.type != "cpu":
         return None
     ptr = t.data_ptr()
-    with _ARENAS_LOCK:
-        arenas = list(_ARENAS)
-    for arena in arenas:
+    for arena in _live_arenas() if arenas is None else arenas:
         if arena.base <= ptr and ptr + src.nbytes <= arena.base + arena.size:
             return arena, ptr - arena.base
     return None
@@ -426,11 +432,17 @@ class ShmLane:
         ResourceExhausted before anything is registered."""
         self._push_keys = set()
         cuda = self._plan_cuda(sources)
+        # Looked up once per push: a model has hundreds of tensors, most in
+        # one arena.
+        arenas = _live_arenas()
+        arena_leases: Dict[int, Lease] = {}
         if staging_limit is not None:
             need = sum(
                 _aligned(src.nbytes)
                 for i, src in enumerate(sources)
-                if i not in cuda and _arena_of(src) is None and _shared_storage(src) is None
+                if i not in cuda
+                and _arena_of(src, arenas) is None
+                and _shared_storage(src) is None
             )
             if need > staging_limit:
                 self.end_push()
@@ -444,10 +456,13 @@ class ShmLane:
             if i in cuda:
                 placed.append((src, cuda[i][0], cuda[i][1], False))
                 continue
-            in_arena = _arena_of(src)
+            in_arena = _arena_of(src, arenas)
             if in_arena is not None:
                 arena, offset = in_arena
-                lease = self._shared_lease(arena, arena.staging.fd, arena.size)
+                lease = arena_leases.get(id(arena))
+                if lease is None:
+                    lease = self._shared_lease(arena, arena.staging.fd, arena.size)
+                    arena_leases[id(arena)] = lease
                 placed.append((src, lease, offset, False))
                 continue
             shared = _shared_storage(src)

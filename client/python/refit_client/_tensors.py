@@ -10,7 +10,7 @@ import dataclasses
 import os
 import sys
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -154,9 +154,16 @@ def _is_torch_tensor(value: Any) -> bool:
 _TORCH_DTYPES = {DTYPE_BF16: "bfloat16", DTYPE_FP16: "float16", DTYPE_FP32: "float32"}
 
 
+# torch dtype -> its refit dtype name (dtype_name's string work, once per
+# dtype rather than once per tensor of a model's hundreds).
+_TORCH_DTYPE_NAMES: Dict[Any, str] = {}
+
+
 def _from_torch(name: str, tensor: Any, dtype: Optional[str]) -> Source:
     torch = _torch_module()
     t = tensor.detach()
+    if dtype is None:
+        dtype = _TORCH_DTYPE_NAMES.get(t.dtype)
     if dtype is None:
         try:
             dtype = dtype_name(t.dtype)
@@ -164,6 +171,7 @@ def _from_torch(name: str, tensor: Any, dtype: Optional[str]) -> Source:
             raise InvalidArgument(
                 f"tensor '{name}': torch dtype {t.dtype} cannot be pushed (bf16, fp16, fp32)"
             ) from None
+        _TORCH_DTYPE_NAMES[t.dtype] = dtype
     want = getattr(torch, _TORCH_DTYPES[dtype])
     if t.dtype != want:
         if not t.is_floating_point():
@@ -192,7 +200,7 @@ def _from_torch(name: str, tensor: Any, dtype: Optional[str]) -> Source:
     return Source(
         name,
         dtype,
-        tuple(int(d) for d in t.shape),
+        tuple(t.shape),
         flat.numel() * itemsize,
         read,
         copy_into=copy_into,

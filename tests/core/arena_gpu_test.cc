@@ -22,13 +22,20 @@
 namespace refit::core {
 namespace {
 
-TEST(ArenaGpuTest, KernelsLieInOneExportedAllocationAndCommitInPlace) {
-  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  std::shared_ptr<const ModelLayout> layout =
-      ModelLayout::Build(FixtureConfig(), {}, QuantScheme::kPerTensor).value();
+std::shared_ptr<const ModelLayout> FixtureLayout() {
+  return ModelLayout::Build(FixtureConfig(), {}, QuantScheme::kPerTensor).value();
+}
+
+ShardStoreOptions OnCuda0() {
   ShardStoreOptions options;
   options.device = "cuda:0";
-  std::unique_ptr<ShardStore> store = ShardStore::Create(layout, options).value();
+  return options;
+}
+
+TEST(ArenaGpuTest, KernelsLieInOneExportedAllocationAndCommitInPlace) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  std::shared_ptr<const ModelLayout> layout = FixtureLayout();
+  std::unique_ptr<ShardStore> store = ShardStore::Create(layout, OnCuda0()).value();
   const ArenaInfo arena = store->arena();
   EXPECT_TRUE(arena.on_device);
   EXPECT_EQ(arena.device_index, 0);
@@ -71,11 +78,8 @@ TEST(ArenaGpuTest, AVmmArenaExportsDescriptorsThatMapItsBytesReadOnly) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
 #ifdef REFIT_WITH_CUDA
   DeviceArena::SetDefaultSharing(DeviceArenaSharing::kVmmFd);
-  std::shared_ptr<const ModelLayout> layout =
-      ModelLayout::Build(FixtureConfig(), {}, QuantScheme::kPerTensor).value();
-  ShardStoreOptions options;
-  options.device = "cuda:0";
-  absl::StatusOr<std::unique_ptr<ShardStore>> created = ShardStore::Create(layout, options);
+  std::shared_ptr<const ModelLayout> layout = FixtureLayout();
+  absl::StatusOr<std::unique_ptr<ShardStore>> created = ShardStore::Create(layout, OnCuda0());
   DeviceArena::SetDefaultSharing(DeviceArenaSharing::kCudaIpc);
   ASSERT_TRUE(created.ok()) << created.status();
   std::unique_ptr<ShardStore> store = *std::move(created);
@@ -146,11 +150,8 @@ TEST(ArenaGpuTest, AVmmArenaExportsDescriptorsThatMapItsBytesReadOnly) {
 // A store in a CUDA IPC arena has no descriptor to export.
 TEST(ArenaGpuTest, AnIpcArenaExportsNoDescriptor) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  std::shared_ptr<const ModelLayout> layout =
-      ModelLayout::Build(FixtureConfig(), {}, QuantScheme::kPerTensor).value();
-  ShardStoreOptions options;
-  options.device = "cuda:0";
-  std::unique_ptr<ShardStore> store = ShardStore::Create(layout, options).value();
+  std::shared_ptr<const ModelLayout> layout = FixtureLayout();
+  std::unique_ptr<ShardStore> store = ShardStore::Create(layout, OnCuda0()).value();
   EXPECT_FALSE(store->arena().device_vmm);
   EXPECT_EQ(store->ExportDeviceArenaFd().status().code(), absl::StatusCode::kFailedPrecondition);
 }

@@ -113,7 +113,7 @@ ABSL_FLAG(std::string, max_region_bytes_per_caller, "256GiB",
           "Total size of the shared-memory regions one caller may hold at once; more is "
           "RESOURCE_EXHAUSTED.");
 ABSL_FLAG(bool, pin_regions, true,
-          "With a model group on a GPU: page-lock trainers' sealed shared-memory regions "
+          "With a model group on a GPU: page-lock trainers' shared-memory regions "
           "(cudaHostRegister, read-only) so that refits copy them to the device by DMA, with no "
           "host copy. Pinned pages cannot be swapped or reclaimed while registered; "
           "--pin-regions=false copies them through the pinned staging pool instead.");

@@ -253,15 +253,15 @@ absl::Status RefitServer::StartGrpc() {
   attach_ =
       std::make_unique<AttachService>(service_.get(), options_.engine_quiesce_timeout, &metrics_);
   service_->SetAttachService(attach_.get());
-  // Sealed trainer regions are page-locked when a store is on a GPU: its
-  // refits then copy them to the device by DMA, with no host copy.
-  bool pin_sealed = false;
-  for (const auto& [name, group] : groups_) pin_sealed |= group->store()->on_gpu();
-  pin_sealed &= options_.pin_regions;
+  // Trainer regions are page-locked when a store is on a GPU: its refits
+  // then copy them to the device by DMA, with no host copy.
+  bool pin = false;
+  for (const auto& [name, group] : groups_) pin |= group->store()->on_gpu();
+  pin &= options_.pin_regions;
   regions_ = std::make_unique<RegionService>(
       service_.get(),
       RegionRegistry::Limits{options_.max_regions_per_caller, options_.max_region_bytes_per_caller},
-      pin_sealed);
+      pin);
   service_->SetRegions(regions_->registry());
   health_ = std::make_unique<HealthService>();
   health_->SetServing(kRefitServiceName, false);

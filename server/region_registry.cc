@@ -73,13 +73,25 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
   }
   region->map_ = static_cast<const uint8_t*>(p);
   region->access_ = Access::kMapped;
-  if (sealed && pin) region->pinned_ = core::PinnedHostRange::Pin(p, size);
+  if (pin) region->pinned_ = core::PinnedHostRange::Pin(p, size);
   return region;
 }
 
-bool Region::faulted() const { return guard_slot_ >= 0 && SigbusGuard::Faulted(guard_slot_); }
+bool Region::faulted() const {
+  return guard_slot_ >= 0 &&
+         (shrunk_.load(std::memory_order_relaxed) || SigbusGuard::Faulted(guard_slot_));
+}
 
 absl::Status Region::CheckIntact(absl::string_view tensor) const {
+  // A device's DMA from page-locked pages of a file that shrank does not
+  // fault (it reads the pages the file dropped), so the guard alone cannot
+  // see it: the file's size, once every read is over, does.
+  if (guard_slot_ >= 0 && !shrunk_.load(std::memory_order_relaxed)) {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) < size_) {
+      shrunk_.store(true, std::memory_order_relaxed);
+    }
+  }
   if (!faulted()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "tensor ", core::QuoteText(tensor), ": region \"", id_,
@@ -188,8 +200,7 @@ absl::StatusOr<std::string> RegionRegistry::Reserve(const std::string& owner, ui
 absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::Activate(const std::string& id,
                                                                        int fd) {
   return ActivateWith(
-      id, [&](uint64_t size) { return Region::Open(id, fd, size, pin_sealed_); },
-      [fd] { ::close(fd); });
+      id, [&](uint64_t size) { return Region::Open(id, fd, size, pin_); }, [fd] { ::close(fd); });
 }
 
 absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateCudaIpc(
@@ -291,7 +302,7 @@ std::string RegionRegistry::RenderMetrics() const {
       t.bytes,
       "\n"
       "# HELP refitd_trainer_region_pinned_bytes Bytes of registered regions page-locked for a "
-      "GPU store's DMA (sealed regions, when a store is on a GPU).\n"
+      "GPU store's DMA (when a store is on a GPU).\n"
       "# TYPE refitd_trainer_region_pinned_bytes gauge\n"
       "refitd_trainer_region_pinned_bytes ",
       t.pinned_bytes, "\n");

@@ -17,9 +17,13 @@
 // Every chunk of either kind is ingested straight from the mapping
 // (Access::kMapped, no copy). The refit checks, once it has read its last
 // byte (RegionReads, the session's input_check, before Prepare returns),
-// that no region it read from faulted: one that did is FAILED_PRECONDITION
-// naming the region and a tensor read from it, so the refit aborts and
-// nothing live changes; later reads of that region are refused. Where no
+// that no region it read from faulted and that each guarded one's file is
+// still as large as registered (a GPU store reads a page-locked region by
+// DMA, which does not fault where the file shrank: the pages it dropped
+// stay pinned and are read instead): one that fails either is
+// FAILED_PRECONDITION naming the region and a tensor read from it, so the
+// refit aborts and nothing live changes; later reads of that region are
+// refused. Where no
 // guard slot is free the descriptor is read with pread into a buffer of the
 // reading thread instead (Access::kPread, one copy; a short read is the
 // same FAILED_PRECONDITION). The trainer may still write into its region
@@ -51,6 +55,7 @@
 #ifndef REFIT_SERVER_REGION_REGISTRY_H_
 #define REFIT_SERVER_REGION_REGISTRY_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -74,10 +79,10 @@ class Region {
 
   // Takes `fd` (closed on error too). INVALID_ARGUMENT when it is not a
   // regular file, is not open for reading, or is smaller than `size`;
-  // INTERNAL when a sealed one cannot be mapped. With `pin`, a sealed
-  // mapping is also page-locked for the GPUs (core::PinnedHostRange), so a
-  // GPU store's refit copies it to the device by DMA; one the driver
-  // refuses is used unpinned.
+  // INTERNAL when a sealed one cannot be mapped. With `pin`, a mapping is
+  // also page-locked for the GPUs (core::PinnedHostRange), so a GPU store's
+  // refit copies it to the device by DMA; one the driver refuses is used
+  // unpinned.
   static absl::StatusOr<std::unique_ptr<Region>> Open(std::string id, int fd, uint64_t size,
                                                       bool pin = false);
   // A CUDA allocation (kCudaIpc): core::CudaIpcAllocation::Open's errors.
@@ -101,9 +106,13 @@ class Region {
   bool guarded() const { return guard_slot_ >= 0; }
   // Page-locked for the GPUs (Open with `pin`).
   bool pinned() const { return pinned_ != nullptr; }
-  // A guarded region's file shrank under a read: its mapping reads zeros.
+  // A guarded region's file shrank under a read (its mapping reads zeros),
+  // or was found shorter than size() by CheckIntact. Sticky.
   bool faulted() const;
-  // FAILED_PRECONDITION naming `tensor` when faulted(), else OK.
+  // For a guarded region: whether its file is still at least size() bytes
+  // (a device's DMA from page-locked pages does not fault where the file
+  // shrank, so the guard cannot see that). FAILED_PRECONDITION naming
+  // `tensor` when faulted(), else OK.
   absl::Status CheckIntact(absl::string_view tensor) const;
 
   // The bytes [offset, offset + length): a span into the mapping (device
@@ -127,6 +136,7 @@ class Region {
   int guard_slot_ = -1;
   std::unique_ptr<core::CudaIpcAllocation> cuda_;
   std::unique_ptr<core::PinnedHostRange> pinned_;  // released before the unmap
+  mutable std::atomic<bool> shrunk_{false};        // CheckIntact found the file short
 };
 
 // The guarded regions one refit read from, and the first tensor read from
@@ -159,10 +169,9 @@ class RegionRegistry {
     int64_t pinned_bytes = 0;  // of regions page-locked for the GPUs
   };
 
-  // `pin_sealed`: page-lock sealed mappings for the GPUs (Region::Open's
-  // `pin`), for a daemon that serves a store on a GPU.
-  explicit RegionRegistry(Limits limits, bool pin_sealed = false)
-      : limits_(limits), pin_sealed_(pin_sealed) {}
+  // `pin`: page-lock mapped regions for the GPUs (Region::Open's `pin`),
+  // for a daemon that serves a store on a GPU.
+  explicit RegionRegistry(Limits limits, bool pin = false) : limits_(limits), pin_(pin) {}
 
   // A new region id for `owner`, counted against its limits until Release.
   // INVALID_ARGUMENT size 0; RESOURCE_EXHAUSTED over a limit (naming the
@@ -202,7 +211,7 @@ class RegionRegistry {
       const std::string& id, const Opener& open, const std::function<void()>& on_not_waiting);
 
   const Limits limits_;
-  const bool pin_sealed_;
+  const bool pin_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };

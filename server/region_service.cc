@@ -201,7 +201,7 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
         .Field("name", name)
         .Field("bytes", absl::StrCat(size))
         .Field("access", AccessName(access));
-    // Page-locked for a GPU store's DMA (sealed regions of a daemon with one).
+    // Page-locked for a GPU store's DMA (in a daemon with one).
     if (region.pinned()) log.Field("pinned", "true");
     // A descriptor's sender (the descriptor socket's peer credentials).
     if (pid >= 0) log.Field("pid", absl::StrCat(pid)).Field("uid", absl::StrCat(uid));
@@ -296,9 +296,8 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
   WriteQueue<v1::RegionEvent> out_ ABSL_GUARDED_BY(mu_);
 };
 
-RegionService::RegionService(RefitServiceImpl* refit, RegionRegistry::Limits limits,
-                             bool pin_sealed)
-    : refit_(refit), registry_(limits, pin_sealed) {}
+RegionService::RegionService(RefitServiceImpl* refit, RegionRegistry::Limits limits, bool pin)
+    : refit_(refit), registry_(limits, pin) {}
 
 RegionService::~RegionService() { Shutdown(); }
 

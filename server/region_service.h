@@ -60,8 +60,8 @@ absl::Status IngestRegionChunk(const RegionRegistry* regions, const std::string&
 class RegionService final : public v1::RegionService::CallbackService {
  public:
   // `refit` (authorization) must outlive the service.
-  // `pin_sealed`: RegionRegistry's.
-  RegionService(RefitServiceImpl* refit, RegionRegistry::Limits limits, bool pin_sealed = false);
+  // `pin`: RegionRegistry's.
+  RegionService(RefitServiceImpl* refit, RegionRegistry::Limits limits, bool pin = false);
   ~RegionService() override;
   RegionService(const RegionService&) = delete;
   RegionService& operator=(const RegionService&) = delete;

@@ -89,7 +89,7 @@ struct ServerOptions {
   // their total size.
   int max_regions_per_caller = 1024;
   int64_t max_region_bytes_per_caller = int64_t{256} << 30;
-  // Page-lock sealed regions for DMA when a store is on a GPU.
+  // Page-lock trainers' regions for DMA when a store is on a GPU.
   bool pin_regions = true;
   // Reload reads only below this directory; "" disables Reload.
   std::string reload_root;

@@ -549,6 +549,48 @@ TEST_F(RegionTest, UnsealedRegionShrunkBeforeItsRowsAreQuantizedFailsAtPrepareAn
   EXPECT_EQ(Status(stub_.get()).version(), before.version());
 }
 
+TEST_F(RegionTest, UnsealedRegionFoundShorterAtPrepareFailsWhereNoReadFaulted) {
+  // The file loses only a tail no chunk references: no read faults (what a
+  // GPU store's DMA from page-locked pages looks like wherever the file
+  // shrank), and the size check at Prepare still fails the refit.
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(7);
+  auto file = MakeRegionFile(tensors, /*seal=*/false);
+  const uint64_t used = file->size;
+  file->size += 1 << 16;
+  ASSERT_EQ(::ftruncate(file->fd, static_cast<off_t>(file->size)), 0);
+  Lease lease(region_stub_.get(), file->size);
+  const std::string id = lease.Register(file->fd);
+  ASSERT_FALSE(id.empty()) << lease.reply();
+  const v1::GetStatusResponse before = Status(stub_.get());
+
+  std::vector<v1::PushRequest> chunks = RegionChunkMessages(tensors, *file, id, 4);
+  grpc::ClientContext context;
+  v1::PushResponse response;
+  auto writer = stub_->Push(&context, &response);
+  ASSERT_TRUE(writer->Write(BeginMessage()));
+  ASSERT_TRUE(writer->Write(chunks[0]));
+  writer->WaitForInitialMetadata();  // the refit began
+  ASSERT_EQ(::ftruncate(file->fd, static_cast<off_t>(used)), 0);
+  for (size_t i = 1; i < chunks.size(); ++i) ASSERT_TRUE(writer->Write(chunks[i]));
+  writer->Write(EndMessage());
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("truncated while in use"));
+  EXPECT_THAT(status.error_message(), HasSubstr(id));
+  const v1::GetStatusResponse after = Status(stub_.get());
+  EXPECT_EQ(after.version(), before.version());
+  EXPECT_EQ(after.fingerprint(), before.fingerprint());
+  EXPECT_FALSE(after.has_active_refit());
+  // Whole again, the region is still refused: pinned pages it dropped would
+  // be read in place of the new ones.
+  ASSERT_EQ(::ftruncate(file->fd, static_cast<off_t>(file->size)), 0);
+  const PushOutcome again = PushRegion(tensors, *file, id);
+  EXPECT_EQ(again.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(again.status.error_message(), HasSubstr("register it again"));
+  EXPECT_EQ(Status(stub_.get()).version(), before.version());
+}
+
 TEST_F(RegionTest, UnregisterAndCancelledLeaseReleaseTheRegion) {
   const std::vector<core::OwnedTensor> tensors = FixtureWeights(3);
   auto file = MakeRegionFile(tensors, true);

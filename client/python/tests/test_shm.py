@@ -315,9 +315,23 @@ def _wait_for_releases(daemon, count: int, timeout: float = 30.0) -> None:
     assert got >= count, daemon.log
 
 
+@pytest.mark.parametrize(
+    "store", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
+)
 def test_region_truncated_mid_refit_fails_cleanly_and_the_old_version_serves(
-    client, daemon, seed2
+    store, request, seed2
 ):
+    # On a GPU store the storage is page-locked and read by DMA, which does
+    # not fault where the file shrank: the size check at Prepare catches it.
+    if store == "cpu":
+        daemon = request.getfixturevalue("daemon")
+        client = request.getfixturevalue("client")
+    else:
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        daemon = request.getfixturevalue("start_daemon")(f"--device={store}")
+        client = RefitClient(daemon.address, timeout=60)
+        request.addfinalizer(client.close)
     before = client.status()
     shared = {k: v.clone().share_memory_() for k, v in seed2.items()}
     names = list(shared)
@@ -461,6 +475,26 @@ def test_sealed_regions_go_to_a_gpu_store_by_dma_from_where_they_lie(start_daemo
         assert c.push(shared_tensors(seed2), lane="shm").fingerprint == expected
         assert "pinned=" not in d.wait_for_line("region registered")
         assert "refitd_trainer_region_pinned_bytes 0\n" in metrics(d)
+
+
+@pytest.mark.gpu
+def test_tensors_in_shared_memory_go_to_a_gpu_store_by_dma_from_where_they_lie(
+    start_daemon, seed2
+):
+    # torch's share_memory_() files cannot be sealed; a GPU store's daemon
+    # page-locks them all the same (a file that shrinks is caught at Prepare).
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    d = start_daemon("--device=cuda:0", "--metrics-listen=127.0.0.1:0")
+    with RefitClient(d.address, timeout=60) as c:
+        expected = c.push(seed2, lane="grpc").fingerprint
+        c.push({k: v * 0 for k, v in seed2.items()}, lane="grpc", non_finite="vllm")
+        shared = {k: v.clone().share_memory_() for k, v in seed2.items()}
+        assert c.push(shared, lane="shm").fingerprint == expected
+        assert c._shm.last_copied_bytes == 0
+        assert "access=mapped" in d.wait_for_line("region registered", also="pinned=true")
+        pinned = re.search(r"^refitd_trainer_region_pinned_bytes (\d+)", metrics(d), re.M)
+        assert int(pinned.group(1)) >= quantized_bytes(seed2)
 
 
 def test_a_host_store_pins_nothing(start_daemon, seed2):

@@ -82,16 +82,15 @@ bool Region::faulted() const {
          (shrunk_.load(std::memory_order_relaxed) || SigbusGuard::Faulted(guard_slot_));
 }
 
-absl::Status Region::CheckIntact(absl::string_view tensor) const {
-  // A device's DMA from page-locked pages of a file that shrank does not
-  // fault (it reads the pages the file dropped), so the guard alone cannot
-  // see it: the file's size, once every read is over, does.
-  if (guard_slot_ >= 0 && !shrunk_.load(std::memory_order_relaxed)) {
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) < size_) {
-      shrunk_.store(true, std::memory_order_relaxed);
-    }
+void Region::CheckFileSize() const {
+  if (guard_slot_ < 0 || shrunk_.load(std::memory_order_relaxed)) return;
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) < size_) {
+    shrunk_.store(true, std::memory_order_relaxed);
   }
+}
+
+absl::Status Region::CheckIntact(absl::string_view tensor) const {
   if (!faulted()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "tensor ", core::QuoteText(tensor), ": region \"", id_,
@@ -109,6 +108,10 @@ void RegionReads::Add(const std::shared_ptr<const Region>& region, absl::string_
 absl::Status RegionReads::Check() const {
   absl::MutexLock lock(&mu_);
   for (const auto& [key, read] : read_) {
+    // A device's DMA from page-locked pages of a file that shrank does not
+    // fault (it reads the pages the file dropped): the guard cannot see it,
+    // the file's size once every read is over does.
+    read.first->CheckFileSize();
     if (absl::Status s = read.first->CheckIntact(read.second); !s.ok()) return s;
   }
   return absl::OkStatus();

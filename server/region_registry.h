@@ -107,12 +107,13 @@ class Region {
   // Page-locked for the GPUs (Open with `pin`).
   bool pinned() const { return pinned_ != nullptr; }
   // A guarded region's file shrank under a read (its mapping reads zeros),
-  // or was found shorter than size() by CheckIntact. Sticky.
+  // or CheckFileSize found it shorter than size(). Sticky.
   bool faulted() const;
-  // For a guarded region: whether its file is still at least size() bytes
-  // (a device's DMA from page-locked pages does not fault where the file
-  // shrank, so the guard cannot see that). FAILED_PRECONDITION naming
-  // `tensor` when faulted(), else OK.
+  // For a guarded region: marks it faulted when its file is now smaller
+  // than size() (a device's DMA from page-locked pages does not fault where
+  // the file shrank, so the guard cannot see that). One fstat.
+  void CheckFileSize() const;
+  // FAILED_PRECONDITION naming `tensor` when faulted(), else OK.
   absl::Status CheckIntact(absl::string_view tensor) const;
 
   // The bytes [offset, offset + length): a span into the mapping (device
@@ -136,7 +137,7 @@ class Region {
   int guard_slot_ = -1;
   std::unique_ptr<core::CudaIpcAllocation> cuda_;
   std::unique_ptr<core::PinnedHostRange> pinned_;  // released before the unmap
-  mutable std::atomic<bool> shrunk_{false};        // CheckIntact found the file short
+  mutable std::atomic<bool> shrunk_{false};        // CheckFileSize found the file short
 };
 
 // The guarded regions one refit read from, and the first tensor read from
@@ -146,7 +147,8 @@ class RegionReads {
  public:
   // Records `region` when it is guarded (others cannot fault).
   void Add(const std::shared_ptr<const Region>& region, absl::string_view tensor);
-  // FAILED_PRECONDITION for the first recorded region that faulted.
+  // FAILED_PRECONDITION for the first recorded region that faulted or whose
+  // file is now smaller than registered (Region::CheckFileSize).
   absl::Status Check() const;
 
  private:

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "core/fp8_quantizer_internal.h"
 #include "core/parallel.h"
@@ -426,37 +427,96 @@ REFIT_FP8_INLINE void QuantizeBlocks(const typename T::Bits* src, int64_t stride
 #endif
 }
 
+// The convert pass over `n` contiguous elements with one inverse scale that
+// also returns their max |bits| (AbsMaxBlocks' value for one block, NaNs
+// counting as 0 under kVllm): the per-tensor quantizer's one pass when the
+// scale it was given turns out to be the tensor's own.
+template <typename T, int kBytes, bool kVllm>
+REFIT_FP8_INLINE uint32_t QuantizeTrackingMax(const typename T::Bits* in, int64_t n, float inv,
+                                              bool stream, uint8_t* out) {
+  using Bits = typename T::Bits;
+  using S = Simd<kBytes>;
+  using W = typename Wide<Bits, kBytes>::type;
+  constexpr int64_t kStep = kBytes / sizeof(Bits);
+  using Store = OutStore<kBytes, sizeof(Bits) == 2 ? 2 : 1>;
+  const Bits mask = static_cast<Bits>(T::kAbsMask);
+  [[maybe_unused]] const Bits inf = static_cast<Bits>(T::kInf);
+  const typename S::F32 vinv = typename S::F32{} + inv;
+  W m = {};
+  auto track = [&](const Bits* p) __attribute__((always_inline)) {
+    W a;
+    std::memcpy(&a, p, sizeof a);
+    a &= mask;
+    if constexpr (kVllm) a = a > inf ? W{} : a;
+    m = a > m ? a : m;
+  };
+  int64_t i = 0;
+  if (Store::kCanStream && stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    for (; i + kStep <= n; i += kStep) {
+      track(in + i);
+      Store::Stream(out + i, QuantizeStep<T, kBytes, kVllm>(in + i, vinv));
+    }
+  }
+  for (; i + kStep <= n; i += kStep) {
+    track(in + i);
+    Store::Store(out + i, QuantizeStep<T, kBytes, kVllm>(in + i, vinv));
+  }
+  if (i < n) {
+    Bits tail[kStep] = {};  // zero padding cannot raise the max
+    std::memcpy(tail, in + i, (n - i) * sizeof(Bits));
+    track(tail);
+    uint8_t bytes[kStep];
+    Store::Store(bytes, QuantizeStep<T, kBytes, kVllm>(tail, vinv));
+    std::memcpy(out + i, bytes, n - i);
+  }
+#if REFIT_FP8_X86
+  if (Store::kCanStream && stream) _mm_sfence();
+#endif
+  uint32_t result = 0;
+  for (int64_t lane = 0; lane < kStep; ++lane) result = std::max<uint32_t>(result, m[lane]);
+  return result;
+}
+
 using AbsMaxFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
                           int64_t block_cols, bool ignore_nan, uint32_t* out_max);
 using QuantizeFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
                             int64_t block_cols, const float* inv, bool vllm, bool stream,
                             uint8_t* dst, int64_t dst_stride);
+using QuantizeMaxFn = uint32_t (*)(const void* src, int64_t n, float inv, bool vllm, bool stream,
+                                   uint8_t* dst);
 
 // One non-inlined entry point per (ISA, source type, pass); the kernels above
 // are inlined into it and compiled for its target.
-#define REFIT_FP8_DEFINE_KERNELS(NAME, BYTES, ATTR)                                          \
-  template <typename T>                                                                      \
-  ATTR void AbsMax##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,      \
-                         int64_t block_cols, bool ignore_nan, uint32_t* out_max) {           \
-    const auto* p = static_cast<const typename T::Bits*>(src);                               \
-    if (ignore_nan) {                                                                        \
-      AbsMaxBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, out_max);            \
-    } else {                                                                                 \
-      AbsMaxBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, out_max);           \
-    }                                                                                        \
-  }                                                                                          \
-  template <typename T>                                                                      \
-  ATTR void Quantize##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,    \
-                           int64_t block_cols, const float* inv, bool vllm, bool stream,     \
-                           uint8_t* dst, int64_t dst_stride) {                               \
-    const auto* p = static_cast<const typename T::Bits*>(src);                               \
-    if (vllm) {                                                                              \
-      QuantizeBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, inv, stream, dst,  \
-                                     dst_stride);                                            \
-    } else {                                                                                 \
-      QuantizeBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, inv, stream, dst, \
-                                      dst_stride);                                           \
-    }                                                                                        \
+#define REFIT_FP8_DEFINE_KERNELS(NAME, BYTES, ATTR)                                              \
+  template <typename T>                                                                          \
+  ATTR void AbsMax##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,          \
+                         int64_t block_cols, bool ignore_nan, uint32_t* out_max) {               \
+    const auto* p = static_cast<const typename T::Bits*>(src);                                   \
+    if (ignore_nan) {                                                                            \
+      AbsMaxBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, out_max);                \
+    } else {                                                                                     \
+      AbsMaxBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, out_max);               \
+    }                                                                                            \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  ATTR void Quantize##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,        \
+                           int64_t block_cols, const float* inv, bool vllm, bool stream,         \
+                           uint8_t* dst, int64_t dst_stride) {                                   \
+    const auto* p = static_cast<const typename T::Bits*>(src);                                   \
+    if (vllm) {                                                                                  \
+      QuantizeBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, inv, stream, dst,      \
+                                     dst_stride);                                                \
+    } else {                                                                                     \
+      QuantizeBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, inv, stream, dst,     \
+                                      dst_stride);                                               \
+    }                                                                                            \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  ATTR uint32_t QuantizeMax##NAME(const void* src, int64_t n, float inv, bool vllm, bool stream, \
+                                  uint8_t* dst) {                                                \
+    const auto* p = static_cast<const typename T::Bits*>(src);                                   \
+    return vllm ? QuantizeTrackingMax<T, BYTES, true>(p, n, inv, stream, dst)                    \
+                : QuantizeTrackingMax<T, BYTES, false>(p, n, inv, stream, dst);                  \
   }
 
 REFIT_FP8_DEFINE_KERNELS(Portable, 16, )
@@ -470,14 +530,15 @@ REFIT_FP8_DEFINE_KERNELS(Avx512, 64,
 struct Kernels {
   AbsMaxFn abs_max;
   QuantizeFn quantize;
+  QuantizeMaxFn quantize_max;
 };
 
 // One row per ISA: kernels for bf16, fp16, fp32 sources.
-#define REFIT_FP8_KERNEL_ROW(NAME)                                \
-  {                                                               \
-    {&AbsMax##NAME<Bf16Traits>, &Quantize##NAME<Bf16Traits>},     \
-        {&AbsMax##NAME<Fp16Traits>, &Quantize##NAME<Fp16Traits>}, \
-        {&AbsMax##NAME<F32Traits>, &Quantize##NAME<F32Traits>},   \
+#define REFIT_FP8_KERNEL_ROW(NAME)                                                                \
+  {                                                                                               \
+    {&AbsMax##NAME<Bf16Traits>, &Quantize##NAME<Bf16Traits>, &QuantizeMax##NAME<Bf16Traits>},     \
+        {&AbsMax##NAME<Fp16Traits>, &Quantize##NAME<Fp16Traits>, &QuantizeMax##NAME<Fp16Traits>}, \
+        {&AbsMax##NAME<F32Traits>, &Quantize##NAME<F32Traits>, &QuantizeMax##NAME<F32Traits>},    \
   }
 
 // [isa][source type]. Off x86 the rows of the other ISAs repeat the generic
@@ -807,6 +868,8 @@ struct Job {
   uint8_t* out_q;
   float* out_scales;
   absl::string_view name;
+  float scale_hint;
+  Fp8QuantizeStats* stats;
 };
 
 // Outputs at least this large are written with non-temporal stores: they
@@ -821,26 +884,45 @@ constexpr int64_t kReverseChunk = int64_t{1} << 19;
 // Per-tensor quantization of `pieces` laid end to end (one piece: the whole
 // source): one scale over all of them.
 absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const uint8_t>> pieces) {
-  // Pass 1: amax (and, for free, whether anything is Inf/NaN).
+  // With a usable hint, pass 1 converts with the hinted scale while it takes
+  // the amax; if the amax gives that same scale, those are the bytes pass 2
+  // would write (the clamp-free convert below only needs |x| <= amax, and
+  // every code follows from the scale alone), and the tensor was read once.
+  // Otherwise its output is overwritten by pass 2, with the amax it found.
+  const bool speculate =
+      job.scale_hint > 0 && std::isfinite(job.scale_hint) && !InverseOverflows(job.scale_hint);
   uint32_t amax_bits = 0;
+  int64_t at = 0;  // output byte (= element) of the piece's first element
   for (absl::Span<const uint8_t> piece : pieces) {
     const int64_t n = static_cast<int64_t>(piece.size()) / job.esize;
+    uint8_t* out = job.out_q + at;
+    at += n;
     const int workers = WorkersFor(job.threads, n, n);
     std::vector<uint32_t> partial(workers, 0);
     ParallelRanges(workers, n, 64, [&](int w, int64_t begin, int64_t end) {
-      job.k.abs_max(piece.data() + begin * job.esize, 0, 1, end - begin, end - begin, job.vllm,
-                    &partial[w]);
+      const uint8_t* from = piece.data() + begin * job.esize;
+      if (speculate) {
+        partial[w] = job.k.quantize_max(from, end - begin, InverseScale(job.scale_hint), job.vllm,
+                                        job.stream, out + begin);
+      } else {
+        job.k.abs_max(from, 0, 1, end - begin, end - begin, job.vllm, &partial[w]);
+      }
     });
     amax_bits = std::max(amax_bits, *std::max_element(partial.begin(), partial.end()));
   }
+  // (Either way the amax says, for free, whether anything is Inf/NaN.)
   if (!job.vllm && amax_bits >= InfBits(job.dtype)) {
     return NonFiniteError(pieces, job.dtype, job.cols, job.name);
   }
   const float s = AbsBitsToFloat(job.dtype, amax_bits) / kFp8E4M3Max;
   job.out_scales[0] = s;
+  if (speculate && absl::bit_cast<uint32_t>(s) == absl::bit_cast<uint32_t>(job.scale_hint)) {
+    if (job.stats != nullptr) job.stats->one_pass = true;
+    return absl::OkStatus();
+  }
   const float inv = InverseScale(s);
   const bool all_max = job.vllm && s == 0.0f;  // vLLM: 0 / 0 = NaN -> +448
-  int64_t at = 0;  // output byte (= element) of the piece's first element
+  at = 0;
   for (absl::Span<const uint8_t> piece : pieces) {
     const int64_t n = static_cast<int64_t>(piece.size()) / job.esize;
     uint8_t* out = job.out_q + at;
@@ -1043,6 +1125,9 @@ Job MakeJob(const void* src, DType src_dtype, int64_t rows, int64_t cols,
   job.out_q = out_q;
   job.out_scales = out_scales;
   job.name = tensor_name;
+  job.scale_hint = options.scheme == QuantScheme::kPerTensor ? options.scale_hint : 0.0f;
+  job.stats = options.stats;
+  if (job.stats != nullptr) *job.stats = Fp8QuantizeStats{};
   return job;
 }
 

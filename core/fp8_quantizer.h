@@ -49,10 +49,24 @@ enum class NonFinitePolicy { kReject, kVllmCompatible };
 uint8_t Fp8E4M3FromFloat(float value);
 float Fp8E4M3ToFloat(uint8_t bits);
 
+// What one QuantizeFp8 call did (Fp8QuantizeOptions::stats).
+struct Fp8QuantizeStats {
+  // Per-tensor: the scale came out equal to scale_hint, and the source was
+  // read once (the amax taken during the convert) instead of twice.
+  bool one_pass = false;
+};
+
 struct Fp8QuantizeOptions {
   QuantScheme scheme = QuantScheme::kPerTensor;
   NonFinitePolicy non_finite = NonFinitePolicy::kReject;
   int num_threads = 0;
+  // Per-tensor scheme: the scale this tensor is expected to get (the one it
+  // got last time), or 0. The convert then runs with it during the amax
+  // pass; when the amax gives exactly that scale that was all the work, and
+  // otherwise the convert runs again with the real one. The bytes are the
+  // same either way; a wrong hint costs one extra write of the output.
+  float scale_hint = 0.0f;
+  Fp8QuantizeStats* stats = nullptr;  // filled in when set
 };
 
 // Number of float32 scales a [rows, cols] weight gets under `scheme`.

@@ -13,6 +13,7 @@
 #include "core/fp8_quantizer.h"
 #include "core/layer_processor.h"
 #include "core/parallel.h"
+#include "core/scale_hints.h"
 
 namespace refit::core {
 namespace {
@@ -42,6 +43,14 @@ class HostLayerProcessor final : public LayerProcessor {
       qopts.scheme = processor_.layout_.quant();
       qopts.non_finite = processor_.options_.non_finite;
       qopts.num_threads = processor_.options_.quantize_threads;
+      ScaleHints* hints = qopts.scheme == QuantScheme::kPerTensor && scales->size() == sizeof(float)
+                              ? processor_.options_.scale_hints
+                              : nullptr;
+      Fp8QuantizeStats stats;
+      if (hints != nullptr) {
+        qopts.scale_hint = hints->Hint(weight.name);
+        qopts.stats = &stats;
+      }
       // Rows read in place from a trainer's region are quantized where they
       // lie (no copy into staging was made); rows in device memory are
       // brought to the host first.
@@ -55,6 +64,10 @@ class HostLayerProcessor final : public LayerProcessor {
               : QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, q->data(),
                             reinterpret_cast<float*>(scales->data()), weight.name);
       if (!quantized.ok()) return quantized;
+      if (hints != nullptr) {
+        hints->Record(weight.name, *reinterpret_cast<const float*>(scales->data()));
+        scales_reused_ += stats.one_pass ? 1 : 0;
+      }
       kernels_[k] = *std::move(q);
       kernels_[s] = *std::move(scales);
       return absl::OkStatus();
@@ -113,6 +126,7 @@ class HostLayerProcessor final : public LayerProcessor {
       });
       out.kernels = std::move(kernels_);
       out.hashing = absl::Now() - start;
+      out.scales_reused = scales_reused_;
       return out;
     }
 
@@ -132,6 +146,7 @@ class HostLayerProcessor final : public LayerProcessor {
     const HostLayerProcessor& processor_;
     const LayerSpec& spec_;
     std::vector<StagingBuffer> kernels_;
+    int scales_reused_ = 0;
   };
 
   absl::StatusOr<std::unique_ptr<LayerBuild>> Start(const LayerSpec& spec) override {

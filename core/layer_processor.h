@@ -39,6 +39,8 @@
 
 namespace refit::core {
 
+class ScaleHints;
+
 class ShardStore;
 
 // One processed layer: its kernels in layer order, ready for commit.
@@ -51,6 +53,9 @@ struct ProcessedLayer {
   std::vector<uint64_t> hashes;        // XXH3-64 of each kernel's bytes
   absl::Duration took;
   absl::Duration hashing;  // of `took`: hashing the kernels (with a GPU's read-back)
+  // Per-tensor weights quantized in one pass: their scale hint held
+  // (ScaleHints).
+  int scales_reused = 0;
 };
 
 struct LayerProcessorOptions {
@@ -60,6 +65,9 @@ struct LayerProcessorOptions {
   // set it uses the host path (CPU quantizer, host-to-device commit): the
   // same bytes, for diagnosis or when device memory is short.
   bool host_staging = false;
+  // The model group's scale hints (the host quantizer's per-tensor scheme
+  // reads and records them); null: none.
+  ScaleHints* scale_hints = nullptr;
 };
 
 class LayerProcessor {

@@ -73,6 +73,7 @@ absl::StatusOr<std::unique_ptr<RefitSession>> RefitSession::Begin(ShardStore* st
   processing.non_finite = options.non_finite;
   processing.quantize_threads = options.quantize_threads;
   processing.host_staging = options.host_staging;
+  processing.scale_hints = store->scale_hints();
   absl::StatusOr<std::unique_ptr<LayerProcessor>> processor =
       CreateLayerProcessor(*store, processing);
   if (!processor.ok()) {
@@ -336,6 +337,7 @@ void RefitSession::RecordLocked(ProcessedLayer processed) {
   for (const StagingBuffer& kernel : processed.kernels) staged_kernel_bytes_ += kernel.size();
   timings_.quantize += processed.took;
   timings_.hashing += processed.hashing;
+  scales_reused_ += processed.scales_reused;
   ++layers_done_;
   const int layer = processed.layer;
   processed_[layer] = std::move(processed);
@@ -383,6 +385,8 @@ absl::StatusOr<RefitResult> RefitSession::PrepareLocked() {
           .Field("quantize_ms",
                  absl::StrFormat("%.1f", absl::ToDoubleMilliseconds(timings_.quantize)))
           .Field("hash_ms", absl::StrFormat("%.1f", absl::ToDoubleMilliseconds(timings_.hashing)))
+          // Per-tensor weights read once: their scale came out as hinted.
+          .Field("scales_reused", absl::StrCat(scales_reused_))
       << "prepared";
   QueueEventLocked(StoreEventType::kPrepared);
   return ResultLocked(store_->version(), store_->fingerprint());
@@ -667,6 +671,7 @@ RefitResult RefitSession::ResultLocked(uint64_t version, std::string fingerprint
   result.bytes_received = assembler_.bytes_received();
   result.bytes_read_in_place = assembler_.bytes_in_place();
   result.peak_staging_bytes = peak_staging_bytes_;
+  result.scales_reused = scales_reused_;
   result.unchanged = assembler_.bytes_received() == 0;
   return result;
 }

@@ -119,6 +119,9 @@ struct RefitResult {
   // when the layer was processed instead of being copied at ingest.
   int64_t bytes_read_in_place = 0;
   int64_t peak_staging_bytes = 0;
+  // Per-tensor weights the host quantizer read once: their scale came out as
+  // the store's hint said (core/scale_hints.h).
+  int64_t scales_reused = 0;
   // No chunk arrived: Commit makes no new version (version and fingerprint
   // are the live ones).
   bool unchanged = false;
@@ -283,6 +286,7 @@ class RefitSession {
   std::vector<ProcessedLayer> processed_ ABSL_GUARDED_BY(call_mu_);  // by layer; layer -1: none
   int64_t layers_done_ ABSL_GUARDED_BY(call_mu_) = 0;
   int64_t staged_kernel_bytes_ ABSL_GUARDED_BY(call_mu_) = 0;
+  int64_t scales_reused_ ABSL_GUARDED_BY(call_mu_) = 0;
   int64_t peak_staging_bytes_ ABSL_GUARDED_BY(call_mu_) = 0;
   std::vector<std::string> kept_layers_ ABSL_GUARDED_BY(call_mu_);
   std::vector<std::string> partial_layers_ ABSL_GUARDED_BY(call_mu_);

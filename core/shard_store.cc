@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "core/log.h"
 #include "core/parallel.h"
+#include "core/scale_hints.h"
 #include "core/shard_store_tensors.h"
 #include "core/snapshot.h"
 #include "core/text.h"
@@ -453,7 +454,9 @@ ShardStoreImpl::~ShardStoreImpl() {
 }
 
 ShardStore::ShardStore(std::shared_ptr<const ModelLayout> layout, ShardStoreOptions options)
-    : layout_(std::move(layout)), options_(std::move(options)) {}
+    : layout_(std::move(layout)),
+      options_(std::move(options)),
+      scale_hints_(std::make_unique<ScaleHints>()) {}
 
 ShardStore::~ShardStore() = default;
 

@@ -159,6 +159,7 @@ class RestoreTarget {
 
 class ShardStore;
 class ShardStoreImpl;  // holds the at::Tensor objects; see shard_store_tensors.h
+class ScaleHints;
 
 // The right to change a store: held by one refit at a time, released when
 // destroyed. Move-only.
@@ -333,6 +334,9 @@ class ShardStore {
   absl::StatusOr<RefitSlot> AcquireRefitSlot(absl::string_view refit_id);
   // The refit id holding the slot, or "".
   std::string active_session() const;
+  // The per-tensor FP8 scales its refits made, as hints for the next ones
+  // (core/scale_hints.h). Thread-safe.
+  ScaleHints* scale_hints() const { return scale_hints_.get(); }
 
   // Events go to every listener, one event at a time in the order they were
   // published, on the thread that caused them. Listeners must be cheap, must
@@ -352,6 +356,7 @@ class ShardStore {
   std::shared_ptr<const ModelLayout> layout_;
   ShardStoreOptions options_;
   std::unique_ptr<ShardStoreImpl> impl_;
+  const std::unique_ptr<ScaleHints> scale_hints_;
   CommitGuard commit_guard_;
   std::atomic<CommitCoordinator*> coordinator_{nullptr};
 

@@ -31,8 +31,16 @@ and, for each lane, the CPU seconds per GiB refitd spent (utime + stime
 from /proc) and the client spent (process_time): on a shared machine the
 wall-clock ratios follow the load, the CPU per GiB does not.
 
-Pushes alternate the checkpoint and a perturbed copy, so every commit
-changes the bytes. Prints {"figures": [...], "series": {...}} on stdout (the
+Pushes alternate the checkpoint and a copy scaled by 0.75, so every commit
+changes the bytes and every per-tensor FP8 scale: the daemon's scale hints
+(a weight whose scale held over its last two refits is converted during its
+amax pass) never apply to these lanes. After them, one more lane:
+
+  shm_same_scales  shared_tensors() of the checkpoint and of its negation,
+              alternating: every byte changes, no scale does (a training
+              step that moves no weight's largest magnitude, which is what
+              most RL steps do to most weights): the scale hints apply, and
+              each weight is read once by the quantizer instead of twice Prints {"figures": [...], "series": {...}} on stdout (the
 format scripts/bench.sh merges) and the figures on stderr.
 
     .venv/bin/python bench/python/shm_bench.py --model_dir DIR \\
@@ -46,6 +54,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -124,11 +133,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sock = f"/tmp/rfm-{os.getpid()}.sock"
     address = f"unix:{sock}"
     weights = load(args.model_dir)
-    perturbed = {k: (-v if v.is_floating_point() else v) for k, v in weights.items()}
+    perturbed = {k: (v * 0.75 if v.is_floating_point() else v) for k, v in weights.items()}
+    negated = {k: (-v if v.is_floating_point() else v) for k, v in weights.items()}
     total = sum(t.numel() * t.element_size() for t in weights.values())
     shared = [{k: v.clone().share_memory_() for k, v in w.items()} for w in (weights, perturbed)]
     private = [weights, perturbed]
     arenas = [shared_tensors(w) for w in (weights, perturbed)]
+    same_scales = [arenas[0], shared_tensors(negated)]
+    del negated
     on_gpu = args.device.startswith("cuda")
     cuda = [{k: v.to(args.device) for k, v in w.items()} for w in (weights, perturbed)] if on_gpu else []
     kinds = ("shm_copy", "grpc", "shm_shared", "shm_arena") + (("shm_cuda",) if on_gpu else ())
@@ -138,7 +150,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "shm_copy_receive_s", "grpc_receive_s", "shm_copy_daemon_cpu_s",
         "shm_shared_daemon_cpu_s", "shm_arena_daemon_cpu_s", "grpc_daemon_cpu_s",
         "shm_copy_client_cpu_s", "shm_shared_client_cpu_s", "shm_arena_client_cpu_s",
-        "grpc_client_cpu_s", "shm_cuda_daemon_cpu_s", "shm_cuda_client_cpu_s")}
+        "grpc_client_cpu_s", "shm_cuda_daemon_cpu_s", "shm_cuda_client_cpu_s",
+        "shm_same_scales_s", "shm_same_scales_daemon_cpu_s", "memcpy_same_scales_s")}
+    scales_reused: List[int] = []
     proc = start_refitd(args.refitd, args.model_dir, sock, f"{work}/refitd-shm.log", args.device,
                         args.daemon_flag)
     first_register_s = 0.0
@@ -179,6 +193,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             start = time.perf_counter()
             np.copyto(dst, src)
             series["memcpy_s"].append(time.perf_counter() - start)
+        # The same-scales lane, in a block of its own (interleaved with the
+        # lanes above, whose scales change every push, no hint would hold):
+        # two pushes make every scale stable, then each push is timed.
+        for w in same_scales:
+            client.push(w, lane="shm")
+        for rep in range(2 * args.reps):
+            daemon_cpu = process_cpu(proc.pid)
+            start = time.perf_counter()
+            client.push(same_scales[rep % 2], lane="shm")
+            series["shm_same_scales_s"].append(time.perf_counter() - start)
+            series["shm_same_scales_daemon_cpu_s"].append(process_cpu(proc.pid) - daemon_cpu)
+            if rep % 2:
+                start = time.perf_counter()
+                np.copyto(dst, src)
+                series["memcpy_same_scales_s"].append(time.perf_counter() - start)
         copied_shared = client._shm.last_copied_bytes if client._shm else -1
         cuda_fallback = client.cuda_ipc_fallback_reason
         client.close()
@@ -190,6 +219,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except OSError:
             pass
 
+    # How many weights each timed same-scales push read once (its log line).
+    with open(f"{work}/refitd-shm.log") as f:
+        scales_reused = [int(m) for m in re.findall(r"scales_reused=(\d+)", f.read())]
+    scales_reused = scales_reused[-2 * args.reps:]
     med = {k: statistics.median(v) if v else 0.0 for k, v in series.items()}
     mib = total / (1 << 20)
     gib = total / (1 << 30)
@@ -232,6 +265,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    gbps(med["memcpy_s"]), ">= 0.5"),
         ]
     figures += [
+        figure(f"shm lane push, full refit, shared_tensors(), every scale as in the push before, {label}",
+               gbps(med["shm_same_scales_s"]), "GB/s", "memcpy of the same bytes (one thread)",
+               gbps(med["memcpy_same_scales_s"]), ">= 0.5",
+               f"weights read once by the quantizer per push: {min(scales_reused, default=0)}-"
+               f"{max(scales_reused, default=0)}"
+               + ("" if not on_gpu else " (the host quantizer's hints; a GPU store quantizes on the device)")),
+        figure(f"shm lane push, full refit, shared_tensors(), every scale as in the push before, {label}",
+               gbps(med["shm_same_scales_s"]), "GB/s", "gRPC Push of the same tensors (Python client)",
+               gbps(med["grpc_s"]), ">= 3"),
+        figure("refitd CPU per GiB, shm lane push (shared_tensors(), every scale as the push before)",
+               med["shm_same_scales_daemon_cpu_s"] / gib, "CPU s/GiB",
+               "refitd CPU per GiB, shm lane push (shared_tensors(), every scale changed)",
+               med["shm_arena_daemon_cpu_s"] / gib, ""),
         figure("refitd CPU per GiB, shm lane push (shared_tensors(), mapped)",
                med["shm_arena_daemon_cpu_s"] / gib, "CPU s/GiB", "refitd CPU per GiB, gRPC Push",
                med["grpc_daemon_cpu_s"] / gib, ""),

@@ -11,6 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "core/fp8_quantizer_internal.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -500,6 +502,166 @@ TEST(Fp8QuantizerTest, LargeOutputsTakeTheStreamingPathWithSameBytes) {
                       .ok());
       ExpectSameBytes(std::vector<uint8_t>(shifted.begin() + 1, shifted.end()), expected.q, cols);
     }
+  }
+}
+
+// --- Scale hint (per-tensor: one pass when the scale comes out as hinted) ---
+
+struct Hinted {
+  Quantized out;
+  bool one_pass = false;
+};
+
+// Per-tensor quantization of `x` with `hint`, as one buffer or, with
+// `split`, as two pieces (the first `split` elements, then the rest).
+Hinted RunHinted(const at::Tensor& x, float hint, NonFinitePolicy policy, int threads,
+                 int64_t split = 0) {
+  at::Tensor c = x.contiguous();
+  const int64_t rows = c.size(0);
+  const int64_t cols = c.size(1);
+  Hinted h;
+  h.out.q.assign(rows * cols, 0xAB);  // poison: every byte must be written
+  h.out.scales.assign(1, -1.0f);
+  Fp8QuantizeStats stats;
+  stats.one_pass = true;  // must be reset by the call
+  Fp8QuantizeOptions options;
+  options.non_finite = policy;
+  options.num_threads = threads;
+  options.scale_hint = hint;
+  options.stats = &stats;
+  const DType dtype = OurType(c.scalar_type());
+  if (split > 0) {
+    const auto* bytes = static_cast<const uint8_t*>(c.data_ptr());
+    const size_t esize = c.element_size();
+    const size_t total = static_cast<size_t>(rows * cols) * esize;
+    const absl::Span<const uint8_t> pieces[] = {
+        absl::Span<const uint8_t>(bytes, split * esize),
+        absl::Span<const uint8_t>(bytes + split * esize, total - split * esize)};
+    h.out.status = QuantizeFp8Pieces(pieces, dtype, rows, cols, options, h.out.q.data(),
+                                     h.out.scales.data(), "w");
+  } else {
+    h.out.status = QuantizeFp8(c.data_ptr(), dtype, rows, cols, options, h.out.q.data(),
+                               h.out.scales.data(), "w");
+  }
+  h.one_pass = stats.one_pass;
+  return h;
+}
+
+TEST(Fp8QuantizerTest, AScaleHintGivesTheSameBytesWhetherItHoldsOrNot) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (at::ScalarType type : kTypes) {
+    // Odd sizes: vector tails, and ranges that split unevenly.
+    const at::Tensor x = RandomWeights(613, 1031, type, 71);
+    const Quantized expected = TorchReference(x, QuantScheme::kPerTensor);
+    const float s = expected.scales[0];
+    const struct {
+      float hint;
+      bool one_pass;
+    } cases[] = {
+        {s, true},
+        {std::nextafter(s, inf), false},  // the amax of a tensor whose max moved
+        {std::nextafter(s, 0.0f), false},
+        {s * 2, false},
+        {s / 2, false},
+        {0.0f, false},
+        {-s, false},
+        {inf, false},
+        {std::numeric_limits<float>::quiet_NaN(), false},
+        {1e-45f, false},  // its inverse overflows: never tried
+    };
+    for (Fp8Isa isa : SupportedIsas()) {
+      ScopedIsa scoped(isa);
+      for (const auto& c : cases) {
+        for (int threads : {1, 3}) {
+          for (int64_t split : {int64_t{0}, int64_t{613 * 1031 / 3 + 5}}) {
+            SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " type ", static_cast<int>(type),
+                                      " hint ", c.hint, " threads ", threads, " split ", split));
+            const Hinted ours = RunHinted(x, c.hint, NonFinitePolicy::kReject, threads, split);
+            ASSERT_TRUE(ours.out.status.ok()) << ours.out.status;
+            EXPECT_EQ(ours.one_pass, c.one_pass);
+            ExpectSameScales(ours.out.scales, expected.scales);
+            ExpectSameBytes(ours.out.q, expected.q, x.size(1));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, AScaleHintOnAStreamedOutputGivesTheSameBytes) {
+  const int64_t rows = 4097;
+  const int64_t cols = 4099;  // rows * cols > 16 Mi: non-temporal stores
+  const at::Tensor x = RandomWeights(rows, cols, at::kBFloat16, 124);
+  const Quantized expected = TorchReference(x, QuantScheme::kPerTensor);
+  for (float hint : {expected.scales[0], expected.scales[0] * 1.5f}) {
+    const Hinted ours = RunHinted(x, hint, NonFinitePolicy::kReject, 2);
+    ASSERT_TRUE(ours.out.status.ok()) << ours.out.status;
+    EXPECT_EQ(ours.one_pass, hint == expected.scales[0]);
+    ExpectSameScales(ours.out.scales, expected.scales);
+    ExpectSameBytes(ours.out.q, expected.q, cols);
+  }
+}
+
+TEST(Fp8QuantizerTest, AScaleHintKeepsTheNonFiniteRules) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (at::ScalarType type : kTypes) {
+    SCOPED_TRACE(static_cast<int>(type));
+    at::Tensor clean = RandomWeights(130, 200, type, 9);
+    const Quantized reference = TorchReference(clean, QuantScheme::kPerTensor);
+    at::Tensor x = clean.clone();
+    x[5][7] = nan;
+    clean[5][7] = 0;
+    const Quantized zeroed = TorchReference(clean, QuantScheme::kPerTensor);
+    for (Fp8Isa isa : SupportedIsas()) {
+      SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
+      ScopedIsa scoped(isa);
+      // Reject: the same error, naming the same element, whatever the hint.
+      const Hinted rejected =
+          RunHinted(x, reference.scales[0], NonFinitePolicy::kReject, 2, 200 * 5);
+      EXPECT_EQ(rejected.out.status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(rejected.out.status.message(), testing::HasSubstr("element 1007 (row 5, col 7)"));
+      EXPECT_FALSE(rejected.one_pass);
+      // vLLM: NaN counts as 0 in the amax and becomes +448, in one pass too.
+      Quantized expected = zeroed;
+      expected.q[5 * 200 + 7] = 0x7E;
+      const Hinted vllm = RunHinted(x, zeroed.scales[0], NonFinitePolicy::kVllmCompatible, 2);
+      ASSERT_TRUE(vllm.out.status.ok()) << vllm.out.status;
+      EXPECT_TRUE(vllm.one_pass);
+      ExpectSameScales(vllm.out.scales, expected.scales);
+      ExpectSameBytes(vllm.out.q, expected.q, 200);
+      // vLLM with an Inf: the scale becomes inf, never the hint.
+      at::Tensor with_inf = clean.clone();
+      with_inf[0][3] = inf;
+      const Hinted infinite =
+          RunHinted(with_inf, zeroed.scales[0], NonFinitePolicy::kVllmCompatible, 2);
+      ASSERT_TRUE(infinite.out.status.ok()) << infinite.out.status;
+      EXPECT_FALSE(infinite.one_pass);
+      EXPECT_THAT(infinite.out.scales, testing::Each(inf));
+      EXPECT_EQ(infinite.out.q[3], 0x7E);
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, OtherSchemesIgnoreAScaleHint) {
+  const at::Tensor x = RandomWeights(300, 257, at::kBFloat16, 10);
+  for (QuantScheme scheme : {QuantScheme::kPerChannel, QuantScheme::kBlock128}) {
+    SCOPED_TRACE(static_cast<int>(scheme));
+    const Quantized expected = TorchReference(x, scheme);
+    Quantized ours;
+    ours.q.assign(300 * 257, 0xAB);
+    ours.scales.assign(expected.scales.size(), -1.0f);
+    Fp8QuantizeStats stats;
+    Fp8QuantizeOptions options;
+    options.scheme = scheme;
+    options.scale_hint = expected.scales[0];
+    options.stats = &stats;
+    ASSERT_TRUE(QuantizeFp8(x.data_ptr(), DType::kBFloat16, 300, 257, options, ours.q.data(),
+                            ours.scales.data(), "w")
+                    .ok());
+    EXPECT_FALSE(stats.one_pass);
+    ExpectSameScales(ours.scales, expected.scales);
+    ExpectSameBytes(ours.q, expected.q, 257);
   }
 }
 

@@ -13,6 +13,7 @@
 
 #include <xxhash.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -118,6 +119,54 @@ TEST_F(RefitSessionTest, TimingsSayHowMuchOfTheLayerWorkWasHashing) {
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_GT(result->timings.hashing, absl::ZeroDuration());
   EXPECT_LE(result->timings.hashing, result->timings.quantize);
+}
+
+// `tensors` with every element's sign flipped: every byte of a weight
+// changes, no per-tensor amax does.
+std::vector<OwnedTensor> Negated(std::vector<OwnedTensor> tensors) {
+  for (OwnedTensor& t : tensors) {
+    const size_t esize = DTypeSize(t.dtype);
+    for (size_t i = esize - 1; i < t.bytes.size(); i += esize) t.bytes[i] ^= 0x80;
+  }
+  return tensors;
+}
+
+TEST_F(RefitSessionTest, AScaleThatHeldOverTwoRefitsIsReusedAndTheBytesAreAFreshLoads) {
+  // Each weight's scale is offered as a hint when its last two refits gave
+  // the same one; it is reused (the weight read once) when the new scale is
+  // that hint. The bytes never depend on it.
+  const std::vector<OwnedTensor> n1 = Negated(v1_), n2 = Negated(v2_);
+  const std::vector<const std::vector<OwnedTensor>*> pushes = {&v1_, &n1, &v2_, &n2, &v2_};
+  std::map<std::string, std::string> before2, before1 = Snapshot(*store_);  // SetUp's load
+  bool first = true;
+  for (size_t i = 0; i < pushes.size(); ++i) {
+    SCOPED_TRACE(i);
+    std::unique_ptr<ShardStore> fresh = MakeStore(config_);
+    ASSERT_TRUE(PushAll(*fresh, *pushes[i]).ok());
+    const std::map<std::string, std::string> expected = Snapshot(*fresh);
+    int64_t reusable = 0;
+    int64_t weights = 0;
+    for (const auto& [name, bytes] : expected) {
+      if (!absl::EndsWith(name, ".weight_scale")) continue;
+      ++weights;
+      const bool hinted = !first && before2[name] == before1[name];
+      reusable += hinted && bytes == before1[name];
+    }
+    absl::StatusOr<RefitResult> result = PushAll(*store_, *pushes[i]);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->scales_reused, reusable);
+    if (pushes[i] == &n1) {
+      EXPECT_EQ(result->scales_reused, weights) << "every scale held";
+    }
+    if (i == 2) {
+      EXPECT_LT(result->scales_reused, weights) << "new weights, new scales";
+    }
+    EXPECT_EQ(store_->fingerprint(), fresh->fingerprint());
+    EXPECT_TRUE(Snapshot(*store_) == expected);
+    before2 = std::move(before1);
+    before1 = expected;
+    first = false;
+  }
 }
 
 TEST_F(RefitSessionTest, FirstLoadFromSafetensorsMatchesPush) {

@@ -245,6 +245,27 @@ class RegionTest : public ServerTest {
     region_stub_ = v1::RegionService::NewStub(Connect(*server_));
   }
 
+  // `status` (a push's) failed because `id`'s file shrank, nothing live
+  // changed, and once the file is whole again a push from it is refused.
+  void ExpectShrunkRegionFailedTheRefitAndIsRefused(const grpc::Status& status,
+                                                    const std::string& id,
+                                                    const v1::GetStatusResponse& before,
+                                                    const std::vector<core::OwnedTensor>& tensors,
+                                                    const RegionFile& file) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(), HasSubstr("truncated while in use"));
+    EXPECT_THAT(status.error_message(), HasSubstr(id));
+    const v1::GetStatusResponse after = Status(stub_.get());
+    EXPECT_EQ(after.version(), before.version());
+    EXPECT_EQ(after.fingerprint(), before.fingerprint());
+    EXPECT_FALSE(after.has_active_refit());
+    ASSERT_EQ(::ftruncate(file.fd, static_cast<off_t>(file.size)), 0);
+    const PushOutcome again = PushRegion(tensors, file, id);
+    EXPECT_EQ(again.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(again.status.error_message(), HasSubstr("register it again"));
+    EXPECT_EQ(Status(stub_.get()).version(), before.version());
+  }
+
   // Begin, the region chunks, End.
   PushOutcome PushRegion(const std::vector<core::OwnedTensor>& tensors, const RegionFile& file,
                          const std::string& region_id, const std::string& token = "") {
@@ -532,21 +553,9 @@ TEST_F(RegionTest, UnsealedRegionShrunkBeforeItsRowsAreQuantizedFailsAtPrepareAn
   ASSERT_TRUE(writer->Write(last));
   writer->Write(EndMessage());
   writer->WritesDone();
-  const grpc::Status status = writer->Finish();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(status.error_message(), HasSubstr("truncated while in use"));
-  EXPECT_THAT(status.error_message(), HasSubstr(id));
-  const v1::GetStatusResponse after = Status(stub_.get());
-  EXPECT_EQ(after.version(), before.version());
-  EXPECT_EQ(after.fingerprint(), before.fingerprint());
-  EXPECT_FALSE(after.has_active_refit());
   // The region reads zeros now: a later push from it is refused at once,
   // even where the file is whole again.
-  ASSERT_EQ(::ftruncate(file->fd, static_cast<off_t>(file->size)), 0);
-  const PushOutcome again = PushRegion(tensors, *file, id);
-  EXPECT_EQ(again.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(again.status.error_message(), HasSubstr("register it again"));
-  EXPECT_EQ(Status(stub_.get()).version(), before.version());
+  ExpectShrunkRegionFailedTheRefitAndIsRefused(writer->Finish(), id, before, tensors, *file);
 }
 
 TEST_F(RegionTest, UnsealedRegionFoundShorterAtPrepareFailsWhereNoReadFaulted) {
@@ -574,21 +583,9 @@ TEST_F(RegionTest, UnsealedRegionFoundShorterAtPrepareFailsWhereNoReadFaulted) {
   for (size_t i = 1; i < chunks.size(); ++i) ASSERT_TRUE(writer->Write(chunks[i]));
   writer->Write(EndMessage());
   writer->WritesDone();
-  const grpc::Status status = writer->Finish();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(status.error_message(), HasSubstr("truncated while in use"));
-  EXPECT_THAT(status.error_message(), HasSubstr(id));
-  const v1::GetStatusResponse after = Status(stub_.get());
-  EXPECT_EQ(after.version(), before.version());
-  EXPECT_EQ(after.fingerprint(), before.fingerprint());
-  EXPECT_FALSE(after.has_active_refit());
   // Whole again, the region is still refused: pinned pages it dropped would
   // be read in place of the new ones.
-  ASSERT_EQ(::ftruncate(file->fd, static_cast<off_t>(file->size)), 0);
-  const PushOutcome again = PushRegion(tensors, *file, id);
-  EXPECT_EQ(again.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(again.status.error_message(), HasSubstr("register it again"));
-  EXPECT_EQ(Status(stub_.get()).version(), before.version());
+  ExpectShrunkRegionFailedTheRefitAndIsRefused(writer->Finish(), id, before, tensors, *file);
 }
 
 TEST_F(RegionTest, UnregisterAndCancelledLeaseReleaseTheRegion) {

@@ -27,8 +27,8 @@ tensors are CUDA tensors opened from the arena's CUDA IPC handle, the read
 reference is device-to-device copies out of ordinary device memory, and the
 pause reference is one device-to-device copy of the kernel bytes.
 
-Pushes alternate the checkpoint and a perturbed copy, so every commit copies
-new bytes. Prints {"figures": [...], "series": {...}} on stdout (the format
+Pushes alternate the checkpoint and its negation, so every commit copies new
+bytes (a product like x * 1.001 rounds back to the same bf16 values). Prints {"figures": [...], "series": {...}} on stdout (the format
 scripts/bench.sh merges) and the figures on stderr.
 
     .venv/bin/python bench/python/attach_bench.py --model_dir DIR \\
@@ -138,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         del sinks, private
 
         weights = load(args.model_dir)
-        perturbed = {k: (v * 1.001 if v.is_floating_point() else v) for k, v in weights.items()}
+        perturbed = {k: (-v if v.is_floating_point() else v) for k, v in weights.items()}
         stop = threading.Event()
         received: Dict[int, float] = {}
         via: Dict[int, str] = {}  # "arena" (the header's futex) or "stream"

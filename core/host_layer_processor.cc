@@ -92,10 +92,25 @@ class HostLayerProcessor final : public LayerProcessor {
       }
       uint8_t* out_q = kernels_[k].data() + k_offset;
       float* out_scales = reinterpret_cast<float*>(kernels_[s].data() + s_offset);
-      return src.has_aliases()
-                 ? QuantizeFp8Pieces(src.Pieces(), src_dtype, rows, cols, qopts, out_q, out_scales,
-                                     what)
-                 : QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, out_q, out_scales, what);
+      // An expert's part has a per-tensor scale of its own, hinted by the
+      // part's name.
+      ScaleHints* hints =
+          qopts.scheme == QuantScheme::kPerTensor ? processor_.options_.scale_hints : nullptr;
+      Fp8QuantizeStats stats;
+      if (hints != nullptr) {
+        qopts.scale_hint = hints->Hint(what);
+        qopts.stats = &stats;
+      }
+      absl::Status quantized =
+          src.has_aliases()
+              ? QuantizeFp8Pieces(src.Pieces(), src_dtype, rows, cols, qopts, out_q, out_scales,
+                                  what)
+              : QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, out_q, out_scales, what);
+      if (quantized.ok() && hints != nullptr) {
+        hints->Record(what, out_scales[0]);
+        scales_reused_ += stats.one_pass ? 1 : 0;
+      }
+      return quantized;
     }
 
     absl::Status KeepRegion(int k, int64_t offset, const void* bytes, int64_t n) override {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/fixture_model.h"
 #include "core/model_config.h"
@@ -422,6 +423,22 @@ TEST(MoeRefitTest, RefitInExpertOrderEqualsAFreshLoad) {
       absl::StatusOr<RefitResult> r = PushChunks(*refitted, ExpertOrderChunks(v2, 7), options);
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_TRUE(r->kept_layers.empty());
+    }
+    // v2's scales held over the last two refits: per-tensor weights and
+    // experts are now read once (the bytes are compared below).
+    absl::StatusOr<RefitResult> hinted = PushChunks(*refitted, ExpertOrderChunks(v2, 5));
+    ASSERT_TRUE(hinted.ok()) << hinted.status();
+    if (rc.quant == QuantScheme::kPerTensor) {
+      int64_t scales = 0;  // dense weights' and experts' per-tensor scales
+      for (const KernelView& k : refitted->Kernels()) {
+        scales += absl::EndsWith(k.spec->name, ".weight_scale");
+      }
+      for (const LayerSpec& layer : refitted->layout().layers()) {
+        for (const LayerPart& part : layer.parts) scales += part.scale >= 0;
+      }
+      EXPECT_EQ(hinted->scales_reused, scales);
+    } else {
+      EXPECT_EQ(hinted->scales_reused, 0);
     }
     absl::StatusOr<RefitResult> f = PushAll(*fresh, v2);
     ASSERT_TRUE(f.ok()) << f.status();

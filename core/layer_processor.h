@@ -40,7 +40,6 @@
 namespace refit::core {
 
 class ScaleHints;
-
 class ShardStore;
 
 // One processed layer: its kernels in layer order, ready for commit.

@@ -17,6 +17,7 @@
 #ifndef REFIT_CORE_SCALE_HINTS_H_
 #define REFIT_CORE_SCALE_HINTS_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/base/casts.h"

@@ -881,9 +881,33 @@ constexpr int64_t kStreamingMinBytes = int64_t{16} << 20;
 // 64, so that chunk starts keep the output's 16-byte alignment).
 constexpr int64_t kReverseChunk = int64_t{1} << 19;
 
+// Calls fn(src, count, at) for the parts of `pieces` (laid end to end) that
+// elements [begin, end) cover: `src` the part's first element, `at` its
+// index in the whole. Pieces in order, or last first with `reverse`.
+template <typename Fn>
+void ForEachPart(absl::Span<const absl::Span<const uint8_t>> pieces,
+                 absl::Span<const int64_t> first, int64_t esize, int64_t begin, int64_t end,
+                 bool reverse, const Fn& fn) {
+  const int64_t n = static_cast<int64_t>(pieces.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = reverse ? n - 1 - i : i;
+    const int64_t lo = std::max(begin, first[p]);
+    const int64_t hi = std::min(end, first[p + 1]);
+    if (lo < hi) fn(pieces[p].data() + (lo - first[p]) * esize, hi - lo, lo);
+  }
+}
+
 // Per-tensor quantization of `pieces` laid end to end (one piece: the whole
-// source): one scale over all of them.
+// source): one scale over all of them. Each pass is one parallel call over
+// all the elements, whatever the number of pieces (a fused weight whose
+// parts lie in separate trainer storages is several).
 absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const uint8_t>> pieces) {
+  std::vector<int64_t> first(pieces.size() + 1, 0);  // each piece's first element
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    first[p + 1] = first[p] + static_cast<int64_t>(pieces[p].size()) / job.esize;
+  }
+  const int64_t total = first.back();
+  const int workers = WorkersFor(job.threads, total, total);
   // With a usable hint, pass 1 converts with the hinted scale while it takes
   // the amax; if the amax gives that same scale, those are the bytes pass 2
   // would write (the clamp-free convert below only needs |x| <= amax, and
@@ -891,25 +915,21 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
   // Otherwise its output is overwritten by pass 2, with the amax it found.
   const bool speculate =
       job.scale_hint > 0 && std::isfinite(job.scale_hint) && !InverseOverflows(job.scale_hint);
-  uint32_t amax_bits = 0;
-  int64_t at = 0;  // output byte (= element) of the piece's first element
-  for (absl::Span<const uint8_t> piece : pieces) {
-    const int64_t n = static_cast<int64_t>(piece.size()) / job.esize;
-    uint8_t* out = job.out_q + at;
-    at += n;
-    const int workers = WorkersFor(job.threads, n, n);
-    std::vector<uint32_t> partial(workers, 0);
-    ParallelRanges(workers, n, 64, [&](int w, int64_t begin, int64_t end) {
-      const uint8_t* from = piece.data() + begin * job.esize;
-      if (speculate) {
-        partial[w] = job.k.quantize_max(from, end - begin, InverseScale(job.scale_hint), job.vllm,
-                                        job.stream, out + begin);
-      } else {
-        job.k.abs_max(from, 0, 1, end - begin, end - begin, job.vllm, &partial[w]);
-      }
-    });
-    amax_bits = std::max(amax_bits, *std::max_element(partial.begin(), partial.end()));
-  }
+  std::vector<uint32_t> partial(workers, 0);
+  ParallelRanges(workers, total, 64, [&](int w, int64_t begin, int64_t end) {
+    ForEachPart(pieces, first, job.esize, begin, end, /*reverse=*/false,
+                [&](const uint8_t* src, int64_t count, int64_t at) {
+                  uint32_t m = 0;
+                  if (speculate) {
+                    m = job.k.quantize_max(src, count, InverseScale(job.scale_hint), job.vllm,
+                                           job.stream, job.out_q + at);
+                  } else {
+                    job.k.abs_max(src, 0, 1, count, count, job.vllm, &m);
+                  }
+                  partial[w] = std::max(partial[w], m);
+                });
+  });
+  const uint32_t amax_bits = *std::max_element(partial.begin(), partial.end());
   // (Either way the amax says, for free, whether anything is Inf/NaN.)
   if (!job.vllm && amax_bits >= InfBits(job.dtype)) {
     return NonFiniteError(pieces, job.dtype, job.cols, job.name);
@@ -920,34 +940,33 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
     if (job.stats != nullptr) job.stats->one_pass = true;
     return absl::OkStatus();
   }
+  if (InverseOverflows(s)) {
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      QuantizeWithInfiniteInverse(pieces[p].data(), job.dtype, first[p + 1] - first[p],
+                                  job.out_q + first[p]);
+    }
+    return absl::OkStatus();
+  }
   const float inv = InverseScale(s);
   const bool all_max = job.vllm && s == 0.0f;  // vLLM: 0 / 0 = NaN -> +448
-  at = 0;
-  for (absl::Span<const uint8_t> piece : pieces) {
-    const int64_t n = static_cast<int64_t>(piece.size()) / job.esize;
-    uint8_t* out = job.out_q + at;
-    at += n;
-    if (InverseOverflows(s)) {
-      QuantizeWithInfiniteInverse(piece.data(), job.dtype, n, out);
-      continue;
+  // Pass 2: scale, clamp, convert. Each worker walks its range backwards in
+  // chunks: the end of the range is what pass 1 read last, so it may still
+  // be in the L3 (all of it, for tensors of up to a few tens of MiB).
+  ParallelRanges(workers, total, 64, [&](int, int64_t begin, int64_t end) {
+    if (all_max) {
+      std::memset(job.out_q + begin, kFp8Max, end - begin);
+      return;
     }
-    // Pass 2: scale, clamp, convert. Each worker walks its range backwards
-    // in chunks: the end of the range is what pass 1 read last, so it may
-    // still be in the L3 (all of it, for tensors of up to a few tens of MiB).
-    const int workers = WorkersFor(job.threads, n, n);
-    ParallelRanges(workers, n, 64, [&](int, int64_t begin, int64_t end) {
-      if (all_max) {
-        std::memset(out + begin, kFp8Max, end - begin);
-        return;
-      }
-      for (int64_t k = (end - begin - 1) / kReverseChunk; k >= 0; --k) {
-        const int64_t from = begin + k * kReverseChunk;
-        const int64_t count = std::min(kReverseChunk, end - from);
-        job.k.quantize(piece.data() + from * job.esize, 0, 1, count, count, &inv, job.vllm,
-                       job.stream, out + from, 0);
-      }
-    });
-  }
+    ForEachPart(pieces, first, job.esize, begin, end, /*reverse=*/true,
+                [&](const uint8_t* src, int64_t count, int64_t at) {
+                  for (int64_t k = (count - 1) / kReverseChunk; k >= 0; --k) {
+                    const int64_t from = k * kReverseChunk;
+                    const int64_t n = std::min(kReverseChunk, count - from);
+                    job.k.quantize(src + from * job.esize, 0, 1, n, n, &inv, job.vllm, job.stream,
+                                   job.out_q + at + from, 0);
+                  }
+                });
+  });
   return absl::OkStatus();
 }
 

@@ -163,8 +163,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         start = time.perf_counter()
         client.push(shared[1], lane="shm")
         first_register_s = time.perf_counter() - start
+        client.push(shared[0], lane="shm")
         client.push(private[1], lane="shm")
         client.push(arenas[1], lane="shm")
+        client.push(arenas[0], lane="shm")
         client.push(private[0], lane="grpc")
         if on_gpu:
             client.push(cuda[1], lane="shm")
@@ -172,8 +174,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dst = np.empty_like(src)
         np.copyto(dst, src)
         k = 0
-        for _ in range(args.reps):
-            for kind in kinds:
+        for rep in range(args.reps):
+            # The lane order rotates every repetition, so that no lane
+            # always runs right after the same other one (and every lane
+            # pushes both weight sets).
+            for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
                 w = {"shm_shared": shared, "shm_arena": arenas, "shm_cuda": cuda}.get(kind, private)[k % 2]
                 k += 1
                 daemon_cpu = process_cpu(proc.pid)

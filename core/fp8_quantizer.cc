@@ -183,6 +183,29 @@ struct F32Traits {
 // 128-column blocks; the other schemes: one block spanning the row).
 constexpr int64_t kMaxBlocksPerCall = 512;
 
+// m = max(m, |a|) lane by lane, on raw source bits; with kIgnoreNan NaNs
+// count as 0 (Inf still counts).
+template <typename T, int kBytes, bool kIgnoreNan>
+REFIT_FP8_INLINE void AbsMaxStep(typename Wide<typename T::Bits, kBytes>::type a,
+                                 typename Wide<typename T::Bits, kBytes>::type& m) {
+  using Bits = typename T::Bits;
+  a &= static_cast<Bits>(T::kAbsMask);
+  if constexpr (kIgnoreNan) {
+    a = a > static_cast<Bits>(T::kInf) ? decltype(a){} : a;
+  }
+  m = a > m ? a : m;
+}
+
+// The largest lane of `m`.
+template <typename W>
+REFIT_FP8_INLINE uint32_t LaneMax(const W& m) {
+  uint32_t result = 0;
+  for (size_t lane = 0; lane < sizeof(W) / sizeof(m[0]); ++lane) {
+    result = std::max<uint32_t>(result, m[lane]);
+  }
+  return result;
+}
+
 // out_max[b] = max |bits| over rows [0, nrows) and the b-th `block_cols`-wide
 // column block of [0, ncols). Rows are walked in memory order, one vector
 // accumulator per block, so the hardware prefetcher sees plain streams. With
@@ -193,12 +216,8 @@ REFIT_FP8_INLINE void AbsMaxBlocks(const typename T::Bits* src, int64_t stride, 
   using Bits = typename T::Bits;
   using W = typename Wide<Bits, kBytes>::type;
   constexpr int64_t kW = kBytes / sizeof(Bits);
-  const Bits mask = static_cast<Bits>(T::kAbsMask);
-  [[maybe_unused]] const Bits inf = static_cast<Bits>(T::kInf);
-  auto step = [&](W a, W & m) __attribute__((always_inline)) {
-    a &= mask;
-    if constexpr (kIgnoreNan) a = a > inf ? W{} : a;
-    m = a > m ? a : m;
+  auto step = [](W a, W & m) __attribute__((always_inline)) {
+    AbsMaxStep<T, kBytes, kIgnoreNan>(a, m);
   };
   if (block_cols <= 0) block_cols = 1;  // empty range: no blocks
   const int64_t nblocks = (ncols + block_cols - 1) / block_cols;
@@ -231,11 +250,7 @@ REFIT_FP8_INLINE void AbsMaxBlocks(const typename T::Bits* src, int64_t stride, 
       acc[b] = m1 > m0 ? m1 : m0;
     }
   }
-  for (int64_t b = 0; b < nblocks; ++b) {
-    uint32_t result = 0;
-    for (int64_t lane = 0; lane < kW; ++lane) result = std::max<uint32_t>(result, acc[b][lane]);
-    out_max[b] = result;
-  }
+  for (int64_t b = 0; b < nblocks; ++b) out_max[b] = LaneMax(acc[b]);
 }
 
 template <typename T, typename S, bool kVllm>
@@ -439,16 +454,12 @@ REFIT_FP8_INLINE uint32_t QuantizeTrackingMax(const typename T::Bits* in, int64_
   using W = typename Wide<Bits, kBytes>::type;
   constexpr int64_t kStep = kBytes / sizeof(Bits);
   using Store = OutStore<kBytes, sizeof(Bits) == 2 ? 2 : 1>;
-  const Bits mask = static_cast<Bits>(T::kAbsMask);
-  [[maybe_unused]] const Bits inf = static_cast<Bits>(T::kInf);
   const typename S::F32 vinv = typename S::F32{} + inv;
   W m = {};
   auto track = [&](const Bits* p) __attribute__((always_inline)) {
     W a;
     std::memcpy(&a, p, sizeof a);
-    a &= mask;
-    if constexpr (kVllm) a = a > inf ? W{} : a;
-    m = a > m ? a : m;
+    AbsMaxStep<T, kBytes, kVllm>(a, m);
   };
   int64_t i = 0;
   if (Store::kCanStream && stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
@@ -472,9 +483,7 @@ REFIT_FP8_INLINE uint32_t QuantizeTrackingMax(const typename T::Bits* in, int64_
 #if REFIT_FP8_X86
   if (Store::kCanStream && stream) _mm_sfence();
 #endif
-  uint32_t result = 0;
-  for (int64_t lane = 0; lane < kStep; ++lane) result = std::max<uint32_t>(result, m[lane]);
-  return result;
+  return LaneMax(m);
 }
 
 using AbsMaxFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,

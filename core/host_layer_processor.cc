@@ -43,14 +43,8 @@ class HostLayerProcessor final : public LayerProcessor {
       qopts.scheme = processor_.layout_.quant();
       qopts.non_finite = processor_.options_.non_finite;
       qopts.num_threads = processor_.options_.quantize_threads;
-      ScaleHints* hints = qopts.scheme == QuantScheme::kPerTensor && scales->size() == sizeof(float)
-                              ? processor_.options_.scale_hints
-                              : nullptr;
       Fp8QuantizeStats stats;
-      if (hints != nullptr) {
-        qopts.scale_hint = hints->Hint(weight.name);
-        qopts.stats = &stats;
-      }
+      ScaleHints* hints = UseHint(weight.name, &qopts, &stats);
       // Rows read in place from a trainer's region are quantized where they
       // lie (no copy into staging was made); rows in device memory are
       // brought to the host first.
@@ -64,10 +58,7 @@ class HostLayerProcessor final : public LayerProcessor {
               : QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, q->data(),
                             reinterpret_cast<float*>(scales->data()), weight.name);
       if (!quantized.ok()) return quantized;
-      if (hints != nullptr) {
-        hints->Record(weight.name, *reinterpret_cast<const float*>(scales->data()));
-        scales_reused_ += stats.one_pass ? 1 : 0;
-      }
+      RecordHint(hints, weight.name, *reinterpret_cast<const float*>(scales->data()), stats);
       kernels_[k] = *std::move(q);
       kernels_[s] = *std::move(scales);
       return absl::OkStatus();
@@ -94,22 +85,14 @@ class HostLayerProcessor final : public LayerProcessor {
       float* out_scales = reinterpret_cast<float*>(kernels_[s].data() + s_offset);
       // An expert's part has a per-tensor scale of its own, hinted by the
       // part's name.
-      ScaleHints* hints =
-          qopts.scheme == QuantScheme::kPerTensor ? processor_.options_.scale_hints : nullptr;
       Fp8QuantizeStats stats;
-      if (hints != nullptr) {
-        qopts.scale_hint = hints->Hint(what);
-        qopts.stats = &stats;
-      }
+      ScaleHints* hints = UseHint(what, &qopts, &stats);
       absl::Status quantized =
           src.has_aliases()
               ? QuantizeFp8Pieces(src.Pieces(), src_dtype, rows, cols, qopts, out_q, out_scales,
                                   what)
               : QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, out_q, out_scales, what);
-      if (quantized.ok() && hints != nullptr) {
-        hints->Record(what, out_scales[0]);
-        scales_reused_ += stats.one_pass ? 1 : 0;
-      }
+      if (quantized.ok()) RecordHint(hints, what, out_scales[0], stats);
       return quantized;
     }
 
@@ -146,6 +129,27 @@ class HostLayerProcessor final : public LayerProcessor {
     }
 
    private:
+    // Under the per-tensor scheme: the model group's hints (null otherwise),
+    // with `name`'s hint put into *qopts and its stats going to *stats.
+    ScaleHints* UseHint(absl::string_view name, Fp8QuantizeOptions* qopts,
+                        Fp8QuantizeStats* stats) const {
+      ScaleHints* hints =
+          qopts->scheme == QuantScheme::kPerTensor ? processor_.options_.scale_hints : nullptr;
+      if (hints != nullptr) {
+        qopts->scale_hint = hints->Hint(name);
+        qopts->stats = stats;
+      }
+      return hints;
+    }
+
+    // `name` was quantized with `scale` (UseHint's hints).
+    void RecordHint(ScaleHints* hints, absl::string_view name, float scale,
+                    const Fp8QuantizeStats& stats) {
+      if (hints == nullptr) return;
+      hints->Record(name, scale);
+      scales_reused_ += stats.one_pass ? 1 : 0;
+    }
+
     // Kernel `k` whole, on its first region. Uninitialized: the parts of an
     // experts layer tile its kernels, and every part is written (quantized
     // or kept) before Finish.

@@ -241,8 +241,12 @@ def test_a_safe_point_resumes_once_the_copy_ended_and_the_header_says_when(
         events = first_events(engine, 2)
         assert [(e.kind, e.version) for e in events] == [("commit_pending", 2), ("committed", 2)]
         # With the futex the safe point itself delivers Committed from the
-        # header as it wakes; without it, the stream's message ends the pause.
-        assert events[1].via == ("arena" if futex else "stream")
+        # header as it wakes, unless the stream's message got in first (on a
+        # loaded machine the reader thread can run before the woken safe
+        # point; test_committed_arrives_from_the_arena_header_without_the_stream
+        # checks the header path with the reader held); without the futex,
+        # the stream's message ends the pause.
+        assert events[1].via in (("arena", "stream") if futex else ("stream",))
         assert events[1].refit_id == result.refit_id
         assert seen == [2]
         assert engine.version == 2 and engine.fingerprint == result.fingerprint

@@ -355,6 +355,11 @@ class ShmLane:
         )
         # The cached storages the push being planned uses (never evicted for it).
         self._push_keys: Set[Tuple[int, int]] = set()
+        # A shared storage's address -> its key in _shared, so that a storage
+        # pushed again needs neither its descriptor nor an fstat. Trusted only
+        # while the storage cached under that key still has that address: it
+        # is held there, so no other storage can have been given it.
+        self._storage_keys: Dict[int, Tuple[int, int]] = {}
         self._staging: Optional[Staging] = None
         self._staging_lease: Optional[Lease] = None
         # Bytes copied into the staging region by the last push (0: every
@@ -367,6 +372,31 @@ class ShmLane:
             out.append(self._staging_lease)
         return out
 
+    def _known_storage(self, src: _tensors.Source) -> Optional[Tuple[Lease, int]]:
+        """(lease, byte offset of the tensor in it) for a CPU tensor whose
+        shared storage this client registered and still holds, else None."""
+        t = src.tensor
+        if t is None or t.device.type != "cpu":
+            return None
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        key = self._storage_keys.get(ptr) if ptr else None
+        if key is None:
+            return None
+        hit = self._shared.get(key)
+        if (
+            hit is None
+            or not hasattr(hit[1], "data_ptr")
+            or hit[1].data_ptr() != ptr
+            or hit[1].nbytes() != storage.nbytes()
+            or not hit[0].alive()
+        ):
+            del self._storage_keys[ptr]
+            return None
+        self._shared.move_to_end(key)
+        self._push_keys.add(key)
+        return hit[0], t.data_ptr() - ptr
+
     def _shared_lease(self, storage: Any, fd: int, size: int) -> Lease:
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
@@ -377,6 +407,7 @@ class ShmLane:
             return hit[0]
         if hit is not None:
             hit[0].release()
+            self._forget_storage(hit[1])
         try:
             lease = self._with_room(
                 lambda: register(
@@ -391,10 +422,16 @@ class ShmLane:
             ) from None
         # The storage is kept so that its inode (the key) is not reused.
         self._shared[key] = (lease, storage)
+        if hasattr(storage, "data_ptr"):
+            self._storage_keys[storage.data_ptr()] = key
         self._push_keys.add(key)
         if len(self._shared) > MAX_CACHED_REGIONS:
             self._evict(len(self._shared) - MAX_CACHED_REGIONS)
         return self._shared[key][0]
+
+    def _forget_storage(self, storage: Any) -> None:
+        if hasattr(storage, "data_ptr"):
+            self._storage_keys.pop(storage.data_ptr(), None)
 
     def _with_room(self, register_once: Callable[[], Lease]) -> Lease:
         """register_once(), making room while the daemon refuses it over its
@@ -413,7 +450,8 @@ class ShmLane:
         so the room is there for the next registration."""
         victims = [k for k in self._shared if k not in self._push_keys][:count]
         for key in victims:
-            lease, _ = self._shared.pop(key)
+            lease, storage = self._shared.pop(key)
+            self._forget_storage(storage)
             try:
                 self._stub.UnregisterRegion(
                     rpb.UnregisterRegionRequest(region_id=lease.region_id), metadata=self._metadata
@@ -435,43 +473,47 @@ class ShmLane:
         # Looked up once per push: a model has hundreds of tensors, most in
         # one arena.
         arenas = _live_arenas()
-        arena_leases: Dict[int, Lease] = {}
-        if staging_limit is not None:
-            need = sum(
-                _aligned(src.nbytes)
-                for i, src in enumerate(sources)
-                if i not in cuda
-                and _arena_of(src, arenas) is None
-                and _shared_storage(src) is None
-            )
-            if need > staging_limit:
-                self.end_push()
-                raise ResourceExhausted(
-                    f"the shared-memory lane would copy {need} bytes into its staging region, "
-                    f"more than shm_staging_limit {staging_limit}"
-                )
-        placed: List[Tuple[_tensors.Source, Optional[Lease], int, bool]] = []
-        staging_bytes = 0
+        # Where each tensor is, before anything is registered: (lease or
+        # None, offset, what registers it or None, copy).
+        found: List[Tuple[Optional[Lease], int, Any, bool]] = []
+        need = 0
         for i, src in enumerate(sources):
             if i in cuda:
-                placed.append((src, cuda[i][0], cuda[i][1], False))
+                found.append((cuda[i][0], cuda[i][1], None, False))
                 continue
             in_arena = _arena_of(src, arenas)
             if in_arena is not None:
-                arena, offset = in_arena
-                lease = arena_leases.get(id(arena))
-                if lease is None:
-                    lease = self._shared_lease(arena, arena.staging.fd, arena.size)
-                    arena_leases[id(arena)] = lease
-                placed.append((src, lease, offset, False))
+                found.append((None, in_arena[1], in_arena[0], False))
+                continue
+            known = self._known_storage(src)
+            if known is not None:
+                found.append((known[0], known[1], None, False))
                 continue
             shared = _shared_storage(src)
             if shared is not None:
-                storage, fd, offset, size = shared
-                placed.append((src, self._shared_lease(storage, fd, size), offset, False))
+                found.append((None, shared[2], shared, False))
                 continue
-            placed.append((src, None, staging_bytes, True))
-            staging_bytes += _aligned(src.nbytes)
+            found.append((None, need, None, True))
+            need += _aligned(src.nbytes)
+        if staging_limit is not None and need > staging_limit:
+            self.end_push()
+            raise ResourceExhausted(
+                f"the shared-memory lane would copy {need} bytes into its staging region, "
+                f"more than shm_staging_limit {staging_limit}"
+            )
+        arena_leases: Dict[int, Lease] = {}
+        placed: List[Tuple[_tensors.Source, Optional[Lease], int, bool]] = []
+        for src, (lease, offset, owner, copy) in zip(sources, found):
+            if isinstance(owner, _Arena):
+                lease = arena_leases.get(id(owner))
+                if lease is None:
+                    lease = self._shared_lease(owner, owner.staging.fd, owner.size)
+                    arena_leases[id(owner)] = lease
+            elif owner is not None:
+                storage, fd, _, size = owner
+                lease = self._shared_lease(storage, fd, size)
+            placed.append((src, lease, offset, copy))
+        staging_bytes = need
         if staging_bytes > 0:
             self._ensure_staging(staging_bytes)
         out = []
@@ -578,4 +620,5 @@ class ShmLane:
         for lease, _ in self._shared.values():
             lease.release()
         self._shared.clear()
+        self._storage_keys.clear()
         self.drop_staging()

@@ -115,6 +115,46 @@ def test_tensors_in_shared_memory_go_without_a_client_copy(client, daemon, seed2
     assert len(client._shm.regions()) == count
 
 
+def test_a_storage_pushed_again_is_found_by_address_and_new_storages_by_descriptor(
+    client, daemon, seed2, monkeypatch
+):
+    lookups = []
+    real = _shm._shared_storage
+
+    def counting(src):
+        lookups.append(src.name)
+        return real(src)
+
+    monkeypatch.setattr(_shm, "_shared_storage", counting)
+    shared = {k: v.clone().share_memory_() for k, v in seed2.items()}
+    first = client.push(shared, lane="shm")
+    assert sorted(lookups) == sorted(shared)
+    # Pushed again (in place, as a trainer does): every storage is known by
+    # its address, no descriptor or fstat is needed, and the new bytes go.
+    lookups.clear()
+    for t in shared.values():
+        t.neg_()
+    negated = client.push(shared, lane="shm")
+    assert lookups == []
+    assert negated.fingerprint != first.fingerprint
+    assert client._shm.last_copied_bytes == 0
+    # Storages made afresh are looked up (the old ones are still held by
+    # the client's cache, so no new storage can sit at an old address), and
+    # the daemon reads their bytes, not the old ones'.
+    count = len(client._shm.regions())
+    fresh = {k: v.clone().share_memory_() for k, v in seed2.items()}
+    del shared
+    assert client.push(fresh, lane="shm").fingerprint == first.fingerprint
+    assert sorted(lookups) == sorted(fresh)
+    assert len(client._shm.regions()) == 2 * count
+    # A lease that ended is not trusted by address: registered again.
+    lookups.clear()
+    for lease in client._shm.regions():
+        lease.release()
+    assert client.push(fresh, lane="shm").fingerprint == first.fingerprint
+    assert sorted(lookups) == sorted(fresh)
+
+
 def test_shared_storages_beyond_the_daemons_region_limit_make_room_and_are_not_copied(
     start_daemon, seed2
 ):

@@ -352,6 +352,8 @@ Json ResultJson(const refit::v1::RefitResult& r) {
       {"bytes_received", r.bytes_received()},
       {"peak_staging_bytes", r.peak_staging_bytes()},
       {"unchanged", r.unchanged()},
+      {"bytes_read_in_place", r.bytes_read_in_place()},
+      {"scales_reused", r.scales_reused()},
       {"timings",
        {{"receive_seconds", r.timings().receive_seconds()},
         {"quantize_seconds", r.timings().quantize_seconds()},

@@ -148,6 +148,7 @@ void ToProtoResult(const core::RefitResult& result, v1::RefitState state, v1::Re
   out->set_peak_staging_bytes(static_cast<uint64_t>(result.peak_staging_bytes));
   out->set_unchanged(result.unchanged);
   out->set_bytes_read_in_place(static_cast<uint64_t>(result.bytes_read_in_place));
+  out->set_scales_reused(static_cast<uint64_t>(result.scales_reused));
 }
 
 void ToProtoProgress(const core::SessionProgress& progress, v1::Progress* out) {

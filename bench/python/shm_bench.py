@@ -54,7 +54,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import statistics
 import subprocess
 import sys
@@ -206,7 +205,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for rep in range(2 * args.reps):
             daemon_cpu = process_cpu(proc.pid)
             start = time.perf_counter()
-            client.push(same_scales[rep % 2], lane="shm")
+            r = client.push(same_scales[rep % 2], lane="shm")
+            scales_reused.append(r.scales_reused)
             series["shm_same_scales_s"].append(time.perf_counter() - start)
             series["shm_same_scales_daemon_cpu_s"].append(process_cpu(proc.pid) - daemon_cpu)
             if rep % 2:
@@ -224,10 +224,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except OSError:
             pass
 
-    # How many weights each timed same-scales push read once (its log line).
-    with open(f"{work}/refitd-shm.log") as f:
-        scales_reused = [int(m) for m in re.findall(r"scales_reused=(\d+)", f.read())]
-    scales_reused = scales_reused[-2 * args.reps:]
     med = {k: statistics.median(v) if v else 0.0 for k, v in series.items()}
     mib = total / (1 << 20)
     gib = total / (1 << 30)

@@ -213,6 +213,7 @@ def _result(msg: Any) -> RefitResult:
         peak_staging_bytes=msg.peak_staging_bytes,
         unchanged=msg.unchanged,
         bytes_read_in_place=msg.bytes_read_in_place,
+        scales_reused=msg.scales_reused,
     )
 
 

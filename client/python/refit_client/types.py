@@ -44,6 +44,9 @@ class RefitResult:
     ``bytes_read_in_place``: of ``bytes_received``, the bytes of quantized
     weights the daemon read straight from a mapped shared-memory region
     (``lane="shm"`` with a sealed region) instead of copying them.
+    ``scales_reused``: per-tensor FP8 weights whose scale was the same as in
+    the group's last two refits, which the daemon's quantizer therefore read
+    once instead of twice (the bytes do not depend on it).
     """
 
     refit_id: str
@@ -57,6 +60,7 @@ class RefitResult:
     peak_staging_bytes: int = 0
     unchanged: bool = False
     bytes_read_in_place: int = 0
+    scales_reused: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

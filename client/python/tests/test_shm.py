@@ -74,6 +74,30 @@ def test_shm_push_commits_the_fingerprint_of_a_grpc_push(client, daemon, seed2):
     assert client.shm_fallback_reason is None
 
 
+def test_the_result_counts_the_weights_whose_scale_held_and_were_read_once(client, seed2):
+    # One per-tensor scale per kernel weight (q/k/v and gate/up are fused).
+    weights = sum(1 for t in client.tensors() if t.name.endswith(".weight_scale"))
+    assert weights > 0
+    # A scale is reused once it held over the group's last two refits (the
+    # load counts as one): the first push has one refit behind it, the
+    # second only where seed 2 gave a weight the load's scale, the third
+    # for every weight.
+    first = client.push(seed2, lane="shm")
+    second = client.push(seed2, lane="grpc")
+    third = client.push(seed2, lane="shm")
+    assert first.scales_reused == 0
+    assert second.scales_reused < weights
+    assert third.scales_reused == weights
+    # The bytes do not depend on it.
+    assert third.fingerprint == first.fingerprint
+    # Every scale changes: none is reused, and the next push of the same
+    # weights still has only one refit of history behind it.
+    halved = {k: v / 2 if v.is_floating_point() else v for k, v in seed2.items()}
+    assert client.push(halved, lane="shm").scales_reused == 0
+    assert client.push(halved, lane="shm").scales_reused == 0
+    assert client.push(halved, lane="shm").scales_reused == weights
+
+
 def test_auto_goes_over_grpc_when_the_staging_copy_exceeds_the_limit(daemon, seed2):
     with RefitClient(daemon.address, shm_staging_limit=1 << 10) as c:
         grpc_result = c.push(seed2)

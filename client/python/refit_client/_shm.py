@@ -513,9 +513,8 @@ class ShmLane:
                 storage, fd, _, size = owner
                 lease = self._shared_lease(storage, fd, size)
             placed.append((src, lease, offset, copy))
-        staging_bytes = need
-        if staging_bytes > 0:
-            self._ensure_staging(staging_bytes)
+        if need > 0:
+            self._ensure_staging(need)
         out = []
         for src, lease, offset, copy in placed:
             out.append((src, lease if lease is not None else self._staging_lease, offset, copy))

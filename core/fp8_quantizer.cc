@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/fp8_quantizer_internal.h"
 #include "core/parallel.h"
+#include "core/xxh3.h"
 
 // x86-64 gets SSE2 packs and streaming stores, and AVX2 / AVX-512 variants;
 // elsewhere (or with REFIT_FP8_GENERIC, to test that path on x86) only the
@@ -903,7 +904,101 @@ struct Job {
   absl::string_view name;
   float scale_hint;
   Fp8QuantizeStats* stats;
+  // Fp8QuantizeOptions::out_hash's running hash, fed this job's output in
+  // memory order (null: not asked for).
+  XXH3_state_t* hash;
 };
+
+// Output bytes per unit of hashing: 64 KiB, from 128-256 KiB of source, in
+// L2 while it is hashed.
+constexpr int64_t kHashUnitBytes = int64_t{1} << 16;
+
+// Feeds a job's output to its hash (Job::hash) in memory order while
+// workers write it unit by unit, in any order. A worker marks each unit it
+// wrote, then feeds whatever is ready from where the hash stands, unless
+// another worker is doing that; a unit marked meanwhile is fed by whoever
+// gets there next, or by Finish. So the hash reads each unit right after it
+// was written, from cache, instead of the whole output back from memory.
+// Units tile the output: unit u is bytes [u * unit, (u + 1) * unit).
+class HashFeed {
+ public:
+  HashFeed(XXH3_state_t* state, const uint8_t* out, int64_t bytes, int64_t unit)
+      : state_(state),
+        out_(out),
+        bytes_(bytes),
+        unit_(std::max<int64_t>(unit, 1)),
+        units_((bytes + unit_ - 1) / unit_),
+        ready_(new std::atomic<bool>[static_cast<size_t>(units_)]) {
+    for (int64_t u = 0; u < units_; ++u) ready_[u].store(false, std::memory_order_relaxed);
+  }
+
+  int64_t units() const { return units_; }
+
+  // Unit u is written.
+  void Written(int64_t u) {
+    ready_[u].store(true);
+    Drain();
+  }
+
+  // Once every worker is done: feeds the units still waiting (all of them,
+  // unless the pass stopped early on an error).
+  void Finish() { Drain(); }
+
+ private:
+  // The flag stores and loads are sequentially consistent: a worker that
+  // finds busy_ taken marked its unit before the holder's last look at it.
+  void Drain() {
+    for (;;) {
+      if (busy_.exchange(true)) return;
+      int64_t next = next_;
+      while (next < units_ && ready_[next].load()) {
+        const int64_t at = next * unit_;
+        XXH3_64bits_update(state_, out_ + at, static_cast<size_t>(std::min(unit_, bytes_ - at)));
+        ++next;
+      }
+      next_ = next;
+      busy_.store(false);
+      if (next >= units_ || !ready_[next].load()) return;
+    }
+  }
+
+  XXH3_state_t* const state_;
+  const uint8_t* const out_;
+  const int64_t bytes_;
+  const int64_t unit_;
+  const int64_t units_;
+  std::unique_ptr<std::atomic<bool>[]> ready_;
+  std::atomic<bool> busy_{false};
+  int64_t next_ = 0;  // the first unit not fed; only the holder of busy_ touches it
+};
+
+// Runs fn(worker, unit) for every unit in [0, units), in increasing order as
+// `workers` workers take them (each the next one free), and feeds each to
+// `feed` once fn returned true for it; stops handing out units after a
+// false.
+template <typename Fn>
+void ForEachUnit(int workers, HashFeed& feed, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> stop{false};
+  RunInParallel(workers, [&](int w) {
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed);
+         u < feed.units() && !stop.load(std::memory_order_relaxed);
+         u = next.fetch_add(1, std::memory_order_relaxed)) {
+      if (!fn(w, u)) {
+        stop.store(true, std::memory_order_relaxed);
+        return;
+      }
+      feed.Written(u);
+    }
+  });
+  feed.Finish();
+}
+
+// Feeds `n` output bytes at `out` to the job's hash, if it has one (outputs
+// written without a HashFeed).
+void FeedHash(const Job& job, const uint8_t* out, int64_t n) {
+  if (job.hash != nullptr && n > 0) XXH3_64bits_update(job.hash, out, static_cast<size_t>(n));
+}
 
 // Outputs at least this large are written with non-temporal stores: they
 // cannot stay in cache anyway, and the caller's next step (copy to the live
@@ -933,7 +1028,8 @@ void ForEachPart(absl::Span<const absl::Span<const uint8_t>> pieces,
 // Per-tensor quantization of `pieces` laid end to end (one piece: the whole
 // source): one scale over all of them. Each pass is one parallel call over
 // all the elements, whatever the number of pieces (a fused weight whose
-// parts lie in separate trainer storages is several).
+// parts lie in separate trainer storages is several). With Job::hash the
+// convert goes unit by unit instead (HashFeed), hashing as it writes.
 absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const uint8_t>> pieces) {
   std::vector<int64_t> first(pieces.size() + 1, 0);  // each piece's first element
   for (size_t p = 0; p < pieces.size(); ++p) {
@@ -941,6 +1037,24 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
   }
   const int64_t total = first.back();
   const int workers = WorkersFor(job.threads, total, total);
+  const bool hashing = job.hash != nullptr;
+  // Streamed output would have to come back from memory to be hashed.
+  const bool stream = job.stream && !hashing;
+  // The convert of output bytes [begin, end) (= elements) with `inv`;
+  // returns their max |bits| when `track`.
+  auto convert = [&](int64_t begin, int64_t end, float inv, bool track) {
+    uint32_t m = 0;
+    ForEachPart(
+        pieces, first, job.esize, begin, end, /*reverse=*/false,
+        [&](const uint8_t* src, int64_t count, int64_t at) {
+          if (track) {
+            m = std::max(m, job.k.quantize_max(src, count, inv, job.vllm, stream, job.out_q + at));
+          } else {
+            job.k.quantize(src, 0, 1, count, count, &inv, job.vllm, stream, job.out_q + at, 0);
+          }
+        });
+    return m;
+  };
   // With a usable hint, pass 1 converts with the hinted scale while it takes
   // the amax; if the amax gives that same scale, those are the bytes pass 2
   // would write (the clamp-free convert below only needs |x| <= amax, and
@@ -949,19 +1063,29 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
   const bool speculate =
       job.scale_hint > 0 && std::isfinite(job.scale_hint) && !InverseOverflows(job.scale_hint);
   std::vector<uint32_t> partial(workers, 0);
-  ParallelRanges(workers, total, 64, [&](int w, int64_t begin, int64_t end) {
-    ForEachPart(pieces, first, job.esize, begin, end, /*reverse=*/false,
-                [&](const uint8_t* src, int64_t count, int64_t at) {
-                  uint32_t m = 0;
-                  if (speculate) {
-                    m = job.k.quantize_max(src, count, InverseScale(job.scale_hint), job.vllm,
-                                           job.stream, job.out_q + at);
-                  } else {
+  if (speculate && hashing) {
+    HashFeed feed(job.hash, job.out_q, total, kHashUnitBytes);
+    ForEachUnit(workers, feed, [&](int w, int64_t u) {
+      const int64_t begin = u * kHashUnitBytes;
+      const uint32_t m = convert(begin, std::min(total, begin + kHashUnitBytes),
+                                 InverseScale(job.scale_hint), true);
+      partial[w] = std::max(partial[w], m);
+      return true;
+    });
+  } else {
+    ParallelRanges(workers, total, 64, [&](int w, int64_t begin, int64_t end) {
+      if (speculate) {
+        partial[w] = convert(begin, end, InverseScale(job.scale_hint), true);
+        return;
+      }
+      ForEachPart(pieces, first, job.esize, begin, end, /*reverse=*/false,
+                  [&](const uint8_t* src, int64_t count, int64_t) {
+                    uint32_t m = 0;
                     job.k.abs_max(src, 0, 1, count, count, job.vllm, &m);
-                  }
-                  partial[w] = std::max(partial[w], m);
-                });
-  });
+                    partial[w] = std::max(partial[w], m);
+                  });
+    });
+  }
   const uint32_t amax_bits = *std::max_element(partial.begin(), partial.end());
   // (Either way the amax says, for free, whether anything is Inf/NaN.)
   if (!job.vllm && amax_bits >= InfBits(job.dtype)) {
@@ -971,31 +1095,44 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
   job.out_scales[0] = s;
   if (speculate && absl::bit_cast<uint32_t>(s) == absl::bit_cast<uint32_t>(job.scale_hint)) {
     if (job.stats != nullptr) job.stats->one_pass = true;
-    return absl::OkStatus();
+    return absl::OkStatus();  // with Job::hash, hashed as it was written
   }
+  // Job::hash is fresh on entry (one call per tensor): what pass 1 fed it is
+  // rewritten below.
+  if (hashing && speculate) XXH3_64bits_reset(job.hash);
   if (InverseOverflows(s)) {
     for (size_t p = 0; p < pieces.size(); ++p) {
       QuantizeWithInfiniteInverse(pieces[p].data(), job.dtype, first[p + 1] - first[p],
                                   job.out_q + first[p]);
     }
+    FeedHash(job, job.out_q, total);
     return absl::OkStatus();
   }
   const float inv = InverseScale(s);
-  const bool all_max = job.vllm && s == 0.0f;  // vLLM: 0 / 0 = NaN -> +448
+  if (job.vllm && s == 0.0f) {  // vLLM: 0 / 0 = NaN -> +448
+    std::memset(job.out_q, kFp8Max, total);
+    FeedHash(job, job.out_q, total);
+    return absl::OkStatus();
+  }
+  if (hashing) {
+    HashFeed feed(job.hash, job.out_q, total, kHashUnitBytes);
+    ForEachUnit(workers, feed, [&](int, int64_t u) {
+      const int64_t begin = u * kHashUnitBytes;
+      convert(begin, std::min(total, begin + kHashUnitBytes), inv, false);
+      return true;
+    });
+    return absl::OkStatus();
+  }
   // Pass 2: scale, clamp, convert. Each worker walks its range backwards in
   // chunks: the end of the range is what pass 1 read last, so it may still
   // be in the L3 (all of it, for tensors of up to a few tens of MiB).
   ParallelRanges(workers, total, 64, [&](int, int64_t begin, int64_t end) {
-    if (all_max) {
-      std::memset(job.out_q + begin, kFp8Max, end - begin);
-      return;
-    }
     ForEachPart(pieces, first, job.esize, begin, end, /*reverse=*/true,
                 [&](const uint8_t* src, int64_t count, int64_t at) {
                   for (int64_t k = (count - 1) / kReverseChunk; k >= 0; --k) {
                     const int64_t from = k * kReverseChunk;
                     const int64_t n = std::min(kReverseChunk, count - from);
-                    job.k.quantize(src + from * job.esize, 0, 1, n, n, &inv, job.vllm, job.stream,
+                    job.k.quantize(src + from * job.esize, 0, 1, n, n, &inv, job.vllm, stream,
                                    job.out_q + at + from, 0);
                   }
                 });
@@ -1005,9 +1142,11 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
 
 absl::Status QuantizePerChannel(const Job& job) {
   const int workers = WorkersFor(job.threads, job.rows * job.cols, job.rows);
+  const bool stream = job.stream && job.hash == nullptr;
   std::vector<char> bad(workers, 0);
-  // Both passes per row while the row is in cache.
-  ParallelRanges(workers, job.rows, 1, [&](int w, int64_t begin, int64_t end) {
+  // Both passes per row while the row is in cache; false at a non-finite
+  // value (kReject).
+  auto rows = [&](int w, int64_t begin, int64_t end) {
     const uint32_t inf = InfBits(job.dtype);
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row = job.src + r * job.cols * job.esize;
@@ -1016,7 +1155,7 @@ absl::Status QuantizePerChannel(const Job& job) {
       job.k.abs_max(row, 0, 1, job.cols, job.cols, job.vllm, &amax_bits);
       if (!job.vllm && amax_bits >= inf) {
         bad[w] = 1;
-        return;
+        return false;
       }
       const float s = AbsBitsToFloat(job.dtype, amax_bits) / kFp8E4M3Max;
       job.out_scales[r] = s;
@@ -1026,10 +1165,22 @@ absl::Status QuantizePerChannel(const Job& job) {
         QuantizeWithInfiniteInverse(row, job.dtype, job.cols, out);
       } else {
         const float inv = InverseScale(s);
-        job.k.quantize(row, 0, 1, job.cols, job.cols, &inv, job.vllm, job.stream, out, 0);
+        job.k.quantize(row, 0, 1, job.cols, job.cols, &inv, job.vllm, stream, out, 0);
       }
     }
-  });
+    return true;
+  };
+  if (job.hash != nullptr) {
+    // Units of whole rows, about kHashUnitBytes of output each.
+    const int64_t unit_rows = std::max<int64_t>(1, kHashUnitBytes / std::max<int64_t>(job.cols, 1));
+    HashFeed feed(job.hash, job.out_q, job.rows * job.cols, unit_rows * job.cols);
+    ForEachUnit(workers, feed, [&](int w, int64_t u) {
+      return rows(w, u * unit_rows, std::min(job.rows, (u + 1) * unit_rows));
+    });
+  } else {
+    ParallelRanges(workers, job.rows, 1,
+                   [&](int w, int64_t begin, int64_t end) { rows(w, begin, end); });
+  }
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) {
     return NonFiniteError(job.src, job.dtype, job.rows, job.cols, job.name);
   }
@@ -1050,9 +1201,10 @@ absl::Status QuantizeBlock128(const Job& job) {
       kBlockGroupBytes / (kFp8BlockSize * kFp8BlockSize * job.esize), 1, kMaxBlocksPerCall);
   const int64_t groups_per_band = (block_cols + per_group - 1) / per_group;
   const int64_t tasks = block_rows * groups_per_band;
-  const int workers = WorkersFor(job.threads, job.rows * job.cols, tasks);
-  std::vector<char> bad(workers, 0);
-  ParallelRanges(workers, tasks, 1, [&](int w, int64_t begin, int64_t end) {
+  const bool stream = job.stream && job.hash == nullptr;
+  // Tasks [begin, end) (task t: group t % groups_per_band of band
+  // t / groups_per_band); false at a non-finite value (kReject).
+  auto run = [&](char& bad, int64_t begin, int64_t end) {
     const uint32_t inf = InfBits(job.dtype);
     uint32_t amax_bits[kMaxBlocksPerCall];
     float inv[kMaxBlocksPerCall];
@@ -1068,18 +1220,35 @@ absl::Status QuantizeBlock128(const Job& job) {
       job.k.abs_max(src, job.cols, nrows, ncols, kFp8BlockSize, job.vllm, amax_bits);
       for (int64_t b = 0; b < nblocks; ++b) {
         if (!job.vllm && amax_bits[b] >= inf) {
-          bad[w] = 1;
-          return;
+          bad = 1;
+          return false;
         }
         const float amax = std::max(AbsBitsToFloat(job.dtype, amax_bits[b]), kFp8BlockAmaxFloor);
         const float s = amax / kFp8E4M3Max;  // >= 2.2e-7: 1/s never overflows
         job.out_scales[br * block_cols + bc0 + b] = s;
         inv[b] = InverseScale(s);
       }
-      job.k.quantize(src, job.cols, nrows, ncols, kFp8BlockSize, inv, job.vllm, job.stream,
+      job.k.quantize(src, job.cols, nrows, ncols, kFp8BlockSize, inv, job.vllm, stream,
                      job.out_q + r0 * job.cols + c0, job.cols);
     }
-  });
+    return true;
+  };
+  std::vector<char> bad;
+  if (job.hash != nullptr) {
+    // A band's output is contiguous (a group's is not, unless it spans the
+    // band): the units are bands.
+    const int workers = WorkersFor(job.threads, job.rows * job.cols, block_rows);
+    bad.assign(workers, 0);
+    HashFeed feed(job.hash, job.out_q, job.rows * job.cols, kFp8BlockSize * job.cols);
+    ForEachUnit(workers, feed, [&](int w, int64_t band) {
+      return run(bad[w], band * groups_per_band, (band + 1) * groups_per_band);
+    });
+  } else {
+    const int workers = WorkersFor(job.threads, job.rows * job.cols, tasks);
+    bad.assign(workers, 0);
+    ParallelRanges(workers, tasks, 1,
+                   [&](int w, int64_t begin, int64_t end) { run(bad[w], begin, end); });
+  }
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) {
     return NonFiniteError(job.src, job.dtype, job.rows, job.cols, job.name);
   }
@@ -1163,7 +1332,7 @@ absl::Status CheckArgs(const void* src, DType src_dtype, int64_t rows, int64_t c
 
 Job MakeJob(const void* src, DType src_dtype, int64_t rows, int64_t cols,
             const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
-            absl::string_view tensor_name) {
+            absl::string_view tensor_name, XXH3_state_t* hash) {
   Job job;
   job.src = static_cast<const uint8_t*>(src);
   job.dtype = src_dtype;
@@ -1180,8 +1349,39 @@ Job MakeJob(const void* src, DType src_dtype, int64_t rows, int64_t cols,
   job.scale_hint = options.scheme == QuantScheme::kPerTensor ? options.scale_hint : 0.0f;
   job.stats = options.stats;
   if (job.stats != nullptr) *job.stats = Fp8QuantizeStats{};
+  job.hash = hash;
   return job;
 }
+
+// The hash a call's Fp8QuantizeOptions::out_hash asks for: a running XXH3
+// state the jobs feed, digested into *out_hash once the call succeeded.
+// Without memory for the state, the output is hashed whole at the end.
+class OutputHash {
+ public:
+  explicit OutputHash(uint64_t* out)
+      : out_(out), state_(out != nullptr ? XXH3_createState() : nullptr) {
+    if (state_ != nullptr) XXH3_64bits_reset(state_);
+  }
+  ~OutputHash() {
+    if (state_ != nullptr) XXH3_freeState(state_);
+  }
+  OutputHash(const OutputHash&) = delete;
+  OutputHash& operator=(const OutputHash&) = delete;
+
+  XXH3_state_t* state() const { return state_; }
+
+  // `status`, after filling *out_hash on success (`out_q`: the n bytes written).
+  absl::Status Finish(absl::Status status, const uint8_t* out_q, int64_t n) const {
+    if (!status.ok() || out_ == nullptr) return status;
+    *out_ =
+        state_ != nullptr ? XXH3_64bits_digest(state_) : XXH3_64bits(out_q, static_cast<size_t>(n));
+    return status;
+  }
+
+ private:
+  uint64_t* const out_;
+  XXH3_state_t* const state_;
+};
 
 absl::Status RunJob(const Job& job, QuantScheme scheme) {
   switch (scheme) {
@@ -1207,15 +1407,18 @@ absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t
       !s.ok()) {
     return s;
   }
+  const OutputHash hash(options.out_hash);
   if (rows * cols == 0) {
     // Nothing to read; rows of zero columns have amax 0.
     if (options.scheme != QuantScheme::kBlock128) {
       std::fill_n(out_scales, Fp8NumScales(options.scheme, rows, cols), 0.0f);
     }
-    return absl::OkStatus();
+    return hash.Finish(absl::OkStatus(), out_q, 0);
   }
-  return RunJob(MakeJob(src, src_dtype, rows, cols, options, out_q, out_scales, tensor_name),
-                options.scheme);
+  return hash.Finish(RunJob(MakeJob(src, src_dtype, rows, cols, options, out_q, out_scales,
+                                    tensor_name, hash.state()),
+                            options.scheme),
+                     out_q, rows * cols);
 }
 
 absl::Status QuantizeFp8Pieces(absl::Span<const absl::Span<const uint8_t>> pieces, DType src_dtype,
@@ -1247,8 +1450,12 @@ absl::Status QuantizeFp8Pieces(absl::Span<const absl::Span<const uint8_t>> piece
   if (pieces.size() == 1 || n == 0) {
     return QuantizeFp8(first, src_dtype, rows, cols, options, out_q, out_scales, tensor_name);
   }
-  const Job whole = MakeJob(first, src_dtype, rows, cols, options, out_q, out_scales, tensor_name);
-  if (options.scheme == QuantScheme::kPerTensor) return QuantizePerTensor(whole, pieces);
+  const OutputHash hash(options.out_hash);
+  const Job whole =
+      MakeJob(first, src_dtype, rows, cols, options, out_q, out_scales, tensor_name, hash.state());
+  if (options.scheme == QuantScheme::kPerTensor) {
+    return hash.Finish(QuantizePerTensor(whole, pieces), out_q, n);
+  }
   // Per-channel and block scales are local to a row / a 128-row band: pieces
   // that end on such a boundary are quantized one by one, in place.
   const int64_t unit_rows = options.scheme == QuantScheme::kPerChannel ? 1 : kFp8BlockSize;
@@ -1269,9 +1476,10 @@ absl::Status QuantizeFp8Pieces(absl::Span<const absl::Span<const uint8_t>> piece
       if (!piece.empty()) std::memcpy(gathered.get() + at, piece.data(), piece.size());
       at += static_cast<int64_t>(piece.size());
     }
-    return RunJob(
-        MakeJob(gathered.get(), src_dtype, rows, cols, options, out_q, out_scales, tensor_name),
-        options.scheme);
+    return hash.Finish(RunJob(MakeJob(gathered.get(), src_dtype, rows, cols, options, out_q,
+                                      out_scales, tensor_name, hash.state()),
+                              options.scheme),
+                       out_q, n);
   }
   const int64_t block_cols = (cols + kFp8BlockSize - 1) / kFp8BlockSize;
   int64_t row0 = 0;
@@ -1291,7 +1499,7 @@ absl::Status QuantizeFp8Pieces(absl::Span<const absl::Span<const uint8_t>> piece
     if (!s.ok()) return s;
     row0 += piece_rows;
   }
-  return absl::OkStatus();
+  return hash.Finish(absl::OkStatus(), out_q, n);
 }
 
 void RunInParallel(int n, const std::function<void(int)>& task) {

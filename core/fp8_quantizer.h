@@ -67,6 +67,13 @@ struct Fp8QuantizeOptions {
   // same either way; a wrong hint costs one extra write of the output.
   float scale_hint = 0.0f;
   Fp8QuantizeStats* stats = nullptr;  // filled in when set
+  // When set, receives the XXH3-64 of the rows * cols bytes written to
+  // out_q (what XXH3_64bits of out_q gives) on success, left alone on
+  // failure. The convert then writes the output in 64 KiB units, and each
+  // is hashed (in order, by whichever worker is free) right after it was
+  // written, while it is in cache: nobody has to read the output back from
+  // memory to hash it. Output streaming (non-temporal stores) is off then.
+  uint64_t* out_hash = nullptr;
 };
 
 // Number of float32 scales a [rows, cols] weight gets under `scheme`.

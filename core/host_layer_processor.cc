@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <numeric>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/time/clock.h"
 #include "core/fp8_quantizer.h"
 #include "core/layer_processor.h"
@@ -51,6 +51,10 @@ class HostLayerProcessor final : public LayerProcessor {
       if (src.has_device_aliases()) {
         if (absl::Status m = src.MaterializeAliases(); !m.ok()) return m;
       }
+      // The quantizer hashes the output as it writes it, while it is in
+      // cache: Finish need not read it back from memory.
+      uint64_t hash = 0;
+      qopts.out_hash = &hash;
       absl::Status quantized =
           src.has_aliases()
               ? QuantizeFp8Pieces(src.Pieces(), src_dtype, rows, cols, qopts, q->data(),
@@ -61,6 +65,7 @@ class HostLayerProcessor final : public LayerProcessor {
       RecordHint(hints, weight.name, *reinterpret_cast<const float*>(scales->data()), stats);
       kernels_[k] = *std::move(q);
       kernels_[s] = *std::move(scales);
+      hashes_[k] = hash;
       return absl::OkStatus();
     }
 
@@ -107,17 +112,24 @@ class HostLayerProcessor final : public LayerProcessor {
       return absl::OkStatus();
     }
 
-    // The kernels are hashed in parallel, the largest first.
+    // The kernels Quantize did not hash are hashed in parallel, the largest
+    // first.
     absl::StatusOr<ProcessedLayer> Finish() override {
       const absl::Time start = absl::Now();
       ProcessedLayer out;
       out.hashes.assign(kernels_.size(), 0);
-      std::vector<size_t> order(kernels_.size());
-      std::iota(order.begin(), order.end(), size_t{0});
+      std::vector<size_t> order;
+      int64_t total = 0;
+      for (size_t k = 0; k < kernels_.size(); ++k) {
+        if (auto it = hashes_.find(static_cast<int>(k)); it != hashes_.end()) {
+          out.hashes[k] = it->second;
+          continue;
+        }
+        order.push_back(k);
+        total += kernels_[k].size();
+      }
       std::sort(order.begin(), order.end(),
                 [&](size_t a, size_t b) { return kernels_[a].size() > kernels_[b].size(); });
-      int64_t total = 0;
-      for (const StagingBuffer& kernel : kernels_) total += kernel.size();
       ForEachInParallel(static_cast<int>(order.size()), HashThreads(total), [&](int i) {
         const StagingBuffer& kernel = kernels_[order[i]];
         out.hashes[order[i]] = HashBytes(kernel.data(), kernel.size());
@@ -165,6 +177,7 @@ class HostLayerProcessor final : public LayerProcessor {
     const HostLayerProcessor& processor_;
     const LayerSpec& spec_;
     std::vector<StagingBuffer> kernels_;
+    absl::flat_hash_map<int, uint64_t> hashes_;  // of the kernels Quantize wrote
     int scales_reused_ = 0;
   };
 

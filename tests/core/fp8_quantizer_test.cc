@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "core/fp8_quantizer_internal.h"
+#include "core/layer_processor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -662,6 +663,140 @@ TEST(Fp8QuantizerTest, OtherSchemesIgnoreAScaleHint) {
     EXPECT_FALSE(stats.one_pass);
     ExpectSameScales(ours.scales, expected.scales);
     ExpectSameBytes(ours.q, expected.q, 257);
+  }
+}
+
+// --- Output hash (Fp8QuantizeOptions::out_hash) ------------------------------
+
+// `x` quantized with out_hash set: the bytes and scales must be those of the
+// same call without it, and the hash the XXH3 of those bytes, whatever the
+// path (one worker hashes as it converts, more hash afterwards).
+void ExpectHashedLikeUnhashed(const at::Tensor& x, QuantScheme scheme, NonFinitePolicy policy,
+                              int threads, float hint = 0.0f, int64_t split = 0) {
+  at::Tensor c = x.contiguous();
+  const int64_t rows = c.size(0);
+  const int64_t cols = c.size(1);
+  const DType dtype = OurType(c.scalar_type());
+  const auto* bytes = static_cast<const uint8_t*>(c.data_ptr());
+  const size_t esize = c.element_size();
+  const size_t total = static_cast<size_t>(rows * cols) * esize;
+  const absl::Span<const uint8_t> pieces[] = {
+      absl::Span<const uint8_t>(bytes, split * esize),
+      absl::Span<const uint8_t>(bytes + split * esize, total - split * esize)};
+  Quantized plain;
+  Quantized hashed;
+  uint64_t hash = 0x5EED;
+  for (Quantized* out : {&plain, &hashed}) {
+    out->q.assign(rows * cols, 0xAB);
+    out->scales.assign(Fp8NumScales(scheme, rows, cols), -1.0f);
+    Fp8QuantizeOptions options;
+    options.scheme = scheme;
+    options.non_finite = policy;
+    options.num_threads = threads;
+    options.scale_hint = hint;
+    options.out_hash = out == &hashed ? &hash : nullptr;
+    out->status = split > 0 ? QuantizeFp8Pieces(pieces, dtype, rows, cols, options, out->q.data(),
+                                                out->scales.data(), "w")
+                            : QuantizeFp8(c.data_ptr(), dtype, rows, cols, options, out->q.data(),
+                                          out->scales.data(), "w");
+  }
+  ASSERT_TRUE(plain.status.ok()) << plain.status;
+  ASSERT_TRUE(hashed.status.ok()) << hashed.status;
+  ExpectSameScales(hashed.scales, plain.scales);
+  ExpectSameBytes(hashed.q, plain.q, cols);
+  EXPECT_EQ(hash, HashBytes(plain.q.data(), static_cast<int64_t>(plain.q.size())));
+}
+
+TEST(Fp8QuantizerTest, AnOutputHashIsTheHashOfTheBytesWrittenOnEveryPath) {
+  // 300 x 1000: several fused steps of 64 Ki elements, the last one short;
+  // block bands of 128, 128 and 44 rows.
+  for (at::ScalarType type : kTypes) {
+    const at::Tensor x = RandomWeights(300, 1000, type, 31);
+    const float s = TorchReference(x, QuantScheme::kPerTensor).scales[0];
+    for (Fp8Isa isa : SupportedIsas()) {
+      ScopedIsa scoped(isa);
+      for (int threads : {1, 2, 3}) {
+        for (QuantScheme scheme : kSchemes) {
+          for (NonFinitePolicy policy :
+               {NonFinitePolicy::kReject, NonFinitePolicy::kVllmCompatible}) {
+            SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " type ", static_cast<int>(type),
+                                      " threads ", threads, " scheme ", static_cast<int>(scheme),
+                                      " policy ", static_cast<int>(policy)));
+            ExpectHashedLikeUnhashed(x, scheme, policy, threads);
+            // Split into pieces: inside a row, and on a 128-row band.
+            ExpectHashedLikeUnhashed(x, scheme, policy, threads, 0.0f, 1000 * 7 + 13);
+            ExpectHashedLikeUnhashed(x, scheme, policy, threads, 0.0f, 1000 * 128);
+          }
+        }
+        // Per-tensor hints: the one pass that holds, and misses that
+        // convert again (the hash starts over).
+        for (float hint : {s, s * 2, std::nextafter(s, 0.0f)}) {
+          SCOPED_TRACE(
+              absl::StrCat(internal::Fp8IsaName(isa), " hint ", hint, " threads ", threads));
+          ExpectHashedLikeUnhashed(x, QuantScheme::kPerTensor, NonFinitePolicy::kReject, threads,
+                                   hint);
+          ExpectHashedLikeUnhashed(x, QuantScheme::kPerTensor, NonFinitePolicy::kReject, threads,
+                                   hint, 65536 + 3);
+        }
+      }
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, AnOutputHashCoversTheSpecialOutputs) {
+  // Every code 0x7E (vLLM, all zero), the infinite inverse, one element.
+  const at::Tensor zeros = at::zeros({70, 1000}, at::kBFloat16);
+  const at::Tensor tiny = at::tensor({1e-37f, 0.0f, -1e-37f, 5e-38f}, at::kFloat).reshape({1, 4});
+  for (int threads : {1, 2}) {
+    for (QuantScheme scheme : kSchemes) {
+      for (NonFinitePolicy policy : {NonFinitePolicy::kReject, NonFinitePolicy::kVllmCompatible}) {
+        SCOPED_TRACE(absl::StrCat("threads ", threads, " scheme ", static_cast<int>(scheme),
+                                  " policy ", static_cast<int>(policy)));
+        ExpectHashedLikeUnhashed(zeros, scheme, policy, threads);
+        ExpectHashedLikeUnhashed(tiny, scheme, policy, threads);
+        ExpectHashedLikeUnhashed(at::ones({1, 1}, at::kHalf), scheme, policy, threads);
+      }
+    }
+  }
+  // No elements: the hash of no bytes.
+  Fp8QuantizeOptions options;
+  uint64_t hash = 0;
+  options.out_hash = &hash;
+  float scale = -1;
+  ASSERT_TRUE(QuantizeFp8(nullptr, DType::kBFloat16, 0, 5, options, nullptr, &scale, "e").ok());
+  EXPECT_EQ(hash, HashBytes(nullptr, 0));
+}
+
+TEST(Fp8QuantizerTest, AnOutputHashOfALargeOutputSkipsTheStreamingStoresOnOneWorker) {
+  const int64_t rows = 4097;
+  const int64_t cols = 4099;  // rows * cols > 16 Mi: streamed without a hash
+  const at::Tensor x = RandomWeights(rows, cols, at::kBFloat16, 125);
+  for (int threads : {1, 2}) {
+    for (QuantScheme scheme : kSchemes) {
+      SCOPED_TRACE(absl::StrCat("threads ", threads, " scheme ", static_cast<int>(scheme)));
+      ExpectHashedLikeUnhashed(x, scheme, NonFinitePolicy::kReject, threads);
+    }
+  }
+}
+
+TEST(Fp8QuantizerTest, AFailedCallLeavesTheOutputHashAlone) {
+  at::Tensor x = RandomWeights(40, 3000, at::kBFloat16, 6);
+  x[30][2999] = std::numeric_limits<float>::quiet_NaN();
+  for (int threads : {1, 2}) {
+    for (QuantScheme scheme : kSchemes) {
+      std::vector<uint8_t> q(40 * 3000);
+      std::vector<float> scales(Fp8NumScales(scheme, 40, 3000));
+      uint64_t hash = 0x5EED;
+      Fp8QuantizeOptions options;
+      options.scheme = scheme;
+      options.num_threads = threads;
+      options.out_hash = &hash;
+      const absl::Status status = QuantizeFp8(x.data_ptr(), DType::kBFloat16, 40, 3000, options,
+                                              q.data(), scales.data(), "w");
+      EXPECT_TRUE(absl::IsInvalidArgument(status)) << status;
+      EXPECT_THAT(std::string(status.message()), HasSubstr("element 92999"));
+      EXPECT_EQ(hash, 0x5EEDu);
+    }
   }
 }
 

@@ -112,6 +112,12 @@ class HostLayerProcessor final : public LayerProcessor {
       return absl::OkStatus();
     }
 
+    absl::Status KeepHashed(int k, StagingBuffer bytes, uint64_t hash) override {
+      kernels_[k] = std::move(bytes);
+      hashes_[k] = hash;
+      return absl::OkStatus();
+    }
+
     // The kernels Quantize did not hash are hashed in parallel, the largest
     // first.
     absl::StatusOr<ProcessedLayer> Finish() override {

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -42,22 +43,64 @@ absl::Status KeepAttentionScales(const LayerSpec& spec, const std::vector<Stagin
   return absl::OkStatus();
 }
 
-// INVALID_ARGUMENT naming the tensor and its first NaN/Inf element, as the
-// FP8 quantizer reports one.
-absl::Status CheckFinite(absl::string_view kernel_name, const ParamSpec& param,
-                         const StagingBuffer& bytes) {
-  const int64_t count = bytes.size() / static_cast<int64_t>(DTypeSize(param.dtype));
-  const int64_t index = FindNonFinite(bytes.data(), param.dtype, count);
-  if (index < 0) return absl::OkStatus();
+// INVALID_ARGUMENT naming the tensor and its element `index` (at `at`), a
+// NaN or Inf, as the FP8 quantizer reports one.
+absl::Status NonFiniteError(absl::string_view kernel_name, const ParamSpec& param, int64_t index,
+                            const uint8_t* at) {
   const char* text = "nan or inf";
   if (IsHighPrecisionFloat(param.dtype)) {
-    const float value = LoadAsFloat(bytes.data(), param.dtype, static_cast<size_t>(index));
+    const float value = LoadAsFloat(at, param.dtype, 0);
     text = std::isinf(value) ? (value > 0 ? "inf" : "-inf") : "nan";
   }
   return absl::InvalidArgumentError(
       absl::StrCat("tensor '", kernel_name, "': element ", index, " is ", text,
                    "; the non-finite policy REJECT refuses non-finite values in every float tensor "
                    "(NON_FINITE_POLICY_VLLM_COMPATIBLE accepts them)"));
+}
+
+// INVALID_ARGUMENT naming the tensor and its first NaN/Inf element.
+absl::Status CheckFinite(absl::string_view kernel_name, const ParamSpec& param,
+                         const StagingBuffer& bytes) {
+  const int64_t esize = static_cast<int64_t>(DTypeSize(param.dtype));
+  const int64_t index = FindNonFinite(bytes.data(), param.dtype, bytes.size() / esize);
+  if (index < 0) return absl::OkStatus();
+  return NonFiniteError(kernel_name, param, index, bytes.data() + index * esize);
+}
+
+// Bytes per step of OwnCheckAndHash: in L2 while they are checked and hashed.
+constexpr int64_t kKeepStepBytes = int64_t{1} << 16;
+
+// Makes `bytes` (a kernel kept in the checkpoint dtype) own its bytes,
+// checks them for NaN/Inf when `check`, and returns their XXH3: one sweep,
+// each step copied in (when read in place from a trainer's region),
+// checked and hashed while it is in cache, instead of a copy, a scan and a
+// hash each reading the whole tensor from memory. Device aliases are
+// brought over first, whole.
+absl::StatusOr<uint64_t> OwnCheckAndHash(absl::string_view kernel_name, const ParamSpec& param,
+                                         bool check, StagingBuffer& bytes) {
+  if (bytes.has_device_aliases()) {
+    if (absl::Status m = bytes.MaterializeAliases(); !m.ok()) return m;
+  }
+  const int64_t esize = static_cast<int64_t>(DTypeSize(param.dtype));
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(),
+                                                                        &XXH3_freeState);
+  if (state == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tensor '", kernel_name, "': no memory for a hash state"));
+  }
+  XXH3_64bits_reset(state.get());
+  const int64_t step = esize > 0 ? kKeepStepBytes / esize * esize : kKeepStepBytes;
+  absl::Status swept = bytes.MaterializeInSteps(step, [&](int64_t at, int64_t n) {
+    const uint8_t* p = bytes.data() + at;
+    if (check && esize > 0) {
+      const int64_t bad = FindNonFinite(p, param.dtype, n / esize);
+      if (bad >= 0) return NonFiniteError(kernel_name, param, at / esize + bad, p + bad * esize);
+    }
+    XXH3_64bits_update(state.get(), p, static_cast<size_t>(n));
+    return absl::OkStatus();
+  });
+  if (!swept.ok()) return swept;
+  return XXH3_64bits_digest(state.get());
 }
 
 }  // namespace
@@ -110,14 +153,12 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
         // The reject policy covers these too (embeddings, lm_head, norms):
         // the quantizer only sees the FP8 weights. A kernel owns its bytes:
         // anything read in place is copied in first.
-        if (absl::Status m = params[plan.param].MaterializeAliases(); !m.ok()) return m;
-        if (options_.non_finite == NonFinitePolicy::kReject) {
-          if (absl::Status finite = CheckFinite(spec.kernels[k].name, param, params[plan.param]);
-              !finite.ok()) {
-            return finite;
-          }
-        }
-        absl::Status kept = (*build)->Keep(static_cast<int>(k), std::move(params[plan.param]));
+        absl::StatusOr<uint64_t> hash =
+            OwnCheckAndHash(spec.kernels[k].name, param,
+                            options_.non_finite == NonFinitePolicy::kReject, params[plan.param]);
+        if (!hash.ok()) return hash.status();
+        absl::Status kept =
+            (*build)->KeepHashed(static_cast<int>(k), std::move(params[plan.param]), *hash);
         if (!kept.ok()) return kept;
         continue;
       }

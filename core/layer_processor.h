@@ -122,6 +122,13 @@ class LayerProcessor {
                                   int k, int s) = 0;
     // Host bytes that become kernel `k` as they are.
     virtual absl::Status Keep(int k, StagingBuffer bytes) = 0;
+    // As Keep, with the XXH3 of the bytes already taken (by Process, in the
+    // sweep that made them owned and checked them); a processor that hashes
+    // its kernels on the host uses it instead of reading them again.
+    virtual absl::Status KeepHashed(int k, StagingBuffer bytes, uint64_t hash) {
+      (void)hash;
+      return Keep(k, std::move(bytes));
+    }
     // Experts layers: as Quantize, into kernel `k` at byte `k_offset` and
     // its scales into kernel `s` at byte `s_offset` (kernels allocated whole
     // on first use); `src` may be freed on return.

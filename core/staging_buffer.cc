@@ -318,6 +318,29 @@ absl::Status StagingBuffer::MaterializeAliases() {
   return absl::OkStatus();
 }
 
+absl::Status StagingBuffer::MaterializeInSteps(
+    int64_t step, const std::function<absl::Status(int64_t offset, int64_t n)>& visit) {
+  step = std::max<int64_t>(step, 1);
+  size_t next = 0;  // the first alias not wholly copied yet (sorted by offset)
+  for (int64_t at = 0; at < size_; at += step) {
+    const int64_t end = std::min(size_, at + step);
+    for (size_t i = next; i < aliases_.size() && aliases_[i].offset < end; ++i) {
+      const Alias& a = aliases_[i];
+      const int64_t from = std::max(at, a.offset);
+      const int64_t to = std::min(end, a.offset + a.size);
+      if (from < to) {
+        absl::Status copied =
+            CopyBytesToHost(a.device, a.source + (from - a.offset), to - from, data() + from);
+        if (!copied.ok()) return copied;
+      }
+      if (a.offset + a.size <= end) next = i + 1;
+    }
+    if (absl::Status s = visit(at, end - at); !s.ok()) return s;
+  }
+  aliases_.clear();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StagingBuffer> StagingBuffer::HostZeroed(int64_t size, absl::string_view what) {
   return AllocateHost(size, what, /*zero=*/true);
 }

@@ -119,6 +119,15 @@ class StagingBuffer {
   // Copies every alias into the owned bytes and drops it. Errors: a device
   // source's (the aliases are then kept).
   absl::Status MaterializeAliases();
+  // As MaterializeAliases, walking the whole buffer in steps of at most
+  // `step` bytes: once a step's bytes are owned, visit(offset, n) may read
+  // them at data() + offset, while they are in cache (a check and a hash in
+  // the same sweep as the copy). Steps go in order and cover every byte,
+  // owned ones too. Errors: a device source's, or the first error of
+  // `visit`, which ends the walk; the aliases are then kept (the owned
+  // bytes under them are never read).
+  absl::Status MaterializeInSteps(
+      int64_t step, const std::function<absl::Status(int64_t offset, int64_t n)>& visit);
 
   // Null for an empty buffer (size 0).
   uint8_t* data() const { return static_cast<uint8_t*>(data_); }

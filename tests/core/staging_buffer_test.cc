@@ -273,6 +273,61 @@ TEST(StagingBufferAliasTest, AdjacentAliasesOfDifferentOwnersStaySeparateAndBoth
   EXPECT_EQ(second.use_count(), 1);
 }
 
+TEST(StagingBufferAliasTest, MaterializeInStepsOwnsEachStepBeforeVisitingItAndCoversEveryByte) {
+  const std::string region = "ABCDEFGHIJKLMNOPQRSTUVWXYZ";
+  const auto* src = reinterpret_cast<const uint8_t*>(region.data());
+  for (int64_t step : {1, 3, 4, 7, 26, 100}) {
+    SCOPED_TRACE(step);
+    absl::StatusOr<StagingBuffer> made = StagingBuffer::HostUninitialized(26, "param");
+    ASSERT_TRUE(made.ok()) << made.status();
+    StagingBuffer buffer = *std::move(made);
+    std::memset(buffer.data(), 'o', 26);
+    auto keep = std::make_shared<int>(0);
+    // Aliases across step boundaries, one inside a step, owned bytes between.
+    buffer.AddAlias(20, src + 20, 6, keep);
+    buffer.AddAlias(2, src + 2, 5, keep);
+    buffer.AddAlias(9, src + 9, 1, keep);
+    std::string seen;
+    int64_t next = 0;
+    ASSERT_TRUE(buffer
+                    .MaterializeInSteps(step,
+                                        [&](int64_t at, int64_t n) {
+                                          EXPECT_EQ(at, next);  // in order, no gap
+                                          EXPECT_LE(n, step);
+                                          next = at + n;
+                                          seen.append(
+                                              reinterpret_cast<const char*>(buffer.data()) + at, n);
+                                          return absl::OkStatus();
+                                        })
+                    .ok());
+    EXPECT_EQ(next, 26);
+    EXPECT_EQ(seen, "ooCDEFGooJooooooooooUVWXYZ");
+    EXPECT_FALSE(buffer.has_aliases());
+    EXPECT_EQ(keep.use_count(), 1);
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(buffer.data()), 26), seen);
+  }
+}
+
+TEST(StagingBufferAliasTest, AVisitThatFailsEndsTheWalkAndKeepsTheAliases) {
+  absl::StatusOr<StagingBuffer> buffer = StagingBuffer::HostUninitialized(12, "param");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::memset(buffer->data(), 'o', 12);
+  const std::string region = "abcdefghijkl";
+  auto keep = std::make_shared<int>(0);
+  buffer->AddAlias(0, reinterpret_cast<const uint8_t*>(region.data()), 12, keep);
+  int visits = 0;
+  const absl::Status status = buffer->MaterializeInSteps(4, [&](int64_t at, int64_t) {
+    ++visits;
+    return at == 4 ? absl::InvalidArgumentError("element 5 is nan") : absl::OkStatus();
+  });
+  EXPECT_TRUE(absl::IsInvalidArgument(status)) << status;
+  EXPECT_EQ(visits, 2);
+  // Still read from the region: the half-copied owned bytes are not used.
+  EXPECT_TRUE(buffer->has_aliases());
+  EXPECT_EQ(Joined(*buffer), "abcdefghijkl");
+  EXPECT_EQ(keep.use_count(), 2);
+}
+
 TEST(StagingBufferPoolTest, ReleasedBuffersAreReusedBoundedAndTrimmedWhenIdle) {
   constexpr int64_t kLayer = int64_t{3} << 20;
   StagingBuffer::TrimHostPool(absl::InfiniteFuture());

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -513,6 +514,16 @@ struct Hinted {
   bool one_pass = false;
 };
 
+// The bytes of contiguous `c` as two pieces: its first `split` elements,
+// then the rest.
+std::array<absl::Span<const uint8_t>, 2> TwoPieces(const at::Tensor& c, int64_t split) {
+  const auto* bytes = static_cast<const uint8_t*>(c.data_ptr());
+  const size_t esize = c.element_size();
+  const size_t total = static_cast<size_t>(c.numel()) * esize;
+  return {absl::Span<const uint8_t>(bytes, split * esize),
+          absl::Span<const uint8_t>(bytes + split * esize, total - split * esize)};
+}
+
 // Per-tensor quantization of `x` with `hint`, as one buffer or, with
 // `split`, as two pieces (the first `split` elements, then the rest).
 Hinted RunHinted(const at::Tensor& x, float hint, NonFinitePolicy policy, int threads,
@@ -532,12 +543,7 @@ Hinted RunHinted(const at::Tensor& x, float hint, NonFinitePolicy policy, int th
   options.stats = &stats;
   const DType dtype = OurType(c.scalar_type());
   if (split > 0) {
-    const auto* bytes = static_cast<const uint8_t*>(c.data_ptr());
-    const size_t esize = c.element_size();
-    const size_t total = static_cast<size_t>(rows * cols) * esize;
-    const absl::Span<const uint8_t> pieces[] = {
-        absl::Span<const uint8_t>(bytes, split * esize),
-        absl::Span<const uint8_t>(bytes + split * esize, total - split * esize)};
+    const std::array<absl::Span<const uint8_t>, 2> pieces = TwoPieces(c, split);
     h.out.status = QuantizeFp8Pieces(pieces, dtype, rows, cols, options, h.out.q.data(),
                                      h.out.scales.data(), "w");
   } else {
@@ -677,12 +683,7 @@ void ExpectHashedLikeUnhashed(const at::Tensor& x, QuantScheme scheme, NonFinite
   const int64_t rows = c.size(0);
   const int64_t cols = c.size(1);
   const DType dtype = OurType(c.scalar_type());
-  const auto* bytes = static_cast<const uint8_t*>(c.data_ptr());
-  const size_t esize = c.element_size();
-  const size_t total = static_cast<size_t>(rows * cols) * esize;
-  const absl::Span<const uint8_t> pieces[] = {
-      absl::Span<const uint8_t>(bytes, split * esize),
-      absl::Span<const uint8_t>(bytes + split * esize, total - split * esize)};
+  const std::array<absl::Span<const uint8_t>, 2> pieces = TwoPieces(c, split);
   Quantized plain;
   Quantized hashed;
   uint64_t hash = 0x5EED;

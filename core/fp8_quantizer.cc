@@ -1038,8 +1038,6 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
   const int64_t total = first.back();
   const int workers = WorkersFor(job.threads, total, total);
   const bool hashing = job.hash != nullptr;
-  // Streamed output would have to come back from memory to be hashed.
-  const bool stream = job.stream && !hashing;
   // The convert of output bytes [begin, end) (= elements) with `inv`;
   // returns their max |bits| when `track`.
   auto convert = [&](int64_t begin, int64_t end, float inv, bool track) {
@@ -1048,9 +1046,10 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
         pieces, first, job.esize, begin, end, /*reverse=*/false,
         [&](const uint8_t* src, int64_t count, int64_t at) {
           if (track) {
-            m = std::max(m, job.k.quantize_max(src, count, inv, job.vllm, stream, job.out_q + at));
+            m = std::max(m,
+                         job.k.quantize_max(src, count, inv, job.vllm, job.stream, job.out_q + at));
           } else {
-            job.k.quantize(src, 0, 1, count, count, &inv, job.vllm, stream, job.out_q + at, 0);
+            job.k.quantize(src, 0, 1, count, count, &inv, job.vllm, job.stream, job.out_q + at, 0);
           }
         });
     return m;
@@ -1132,7 +1131,7 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
                   for (int64_t k = (count - 1) / kReverseChunk; k >= 0; --k) {
                     const int64_t from = k * kReverseChunk;
                     const int64_t n = std::min(kReverseChunk, count - from);
-                    job.k.quantize(src + from * job.esize, 0, 1, n, n, &inv, job.vllm, stream,
+                    job.k.quantize(src + from * job.esize, 0, 1, n, n, &inv, job.vllm, job.stream,
                                    job.out_q + at + from, 0);
                   }
                 });
@@ -1142,7 +1141,6 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
 
 absl::Status QuantizePerChannel(const Job& job) {
   const int workers = WorkersFor(job.threads, job.rows * job.cols, job.rows);
-  const bool stream = job.stream && job.hash == nullptr;
   std::vector<char> bad(workers, 0);
   // Both passes per row while the row is in cache; false at a non-finite
   // value (kReject).
@@ -1165,7 +1163,7 @@ absl::Status QuantizePerChannel(const Job& job) {
         QuantizeWithInfiniteInverse(row, job.dtype, job.cols, out);
       } else {
         const float inv = InverseScale(s);
-        job.k.quantize(row, 0, 1, job.cols, job.cols, &inv, job.vllm, stream, out, 0);
+        job.k.quantize(row, 0, 1, job.cols, job.cols, &inv, job.vllm, job.stream, out, 0);
       }
     }
     return true;
@@ -1201,7 +1199,6 @@ absl::Status QuantizeBlock128(const Job& job) {
       kBlockGroupBytes / (kFp8BlockSize * kFp8BlockSize * job.esize), 1, kMaxBlocksPerCall);
   const int64_t groups_per_band = (block_cols + per_group - 1) / per_group;
   const int64_t tasks = block_rows * groups_per_band;
-  const bool stream = job.stream && job.hash == nullptr;
   // Tasks [begin, end) (task t: group t % groups_per_band of band
   // t / groups_per_band); false at a non-finite value (kReject).
   auto run = [&](char& bad, int64_t begin, int64_t end) {
@@ -1228,7 +1225,7 @@ absl::Status QuantizeBlock128(const Job& job) {
         job.out_scales[br * block_cols + bc0 + b] = s;
         inv[b] = InverseScale(s);
       }
-      job.k.quantize(src, job.cols, nrows, ncols, kFp8BlockSize, inv, job.vllm, stream,
+      job.k.quantize(src, job.cols, nrows, ncols, kFp8BlockSize, inv, job.vllm, job.stream,
                      job.out_q + r0 * job.cols + c0, job.cols);
     }
     return true;
@@ -1340,7 +1337,8 @@ Job MakeJob(const void* src, DType src_dtype, int64_t rows, int64_t cols,
   job.rows = rows;
   job.cols = cols;
   job.vllm = options.non_finite == NonFinitePolicy::kVllmCompatible;
-  job.stream = rows * cols >= kStreamingMinBytes;
+  // Streamed output would have to come back from memory to be hashed.
+  job.stream = rows * cols >= kStreamingMinBytes && hash == nullptr;
   job.threads = ResolveThreads(options.num_threads);
   job.k = kKernels[static_cast<int>(CurrentIsa())][SourceIndex(src_dtype)];
   job.out_q = out_q;

@@ -183,7 +183,8 @@ class HostLayerProcessor final : public LayerProcessor {
     const HostLayerProcessor& processor_;
     const LayerSpec& spec_;
     std::vector<StagingBuffer> kernels_;
-    absl::flat_hash_map<int, uint64_t> hashes_;  // of the kernels Quantize wrote
+    // Kernels hashed on the way in (Quantize, KeepHashed): Finish skips them.
+    absl::flat_hash_map<int, uint64_t> hashes_;
     int scales_reused_ = 0;
   };
 

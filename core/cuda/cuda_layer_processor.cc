@@ -228,7 +228,13 @@ class CudaLayerProcessor final : public LayerProcessor {
     }
 
     absl::Status Keep(int k, StagingBuffer bytes) override {
-      hashes_[k] = HashBytes(bytes.data(), bytes.size());
+      const uint64_t hash = HashBytes(bytes.data(), bytes.size());
+      return KeepHashed(k, std::move(bytes), hash);
+    }
+
+    // Process hashed the host bytes already, in the sweep that checked them.
+    absl::Status KeepHashed(int k, StagingBuffer bytes, uint64_t hash) override {
+      hashes_[k] = hash;
       absl::StatusOr<StagingBuffer> staged =
           AllocateDevice(p_.device_, bytes.size(), spec_.kernels[k].name);
       if (!staged.ok()) return staged.status();

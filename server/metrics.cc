@@ -154,7 +154,13 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
       "allocated.\n"
       "# TYPE refitd_staging_pool_reused_total counter\n"
       "refitd_staging_pool_reused_total ",
-      pool.reused, "\n");
+      pool.reused,
+      "\n"
+      "# HELP refitd_staging_pool_allocated_total Staging buffers the pool had to allocate (none "
+      "kept fit).\n"
+      "# TYPE refitd_staging_pool_allocated_total counter\n"
+      "refitd_staging_pool_allocated_total ",
+      pool.allocated, "\n");
   out +=
       "# HELP refitd_attached_engines Engines attached to the model group's arena.\n"
       "# TYPE refitd_attached_engines gauge\n";

@@ -590,11 +590,13 @@ TEST_F(RefitdE2eTest, RefitsThatReuseStagingServeExactlyTheLastPush) {
     ASSERT_NE(body, std::string::npos);
     std::map<std::string, double> samples = ParseMetrics(response.substr(body + 4));
     ASSERT_TRUE(samples.count("refitd_staging_pool_reused_total")) << response;
+    ASSERT_TRUE(samples.count("refitd_staging_pool_allocated_total")) << response;
     if (absl::StrContains(pool, "=0")) {
       EXPECT_EQ(samples["refitd_staging_pool_reused_total"], 0.0);
+      EXPECT_EQ(samples["refitd_staging_pool_allocated_total"], 0.0);
       EXPECT_EQ(samples["refitd_staging_pool_bytes"], 0.0);
     } else {
-      EXPECT_GT(samples["refitd_staging_pool_reused_total"], 0.0);
+      EXPECT_GT(samples["refitd_staging_pool_allocated_total"], 0.0);
       EXPECT_GT(samples["refitd_staging_pool_bytes"], 0.0);
     }
     daemon_->Signal(SIGTERM);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -23,6 +24,35 @@ void SendAll(int fd, absl::string_view text) {
     if (n <= 0) return;
     text.remove_prefix(static_cast<size_t>(n));
   }
+}
+
+// Answers `line` on a connection the server will not serve, and closes it.
+// What the peer sent already is read first (descriptors closed): closing a
+// Unix socket with unread bytes would reset the peer's read, and the answer
+// with it. Nothing here blocks: a fresh socket's send buffer is empty.
+void Refuse(int conn, absl::string_view line) {
+  (void)!::send(conn, line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  for (int i = 0; i < 16; ++i) {
+    char buf[256];
+    iovec iov{buf, sizeof(buf)};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    if (::recvmsg(conn, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) <= 0) break;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t k = 0; k < count; ++k) {
+        int fd = -1;
+        std::memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof(int));
+        ::close(fd);
+      }
+    }
+  }
+  ::close(conn);
 }
 
 }  // namespace
@@ -76,11 +106,29 @@ void AttachFdServer::Stop() {
     (void)!::write(wake_[1], &byte, 1);
     thread_.join();
   }
+  // The wake byte stays unread: every connection's poll sees it.
+  for (Connection& c : connections_) c.thread.join();
+  connections_.clear();
   if (listen_fd_ >= 0) {
     ::close(listen_fd_);
     listen_fd_ = -1;
     ::unlink(path_.c_str());
   }
+}
+
+size_t AttachFdServer::ReapConnections() {
+  size_t kept = 0;
+  for (size_t i = 0; i < connections_.size(); ++i) {
+    if (connections_[i].done->load()) {
+      connections_[i].thread.join();
+    } else {
+      // (Moving a running thread onto itself would terminate.)
+      if (i != kept) connections_[kept] = std::move(connections_[i]);
+      ++kept;
+    }
+  }
+  connections_.resize(kept);
+  return kept;
 }
 
 void AttachFdServer::Run() {
@@ -94,19 +142,41 @@ void AttachFdServer::Run() {
     if ((fds[0].revents & POLLIN) == 0) continue;
     int conn = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (conn < 0) continue;
-    Serve(conn);
-    ::close(conn);
+    if (ReapConnections() >= static_cast<size_t>(kMaxConnections)) {
+      Refuse(conn, "Etoo many attach connections at once; retry\n");
+      continue;
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    connections_.push_back(Connection{std::thread([this, conn, done] {
+                                        Serve(conn);
+                                        ::close(conn);
+                                        done->store(true);
+                                      }),
+                                      done});
   }
 }
 
-void AttachFdServer::Serve(int conn) {
-  timeval timeout{1, 0};
-  ::setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  ::setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-  std::string ticket;
-  int received = -1;  // a descriptor the peer sent (a region's), kept until handed on
+bool AttachFdServer::ReadTicket(int conn, std::string* ticket, int* received, std::string* why) {
+  *received = -1;
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(kTicketTimeoutMs);
   char buf[128];
-  while (ticket.find('\n') == std::string::npos && ticket.size() < 256) {
+  while (ticket->find('\n') == std::string::npos) {
+    if (ticket->size() >= kMaxTicketBytes) {
+      *why = "ticket too long";
+      break;
+    }
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      *why = absl::StrCat("no ticket line within ", kTicketTimeoutMs, " ms");
+      break;
+    }
+    pollfd fds[2] = {{conn, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    const int ready = ::poll(fds, 2, static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0 || fds[1].revents != 0) break;  // Stop: no answer
+    if (ready == 0) continue;                     // the deadline, checked above
     iovec iov{buf, sizeof(buf)};
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
     msghdr msg{};
@@ -114,30 +184,44 @@ void AttachFdServer::Serve(int conn) {
     msg.msg_iovlen = 1;
     msg.msg_control = control;
     msg.msg_controllen = sizeof(control);
-    ssize_t n = ::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
-    if (n <= 0) break;  // closed or timed out
+    ssize_t n = ::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (n <= 0) break;  // closed
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
       if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
       const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
       for (size_t i = 0; i < count; ++i) {
         int fd = -1;
         std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        if (received < 0) {
-          received = fd;
+        if (*received < 0) {
+          *received = fd;
         } else {
           ::close(fd);  // one descriptor per ticket
         }
       }
     }
-    ticket.append(buf, static_cast<size_t>(n));
+    ticket->append(buf, static_cast<size_t>(n));
   }
-  const size_t newline = ticket.find('\n');
+  const size_t newline = ticket->find('\n');
   if (newline == std::string::npos) {
-    if (received >= 0) ::close(received);
-    if (!ticket.empty()) SendAll(conn, "Eticket too long\n");
+    if (*received >= 0) ::close(*received);
+    *received = -1;
+    return false;
+  }
+  ticket->resize(newline);
+  return true;
+}
+
+void AttachFdServer::Serve(int conn) {
+  timeval timeout{1, 0};
+  ::setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  std::string ticket;
+  int received = -1;  // a descriptor the peer sent (a region's), kept until handed on
+  std::string why;
+  if (!ReadTicket(conn, &ticket, &received, &why)) {
+    if (!why.empty()) SendAll(conn, absl::StrCat("E", why, "\n"));
     return;
   }
-  ticket.resize(newline);
   ucred cred{};
   socklen_t len = sizeof(cred);
   if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {

@@ -17,15 +17,19 @@
 // descriptor attached (SCM_RIGHTS); the server passes both to the
 // depositor and answers 'K', or 'E' and the reason.
 //
-// Lifecycle: Start binds and starts one thread; Stop (or the destructor)
-// ends it and removes the socket file. Connections are served one at a
-// time, each bounded to one second.
+// Lifecycle: Start binds and starts the accepting thread; Stop (or the
+// destructor) ends it and every connection's thread, and removes the socket
+// file. Connections are served at once, each on its own thread, at most
+// kMaxConnections together (one more is answered 'E' and closed at once);
+// a peer has one second in all to send its ticket line, so one that stalls
+// or trickles bytes holds only its own connection, and only that long.
 //
-// Thread-safety: Start/Stop from one thread; the redeemer is called on the
-// server's thread.
+// Thread-safety: Start/Stop from one thread; the redeemer and the
+// depositor are called on connection threads, several at once.
 #ifndef REFIT_SERVER_ATTACH_FD_SERVER_H_
 #define REFIT_SERVER_ATTACH_FD_SERVER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -46,6 +50,10 @@ class AttachFdServer {
   using Redeem = std::function<absl::StatusOr<std::vector<int>>(absl::string_view ticket, int pid,
                                                                 uint32_t uid)>;
   static constexpr int kMaxDescriptors = 4;
+  // Connections served at once; the time a peer has to send its ticket line.
+  static constexpr int kMaxConnections = 16;
+  static constexpr int kTicketTimeoutMs = 1000;
+  static constexpr size_t kMaxTicketBytes = 256;
 
   // A descriptor the peer sent with its ticket (owned by the callee from
   // then on, closed on error too); an error's message goes to the peer.
@@ -67,15 +75,30 @@ class AttachFdServer {
  private:
   AttachFdServer(std::string path, Redeem redeem, Deposit deposit)
       : path_(std::move(path)), redeem_(std::move(redeem)), deposit_(std::move(deposit)) {}
+  // A connection's thread, and whether it has ended (set by the thread).
+  struct Connection {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+
   void Run();
+  // Joins the connections' threads that have ended; returns how many run.
+  size_t ReapConnections();
   void Serve(int conn);
+  // Reads the peer's ticket line (without the newline) and the descriptor
+  // it sent, if any (-1), within kTicketTimeoutMs in all. False when the
+  // peer sent no whole line (the descriptor is closed then): `why` says
+  // why, empty when the peer sent nothing before it closed or Stop came.
+  bool ReadTicket(int conn, std::string* ticket, int* received, std::string* why);
 
   const std::string path_;
   const Redeem redeem_;
   const Deposit deposit_;
   int listen_fd_ = -1;
+  // Readable once Stop was called (nobody reads it): wakes every poll.
   int wake_[2] = {-1, -1};
   std::thread thread_;
+  std::vector<Connection> connections_;  // only the accepting thread, then Stop
 };
 
 }  // namespace refit::server

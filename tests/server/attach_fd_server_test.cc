@@ -1,5 +1,6 @@
 #include "server/attach_fd_server.h"
 
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -76,6 +77,109 @@ TEST_F(AttachFdServerTest, SendsEveryDescriptorInOrderInOneMessage) {
   EXPECT_THAT(error, HasSubstr("unknown attach ticket"));
   EXPECT_TRUE(ReceiveFds(path_, "none", &error).empty());
   EXPECT_THAT(error, HasSubstr("0 descriptors to send"));
+}
+
+// Everything the server sent on `s` until it closed (or `ms` passed).
+std::string ReadAll(int s, int ms) {
+  std::string out;
+  char buf[256];
+  for (;;) {
+    pollfd p{s, POLLIN, 0};
+    if (::poll(&p, 1, ms) <= 0) return out + "<still open>";
+    const ssize_t n = ::recv(s, buf, sizeof(buf), 0);
+    if (n <= 0) return out;
+    out.append(buf, static_cast<size_t>(n));
+  }
+}
+
+bool StillOpen(int s) {
+  pollfd p{s, POLLIN, 0};
+  return ::poll(&p, 1, 0) == 0;
+}
+
+class AttachFdServerPeersTest : public AttachFdServerTest {
+ protected:
+  void StartServer() {
+    absl::StatusOr<std::unique_ptr<AttachFdServer>> server = AttachFdServer::Start(
+        path_, [](absl::string_view ticket, int, uint32_t) -> absl::StatusOr<std::vector<int>> {
+          if (ticket != "good") return absl::PermissionDeniedError("unknown attach ticket");
+          return std::vector<int>{MemfdWith("arena")};
+        });
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+  }
+};
+
+// A peer that connects and sends nothing holds only its own connection: an
+// engine that comes after it gets its descriptor while the first is still
+// waiting, and the silent one is told why it was dropped.
+TEST_F(AttachFdServerPeersTest, APeerThatSendsNothingDelaysNoOtherPeer) {
+  StartServer();
+  std::string error;
+  const int silent = ConnectUnix(path_, &error);
+  ASSERT_GE(silent, 0) << error;
+  std::vector<int> fds = ReceiveFds(path_, "good", &error);
+  ASSERT_EQ(fds.size(), 1u) << error;
+  EXPECT_EQ(Contents(fds[0]), "arena");
+  ::close(fds[0]);
+  EXPECT_TRUE(StillOpen(silent));
+  EXPECT_THAT(ReadAll(silent, 5000), HasSubstr("Eno ticket line within 1000 ms"));
+  ::close(silent);
+}
+
+// A peer that trickles its ticket a byte at a time never gets past the one
+// second it has in all (bytes that keep coming do not extend it).
+TEST_F(AttachFdServerPeersTest, ATricklingPeerIsCutOffAfterOneSecondInAll) {
+  StartServer();
+  std::string error;
+  const int s = ConnectUnix(path_, &error);
+  ASSERT_GE(s, 0) << error;
+  int sent = 0;
+  for (; sent < 40 && StillOpen(s); ++sent) {
+    ASSERT_EQ(::send(s, "g", 1, MSG_NOSIGNAL), 1) << "the server closed before answering";
+    ::usleep(100 * 1000);
+  }
+  // 1 s is 10 bytes at 100 ms; 40 (4 s) would mean the deadline moved.
+  EXPECT_LT(sent, 40);
+  EXPECT_THAT(ReadAll(s, 5000), HasSubstr("Eno ticket line within 1000 ms"));
+  ::close(s);
+  // The server still serves.
+  std::vector<int> fds = ReceiveFds(path_, "good", &error);
+  ASSERT_EQ(fds.size(), 1u) << error;
+  ::close(fds[0]);
+}
+
+// At most kMaxConnections peers are served at once: one more is refused at
+// once with a reason, and a line that never ends is refused too. None of
+// it stops the server.
+TEST_F(AttachFdServerPeersTest, ConnectionsBeyondTheCapAndOverlongTicketsAreRefused) {
+  StartServer();
+  std::string error;
+  std::vector<int> held;
+  for (int i = 0; i < AttachFdServer::kMaxConnections; ++i) {
+    held.push_back(ConnectUnix(path_, &error));
+    ASSERT_GE(held.back(), 0) << error;
+  }
+  const int extra = ConnectUnix(path_, &error);
+  ASSERT_GE(extra, 0) << error;
+  EXPECT_THAT(ReadAll(extra, 900), HasSubstr("Etoo many attach connections at once"));
+  ::close(extra);
+  for (int s : held) ::close(s);
+  // Once those end (closed by their peers), new ones are served again.
+  std::vector<int> fds;
+  for (int attempt = 0; attempt < 50 && fds.empty(); ++attempt) {
+    fds = ReceiveFds(path_, "good", &error);
+    if (fds.empty()) ::usleep(20 * 1000);
+  }
+  ASSERT_EQ(fds.size(), 1u) << error;
+  ::close(fds[0]);
+  const int s = ConnectUnix(path_, &error);
+  ASSERT_GE(s, 0) << error;
+  const std::string long_line(AttachFdServer::kMaxTicketBytes + 10, 'x');
+  ASSERT_EQ(::send(s, long_line.data(), long_line.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(long_line.size()));
+  EXPECT_THAT(ReadAll(s, 5000), HasSubstr("Eticket too long"));
+  ::close(s);
 }
 
 }  // namespace

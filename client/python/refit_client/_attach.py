@@ -41,7 +41,6 @@ import mmap
 import os
 import platform
 import queue
-import socket
 import struct
 import threading
 import time
@@ -51,6 +50,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import grpc
 
+from . import _fdsocket
 from ._proto import engine_pb2 as epb
 from ._proto import engine_pb2_grpc as epb_grpc
 from .errors import FailedPrecondition, InvalidArgument, PermissionDenied, RefitError, from_rpc_error
@@ -141,25 +141,17 @@ def _torch_dtype(name: str) -> Any:
     return dtype
 
 
-# Descriptors the daemon sends for one ticket at most (its AttachFdServer).
-_MAX_FDS = 4
-
-
 def _receive_fds(path: str, ticket: str, timeout: float) -> List[int]:
     """The descriptors the daemon hands for `ticket`, in order: the arena's
     memfd first, then (a GPU arena shared as a virtual-memory allocation)
     that allocation's."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(ticket.encode() + b"\n")
-        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, _MAX_FDS)
-        if msg[:1] == b"K" and fds:
-            return list(fds)
-        for fd in fds:
-            os.close(fd)
-        text = msg[1:].decode(errors="replace").strip() or "no descriptor"
-        raise PermissionDenied(f"attach: the daemon refused the arena descriptor: {text}")
+    msg, fds = _fdsocket.exchange(path, ticket, timeout)
+    if msg[:1] == b"K" and fds:
+        return fds
+    for fd in fds:
+        os.close(fd)
+    text = msg[1:].decode(errors="replace").strip() or "no descriptor"
+    raise PermissionDenied(f"attach: the daemon refused the arena descriptor: {text}")
 
 
 class _CuMemLocation(ctypes.Structure):

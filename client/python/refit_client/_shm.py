@@ -41,7 +41,6 @@ import collections
 import fcntl
 import mmap
 import os
-import socket
 import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
@@ -49,7 +48,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, 
 import grpc
 import numpy as np
 
-from . import _tensors
+from . import _fdsocket, _tensors
 from ._proto import region_pb2 as rpb
 from ._proto import region_pb2_grpc as rpb_grpc
 from .errors import RefitError, ResourceExhausted, from_rpc_error
@@ -90,16 +89,9 @@ class Lease:
 
 
 def _send_fd(path: str, ticket: str, fd: int) -> str:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(_FD_SOCKET_TIMEOUT)
-        s.connect(path)
-        socket.send_fds(s, [(ticket + "\n").encode()], [fd])
-        reply = b""
-        while True:
-            part = s.recv(512)
-            if not part:
-                break
-            reply += part
+    reply, fds = _fdsocket.exchange(path, ticket, _FD_SOCKET_TIMEOUT, fd)
+    for received in fds:
+        os.close(received)  # the daemon sends none here
     return reply.decode(errors="replace").strip()
 
 

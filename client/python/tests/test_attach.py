@@ -100,6 +100,45 @@ def test_layout_mismatch_names_the_fields(daemon):
     assert engines_of(daemon.address) == []
 
 
+def _fill_descriptor_socket(path: str):
+    """As many silent connections as the daemon serves at once (it drops
+    each a second after it came), and proof that it is full: one more is
+    refused at once."""
+    silent = []
+    for _ in range(16):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        silent.append(s)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(LIMIT)
+        probe.connect(path)
+        assert probe.recv(128).startswith(b"Etoo many attach connections at once")
+    return silent
+
+
+def test_a_full_descriptor_socket_delays_an_attach_and_a_region_but_fails_neither(
+    daemon, client, weights
+):
+    """Peers that connect to the descriptor socket and send nothing hold a
+    connection each for a second at most; an engine's attach and a trainer's
+    region registration that find every connection taken retry until one is
+    free, and succeed."""
+    path = daemon.address[len("unix:"):] + ".fd"
+    silent = _fill_descriptor_socket(path)
+    try:
+        with attach(daemon.address, coordinate=False) as engine:
+            assert engine.version == 1
+            for s in silent:
+                s.close()
+            silent = _fill_descriptor_socket(path)
+            result = RefitClient(daemon.address).push(load_state_dict(weights(2)), lane="shm")
+            assert result.version == 2
+            assert first_events(engine, 1)[0].version == 2
+    finally:
+        for s in silent:
+            s.close()
+
+
 def test_uncoordinated_engine_is_told_of_commits_without_being_asked(daemon, client, weights):
     with attach(daemon.address, coordinate=False) as engine:
         result = client.push(load_state_dict(weights(2)))

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/dtype.h"
+#include "core/hash_feed.h"
 #include "core/parallel.h"
 #include "core/shard_store.h"
 #include "core/xxh3.h"
@@ -74,7 +75,11 @@ constexpr int64_t kKeepStepBytes = int64_t{1} << 16;
 // checks them for NaN/Inf when `check`, and returns their XXH3: one sweep,
 // each step copied in (when read in place from a trainer's region),
 // checked and hashed while it is in cache, instead of a copy, a scan and a
-// hash each reading the whole tensor from memory. Device aliases are
+// hash each reading the whole tensor from memory. Steps run on the bulk
+// threads (an embedding or LM head is an eighth of an 8B model's bytes),
+// and each is fed to the one hash in order as soon as it and the ones
+// before it are through (HashFeed). A non-finite value is named by the
+// first one in memory order, as a walk in order would. Device aliases are
 // brought over first, whole.
 absl::StatusOr<uint64_t> OwnCheckAndHash(absl::string_view kernel_name, const ParamSpec& param,
                                          bool check, StagingBuffer& bytes) {
@@ -90,16 +95,20 @@ absl::StatusOr<uint64_t> OwnCheckAndHash(absl::string_view kernel_name, const Pa
   }
   XXH3_64bits_reset(state.get());
   const int64_t step = esize > 0 ? kKeepStepBytes / esize * esize : kKeepStepBytes;
-  absl::Status swept = bytes.MaterializeInSteps(step, [&](int64_t at, int64_t n) {
-    const uint8_t* p = bytes.data() + at;
-    if (check && esize > 0) {
-      const int64_t bad = FindNonFinite(p, param.dtype, n / esize);
-      if (bad >= 0) return NonFiniteError(kernel_name, param, at / esize + bad, p + bad * esize);
-    }
-    XXH3_64bits_update(state.get(), p, static_cast<size_t>(n));
-    return absl::OkStatus();
-  });
+  HashFeed feed(state.get(), bytes.data(), bytes.size(), step);
+  absl::Status swept =
+      bytes.MaterializeInSteps(step, HashThreads(bytes.size()), [&](int64_t at, int64_t n) {
+        const uint8_t* p = bytes.data() + at;
+        if (check && esize > 0) {
+          const int64_t bad = FindNonFinite(p, param.dtype, n / esize);
+          if (bad >= 0)
+            return NonFiniteError(kernel_name, param, at / esize + bad, p + bad * esize);
+        }
+        feed.Written(at / step);
+        return absl::OkStatus();
+      });
   if (!swept.ok()) return swept;
+  feed.Finish();
   return XXH3_64bits_digest(state.get());
 }
 

@@ -1,6 +1,7 @@
 #include "core/staging_buffer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -14,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/device_source.h"
+#include "core/parallel.h"
 
 namespace refit::core {
 namespace {
@@ -48,6 +50,7 @@ class HostPool {
     {
       absl::MutexLock lock(&mu_);
       last_use_ = absl::Now();
+      largest_request_ = std::max(largest_request_, size);
       auto it = free_.lower_bound(size);
       if (it != free_.end() && it->first <= size + size / 8) {
         const std::pair<void*, int64_t> block{it->second, it->first};
@@ -60,10 +63,10 @@ class HostPool {
       }
       // A miss allocates on top of what the pool keeps. Kept blocks of other
       // sizes are freed first, as many as it takes for kept + in use to stay
-      // within the most that was in use at once (or what is in use now, if
-      // this request raises that): pooling never adds to a refit's peak.
+      // within the bound (KeepLimitLocked, or what is in use now, if this
+      // request raises that).
       const int64_t in_use_after = in_use_bytes_ + size;
-      const int64_t limit = std::max(high_water_bytes_, in_use_after);
+      const int64_t limit = std::max(KeepLimitLocked(), in_use_after);
       while (!free_.empty() && pooled_bytes_ + in_use_after > limit) {
         auto largest = std::prev(free_.end());
         pooled_bytes_ -= largest->first;
@@ -87,7 +90,7 @@ class HostPool {
       absl::MutexLock lock(&mu_);
       last_use_ = absl::Now();
       in_use_bytes_ -= capacity;
-      if (idle_ > absl::ZeroDuration() && pooled_bytes_ + capacity <= high_water_bytes_) {
+      if (idle_ > absl::ZeroDuration() && pooled_bytes_ + capacity <= KeepLimitLocked()) {
         free_.emplace(capacity, data);
         pooled_bytes_ += capacity;
         return;
@@ -105,6 +108,7 @@ class HostPool {
       pooled_bytes_ = 0;
       // The next burst sets its own high-water mark.
       high_water_bytes_ = in_use_bytes_;
+      largest_request_ = 0;
     }
     int64_t bytes = 0;
     for (const auto& [capacity, data] : freed) {
@@ -126,6 +130,17 @@ class HostPool {
   }
 
  private:
+  // What kept + in use may reach: the most that was in use at once, plus
+  // the largest buffer asked for. A refit takes more distinct buffers than
+  // it holds at its peak (the first layers' staging is released before the
+  // last kernels are taken); without the margin, the pool would free
+  // kept buffers for the first layers' staging on every refit and allocate
+  // (and fault in) that much afresh at the end, 64 MiB a refit for a model
+  // with a 64 MiB LM head.
+  int64_t KeepLimitLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return high_water_bytes_ + largest_request_;
+  }
+
   // A detached thread that empties an idle pool; started with the first
   // pooled allocation, so processes that never stage have none.
   void StartTrimmerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -149,6 +164,7 @@ class HostPool {
   int64_t pooled_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t in_use_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t high_water_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t largest_request_ ABSL_GUARDED_BY(mu_) = 0;  // since the last trim
   int64_t reused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t allocated_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_use_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
@@ -319,23 +335,61 @@ absl::Status StagingBuffer::MaterializeAliases() {
 }
 
 absl::Status StagingBuffer::MaterializeInSteps(
-    int64_t step, const std::function<absl::Status(int64_t offset, int64_t n)>& visit) {
+    int64_t step, int threads,
+    const std::function<absl::Status(int64_t offset, int64_t n)>& visit) {
   step = std::max<int64_t>(step, 1);
-  size_t next = 0;  // the first alias not wholly copied yet (sorted by offset)
-  for (int64_t at = 0; at < size_; at += step) {
+  const int64_t steps = (size_ + step - 1) / step;
+  // Copies in the aliased bytes of step s, then visits it. Aliases are
+  // sorted and disjoint (each byte of a buffer is taken in once), so only
+  // the one before the first starting at or after the step can reach into it.
+  auto one = [&](int64_t s) -> absl::Status {
+    const int64_t at = s * step;
     const int64_t end = std::min(size_, at + step);
-    for (size_t i = next; i < aliases_.size() && aliases_[i].offset < end; ++i) {
-      const Alias& a = aliases_[i];
-      const int64_t from = std::max(at, a.offset);
-      const int64_t to = std::min(end, a.offset + a.size);
-      if (from < to) {
-        absl::Status copied =
-            CopyBytesToHost(a.device, a.source + (from - a.offset), to - from, data() + from);
-        if (!copied.ok()) return copied;
-      }
-      if (a.offset + a.size <= end) next = i + 1;
+    auto it = std::lower_bound(aliases_.begin(), aliases_.end(), at,
+                               [](const Alias& a, int64_t o) { return a.offset < o; });
+    if (it != aliases_.begin() && std::prev(it)->offset + std::prev(it)->size > at) --it;
+    for (; it != aliases_.end() && it->offset < end; ++it) {
+      const int64_t from = std::max(at, it->offset);
+      const int64_t to = std::min(end, it->offset + it->size);
+      if (from >= to) continue;
+      absl::Status copied =
+          CopyBytesToHost(it->device, it->source + (from - it->offset), to - from, data() + from);
+      if (!copied.ok()) return copied;
     }
-    if (absl::Status s = visit(at, end - at); !s.ok()) return s;
+    return visit(at, end - at);
+  };
+  // Device copies stay on one thread.
+  const int workers =
+      has_device_aliases()
+          ? 1
+          : static_cast<int>(std::clamp<int64_t>(threads, 1, std::max<int64_t>(steps, 1)));
+  if (workers == 1) {
+    for (int64_t s = 0; s < steps; ++s) {
+      if (absl::Status status = one(s); !status.ok()) return status;
+    }
+  } else {
+    // Steps go out in increasing order; a failed one stops the hand-out.
+    // Every step below a failed one was handed out before it and runs to
+    // its end, so the lowest failure is the walk's first error.
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> failed{steps};
+    absl::Mutex mu;
+    absl::Status first;
+    int64_t first_step = steps;
+    RunInParallel(workers, [&](int) {
+      for (int64_t s = next.fetch_add(1); s < steps && s < failed.load(); s = next.fetch_add(1)) {
+        absl::Status status = one(s);
+        if (status.ok()) continue;
+        absl::MutexLock lock(&mu);
+        if (s < first_step) {
+          first_step = s;
+          first = std::move(status);
+          failed.store(s);
+        }
+        return;
+      }
+    });
+    if (!first.ok()) return first;
   }
   aliases_.clear();
   return absl::OkStatus();

@@ -61,11 +61,14 @@ class StagingBuffer {
   // Released buffers are therefore kept, process-wide, and handed out again
   // for a request of their size (best fit, at most 1/8 larger). Bounds: what
   // the pool keeps plus what is in use never exceeds the most that was in
-  // use at once (its high-water mark): a released buffer that would exceed
-  // it is freed instead, and a request the pool cannot serve first frees
-  // kept buffers of other sizes until the new one fits under it; and a
-  // pool not used for its idle period (kDefaultPoolIdle unless set) is
-  // emptied by a background thread, so an idle daemon holds no staging.
+  // use at once (its high-water mark) plus the largest buffer asked for: a
+  // released buffer that would exceed it is freed instead, and a request
+  // the pool cannot serve first frees kept buffers of other sizes until the
+  // new one fits under it; and a pool not used for its idle period
+  // (kDefaultPoolIdle unless set) is emptied by a background thread, so an
+  // idle daemon holds no staging. (The margin: a refit takes more distinct
+  // buffers than it holds at its peak, the first layers' staging being
+  // released before the last kernels are taken.)
   static constexpr int64_t kPoolMinBytes = int64_t{1} << 20;
   static constexpr absl::Duration kDefaultPoolIdle = absl::Seconds(30);
   // Sets the idle period; zero (or negative) turns pooling off: HostPooled
@@ -122,12 +125,17 @@ class StagingBuffer {
   // As MaterializeAliases, walking the whole buffer in steps of at most
   // `step` bytes: once a step's bytes are owned, visit(offset, n) may read
   // them at data() + offset, while they are in cache (a check and a hash in
-  // the same sweep as the copy). Steps go in order and cover every byte,
-  // owned ones too. Errors: a device source's, or the first error of
-  // `visit`, which ends the walk; the aliases are then kept (the owned
-  // bytes under them are never read).
+  // the same sweep as the copy). Steps cover every byte, owned ones too.
+  // With `threads` > 1 up to that many threads take steps, in increasing
+  // order, each the next one free, and `visit` runs for several steps at
+  // once; with 1 (and whenever a device alias is left) steps go in order
+  // on the calling thread. Errors: a device source's, or `visit`'s: the
+  // first one in step order, which ends the walk (steps after it are not
+  // visited, or not all); the aliases are then kept (the owned bytes under
+  // them are never read).
   absl::Status MaterializeInSteps(
-      int64_t step, const std::function<absl::Status(int64_t offset, int64_t n)>& visit);
+      int64_t step, int threads,
+      const std::function<absl::Status(int64_t offset, int64_t n)>& visit);
 
   // Null for an empty buffer (size 0).
   uint8_t* data() const { return static_cast<uint8_t*>(data_); }

@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "core/fixture_model.h"
 #include "core/fp8_quantizer.h"
 #include "core/model_layout.h"
+#include "core/parallel.h"
 #include "core/shard_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -188,6 +190,60 @@ TEST(LayerProcessorTest, KeptKernelsEqualTheParamsByteForByte) {
   }
   // embed, 3 norms, lm_head, o_proj's bias.
   EXPECT_EQ(checked, 6);
+}
+
+// A kept kernel of 4 MiB (an embedding) is made owned, checked and hashed
+// on several threads: read partly in place (aliases that start and end
+// inside the 64 KiB steps), its kernel is the pushed bytes and its hash
+// their XXH3; with two NaNs in it, the error names the first in memory
+// order, whichever thread found which.
+TEST(LayerProcessorTest, ALargeKeptKernelIsOwnedCheckedAndHashedOnSeveralThreads) {
+  ModelConfig config = FixtureConfig();
+  config.vocab_size = 16384;  // 16384 x 128 bf16: 4 MiB
+  std::shared_ptr<const ModelLayout> layout = Layout(config, QuantScheme::kPerTensor);
+  ASSERT_NE(layout, nullptr);
+  const int l = layout->FindLayer("model.embed_tokens");
+  ASSERT_GE(l, 0);
+  const LayerSpec& spec = layout->layers()[l];
+  ASSERT_EQ(spec.kernels.size(), 1u);
+  for (int threads : {1, 2, 3}) {
+    SCOPED_TRACE(threads);
+    SetHostThreads(threads);
+    for (bool with_nans : {false, true}) {
+      SCOPED_TRACE(with_nans);
+      Params params = RandomParams(spec, 31);
+      std::string& expected = params.bytes[0];
+      ASSERT_EQ(expected.size(), size_t{4} << 20);
+      constexpr uint16_t kNan = 0x7FC0;
+      if (with_nans) {
+        for (int64_t e : {int64_t{1500000}, int64_t{100003}}) {
+          std::memcpy(expected.data() + 2 * e, &kNan, 2);
+          std::memcpy(params.buffers[0].data() + 2 * e, &kNan, 2);
+        }
+      }
+      // Every other 100000 bytes read in place from a copy (a trainer's
+      // region); the buffer's own bytes there are zeros until the sweep.
+      const std::string region = expected;
+      for (int64_t at = 0; at < static_cast<int64_t>(region.size()); at += 200000) {
+        const int64_t n = std::min<int64_t>(100000, static_cast<int64_t>(region.size()) - at);
+        std::memset(params.buffers[0].data() + at, 0, static_cast<size_t>(n));
+        params.buffers[0].AddAlias(at, reinterpret_cast<const uint8_t*>(region.data()) + at, n,
+                                   nullptr);
+      }
+      absl::StatusOr<ProcessedLayer> out = Host(*layout)->Process(l, std::move(params.buffers));
+      if (with_nans) {
+        EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_THAT(out.status().message(),
+                    HasSubstr("tensor 'model.embed_tokens.weight': element 100003 is nan"));
+        continue;
+      }
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_FALSE(out->kernels[0].has_aliases());
+      EXPECT_TRUE(Str(out->kernels[0]) == expected);
+      EXPECT_EQ(out->hashes[0], XXH3_64bits(expected.data(), expected.size()));
+    }
+  }
+  SetHostThreads(0);
 }
 
 TEST(LayerProcessorTest, UnquantizedWeightIsKeptAsIs) {

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -147,12 +148,21 @@ void AttachFdServer::Run() {
       continue;
     }
     auto done = std::make_shared<std::atomic<bool>>(false);
-    connections_.push_back(Connection{std::thread([this, conn, done] {
-                                        Serve(conn);
-                                        ::close(conn);
-                                        done->store(true);
-                                      }),
-                                      done});
+    std::thread thread;
+    try {
+      thread = std::thread([this, conn, done] {
+        Serve(conn);
+        ::close(conn);
+        done->store(true);
+      });
+    } catch (const std::system_error& e) {
+      // Out of threads (a process limit): this peer is refused, the
+      // daemon goes on.
+      REFIT_LOG(WARNING) << "attach socket: no thread for a connection: " << e.what();
+      Refuse(conn, "Erefitd cannot serve this connection now (no thread); retry\n");
+      continue;
+    }
+    connections_.push_back(Connection{std::move(thread), std::move(done)});
   }
 }
 

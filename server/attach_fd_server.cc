@@ -12,6 +12,7 @@
 #include <cstring>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
@@ -27,6 +28,30 @@ void SendAll(int fd, absl::string_view text) {
   }
 }
 
+// recvmsg of up to `len` bytes into `buf`; the descriptors that came with
+// them (SCM_RIGHTS) are appended to `fds`, for the caller to keep or close.
+ssize_t ReceiveWithDescriptors(int conn, char* buf, size_t len, int flags, std::vector<int>* fds) {
+  iovec iov{buf, len};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t n = ::recvmsg(conn, &msg, flags | MSG_CMSG_CLOEXEC);
+  if (n < 0) return n;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd = -1;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds->push_back(fd);
+    }
+  }
+  return n;
+}
+
 // Answers `line` on a connection the server will not serve, and closes it.
 // What the peer sent already is read first (descriptors closed): closing a
 // Unix socket with unread bytes would reset the peer's read, and the answer
@@ -35,23 +60,10 @@ void Refuse(int conn, absl::string_view line) {
   (void)!::send(conn, line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   for (int i = 0; i < 16; ++i) {
     char buf[256];
-    iovec iov{buf, sizeof(buf)};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    if (::recvmsg(conn, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) <= 0) break;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t k = 0; k < count; ++k) {
-        int fd = -1;
-        std::memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof(int));
-        ::close(fd);
-      }
-    }
+    std::vector<int> fds;
+    const ssize_t n = ReceiveWithDescriptors(conn, buf, sizeof(buf), MSG_DONTWAIT, &fds);
+    for (int fd : fds) ::close(fd);
+    if (n <= 0) break;
   }
   ::close(conn);
 }
@@ -187,29 +199,17 @@ bool AttachFdServer::ReadTicket(int conn, std::string* ticket, int* received, st
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0 || fds[1].revents != 0) break;  // Stop: no answer
     if (ready == 0) continue;                     // the deadline, checked above
-    iovec iov{buf, sizeof(buf)};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    ssize_t n = ::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-    if (n <= 0) break;  // closed
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int fd = -1;
-        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        if (*received < 0) {
-          *received = fd;
-        } else {
-          ::close(fd);  // one descriptor per ticket
-        }
+    std::vector<int> passed;                      // (none when n < 0: errno is recvmsg's)
+    const ssize_t n = ReceiveWithDescriptors(conn, buf, sizeof(buf), MSG_DONTWAIT, &passed);
+    for (int fd : passed) {
+      if (*received < 0) {
+        *received = fd;
+      } else {
+        ::close(fd);  // one descriptor per ticket
       }
     }
+    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (n <= 0) break;  // closed
     ticket->append(buf, static_cast<size_t>(n));
   }
   const size_t newline = ticket->find('\n');

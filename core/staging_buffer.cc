@@ -50,7 +50,6 @@ class HostPool {
     {
       absl::MutexLock lock(&mu_);
       last_use_ = absl::Now();
-      largest_request_ = std::max(largest_request_, size);
       auto it = free_.lower_bound(size);
       if (it != free_.end() && it->first <= size + size / 8) {
         const std::pair<void*, int64_t> block{it->second, it->first};
@@ -63,10 +62,10 @@ class HostPool {
       }
       // A miss allocates on top of what the pool keeps. Kept blocks of other
       // sizes are freed first, as many as it takes for kept + in use to stay
-      // within the bound (KeepLimitLocked, or what is in use now, if this
-      // request raises that).
+      // within the most that was in use at once (or what is in use now, if
+      // this request raises that): pooling never adds to a refit's peak.
       const int64_t in_use_after = in_use_bytes_ + size;
-      const int64_t limit = std::max(KeepLimitLocked(), in_use_after);
+      const int64_t limit = std::max(high_water_bytes_, in_use_after);
       while (!free_.empty() && pooled_bytes_ + in_use_after > limit) {
         auto largest = std::prev(free_.end());
         pooled_bytes_ -= largest->first;
@@ -90,7 +89,7 @@ class HostPool {
       absl::MutexLock lock(&mu_);
       last_use_ = absl::Now();
       in_use_bytes_ -= capacity;
-      if (idle_ > absl::ZeroDuration() && pooled_bytes_ + capacity <= KeepLimitLocked()) {
+      if (idle_ > absl::ZeroDuration() && pooled_bytes_ + capacity <= high_water_bytes_) {
         free_.emplace(capacity, data);
         pooled_bytes_ += capacity;
         return;
@@ -108,7 +107,6 @@ class HostPool {
       pooled_bytes_ = 0;
       // The next burst sets its own high-water mark.
       high_water_bytes_ = in_use_bytes_;
-      largest_request_ = 0;
     }
     int64_t bytes = 0;
     for (const auto& [capacity, data] : freed) {
@@ -130,17 +128,6 @@ class HostPool {
   }
 
  private:
-  // What kept + in use may reach: the most that was in use at once, plus
-  // the largest buffer asked for. A refit takes more distinct buffers than
-  // it holds at its peak (the first layers' staging is released before the
-  // last kernels are taken); without the margin, the pool would free
-  // kept buffers for the first layers' staging on every refit and allocate
-  // (and fault in) that much afresh at the end, 64 MiB a refit for a model
-  // with a 64 MiB LM head.
-  int64_t KeepLimitLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return high_water_bytes_ + largest_request_;
-  }
-
   // A detached thread that empties an idle pool; started with the first
   // pooled allocation, so processes that never stage have none.
   void StartTrimmerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -164,7 +151,6 @@ class HostPool {
   int64_t pooled_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t in_use_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t high_water_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t largest_request_ ABSL_GUARDED_BY(mu_) = 0;  // since the last trim
   int64_t reused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t allocated_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_use_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

@@ -61,14 +61,11 @@ class StagingBuffer {
   // Released buffers are therefore kept, process-wide, and handed out again
   // for a request of their size (best fit, at most 1/8 larger). Bounds: what
   // the pool keeps plus what is in use never exceeds the most that was in
-  // use at once (its high-water mark) plus the largest buffer asked for: a
-  // released buffer that would exceed it is freed instead, and a request
-  // the pool cannot serve first frees kept buffers of other sizes until the
-  // new one fits under it; and a pool not used for its idle period
-  // (kDefaultPoolIdle unless set) is emptied by a background thread, so an
-  // idle daemon holds no staging. (The margin: a refit takes more distinct
-  // buffers than it holds at its peak, the first layers' staging being
-  // released before the last kernels are taken.)
+  // use at once (its high-water mark): a released buffer that would exceed
+  // it is freed instead, and a request the pool cannot serve first frees
+  // kept buffers of other sizes until the new one fits under it; and a
+  // pool not used for its idle period (kDefaultPoolIdle unless set) is
+  // emptied by a background thread, so an idle daemon holds no staging.
   static constexpr int64_t kPoolMinBytes = int64_t{1} << 20;
   static constexpr absl::Duration kDefaultPoolIdle = absl::Seconds(30);
   // Sets the idle period; zero (or negative) turns pooling off: HostPooled

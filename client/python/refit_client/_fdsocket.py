@@ -16,8 +16,9 @@ import socket
 import time
 from typing import List, Optional, Tuple
 
-# The daemon's answer when it serves as many connections as it takes.
-_BUSY = b"Etoo many attach connections at once"
+# The daemon's answers when it cannot serve one more connection now: as
+# many as it takes are being served, or it has no thread for another.
+_BUSY = (b"Etoo many attach connections at once", b"Erefitd cannot serve this connection now")
 
 # Descriptors one answer carries at most (the daemon sends up to 4).
 _MAX_FDS = 4
@@ -35,7 +36,7 @@ def exchange(path: str, ticket: str, timeout: float, fd: Optional[int] = None) -
         except (ConnectionResetError, BrokenPipeError):
             if time.monotonic() + delay >= deadline:
                 raise
-            reply, fds = _BUSY, []
+            reply, fds = _BUSY[0], []
         if not reply.startswith(_BUSY) or time.monotonic() + delay >= deadline:
             return reply, fds
         for received in fds:

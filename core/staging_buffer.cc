@@ -349,34 +349,27 @@ absl::Status StagingBuffer::MaterializeInSteps(
       has_device_aliases()
           ? 1
           : static_cast<int>(std::clamp<int64_t>(threads, 1, std::max<int64_t>(steps, 1)));
-  if (workers == 1) {
-    for (int64_t s = 0; s < steps; ++s) {
-      if (absl::Status status = one(s); !status.ok()) return status;
-    }
-  } else {
-    // Steps go out in increasing order; a failed one stops the hand-out.
-    // Every step below a failed one was handed out before it and runs to
-    // its end, so the lowest failure is the walk's first error.
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> failed{steps};
-    absl::Mutex mu;
-    absl::Status first;
-    int64_t first_step = steps;
-    RunInParallel(workers, [&](int) {
-      for (int64_t s = next.fetch_add(1); s < steps && s < failed.load(); s = next.fetch_add(1)) {
-        absl::Status status = one(s);
-        if (status.ok()) continue;
-        absl::MutexLock lock(&mu);
-        if (s < first_step) {
-          first_step = s;
-          first = std::move(status);
-          failed.store(s);
-        }
-        return;
+  // Steps go out in increasing order (one worker: on this thread, in
+  // order); a failed one stops the hand-out. Every step below a failed one
+  // was handed out before it and runs to its end, so the lowest failure is
+  // the walk's first error.
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> failed{steps};  // the lowest failed step so far
+  absl::Mutex mu;
+  absl::Status first;  // its error
+  RunInParallel(workers, [&](int) {
+    for (int64_t s = next.fetch_add(1); s < steps && s < failed.load(); s = next.fetch_add(1)) {
+      absl::Status status = one(s);
+      if (status.ok()) continue;
+      absl::MutexLock lock(&mu);
+      if (s < failed.load()) {
+        failed.store(s);
+        first = std::move(status);
       }
-    });
-    if (!first.ok()) return first;
-  }
+      return;
+    }
+  });
+  if (!first.ok()) return first;
   aliases_.clear();
   return absl::OkStatus();
 }

@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "core/log.h"
 
 namespace refit::server {
@@ -145,6 +147,7 @@ size_t AttachFdServer::ReapConnections() {
 }
 
 void AttachFdServer::Run() {
+  absl::Time warned = absl::InfinitePast();  // the last accept failure logged
   for (;;) {
     pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0) {
@@ -154,7 +157,20 @@ void AttachFdServer::Run() {
     if (fds[1].revents != 0) return;
     if ((fds[0].revents & POLLIN) == 0) continue;
     int conn = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn < 0) continue;
+    if (conn < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // Out of descriptors or memory: the pending peer stays queued and
+        // the socket stays readable, so polling again at once would spin.
+        // Wait a little (or for Stop) before trying again.
+        if (absl::Now() - warned > absl::Seconds(10)) {
+          warned = absl::Now();
+          REFIT_LOG(WARNING) << "attach socket: cannot accept: " << std::strerror(errno);
+        }
+        pollfd wake = {wake_[0], POLLIN, 0};
+        if (::poll(&wake, 1, kAcceptBackoffMs) > 0) return;
+      }
+      continue;
+    }
     if (ReapConnections() >= static_cast<size_t>(kMaxConnections)) {
       Refuse(conn, "Etoo many attach connections at once; retry\n");
       continue;

@@ -53,6 +53,8 @@ class AttachFdServer {
   // Connections served at once; the time a peer has to send its ticket line.
   static constexpr int kMaxConnections = 16;
   static constexpr int kTicketTimeoutMs = 1000;
+  // How long the accept loop waits after running out of descriptors.
+  static constexpr int kAcceptBackoffMs = 100;
   static constexpr size_t kMaxTicketBytes = 256;
 
   // A descriptor the peer sent with its ticket (owned by the callee from

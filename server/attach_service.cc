@@ -43,12 +43,13 @@ absl::Status CompareLayouts(const v1::EngineLayout& expect, const v1::EngineLayo
     }
   };
   text("architecture", expect.architecture(), actual.architecture());
-  // tp_size 0 means "not set"; tp_rank counts only together with tp_size.
+  // tp_size 0 means "not set". tp_rank 0 cannot be told from "not set"
+  // unless tp_size is given; any other rank is always compared.
   if (expect.tp_size() != 0 && expect.tp_size() != actual.tp_size()) {
     diffs.push_back(absl::StrCat("tp_size (engine expects ", expect.tp_size(), ", daemon serves ",
                                  actual.tp_size(), ")"));
   }
-  if (expect.tp_size() != 0 && expect.tp_rank() != actual.tp_rank()) {
+  if ((expect.tp_size() != 0 || expect.tp_rank() != 0) && expect.tp_rank() != actual.tp_rank()) {
     diffs.push_back(absl::StrCat("tp_rank (engine expects ", expect.tp_rank(), ", daemon serves ",
                                  actual.tp_rank(), ")"));
   }
@@ -299,7 +300,8 @@ class AttachService::Reactor final
     if (!in_.has_quiesced()) {
       return absl::FailedPreconditionError("an attached engine sends only quiesced");
     }
-    registry_->OnQuiesced(engine_id_, in_.quiesced().refit_id(), in_.quiesced().version());
+    registry_->OnQuiesced(engine_id_, in_.quiesced().refit_id(), in_.quiesced().version(),
+                          in_.quiesced().attempt());
     return absl::OkStatus();
   }
 

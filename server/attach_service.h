@@ -76,8 +76,9 @@ class AttachService final : public v1::EngineService::CallbackService {
 
   // For the Attach reactor.
   RefitServiceImpl* refit() const { return refit_; }
-  // The registry of `group` (created on first use: a group that never had
-  // an engine commits without a coordinator).
+  // The registry of `group`, created on first use. RefitServer creates one
+  // for every group before it serves, so that every commit has its
+  // coordinator: an engine attaching mid-commit is then always told.
   EngineRegistry* RegistryFor(ModelGroup* group);
   std::string IssueTicket(absl::string_view group, absl::string_view engine_id);
   void DropTicket(absl::string_view ticket);

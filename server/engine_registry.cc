@@ -32,7 +32,26 @@ std::string EngineRegistry::Add(absl::string_view name, bool coordinated, Engine
   engine.info.attached = absl::Now();
   engine.sink = sink;
   engine.info.version = attached(id);
+  if (coordinated && !pending_refit_.empty()) {
+    // A commit is under way. Before its copy it waits for this engine as
+    // well (the wait re-checks its condition when the lock is released);
+    // during the copy the engine holds at its next safe point until
+    // Committed.
+    SendPendingLocked(id, engine);
+    if (copying_) waiting_.erase(id);
+  }
   return id;
+}
+
+void EngineRegistry::SendPendingLocked(const std::string& id, Engine& engine) {
+  v1::DaemonMessage message;
+  message.mutable_commit_pending()->set_refit_id(pending_refit_);
+  message.mutable_commit_pending()->set_version(pending_version_);
+  message.mutable_commit_pending()->set_attempt(attempt_);
+  engine.quiesced_at = absl::InfinitePast();
+  engine.sink->Send(std::move(message));
+  told_.insert(id);
+  waiting_.insert(id);
 }
 
 void EngineRegistry::Remove(absl::string_view engine_id) {
@@ -52,10 +71,13 @@ void EngineRegistry::SetPeer(absl::string_view engine_id, int pid, uint32_t uid)
 }
 
 void EngineRegistry::OnQuiesced(absl::string_view engine_id, absl::string_view refit_id,
-                                uint64_t version) {
+                                uint64_t version, uint64_t attempt) {
   absl::MutexLock lock(&mu_);
   const std::string id(engine_id);
-  if (refit_id != pending_refit_ || version != pending_version_ || waiting_.count(id) == 0) return;
+  if (refit_id != pending_refit_ || version != pending_version_ || attempt != attempt_ ||
+      waiting_.count(id) == 0) {
+    return;
+  }
   waiting_.erase(id);
   auto it = engines_.find(id);
   if (it != engines_.end()) it->second.quiesced_at = absl::Now();
@@ -77,22 +99,21 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   absl::MutexLock lock(&mu_);
   pending_refit_ = std::string(refit_id);
   pending_version_ = next_version;
+  ++attempt_;
+  copying_ = false;
   told_.clear();
   waiting_.clear();
   for (auto& [id, engine] : engines_) {
-    if (!engine.info.coordinated) continue;
-    v1::DaemonMessage message;
-    message.mutable_commit_pending()->set_refit_id(pending_refit_);
-    message.mutable_commit_pending()->set_version(next_version);
-    engine.quiesced_at = absl::InfinitePast();
-    engine.sink->Send(std::move(message));
-    told_.insert(id);
-    waiting_.insert(id);
+    if (engine.info.coordinated) SendPendingLocked(id, engine);
   }
-  if (waiting_.empty()) return absl::OkStatus();
-  const absl::Time deadline = absl::Now() + quiesce_timeout_;
-  mu_.AwaitWithDeadline(absl::Condition(this, &EngineRegistry::NoneWaitingLocked), deadline);
-  if (waiting_.empty()) return absl::OkStatus();
+  if (!waiting_.empty()) {
+    const absl::Time deadline = absl::Now() + quiesce_timeout_;
+    mu_.AwaitWithDeadline(absl::Condition(this, &EngineRegistry::NoneWaitingLocked), deadline);
+  }
+  if (waiting_.empty()) {
+    copying_ = true;
+    return absl::OkStatus();
+  }
   std::vector<std::string> names;
   for (const std::string& id : waiting_) {
     const EngineInfo& info = engines_.at(id).info;
@@ -112,6 +133,7 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   SendAbortedLocked(refit_id, reason, /*told_only=*/true);
   pending_refit_.clear();
   pending_version_ = 0;
+  copying_ = false;
   told_.clear();
   waiting_.clear();
   return core::NotQuiescedError(reason);
@@ -139,6 +161,7 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
   }
   pending_refit_.clear();
   pending_version_ = 0;
+  copying_ = false;
   told_.clear();
   waiting_.clear();
 }

@@ -69,6 +69,9 @@ class EngineRegistry final : public core::CommitCoordinator {
   // registry's lock held: it sends the engine its first message and returns
   // the version it told the engine of, so that no commit's Committed falls
   // between the two.
+  // A coordinated engine that attaches while a commit is pending is sent
+  // its CommitPending at once: before the copy the commit waits for its ack
+  // too; during the copy it is told to hold until Committed.
   std::string Add(absl::string_view name, bool coordinated, EngineSink* sink,
                   absl::FunctionRef<uint64_t(const std::string& engine_id)> attached);
   // Releases the engine: it no longer receives anything, and a commit
@@ -76,8 +79,9 @@ class EngineRegistry final : public core::CommitCoordinator {
   void Remove(absl::string_view engine_id);
   void SetPeer(absl::string_view engine_id, int pid, uint32_t uid);
   // The engine reached its safe point for the pending commit of `version`.
-  // Acks for another refit or version (late ones) are ignored.
-  void OnQuiesced(absl::string_view engine_id, absl::string_view refit_id, uint64_t version);
+  // Acks for another refit, version or attempt (late ones) are ignored.
+  void OnQuiesced(absl::string_view engine_id, absl::string_view refit_id, uint64_t version,
+                  uint64_t attempt);
   std::vector<EngineInfo> List() const;
   int size() const;
 
@@ -93,6 +97,7 @@ class EngineRegistry final : public core::CommitCoordinator {
     absl::Time quiesced_at = absl::InfinitePast();  // during a pending commit
   };
   void OnStoreEvent(const core::StoreEvent& event);
+  void SendPendingLocked(const std::string& id, Engine& engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAbortedLocked(absl::string_view refit_id, absl::string_view reason, bool told_only)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool NoneWaitingLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return waiting_.empty(); }
@@ -109,7 +114,9 @@ class EngineRegistry final : public core::CommitCoordinator {
   // store's refit slot).
   std::string pending_refit_ ABSL_GUARDED_BY(mu_);
   uint64_t pending_version_ ABSL_GUARDED_BY(mu_) = 0;
-  std::set<std::string> told_ ABSL_GUARDED_BY(mu_);     // sent CommitPending
+  uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;        // of the pending commit, counted per registry
+  bool copying_ ABSL_GUARDED_BY(mu_) = false;        // BeforeCommit returned OK, no AfterCommit yet
+  std::set<std::string> told_ ABSL_GUARDED_BY(mu_);  // sent CommitPending
   std::set<std::string> waiting_ ABSL_GUARDED_BY(mu_);  // told, not yet quiesced
 };
 

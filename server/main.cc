@@ -331,6 +331,14 @@ int main(int argc, char** argv) {
   options.refit_timeout = absl::GetFlag(FLAGS_refit_timeout);
   options.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
   options.engine_quiesce_timeout = absl::GetFlag(FLAGS_engine_quiesce_timeout);
+  if (options.engine_quiesce_timeout <= absl::ZeroDuration() ||
+      options.engine_quiesce_timeout == absl::InfiniteDuration()) {
+    // 0 would fail every coordinated commit at once; inf would let one
+    // connected but stuck engine hold every commit forever.
+    return UsageError(absl::InvalidArgumentError(
+        absl::StrCat("--engine-quiesce-timeout must be a positive, finite duration, got ",
+                     absl::FormatDuration(options.engine_quiesce_timeout))));
+  }
   options.max_regions_per_caller = absl::GetFlag(FLAGS_max_regions_per_caller);
   if (options.max_regions_per_caller < 0) {
     return UsageError(absl::InvalidArgumentError("--max-regions-per-caller must be >= 0"));

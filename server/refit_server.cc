@@ -253,6 +253,7 @@ absl::Status RefitServer::StartGrpc() {
   attach_ =
       std::make_unique<AttachService>(service_.get(), options_.engine_quiesce_timeout, &metrics_);
   service_->SetAttachService(attach_.get());
+  for (const auto& [name, group] : groups_) attach_->RegistryFor(group.get());
   // Trainer regions are page-locked when a store is on a GPU: its refits
   // then copy them to the device by DMA, with no host copy.
   bool pin = false;

@@ -642,6 +642,20 @@ TEST_F(RefitdE2eTest, AnUnknownCudaArenaSharingIsRefusedAtStartUp) {
   EXPECT_THAT(child->Stderr(), HasSubstr("--cuda-arena must be ipc or vmm, got \"shared\""));
 }
 
+TEST_F(RefitdE2eTest, AQuiesceTimeoutThatIsNotPositiveAndFiniteIsRefusedAtStartUp) {
+  for (const char* bad : {"--engine-quiesce-timeout=0s", "--engine-quiesce-timeout=-1s",
+                          "--engine-quiesce-timeout=inf"}) {
+    auto child = Child::Start({BinPath("refitd"), "--model=demo", bad}, Path("bad-quiesce.out"),
+                              Path("bad-quiesce.err"));
+    std::optional<int> code = child->Wait();
+    ASSERT_TRUE(code.has_value()) << bad;
+    EXPECT_EQ(*code, 2) << bad;
+    EXPECT_THAT(child->Stderr(),
+                HasSubstr("--engine-quiesce-timeout must be a positive, finite duration"))
+        << bad;
+  }
+}
+
 TEST_F(RefitdE2eTest, VersionsAreTheBuildsVersion) {
   for (const char* bin : {"refitd", "refitctl"}) {
     auto child = Child::Start({BinPath(bin), "--version"}, Path(absl::StrCat(bin, "-version.out")),

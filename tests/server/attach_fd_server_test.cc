@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -180,6 +181,46 @@ TEST_F(AttachFdServerPeersTest, ConnectionsBeyondTheCapAndOverlongTicketsAreRefu
             static_cast<ssize_t>(long_line.size()));
   EXPECT_THAT(ReadAll(s, 5000), HasSubstr("Eticket too long"));
   ::close(s);
+}
+
+// Out of descriptors, accept fails while the peer stays queued: the server
+// waits between tries instead of spinning on a socket that stays readable,
+// and serves again once descriptors are free.
+TEST_F(AttachFdServerPeersTest, OutOfDescriptorsTheServerWaitsInsteadOfSpinning) {
+  StartServer();
+  std::string error;
+  const int queued = ConnectUnix(path_, &error);
+  ASSERT_GE(queued, 0) << error;
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  {
+    // Every descriptor below the lowest free one is in use: with the limit
+    // there, the server's accept fails with EMFILE.
+    const int probe = ::dup(0);
+    ASSERT_GE(probe, 0);
+    ::close(probe);
+    rlimit low = saved;
+    low.rlim_cur = static_cast<rlim_t>(probe);
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  }
+  rusage before{}, after{};
+  ::getrusage(RUSAGE_SELF, &before);
+  ::usleep(500 * 1000);
+  ::getrusage(RUSAGE_SELF, &after);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  auto seconds = [](const rusage& u) {
+    return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+  };
+  // A spinning accept loop burns the whole half second on its core.
+  EXPECT_LT(seconds(after) - seconds(before), 0.2);
+  ::close(queued);
+  std::vector<int> fds;
+  for (int attempt = 0; attempt < 50 && fds.empty(); ++attempt) {
+    fds = ReceiveFds(path_, "good", &error);
+    if (fds.empty()) ::usleep(20 * 1000);
+  }
+  ASSERT_EQ(fds.size(), 1u) << error;
+  ::close(fds[0]);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/arena.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -56,6 +57,7 @@ class Engine {
     v1::EngineMessage ack;
     ack.mutable_quiesced()->set_refit_id(pending.refit_id());
     ack.mutable_quiesced()->set_version(pending.version());
+    ack.mutable_quiesced()->set_attempt(pending.attempt());
     stream_->Write(ack);
   }
   grpc::Status Close() {
@@ -249,6 +251,90 @@ TEST_F(AttachTest, PreparedRefitStaysPreparedUntilTheSilentEngineDetaches) {
   EXPECT_EQ(Status(stub_.get()).engines_size(), 0);
 }
 
+TEST_F(AttachTest, AnEngineAttachingWhileACommitWaitsIsAskedAndWaitedForToo) {
+  ServerOptions options = TestOptions(dir_);
+  options.engine_quiesce_timeout = absl::Seconds(30);
+  StartServer(std::move(options));
+  engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
+  Engine first(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(first);
+  std::thread pusher([&] {
+    const PushOutcome outcome = PushMessages(stub_.get(), FullPush(2));
+    EXPECT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  });
+  v1::DaemonMessage message;
+  ASSERT_TRUE(first.Read(&message));
+  ASSERT_TRUE(message.has_commit_pending());
+  const v1::CommitPending pending = message.commit_pending();
+
+  // The commit is waiting for `first`; a second engine attaches now.
+  Engine second(engine_stub_.get(), /*coordinate=*/true);
+  EXPECT_EQ(AttachOne(second).version(), 1u);
+  ASSERT_TRUE(second.Read(&message));
+  ASSERT_TRUE(message.has_commit_pending());
+  EXPECT_EQ(message.commit_pending().version(), 2u);
+  EXPECT_EQ(message.commit_pending().attempt(), pending.attempt());
+
+  // The first ack alone does not let the copy run.
+  first.Quiesced(pending);
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(server_->default_group()->store()->version(), 1u);
+  second.Quiesced(message.commit_pending());
+  pusher.join();
+  EXPECT_EQ(Version(), 2u);
+  for (Engine* engine : {&first, &second}) {
+    ASSERT_TRUE(engine->Read(&message));
+    ASSERT_TRUE(message.has_committed());
+    EXPECT_EQ(message.committed().version(), 2u);
+  }
+}
+
+TEST_F(AttachTest, AnAckForAnEarlierAttemptDoesNotCountForTheRetry) {
+  Engine engine(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(engine);
+  const PushOutcome prepared = PushMessages(stub_.get(), FullPush(2, v1::COMPLETION_MODE_PREPARE));
+  ASSERT_TRUE(prepared.status.ok()) << prepared.status.error_message();
+  v1::CommitRequest request;
+  request.set_refit_id(prepared.response.result().refit_id());
+  auto commit = [&] {
+    grpc::ClientContext context;
+    v1::CommitResponse response;
+    return stub_->Commit(&context, request, &response);
+  };
+  // Attempt 1: no ack in time; the refit stays PREPARED.
+  EXPECT_EQ(commit().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  v1::DaemonMessage message;
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_commit_pending());
+  const v1::CommitPending stale = message.commit_pending();
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_aborted());
+
+  // Attempt 2 (same refit, same version): the first attempt's ack, arriving
+  // late, is not this attempt's.
+  grpc::Status retried;
+  std::thread committer([&] { retried = commit(); });
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_commit_pending());
+  EXPECT_EQ(message.commit_pending().version(), stale.version());
+  EXPECT_NE(message.commit_pending().attempt(), stale.attempt());
+  engine.Quiesced(stale);
+  committer.join();
+  EXPECT_EQ(retried.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(Version(), 1u);
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_aborted());
+
+  // Attempt 3, acked as asked: committed.
+  std::thread last([&] { retried = commit(); });
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_commit_pending());
+  engine.Quiesced(message.commit_pending());
+  last.join();
+  EXPECT_TRUE(retried.ok()) << retried.error_message();
+  EXPECT_EQ(Version(), 2u);
+}
+
 TEST_F(AttachTest, FirstMessageThatIsNotAttachIsFailedPrecondition) {
   grpc::ClientContext context;
   auto stream = engine_stub_->Attach(&context);
@@ -269,6 +355,14 @@ TEST(CompareLayoutsTest, UnsetFieldsAreNotCompared) {
   actual.set_tp_size(1);
   EXPECT_TRUE(CompareLayouts(v1::EngineLayout(), actual).ok());
   EXPECT_TRUE(IsUnixPeer("unix:/tmp/x.sock"));
+  // A rank other than 0 is compared without tp_size (0 is "not set").
+  v1::EngineLayout rank;
+  rank.set_tp_rank(3);
+  const absl::Status status = CompareLayouts(rank, actual);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("tp_rank (engine expects 3, daemon serves 0)"));
+  rank.set_tp_rank(0);
+  EXPECT_TRUE(CompareLayouts(rank, actual).ok());
   EXPECT_FALSE(IsUnixPeer("ipv4:127.0.0.1:5000"));
 }
 

@@ -53,7 +53,14 @@ import grpc
 from . import _fdsocket
 from ._proto import engine_pb2 as epb
 from ._proto import engine_pb2_grpc as epb_grpc
-from .errors import FailedPrecondition, InvalidArgument, PermissionDenied, RefitError, from_rpc_error
+from .errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    RefitError,
+    from_rpc_error,
+)
 
 __all__ = ["attach", "AttachedEngine", "EngineEvent", "LAYOUT_FIELDS"]
 
@@ -356,15 +363,44 @@ class AttachedEngine:
             setattr(request.expect, key, value)
         self._requests.put(epb.EngineMessage(attach=request))
         stub = epb_grpc.EngineServiceStub(self._channel)
+        # The stream is the lease, so it has no deadline; `timeout` bounds
+        # the wait for its first message (a daemon not there yet, or not
+        # answering) by cancelling the call.
         self._call = stub.Attach(self._request_iter(), metadata=metadata, wait_for_ready=True)
+        expiry = threading.Lock()
+        expired = [False, False]  # [first message in, cancelled]
+
+        def expire() -> None:
+            with expiry:
+                if not expired[0]:
+                    expired[1] = True
+                    self._call.cancel()
+
+        timer = threading.Timer(timeout, expire)
+        timer.daemon = True
+        timer.start()
         try:
             first = next(self._call)
         except grpc.RpcError as e:
+            self._requests.put(None)  # ends the request iterator
             self._channel.close()
+            if expired[1]:
+                raise DeadlineExceeded(
+                    f"attach: no answer from {address} within {timeout:g} s"
+                ) from None
             raise from_rpc_error(e, "attach") from None
         except StopIteration:
+            self._requests.put(None)
             self._channel.close()
             raise RefitError("attach: the daemon ended the stream without a manifest") from None
+        finally:
+            timer.cancel()
+        with expiry:
+            expired[0] = True
+            if expired[1]:
+                self._requests.put(None)
+                self._channel.close()
+                raise DeadlineExceeded(f"attach: no answer from {address} within {timeout:g} s")
         a = first.attached
         self.engine_id: str = a.engine_id
         self.group: str = a.model_group
@@ -374,7 +410,7 @@ class AttachedEngine:
         self._cv = threading.Condition()
         self._version: int = a.version
         self._fingerprint: str = a.fingerprint
-        self._pending: Optional[Tuple[str, int]] = None
+        self._pending: Optional[Tuple[str, int, int]] = None  # (refit id, version, attempt)
         self._acked = False
         self._closed: Optional[BaseException] = None
         self._closing = False
@@ -384,6 +420,7 @@ class AttachedEngine:
         # Events are delivered by two threads (the stream's reader and the
         # arena watcher): one at a time, in order, each Committed once.
         self._deliver_mu = threading.Lock()
+        self._local = threading.local()  # .delivering: in an on_event callback
         self._delivered: int = a.version  # the newest version delivered
         self.pauses: List[Tuple[int, float]] = []  # (version, seconds) of each safe_point pause
         # The CUDA tensors are mapped with read-only access (a daemon with
@@ -493,8 +530,12 @@ class AttachedEngine:
     def _emit(self, event: EngineEvent) -> None:
         # Under _deliver_mu.
         self._events.put(event)
-        for callback in list(self._callbacks):
-            callback(event)
+        self._local.delivering = True
+        try:
+            for callback in list(self._callbacks):
+                callback(event)
+        finally:
+            self._local.delivering = False
 
     def _committed(self, refit_id: str, version: int, fingerprint: str, via: str) -> None:
         """Delivers Committed for `version` unless it (or a newer one) was."""
@@ -527,7 +568,7 @@ class AttachedEngine:
                         p = message.commit_pending
                         event = EngineEvent("commit_pending", p.refit_id, p.version, time=now)
                         with self._cv:
-                            self._pending = (p.refit_id, p.version)
+                            self._pending = (p.refit_id, p.version, p.attempt)
                             self._acked = False
                             self._cv.notify_all()
                     elif kind == "aborted":
@@ -609,7 +650,10 @@ class AttachedEngine:
         """Calls `callback(event)` for every later event, one at a time and in
         order: on the stream's reader thread, the arena watcher's, or (for a
         coordinated commit's Committed) the thread in safe_point(). A slow
-        callback delays the next event, and a safe point's return."""
+        callback delays the next event, and a safe point's return. A callback
+        may call safe_point() (an idle engine acking a commit_pending): that
+        acks and returns False at once, and the next safe_point() on another
+        thread holds until the copy has ended."""
         self._callbacks.append(callback)
 
     def events(self, timeout: Optional[float] = None) -> Iterator[EngineEvent]:
@@ -629,17 +673,26 @@ class AttachedEngine:
         commit is pending; then acks it and blocks until the daemon's copy has
         ended (the arena header shows the new version; this thread then
         delivers its Committed event from the header) or the daemon gave up
-        (Aborted). True if it paused."""
+        (Aborted). True if it paused. From an on_event callback it acks and
+        returns False without waiting (see on_event)."""
         with self._cv:
             if self._pending is None:
                 return False
             pending = self._pending
-            refit_id, version = pending
+            refit_id, version, attempt = pending
             if not self._acked:
                 self._acked = True
                 self._requests.put(
-                    epb.EngineMessage(quiesced=epb.Quiesced(refit_id=refit_id, version=version))
+                    epb.EngineMessage(
+                        quiesced=epb.Quiesced(refit_id=refit_id, version=version, attempt=attempt)
+                    )
                 )
+            if getattr(self._local, "delivering", False):
+                # An on_event callback: this thread delivers the events, so
+                # it cannot wait for the Committed it would deliver. The ack
+                # is sent; a safe point on another thread holds until the copy
+                # has ended.
+                return False
             start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         futex = self._futex
@@ -767,7 +820,9 @@ def attach(
     """Attaches to `group` (None: the daemon's default) of the refitd at
     `address` (a unix: address). `expect` holds layout fields the engine
     requires (LAYOUT_FIELDS); a difference is FailedPrecondition naming
-    them. Raises the typed errors of refit_client.errors."""
+    them. `timeout` bounds attaching: reaching the daemon and its answer
+    (DeadlineExceeded), then the descriptor handover; the lease itself has
+    no deadline. Raises the typed errors of refit_client.errors."""
     if token is not None and token_file is not None:
         raise InvalidArgument("give token or token_file, not both")
     if token_file is not None:

@@ -219,6 +219,38 @@ def test_one_phase_push_with_an_engine_that_never_acks_is_aborted_naming_it(star
         assert engine.closed is None  # the lease holds
 
 
+def test_an_idle_engine_acks_from_its_callback_and_follows_every_commit(daemon, client, weights):
+    """An engine with nothing to run acks each commit_pending from its
+    on_event callback (on the thread that delivers events): the ack goes,
+    the commit happens, and the engine goes on receiving events and acking
+    the next commits."""
+    with attach(daemon.address, name="idle") as engine:
+        returned = []
+
+        def on_event(event) -> None:
+            if event.kind == "commit_pending":
+                returned.append(engine.safe_point())
+
+        engine.on_event(on_event)
+        results = [client.push(load_state_dict(weights(seed))) for seed in (2, 3)]
+        assert [r.version for r in results] == [2, 3]
+        kinds = [(e.kind, e.version) for e in first_events(engine, 4)]
+        assert kinds == [("commit_pending", 2), ("committed", 2),
+                         ("commit_pending", 3), ("committed", 3)]
+        assert returned == [False, False]  # acked, did not wait
+        assert (engine.version, engine.fingerprint) == (3, results[-1].fingerprint)
+        # A safe point of the engine's own, now that nothing is pending.
+        assert engine.safe_point() is False
+
+
+def test_attach_to_no_daemon_gives_up_after_its_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as e:
+        attach(f"unix:{tmp_path}/nobody.sock", timeout=1.0)
+    assert time.monotonic() - start < 10.0
+    assert "no answer from unix:" in str(e.value) and "within 1 s" in str(e.value)
+
+
 def test_prepared_refit_stays_prepared_until_the_engine_goes(start_daemon, weights):
     d = start_daemon("--engine-quiesce-timeout=300ms")
     with RefitClient(d.address, timeout=LIMIT) as client:

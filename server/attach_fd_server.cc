@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -32,7 +33,10 @@ void SendAll(int fd, absl::string_view text) {
 
 // recvmsg of up to `len` bytes into `buf`; the descriptors that came with
 // them (SCM_RIGHTS) are appended to `fds`, for the caller to keep or close.
-ssize_t ReceiveWithDescriptors(int conn, char* buf, size_t len, int flags, std::vector<int>* fds) {
+// *lost (if given) is set when the kernel dropped some (MSG_CTRUNC: this
+// process is at its descriptor limit, or more came than fit).
+ssize_t ReceiveWithDescriptors(int conn, char* buf, size_t len, int flags, std::vector<int>* fds,
+                               bool* lost = nullptr) {
   iovec iov{buf, len};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
   msghdr msg{};
@@ -42,6 +46,7 @@ ssize_t ReceiveWithDescriptors(int conn, char* buf, size_t len, int flags, std::
   msg.msg_controllen = sizeof(control);
   const ssize_t n = ::recvmsg(conn, &msg, flags | MSG_CMSG_CLOEXEC);
   if (n < 0) return n;
+  if ((msg.msg_flags & MSG_CTRUNC) != 0 && lost != nullptr) *lost = true;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
     const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -194,8 +199,10 @@ void AttachFdServer::Run() {
   }
 }
 
-bool AttachFdServer::ReadTicket(int conn, std::string* ticket, int* received, std::string* why) {
+bool AttachFdServer::ReadTicket(int conn, std::string* ticket, int* received, bool* lost,
+                                std::string* why) {
   *received = -1;
+  *lost = false;
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(kTicketTimeoutMs);
   char buf[128];
@@ -216,7 +223,7 @@ bool AttachFdServer::ReadTicket(int conn, std::string* ticket, int* received, st
     if (ready < 0 || fds[1].revents != 0) break;  // Stop: no answer
     if (ready == 0) continue;                     // the deadline, checked above
     std::vector<int> passed;                      // (none when n < 0: errno is recvmsg's)
-    const ssize_t n = ReceiveWithDescriptors(conn, buf, sizeof(buf), MSG_DONTWAIT, &passed);
+    const ssize_t n = ReceiveWithDescriptors(conn, buf, sizeof(buf), MSG_DONTWAIT, &passed, lost);
     for (int fd : passed) {
       if (*received < 0) {
         *received = fd;
@@ -243,8 +250,9 @@ void AttachFdServer::Serve(int conn) {
   ::setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
   std::string ticket;
   int received = -1;  // a descriptor the peer sent (a region's), kept until handed on
+  bool lost = false;  // descriptors the peer sent that the kernel dropped
   std::string why;
-  if (!ReadTicket(conn, &ticket, &received, &why)) {
+  if (!ReadTicket(conn, &ticket, &received, &lost, &why)) {
     if (!why.empty()) SendAll(conn, absl::StrCat("E", why, "\n"));
     return;
   }
@@ -255,13 +263,23 @@ void AttachFdServer::Serve(int conn) {
     SendAll(conn, "Eno peer credentials\n");
     return;
   }
-  if (received >= 0) {
+  if (received >= 0 || absl::StartsWith(ticket, kRegionTicketPrefix)) {
     if (deposit_ == nullptr) {
-      ::close(received);
+      if (received >= 0) ::close(received);
       SendAll(conn, "Ethis socket takes no descriptors\n");
       return;
     }
-    absl::Status deposited = deposit_(ticket, received, cred.pid, cred.uid);
+    absl::StatusOr<int> fd = received;
+    if (received < 0 && lost) {
+      fd = absl::ResourceExhaustedError(
+          "the region's descriptor was lost on the way: refitd is out of file descriptors "
+          "(raise its limit, or register fewer regions)");
+    } else if (received < 0) {
+      fd = absl::InvalidArgumentError(
+          "the region ticket came without its descriptor (send the memfd with SCM_RIGHTS, on "
+          "the same message as the ticket)");
+    }
+    absl::Status deposited = deposit_(ticket, std::move(fd), cred.pid, cred.uid);
     SendAll(conn,
             deposited.ok() ? std::string("K\n") : absl::StrCat("E", deposited.message(), "\n"));
     return;

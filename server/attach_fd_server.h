@@ -15,7 +15,10 @@
 // The other direction: a trainer registering a shared-memory region
 // (server/region_service.h) sends its ticket line with the region's
 // descriptor attached (SCM_RIGHTS); the server passes both to the
-// depositor and answers 'K', or 'E' and the reason.
+// depositor and answers 'K', or 'E' and the reason. A region ticket that
+// arrives without its descriptor (none sent, or dropped by the kernel
+// because this process is out of descriptors) goes to the depositor too,
+// so that the registration fails with the reason instead of waiting.
 //
 // Lifecycle: Start binds and starts the accepting thread; Stop (or the
 // destructor) ends it and every connection's thread, and removes the socket
@@ -57,10 +60,16 @@ class AttachFdServer {
   static constexpr int kAcceptBackoffMs = 100;
   static constexpr size_t kMaxTicketBytes = 256;
 
-  // A descriptor the peer sent with its ticket (owned by the callee from
-  // then on, closed on error too); an error's message goes to the peer.
-  using Deposit =
-      std::function<absl::Status(absl::string_view ticket, int fd, int pid, uint32_t uid)>;
+  // Region tickets start with this; the server hands them to the depositor
+  // whether or not a descriptor came with them.
+  static constexpr absl::string_view kRegionTicketPrefix = "region-";
+  // A region ticket and the descriptor the peer sent with it (owned by the
+  // callee from then on, closed on error too), or why there is none: the
+  // peer sent none (INVALID_ARGUMENT), or it was lost on the way because
+  // this process is out of descriptors (RESOURCE_EXHAUSTED). An error's
+  // message goes to the peer.
+  using Deposit = std::function<absl::Status(absl::string_view ticket, absl::StatusOr<int> fd,
+                                             int pid, uint32_t uid)>;
 
   // Binds `path` (a stale socket file there is replaced; anything else
   // there is FAILED_PRECONDITION). UNAVAILABLE if it cannot be bound.
@@ -88,10 +97,12 @@ class AttachFdServer {
   size_t ReapConnections();
   void Serve(int conn);
   // Reads the peer's ticket line (without the newline) and the descriptor
-  // it sent, if any (-1), within kTicketTimeoutMs in all. False when the
-  // peer sent no whole line (the descriptor is closed then): `why` says
-  // why, empty when the peer sent nothing before it closed or Stop came.
-  bool ReadTicket(int conn, std::string* ticket, int* received, std::string* why);
+  // it sent, if any (-1), within kTicketTimeoutMs in all; *lost when the
+  // kernel dropped descriptors the peer sent (this process at its limit).
+  // False when the peer sent no whole line (the descriptor is closed then):
+  // `why` says why, empty when the peer sent nothing before it closed or
+  // Stop came.
+  bool ReadTicket(int conn, std::string* ticket, int* received, bool* lost, std::string* why);
 
   const std::string path_;
   const Redeem redeem_;

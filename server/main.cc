@@ -5,6 +5,7 @@
 // (--tp_rank) is accepted too.
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -256,6 +257,16 @@ int UsageError(const absl::Status& status) {
   return 2;
 }
 
+// Every trainer region and every engine connection holds a descriptor: the
+// soft open-file limit (often 1024) is raised to the hard one, as servers
+// do. The region registry takes half of what this leaves (RefitServer).
+void RaiseOpenFileLimit() {
+  rlimit nofile{};
+  if (::getrlimit(RLIMIT_NOFILE, &nofile) != 0 || nofile.rlim_cur >= nofile.rlim_max) return;
+  nofile.rlim_cur = nofile.rlim_max;
+  (void)::setrlimit(RLIMIT_NOFILE, &nofile);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -272,6 +283,7 @@ int main(int argc, char** argv) {
     }
   }
   absl::SetProgramUsageMessage(kUsage);
+  RaiseOpenFileLimit();
   std::vector<std::string> normalized = NormalizeArgs(argc, argv);
   absl::StatusOr<std::vector<std::string>> group_flags = TakeGroupFlags(normalized);
   if (!group_flags.ok()) return UsageError(group_flags.status());

@@ -3,10 +3,13 @@
 #include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -259,10 +262,17 @@ absl::Status RefitServer::StartGrpc() {
   bool pin = false;
   for (const auto& [name, group] : groups_) pin |= group->store()->on_gpu();
   pin &= options_.pin_regions;
-  regions_ = std::make_unique<RegionService>(
-      service_.get(),
-      RegionRegistry::Limits{options_.max_regions_per_caller, options_.max_region_bytes_per_caller},
-      pin);
+  RegionRegistry::Limits limits{options_.max_regions_per_caller,
+                                options_.max_region_bytes_per_caller};
+  // Each region holds one of this process's descriptors: all callers
+  // together get at most half of them, so that gRPC, attaches, reloads and
+  // snapshots keep the rest.
+  rlimit nofile{};
+  if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY) {
+    limits.max_total_regions =
+        static_cast<int>(std::min<rlim_t>(nofile.rlim_cur / 2, std::numeric_limits<int>::max()));
+  }
+  regions_ = std::make_unique<RegionService>(service_.get(), limits, pin);
   service_->SetRegions(regions_->registry());
   health_ = std::make_unique<HealthService>();
   health_->SetServing(kRefitServiceName, false);
@@ -313,8 +323,8 @@ absl::Status RefitServer::StartGrpc() {
     RegionService* regions = regions_.get();
     if (absl::Status s = attach_->StartFdSocket(
             path + ".fd",
-            [regions](absl::string_view ticket, int fd, int pid, uint32_t uid) {
-              return regions->Deposit(ticket, fd, pid, uid);
+            [regions](absl::string_view ticket, absl::StatusOr<int> fd, int pid, uint32_t uid) {
+              return regions->Deposit(ticket, std::move(fd), pid, uid);
             });
         !s.ok()) {
       server_->Shutdown();

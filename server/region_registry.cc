@@ -1,11 +1,14 @@
 #include "server/region_registry.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -17,6 +20,9 @@
 
 namespace refit::server {
 namespace {
+
+// Region::SetOpenHookForTesting's hook.
+void (*g_open_hook)(int fd) = nullptr;
 
 std::string RandomRegionId() {
   unsigned char bytes[16];
@@ -35,6 +41,13 @@ std::string RandomRegionId() {
 absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uint64_t size,
                                                      bool pin) {
   std::unique_ptr<Region> region(new Region(std::move(id), fd, size));
+  // The seals first, the size after: once F_SEAL_SHRINK is seen the size
+  // cannot drop below what fstat then says. (The other order would let a
+  // trainer shrink and seal its memfd between the two, and a mapping taken
+  // as sealed, so unguarded, would reach past its end: SIGBUS.)
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  const bool sealed = seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
+  if (g_open_hook != nullptr) g_open_hook(fd);
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     return absl::InvalidArgumentError(
@@ -47,17 +60,26 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
                      "/dev/shm)"));
   }
   const int flags = ::fcntl(fd, F_GETFL);
-  if (flags < 0 || (flags & O_ACCMODE) == O_WRONLY) {
+  // O_PATH descriptors read as O_RDONLY in O_ACCMODE but cannot be read.
+  if (flags < 0 || (flags & O_ACCMODE) == O_WRONLY || (flags & O_PATH) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("region \"", region->id_, "\": the descriptor is not open for reading"));
+  }
+  struct statfs fs {};
+  if (::fstatfs(fd, &fs) == 0 && static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC) {
+    // A hole punched in a hugetlbfs file (allowed under every seal) faults
+    // the mapping once the huge page pool is empty, and its mappings only
+    // unmap in whole huge pages.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "region \"", region->id_,
+        "\": the descriptor is on hugetlbfs (MFD_HUGETLB), which refitd does not map; send a "
+        "plain memfd or a file in /dev/shm"));
   }
   if (static_cast<uint64_t>(st.st_size) < size) {
     return absl::InvalidArgumentError(absl::StrCat("region \"", region->id_, "\" is ", st.st_size,
                                                    " bytes, smaller than its declared size ",
                                                    size));
   }
-  const int seals = ::fcntl(fd, F_GET_SEALS);
-  const bool sealed = seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
   void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     if (!sealed) return region;  // pread
@@ -76,6 +98,8 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
   if (pin) region->pinned_ = core::PinnedHostRange::Pin(p, size);
   return region;
 }
+
+void Region::SetOpenHookForTesting(void (*hook)(int fd)) { g_open_hook = hook; }
 
 bool Region::faulted() const {
   return guard_slot_ >= 0 &&
@@ -177,23 +201,42 @@ absl::StatusOr<std::string> RegionRegistry::Reserve(const std::string& owner, ui
   if (size == 0) return absl::InvalidArgumentError("RegisterRegion: size must be > 0");
   absl::MutexLock lock(&mu_);
   int64_t count = 0;
+  int64_t held = 0;  // of `count`: released, still read by an open refit
   uint64_t bytes = 0;
   for (const auto& [id, entry] : entries_) {
     if (entry.owner != owner) continue;
     ++count;
     bytes += entry.size;
   }
+  retired_.erase(std::remove_if(retired_.begin(), retired_.end(),
+                                [](const Retired& r) { return r.region.expired(); }),
+                 retired_.end());
+  for (const Retired& r : retired_) {
+    if (r.owner != owner) continue;
+    ++count;
+    ++held;
+    bytes += r.size;
+  }
+  const std::string held_text =
+      held > 0 ? absl::StrCat(" (", held, " of them unregistered but still read by an open refit)")
+               : "";
   if (count >= limits_.max_regions) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("caller ", core::QuoteText(owner), " holds ", count,
-                     " shared-memory regions already (--max-regions-per-caller ",
-                     limits_.max_regions, "): unregister one first"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "caller ", core::QuoteText(owner), " holds ", count, " shared-memory regions already",
+        held_text, " (--max-regions-per-caller ", limits_.max_regions, "): unregister one first"));
+  }
+  const int64_t total = static_cast<int64_t>(entries_.size() + retired_.size());
+  if (limits_.max_total_regions > 0 && total >= limits_.max_total_regions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "refitd holds ", total, " shared-memory regions of all callers, its limit (",
+        limits_.max_total_regions,
+        ", half its open-file limit: each region holds a descriptor): unregister some first"));
   }
   if (size > static_cast<uint64_t>(limits_.max_bytes) ||
       bytes + size > static_cast<uint64_t>(limits_.max_bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "caller ", core::QuoteText(owner), ": a region of ", size, " bytes on top of the ", bytes,
-        " it holds exceeds --max-region-bytes-per-caller ", limits_.max_bytes));
+        " it holds", held_text, " exceeds --max-region-bytes-per-caller ", limits_.max_bytes));
   }
   std::string id = RandomRegionId();
   entries_[id] = Entry{owner, size, nullptr};
@@ -246,6 +289,9 @@ void RegionRegistry::Release(const std::string& id) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   last = std::move(it->second.region);
+  if (last != nullptr && last.use_count() > 1) {  // a refit still reads it
+    retired_.push_back(Retired{it->second.owner, it->second.size, last});
+  }
   entries_.erase(it);
 }
 

@@ -78,7 +78,8 @@ class Region {
   enum class Access { kMapped, kPread, kCudaIpc };
 
   // Takes `fd` (closed on error too). INVALID_ARGUMENT when it is not a
-  // regular file, is not open for reading, or is smaller than `size`;
+  // regular file, is not open for reading (O_WRONLY, O_PATH), is on
+  // hugetlbfs, or is smaller than `size`;
   // INTERNAL when a sealed one cannot be mapped. With `pin`, a mapping is
   // also page-locked for the GPUs (core::PinnedHostRange), so a GPU store's
   // refit copies it to the device by DMA; one the driver refuses is used
@@ -90,6 +91,9 @@ class Region {
                                                              absl::string_view handle,
                                                              absl::string_view device_uuid,
                                                              uint64_t size);
+  // Tests: `hook(fd)` runs inside Open between reading the seals and the
+  // size (what a racing trainer could do there). nullptr: none.
+  static void SetOpenHookForTesting(void (*hook)(int fd));
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
@@ -163,6 +167,9 @@ class RegionRegistry {
   struct Limits {
     int max_regions = 1024;                  // per caller
     int64_t max_bytes = int64_t{256} << 30;  // per caller
+    // All callers together (each region holds a descriptor of the daemon's
+    // own); 0: no cap of its own.
+    int max_total_regions = 0;
   };
   struct Totals {
     int64_t regions = 0;  // registered (descriptor received), all callers
@@ -175,9 +182,10 @@ class RegionRegistry {
   // for a daemon that serves a store on a GPU.
   explicit RegionRegistry(Limits limits, bool pin = false) : limits_(limits), pin_(pin) {}
 
-  // A new region id for `owner`, counted against its limits until Release.
-  // INVALID_ARGUMENT size 0; RESOURCE_EXHAUSTED over a limit (naming the
-  // flag).
+  // A new region id for `owner`, counted against its limits until Release,
+  // and after it for as long as a refit still reads the region (it keeps its
+  // descriptor and mapping until then). INVALID_ARGUMENT size 0;
+  // RESOURCE_EXHAUSTED over a limit (naming the flag).
   absl::StatusOr<std::string> Reserve(const std::string& owner, uint64_t size);
   // The descriptor of a reserved region arrived: the region, opened.
   // Region::Open's errors (the reservation stays until Release); NOT_FOUND
@@ -212,10 +220,19 @@ class RegionRegistry {
   absl::StatusOr<std::shared_ptr<const Region>> ActivateWith(
       const std::string& id, const Opener& open, const std::function<void()>& on_not_waiting);
 
+  // Released regions a refit still holds: they keep counting against their
+  // owner (and the total) until the last reference goes.
+  struct Retired {
+    std::string owner;
+    uint64_t size = 0;
+    std::weak_ptr<const Region> region;
+  };
+
   const Limits limits_;
   const bool pin_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::server

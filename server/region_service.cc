@@ -26,7 +26,7 @@ std::string RandomRegionTicket() {
     ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
     if (n > 0) got += static_cast<size_t>(n);
   }
-  std::string out = "region-";
+  std::string out(AttachFdServer::kRegionTicketPrefix);
   for (unsigned char b : bytes) absl::StrAppendFormat(&out, "%02x", b);
   return out;
 }
@@ -338,7 +338,8 @@ grpc::ServerUnaryReactor* RegionService::UnregisterRegion(
   return reactor;
 }
 
-absl::Status RegionService::Deposit(absl::string_view ticket, int fd, int pid, uint32_t uid) {
+absl::Status RegionService::Deposit(absl::string_view ticket, absl::StatusOr<int> fd, int pid,
+                                    uint32_t uid) {
   Reactor* lease = nullptr;
   std::string id;
   {
@@ -355,11 +356,15 @@ absl::Status RegionService::Deposit(absl::string_view ticket, int fd, int pid, u
     }
   }
   if (lease == nullptr) {
-    ::close(fd);
+    if (fd.ok()) ::close(*fd);
     return absl::PermissionDeniedError(
         "unknown region ticket (used already, or its RegisterRegion stream ended)");
   }
-  absl::StatusOr<std::shared_ptr<const Region>> region = registry_.Activate(id, fd);
+  absl::StatusOr<std::shared_ptr<const Region>> region =
+      fd.ok()
+          ? registry_.Activate(id, *fd)
+          : absl::StatusOr<std::shared_ptr<const Region>>(absl::Status(
+                fd.status().code(), absl::StrCat("region \"", id, "\": ", fd.status().message())));
   if (!region.ok()) {
     REFIT_LOG(WARNING).Field("region", id).Field("pid", absl::StrCat(pid))
         << "region refused: " << std::string(region.status().message());

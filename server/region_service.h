@@ -76,10 +76,11 @@ class RegionService final : public v1::RegionService::CallbackService {
                                              const v1::UnregisterRegionRequest* request,
                                              v1::UnregisterRegionResponse* response) override;
 
-  // The descriptor socket received `fd` (owned from here on) with `ticket`
-  // from the peer `pid`/`uid`: activates the region of that ticket. The
-  // refusal's message goes back to the peer, and the lease ends with it.
-  absl::Status Deposit(absl::string_view ticket, int fd, int pid, uint32_t uid);
+  // The descriptor socket received `fd` (owned from here on; or why none
+  // came) with `ticket` from the peer `pid`/`uid`: activates the region of
+  // that ticket. The refusal's message goes back to the peer, and the lease
+  // ends with it.
+  absl::Status Deposit(absl::string_view ticket, absl::StatusOr<int> fd, int pid, uint32_t uid);
 
   const RegionRegistry* registry() const { return &registry_; }
   void Shutdown();

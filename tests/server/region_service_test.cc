@@ -11,12 +11,14 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -37,23 +39,32 @@ using ::testing::HasSubstr;
 
 // Sends `ticket` with `fd` attached to the descriptor socket: the reply
 // ("K" or "E<reason>").
+std::string SendTicketOn(int s, const std::string& ticket, int fd);
+
 std::string SendFd(const std::string& path, const std::string& ticket, int fd) {
   std::string error;
   const int s = ConnectUnix(path, &error);
   if (s < 0) return absl::StrCat("E", error);
+  return SendTicketOn(s, ticket, fd);
+}
+
+// SendFd on a connected socket `s` (closed here); fd -1 sends none.
+std::string SendTicketOn(int s, const std::string& ticket, int fd) {
   std::string line = ticket + "\n";
   iovec iov{line.data(), line.size()};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-  cmsg->cmsg_level = SOL_SOCKET;
-  cmsg->cmsg_type = SCM_RIGHTS;
-  cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
+  if (fd >= 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
+  }
   (void)!::sendmsg(s, &msg, MSG_NOSIGNAL);
   std::string reply;
   char buf[512];
@@ -442,6 +453,111 @@ TEST_F(RegionTest, DescriptorSmallerThanItsSizeIsInvalidArgumentAndTicketsWorkOn
   EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 0\n"));
 }
 
+// A trainer that shrinks its memfd and seals it against shrinking while the
+// daemon checks it: the seals are read before the size, so what is seen
+// sealed is never mapped past the file's end (which would be SIGBUS on the
+// first read, with no guard on a sealed mapping).
+TEST(RegionOpenTest, AMemfdShrunkAndSealedDuringTheChecksIsNeverMappedPastItsEnd) {
+  const int fd = ::memfd_create("raced", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 1 << 20), 0);
+  Region::SetOpenHookForTesting([](int region_fd) {
+    ASSERT_EQ(::ftruncate(region_fd, 4096), 0);
+    ASSERT_EQ(::fcntl(region_fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  });
+  absl::StatusOr<std::unique_ptr<Region>> region = Region::Open("rg-raced", ::dup(fd), 1 << 20);
+  Region::SetOpenHookForTesting(nullptr);
+  ASSERT_FALSE(region.ok()) << "mapped as sealed, unguarded, 1 MiB over a 4 KiB file";
+  EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(region.status().message(), HasSubstr("is 4096 bytes, smaller than its declared"));
+  ::close(fd);
+}
+
+// Descriptors that pass for readable regular files but are not mappable
+// memory: O_PATH (O_ACCMODE reads as O_RDONLY) and hugetlbfs memfds.
+TEST(RegionOpenTest, OPathAndHugetlbfsDescriptorsAreInvalidArgument) {
+  char path[] = "/tmp/refit-region-XXXXXX";
+  const int file = ::mkstemp(path);
+  ASSERT_GE(file, 0);
+  ASSERT_EQ(::ftruncate(file, 8192), 0);
+  const int opath = ::open(path, O_PATH | O_CLOEXEC);
+  ASSERT_GE(opath, 0);
+  absl::StatusOr<std::unique_ptr<Region>> region = Region::Open("rg-opath", opath, 8192);
+  EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(region.status().message(), HasSubstr("not open for reading"));
+  // The same file opened for reading is a region (read or mapped).
+  EXPECT_TRUE(Region::Open("rg-file", ::dup(file), 8192).ok());
+  ::close(file);
+  ::unlink(path);
+
+  const int huge = ::memfd_create("huge", MFD_CLOEXEC | MFD_HUGETLB);
+  if (huge < 0) GTEST_SKIP() << "no hugetlbfs memfds here: " << std::strerror(errno);
+  // The size needs no huge page: only the file's length is set.
+  if (::ftruncate(huge, 2 << 20) != 0) {
+    ::close(huge);
+    GTEST_SKIP() << "hugetlbfs memfds here take no 2 MiB size: " << std::strerror(errno);
+  }
+  region = Region::Open("rg-huge", huge, 2 << 20);
+  EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(region.status().message(), HasSubstr("hugetlbfs"));
+}
+
+// A region ticket that comes without its descriptor ends the registration
+// at once, with the reason, instead of leaving it waiting.
+TEST_F(RegionTest, ARegionTicketWithoutItsDescriptorEndsTheRegistrationWithTheReason) {
+  Lease lease(region_stub_.get(), 4096);
+  v1::RegionTicket ticket;
+  ASSERT_TRUE(lease.ReadTicket(&ticket));
+  EXPECT_THAT(SendFd(ticket.fd_socket(), ticket.ticket(), -1),
+              HasSubstr("came without its descriptor"));
+  const grpc::Status status = lease.Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("came without its descriptor"));
+  EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 0\n"));
+}
+
+int OpenDescriptors() {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    (void)entry;
+    ++n;
+  }
+  return n;
+}
+
+// The daemon at its descriptor limit: the kernel drops the region's
+// descriptor (MSG_CTRUNC). The registration ends with that reason, not
+// "unknown attach ticket" and a lease left waiting.
+TEST_F(RegionTest, ARegionDescriptorLostToTheDescriptorLimitEndsTheRegistrationWithTheReason) {
+  auto file = MakeRegionFile(FixtureWeights(3), true);
+  Lease lease(region_stub_.get(), file->size);
+  v1::RegionTicket ticket;
+  ASSERT_TRUE(lease.ReadTicket(&ticket));
+  const int before = OpenDescriptors();
+  std::string error;
+  const int s = ConnectUnix(ticket.fd_socket(), &error);
+  ASSERT_GE(s, 0) << error;
+  // The server side of the connection is a descriptor of this process too.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (OpenDescriptors() < before + 2 && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_GE(OpenDescriptors(), before + 2);
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  const int probe = ::dup(0);
+  ASSERT_GE(probe, 0);
+  ::close(probe);
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(probe);  // no descriptor can be added now
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  const std::string reply = SendTicketOn(s, ticket.ticket(), file->fd);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_THAT(reply, HasSubstr("lost on the way: refitd is out of file descriptors"));
+  const grpc::Status status = lease.Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("out of file descriptors"));
+}
+
 // A CUDA allocation is registered by its IPC handle in the request. This
 // daemon sees no GPU with the given UUID (on a CPU-only machine, none at
 // all): FAILED_PRECONDITION (UNIMPLEMENTED in a build without CUDA), and a
@@ -498,6 +614,39 @@ TEST_F(RegionTest, LimitsPerCallerAreResourceExhausted) {
   status = second.Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(status.error_message(), HasSubstr("--max-regions-per-caller 1"));
+}
+
+// A region unregistered while a refit still reads it keeps its descriptor
+// and mapping until the refit lets go: until then it counts against its
+// owner, so register/push/unregister in a loop cannot pile up descriptors.
+// All callers together are capped as well.
+TEST(RegionRegistryTest, ReleasedRegionsARefitStillHoldsCountUntilLetGoAndTotalsAreCapped) {
+  RegionRegistry registry(RegionRegistry::Limits{1, int64_t{1} << 30, 2});
+  auto memfd = [] {
+    const int fd = ::memfd_create("r", MFD_CLOEXEC);
+    EXPECT_EQ(::ftruncate(fd, 4096), 0);
+    return fd;
+  };
+  absl::StatusOr<std::string> id = registry.Reserve("trainer", 4096);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(registry.Activate(*id, memfd()).ok());
+  absl::StatusOr<std::shared_ptr<const Region>> read = registry.Find("trainer", *id);  // a refit
+  ASSERT_TRUE(read.ok()) << read.status();
+  registry.Release(*id);
+  absl::StatusOr<std::string> again = registry.Reserve("trainer", 4096);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(again.status().message(), HasSubstr("1 of them unregistered but still read"));
+  read->reset();  // the refit ended
+  again = registry.Reserve("trainer", 4096);
+  ASSERT_TRUE(again.ok()) << again.status();
+
+  // Two regions in all: a third caller is refused whatever its own count.
+  ASSERT_TRUE(registry.Reserve("other", 4096).ok());
+  absl::StatusOr<std::string> third = registry.Reserve("third", 4096);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.status().message(), HasSubstr("2 shared-memory regions of all callers"));
+  registry.Release(*again);
+  EXPECT_TRUE(registry.Reserve("third", 4096).ok());
 }
 
 TEST_F(RegionTest, RegionTruncatedMidRefitFailsTheRefitAndTheLiveVersionStays) {

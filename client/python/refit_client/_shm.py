@@ -51,7 +51,7 @@ import numpy as np
 from . import _fdsocket, _tensors
 from ._proto import region_pb2 as rpb
 from ._proto import region_pb2_grpc as rpb_grpc
-from .errors import RefitError, ResourceExhausted, from_rpc_error
+from .errors import DeadlineExceeded, RefitError, ResourceExhausted, from_rpc_error
 
 _ALIGN = 256
 # Shared storages registered per client; the oldest is dropped beyond this.
@@ -62,6 +62,10 @@ MAX_CACHED_REGIONS = 4096
 # Registrations dropped at a time when the daemon refuses one over its limits.
 _EVICT_BATCH = 64
 _FD_SOCKET_TIMEOUT = 10.0
+# A registration's handshake in all (ticket, descriptor, registration), and
+# how long a refused descriptor's lease may take to end with its reason.
+_REGISTER_TIMEOUT = _FD_SOCKET_TIMEOUT + 20.0
+_REFUSED_GRACE = 2.0
 
 
 def _aligned(n: int) -> int:
@@ -103,14 +107,53 @@ def _access_name(access: int) -> str:
     return "pread"
 
 
+class _Expiry:
+    """Cancels a RegisterRegion call whose handshake takes too long: the call
+    is the lease and has no deadline of its own, so its events are waited
+    for under this instead."""
+
+    def __init__(self, call: Any, seconds: float) -> None:
+        self._call = call
+        self._lock = threading.Lock()
+        self._done = False
+        self.why: Optional[str] = None  # set when it cancelled the call
+        self._timers: List[threading.Timer] = []
+        self.after(seconds, f"no registration within {seconds:g} s")
+
+    def after(self, seconds: float, why: str) -> None:
+        timer = threading.Timer(seconds, self._expire, args=(why,))
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
+
+    def _expire(self, why: str) -> None:
+        with self._lock:
+            if not self._done and self.why is None:
+                self.why = why
+                self._call.cancel()
+
+    def finish(self) -> Optional[str]:
+        """Stops the timers; the reason if one cancelled the call first."""
+        for timer in self._timers:
+            timer.cancel()
+        with self._lock:
+            self._done = True
+            return self.why
+
+
 def _lease(call: Any, size: int, address: str, what: str, handshake: Any) -> Lease:
-    """The lease of a RegisterRegion `call` once `handshake(events)` has
-    returned its RegionRegistered; any failure cancels the call and raises
-    (the daemon's error, or RefitError)."""
+    """The lease of a RegisterRegion `call` once `handshake(events, expiry)`
+    has returned its RegionRegistered, within _REGISTER_TIMEOUT; any failure
+    cancels the call and raises (the daemon's error, DeadlineExceeded, or
+    RefitError)."""
+    expiry = _Expiry(call, _REGISTER_TIMEOUT)
     try:
-        registered = handshake(iter(call))
+        registered = handshake(iter(call), expiry)
     except grpc.RpcError as e:
         call.cancel()
+        why = expiry.finish()
+        if why is not None:
+            raise DeadlineExceeded(f"RegisterRegion at {address}: {why}") from None
         raise from_rpc_error(e, f"register a {what} at {address}") from None
     except StopIteration:
         call.cancel()
@@ -121,6 +164,10 @@ def _lease(call: Any, size: int, address: str, what: str, handshake: Any) -> Lea
     except BaseException:
         call.cancel()
         raise
+    finally:
+        expiry.finish()
+    if expiry.why is not None:  # cancelled just as the registration came
+        raise DeadlineExceeded(f"RegisterRegion at {address}: {expiry.why}")
     return Lease(call, registered.region_id, size, _access_name(registered.access))
 
 
@@ -138,7 +185,7 @@ def register_cuda(
         metadata=metadata,
     )
 
-    def handshake(events: Any) -> Any:
+    def handshake(events: Any, expiry: _Expiry) -> Any:
         first = next(events)
         if not first.HasField("registered"):
             raise RefitError("RegisterRegion: the daemon sent no registration for a CUDA region")
@@ -156,11 +203,15 @@ def register(
     for a descriptor too small, ...)."""
     call = stub.RegisterRegion(rpb.RegisterRegionRequest(size=size, name=name), metadata=metadata)
 
-    def handshake(events: Any) -> Any:
+    def handshake(events: Any, expiry: _Expiry) -> Any:
         first = next(events)
         if not first.HasField("ticket"):
             raise RefitError("RegisterRegion: the daemon sent no ticket")
         reply = _send_fd(first.ticket.fd_socket, first.ticket.ticket, fd)
+        if not reply.startswith("K"):
+            # Refused: the daemon ends the lease with its reason (which the
+            # stream then raises, typed); if it does not, this does.
+            expiry.after(_REFUSED_GRACE, f"the descriptor socket refused the region: {reply}")
         second = next(events)
         if not second.HasField("registered"):
             raise RefitError(f"RegisterRegion: no registration ({reply})")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from refit_client import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     OutOfRange,
@@ -110,6 +111,28 @@ def test_auto_goes_over_grpc_when_the_staging_copy_exceeds_the_limit(daemon, see
         assert {r.access for r in c._shm.regions()} == {"mapped"}
         # An explicit lane="shm" stages whatever it needs.
         assert c.push(seed2, lane="shm").fingerprint == grpc_result.fingerprint
+
+
+def test_a_descriptor_the_socket_refused_fails_the_push_promptly_and_nothing_changes(
+    client, daemon, seed2, monkeypatch
+):
+    """The descriptor socket answers with a refusal and the daemon keeps the
+    registration waiting (as a daemon at its descriptor limit could): the
+    push does not wait for ever, it raises with the socket's answer, and
+    the served version stays."""
+    import time
+
+    from refit_client import _fdsocket
+
+    monkeypatch.setattr(_fdsocket, "exchange", lambda *a, **k: (b"Ebusy, try later\n", []))
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as e:
+        client.push(seed2, lane="shm")
+    assert time.monotonic() - start < 20
+    assert "the descriptor socket refused the region: Ebusy, try later" in str(e.value)
+    assert client.status().version == 1
+    monkeypatch.undo()
+    assert client.push(seed2, lane="shm").version == 2
 
 
 def test_a_lease_that_ended_is_registered_again(client, daemon, seed2):

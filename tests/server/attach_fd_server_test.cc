@@ -98,6 +98,18 @@ bool StillOpen(int s) {
   return ::poll(&p, 1, 0) == 0;
 }
 
+// ReceiveFds, tried again every 20 ms for up to `seconds` while the server
+// is not serving yet (its earlier connections still ending).
+std::vector<int> ReceiveFdsWithin(const std::string& path, const std::string& ticket,
+                                  double seconds, std::string* error) {
+  std::vector<int> fds;
+  for (int waited_ms = 0; fds.empty() && waited_ms <= seconds * 1000; waited_ms += 20) {
+    fds = ReceiveFds(path, ticket, error);
+    if (fds.empty()) ::usleep(20 * 1000);
+  }
+  return fds;
+}
+
 class AttachFdServerPeersTest : public AttachFdServerTest {
  protected:
   void StartServer() {
@@ -167,11 +179,7 @@ TEST_F(AttachFdServerPeersTest, ConnectionsBeyondTheCapAndOverlongTicketsAreRefu
   ::close(extra);
   for (int s : held) ::close(s);
   // Once those end (closed by their peers), new ones are served again.
-  std::vector<int> fds;
-  for (int attempt = 0; attempt < 50 && fds.empty(); ++attempt) {
-    fds = ReceiveFds(path_, "good", &error);
-    if (fds.empty()) ::usleep(20 * 1000);
-  }
+  std::vector<int> fds = ReceiveFdsWithin(path_, "good", 1.0, &error);
   ASSERT_EQ(fds.size(), 1u) << error;
   ::close(fds[0]);
   const int s = ConnectUnix(path_, &error);
@@ -192,34 +200,21 @@ TEST_F(AttachFdServerPeersTest, OutOfDescriptorsTheServerWaitsInsteadOfSpinning)
   std::string error;
   const int queued = ConnectUnix(path_, &error);
   ASSERT_GE(queued, 0) << error;
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  {
-    // Every descriptor below the lowest free one is in use: with the limit
-    // there, the server's accept fails with EMFILE.
-    const int probe = ::dup(0);
-    ASSERT_GE(probe, 0);
-    ::close(probe);
-    rlimit low = saved;
-    low.rlim_cur = static_cast<rlim_t>(probe);
-    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
-  }
   rusage before{}, after{};
-  ::getrusage(RUSAGE_SELF, &before);
-  ::usleep(500 * 1000);
-  ::getrusage(RUSAGE_SELF, &after);
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  {
+    NoFreeDescriptors none;  // the server's accept fails with EMFILE
+    ASSERT_TRUE(none.ok());
+    ::getrusage(RUSAGE_SELF, &before);
+    ::usleep(500 * 1000);
+    ::getrusage(RUSAGE_SELF, &after);
+  }
   auto seconds = [](const rusage& u) {
     return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
   };
   // A spinning accept loop burns the whole half second on its core.
   EXPECT_LT(seconds(after) - seconds(before), 0.2);
   ::close(queued);
-  std::vector<int> fds;
-  for (int attempt = 0; attempt < 50 && fds.empty(); ++attempt) {
-    fds = ReceiveFds(path_, "good", &error);
-    if (fds.empty()) ::usleep(20 * 1000);
-  }
+  std::vector<int> fds = ReceiveFdsWithin(path_, "good", 1.0, &error);
   ASSERT_EQ(fds.size(), 1u) << error;
   ::close(fds[0]);
 }

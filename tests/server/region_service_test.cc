@@ -543,16 +543,10 @@ TEST_F(RegionTest, ARegionDescriptorLostToTheDescriptorLimitEndsTheRegistrationW
   while (OpenDescriptors() < before + 2 && absl::Now() < deadline)
     absl::SleepFor(absl::Milliseconds(1));
   ASSERT_GE(OpenDescriptors(), before + 2);
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  const int probe = ::dup(0);
-  ASSERT_GE(probe, 0);
-  ::close(probe);
-  rlimit low = saved;
-  low.rlim_cur = static_cast<rlim_t>(probe);  // no descriptor can be added now
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  NoFreeDescriptors none;
+  ASSERT_TRUE(none.ok());
   const std::string reply = SendTicketOn(s, ticket.ticket(), file->fd);
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  none.Restore();
   EXPECT_THAT(reply, HasSubstr("lost on the way: refitd is out of file descriptors"));
   const grpc::Status status = lease.Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);

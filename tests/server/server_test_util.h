@@ -5,6 +5,7 @@
 #define REFIT_TESTS_SERVER_SERVER_TEST_UTIL_H_
 
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -40,6 +41,34 @@ constexpr bool kUnderSanitizer =
 #else
     false;
 #endif
+
+// While it lives, this process can open no descriptor: the soft open-file
+// limit sits at the lowest free descriptor number (every one below it is in
+// use). The destructor restores the limit. ok() is false if it could not.
+class NoFreeDescriptors {
+ public:
+  NoFreeDescriptors() {
+    if (::getrlimit(RLIMIT_NOFILE, &saved_) != 0) return;
+    const int probe = ::dup(0);
+    if (probe < 0) return;
+    ::close(probe);
+    rlimit low = saved_;
+    low.rlim_cur = static_cast<rlim_t>(probe);
+    ok_ = ::setrlimit(RLIMIT_NOFILE, &low) == 0;
+  }
+  ~NoFreeDescriptors() { Restore(); }
+  NoFreeDescriptors(const NoFreeDescriptors&) = delete;
+  NoFreeDescriptors& operator=(const NoFreeDescriptors&) = delete;
+  bool ok() const { return ok_; }
+  void Restore() {
+    if (ok_) ::setrlimit(RLIMIT_NOFILE, &saved_);
+    ok_ = false;
+  }
+
+ private:
+  rlimit saved_{};
+  bool ok_ = false;
+};
 
 // A stream socket connected to the Unix socket at `path`, or -1 and the
 // reason in *error.

@@ -901,6 +901,10 @@ class RefitClient:
         if lane == "shm" and streams > 1:
             raise InvalidArgument("push: lane='shm' carries a refit over one stream")
         if lane == "shm" or (lane == "auto" and self._shm_auto and streams == 1):
+            if lane == "auto" and not isinstance(tensors, (Mapping, list, tuple)):
+                # An iterator (named_parameters()): the lane reads it to
+                # plan, and a fallback to gRPC reads the same pairs again.
+                tensors = list(tensors)
             try:
                 return self._push_shm(
                     tensors,

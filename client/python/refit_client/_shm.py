@@ -228,10 +228,16 @@ def _shared_storage(src: _tensors.Source) -> Optional[Tuple[Any, int, int, int]]
         return None
     storage = t.untyped_storage()
     try:
-        fd, size = storage._share_fd_cpu_()
+        # The descriptor the storage already has. (_share_fd_cpu_ would give
+        # one to a storage shared another way, the file_system strategy or
+        # a file mapping, by moving it into a new segment: this process's
+        # tensors would then stop seeing what other processes write.)
+        fd = storage._get_shared_fd()
     except (RuntimeError, AttributeError):
-        return None  # e.g. the file_system sharing strategy: no descriptor
-    return storage, int(fd), t.data_ptr() - storage.data_ptr(), int(size)
+        return None  # shared without a descriptor, or empty: copied
+    if fd < 0 or storage.nbytes() == 0:
+        return None
+    return storage, int(fd), t.data_ptr() - storage.data_ptr(), int(storage.nbytes())
 
 
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
@@ -280,16 +286,24 @@ def _cuda_allocation(src: _tensors.Source) -> Optional[Tuple[bytes, bytes, int, 
     return handle, uuid, index, offset, offset_bytes + size_bytes
 
 
+class _ArenaMap(mmap.mmap):
+    """A mapping that keeps its shared_tensors() arena alive: every tensor
+    over the arena's memory holds the mapping (through the array its bytes
+    came from), and so the arena and its registration."""
+
+    arena: Any = None
+
+
 class Staging:
     """The client's sealed memfd staging region."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, map_type: Any = mmap.mmap) -> None:
         self.size = size
         self.fd = os.memfd_create("refit-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.map = map_type(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
@@ -305,13 +319,20 @@ class Staging:
 
 
 class _Arena:
-    """The sealed memfd behind shared_tensors()' tensors (kept alive by them)."""
+    """The sealed memfd behind shared_tensors()' tensors, kept alive by them
+    and by anything sharing their memory (views, nn.Parameters made from
+    them, tensors swapped in with .data or load_state_dict(assign=True))."""
 
     def __init__(self, size: int) -> None:
         import torch
 
-        self.staging = Staging(max(size, 1))
-        self.bytes = torch.frombuffer(self.staging.map, dtype=torch.uint8)
+        self.staging = Staging(max(size, 1), map_type=_ArenaMap)
+        self.staging.map.arena = self
+        # from_numpy: the tensor's storage holds the array, which holds the
+        # mapping's buffer, so the mapping cannot be closed under it.
+        # (torch.frombuffer keeps the mapping object but releases its
+        # buffer: closing it would unmap memory the tensors still point to.)
+        self.bytes = torch.from_numpy(self.staging.view)
         self.base = self.bytes.data_ptr()
         self.size = self.staging.size
 
@@ -349,7 +370,6 @@ def shared_tensors(
         n = t.numel() * t.element_size()
         view = arena.bytes[offset : offset + n].view(t.dtype).view(t.shape)
         view.copy_(t.detach())
-        view._refit_arena = arena  # keeps the memfd while the tensor lives
         out[name] = view
         offset += _aligned(n)
     with _ARENAS_LOCK:
@@ -377,6 +397,31 @@ def _arena_of(
     return None
 
 
+class _Held:
+    """What a cached registration was made for, held weakly: a registration
+    must not keep a trainer's dropped shared memory alive. A storage is
+    known by its address and size while it lives; an arena while it lives."""
+
+    def __init__(self, owner: Any) -> None:
+        self.ptr: Optional[int] = None
+        self.nbytes = 0
+        if isinstance(owner, _Arena):
+            self._arena: Optional["weakref.ref[_Arena]"] = weakref.ref(owner)
+            self._storage: Any = None
+        else:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            self._arena = None
+            self._storage = StorageWeakRef(owner)
+            self.ptr = owner.data_ptr()
+            self.nbytes = owner.nbytes()
+
+    def alive(self) -> bool:
+        if self._arena is not None:
+            return self._arena() is not None
+        return not self._storage.expired()
+
+
 class ShmLane:
     """A client's registered regions (thread-safe; one push at a time uses
     the staging region, which push() ensures by holding the lock)."""
@@ -393,7 +438,7 @@ class ShmLane:
         self._metadata = metadata
         self._address = address
         self.lock = threading.Lock()
-        self._shared: "collections.OrderedDict[Tuple[int, int], Tuple[Lease, Any]]" = (
+        self._shared: "collections.OrderedDict[Tuple[int, int], Tuple[Lease, _Held]]" = (
             collections.OrderedDict()
         )
         # The cached storages the push being planned uses (never evicted for it).
@@ -429,9 +474,9 @@ class ShmLane:
         hit = self._shared.get(key)
         if (
             hit is None
-            or not hasattr(hit[1], "data_ptr")
-            or hit[1].data_ptr() != ptr
-            or hit[1].nbytes() != storage.nbytes()
+            or hit[1].ptr != ptr
+            or hit[1].nbytes != storage.nbytes()
+            or not hit[1].alive()
             or not hit[0].alive()
         ):
             del self._storage_keys[ptr]
@@ -450,7 +495,7 @@ class ShmLane:
             return hit[0]
         if hit is not None:
             hit[0].release()
-            self._forget_storage(hit[1])
+            self._forget(hit[1])
         try:
             lease = self._with_room(
                 lambda: register(
@@ -463,18 +508,30 @@ class ShmLane:
                 "or more shared storages, each its own region: put them in one with "
                 "refit_client.shared_tensors(), or raise the daemon's limit"
             ) from None
-        # The storage is kept so that its inode (the key) is not reused.
-        self._shared[key] = (lease, storage)
-        if hasattr(storage, "data_ptr"):
-            self._storage_keys[storage.data_ptr()] = key
+        # The inode (the key) cannot be reused while the daemon holds the
+        # region's descriptor; the storage itself is held weakly.
+        held = _Held(storage)
+        self._shared[key] = (lease, held)
+        if held.ptr is not None:
+            self._storage_keys[held.ptr] = key
         self._push_keys.add(key)
         if len(self._shared) > MAX_CACHED_REGIONS:
             self._evict(len(self._shared) - MAX_CACHED_REGIONS)
         return self._shared[key][0]
 
-    def _forget_storage(self, storage: Any) -> None:
-        if hasattr(storage, "data_ptr"):
-            self._storage_keys.pop(storage.data_ptr(), None)
+    def _forget(self, held: _Held) -> None:
+        # (A storage now at that address found no key: it is looked up by
+        # its descriptor instead.)
+        if held.ptr is not None:
+            self._storage_keys.pop(held.ptr, None)
+
+    def _drop_dead(self) -> None:
+        """Ends the registrations of shared memory the trainer has dropped
+        (the daemon then unmaps it and closes its descriptor)."""
+        for key in [k for k, (_, held) in self._shared.items() if not held.alive()]:
+            lease, held = self._shared.pop(key)
+            self._forget(held)
+            lease.release()
 
     def _with_room(self, register_once: Callable[[], Lease]) -> Lease:
         """register_once(), making room while the daemon refuses it over its
@@ -493,11 +550,13 @@ class ShmLane:
         so the room is there for the next registration."""
         victims = [k for k in self._shared if k not in self._push_keys][:count]
         for key in victims:
-            lease, storage = self._shared.pop(key)
-            self._forget_storage(storage)
+            lease, held = self._shared.pop(key)
+            self._forget(held)
             try:
                 self._stub.UnregisterRegion(
-                    rpb.UnregisterRegionRequest(region_id=lease.region_id), metadata=self._metadata
+                    rpb.UnregisterRegionRequest(region_id=lease.region_id),
+                    metadata=self._metadata,
+                    timeout=_FD_SOCKET_TIMEOUT,
                 )
             except grpc.RpcError:
                 pass  # gone already; cancelling the lease below releases it anyway
@@ -512,6 +571,7 @@ class ShmLane:
         `staging_limit`, a push that would need a larger staging region is
         ResourceExhausted before anything is registered."""
         self._push_keys = set()
+        self._drop_dead()
         cuda = self._plan_cuda(sources)
         # Looked up once per push: a model has hundreds of tensors, most in
         # one arena.
@@ -537,7 +597,9 @@ class ShmLane:
                 found.append((None, shared[2], shared, False))
                 continue
             found.append((None, need, None, True))
-            need += _aligned(src.nbytes)
+            # At least one unit, so that a push of only empty private
+            # tensors has a staging region to reference too.
+            need += _aligned(max(src.nbytes, 1))
         if staging_limit is not None and need > staging_limit:
             self.end_push()
             raise ResourceExhausted(

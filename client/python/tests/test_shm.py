@@ -30,7 +30,7 @@ from refit_client import (
     ResourceExhausted,
     shared_tensors,
 )
-from refit_client import _shm
+from refit_client import _shm, _tensors
 
 from conftest import load_state_dict
 
@@ -185,15 +185,16 @@ def test_a_storage_pushed_again_is_found_by_address_and_new_storages_by_descript
     assert lookups == []
     assert negated.fingerprint != first.fingerprint
     assert client._shm.last_copied_bytes == 0
-    # Storages made afresh are looked up (the old ones are still held by
-    # the client's cache, so no new storage can sit at an old address), and
-    # the daemon reads their bytes, not the old ones'.
+    # Storages made afresh are looked up, and the daemon reads their bytes,
+    # not the old ones' (even where a new storage sits at an old one's
+    # address). The old ones, dropped by the trainer, are not kept alive by
+    # the client's cache: their registrations end with the next push.
     count = len(client._shm.regions())
     fresh = {k: v.clone().share_memory_() for k, v in seed2.items()}
-    del shared
+    del shared, t
     assert client.push(fresh, lane="shm").fingerprint == first.fingerprint
     assert sorted(lookups) == sorted(fresh)
-    assert len(client._shm.regions()) == 2 * count
+    assert len(client._shm.regions()) == count
     # A lease that ended is not trusted by address: registered again.
     lookups.clear()
     for lease in client._shm.regions():
@@ -264,6 +265,81 @@ def test_shared_tensors_are_one_sealed_mapped_region_and_go_without_any_copy(
     zero = client.push(shared, lane="shm", non_finite="vllm")
     assert zero.fingerprint != expected
     assert len(client._shm.regions()) == 1
+
+
+def test_shared_tensors_memory_lives_while_anything_shares_it(daemon, seed2):
+    """Parameters made from shared_tensors() (the way to keep a trainer's
+    weights there) outlive the returned dict: the memory stays mapped and
+    registered, and a push sends their bytes, in place."""
+    import gc
+
+    with RefitClient(daemon.address) as c:
+        expected = c.push({k: v.clone() for k, v in seed2.items()}, lane="grpc").fingerprint
+    params = {
+        k: torch.nn.Parameter(v, requires_grad=False) for k, v in shared_tensors(seed2).items()
+    }
+    gc.collect()  # the dict and its tensors are gone; the parameters share their memory
+    with RefitClient(daemon.address) as c:  # a fresh client maps a staging region of its own
+        result = c.push(params, lane="shm")
+        assert c._shm.last_copied_bytes == 0
+        assert [r.access for r in c._shm.regions()] == ["mapped"]
+    assert result.fingerprint == expected
+    assert all(torch.equal(params[k], v) for k, v in seed2.items())
+
+
+def test_storages_shared_without_a_descriptor_are_copied_and_never_moved(
+    client, seed2, tmp_path
+):
+    """Tensors in shared memory the lane cannot register as they are (the
+    file_system sharing strategy, torch.from_file mappings) are copied: their
+    storages stay where they are, so other processes sharing them keep
+    seeing the trainer's updates."""
+    import torch.multiprocessing as mp
+
+    expected = client.push({k: v.clone() for k, v in seed2.items()}, lane="grpc").fingerprint
+    strategy = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        shared = {k: v.clone().share_memory_() for k, v in seed2.items()}
+    finally:
+        mp.set_sharing_strategy(strategy)
+    where = {k: v.untyped_storage().data_ptr() for k, v in shared.items()}
+    assert client.push(shared, lane="auto").fingerprint == expected
+    assert client._shm.last_copied_bytes > 0
+    assert {k: v.untyped_storage().data_ptr() for k, v in shared.items()} == where
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"".join(v.contiguous().view(torch.uint8).numpy().tobytes()
+                              for v in seed2.values()))
+    mapped, offset = {}, 0
+    whole = torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
+    for k, v in seed2.items():
+        n = v.numel() * v.element_size()
+        mapped[k] = whole[offset : offset + n].view(v.dtype).view(v.shape)
+        offset += n
+    assert client.push(mapped, lane="auto").fingerprint == expected
+
+
+def test_an_empty_private_tensor_has_a_staging_region_to_reference(client):
+    lane = client._shm_lane()
+    with lane.lock:
+        try:
+            (planned,) = lane.plan([_tensors.to_source("empty", torch.empty(0, dtype=torch.bfloat16))])
+        finally:
+            lane.end_push()
+    src, lease, offset, copy = planned
+    assert lease is not None and lease.alive() and copy and src.nbytes == 0
+
+
+def test_a_generator_push_falls_back_to_grpc_with_every_tensor(daemon, seed2):
+    """push(model.named_parameters()) on the auto lane: when the lane is
+    refused (here its staging copy is over the limit) the gRPC push gets the
+    same tensors, not an exhausted iterator."""
+    with RefitClient(daemon.address, shm_staging_limit=1 << 10) as c:
+        expected = c.push({k: v.clone() for k, v in seed2.items()}, lane="grpc").fingerprint
+        result = c.push(((k, v) for k, v in seed2.items()))
+        assert "more than shm_staging_limit 1024" in c.shm_fallback_reason
+        assert result.fingerprint == expected
 
 
 def test_references_share_messages_and_each_copied_tensor_goes_before_the_next_copy(

@@ -8,15 +8,19 @@
 // (MAP_FIXED anonymous, read-only) and flags it: the read that faulted, and
 // every later read of the range, go on over zeros instead of faulting, and
 // the range's owner learns from Faulted() that what it read is not the
-// file's content. A fault anywhere else goes to the handler that was there
-// before (or the default action: the process dies, as without the guard).
+// file's content. Only a fault the kernel raised for such a load
+// (BUS_ADRERR) is patched. Any other SIGBUS (a fault anywhere else, one sent
+// by a process, a memory failure) goes to the handler that was there before,
+// or to the default action: the process dies, as without the guard.
 //
 // The handler is installed on the first Register and never removed. It
 // scans a fixed table of ranges (lock-free atomics; no allocation, no lock)
 // and makes one mmap system call: async-signal-safe.
 //
 // Thread-safety: thread-safe. A range must not be unmapped before its
-// Unregister.
+// Unregister, and not while anyone may still read it (the handler maps
+// zeros over the range it finds: over memory reused by then, if it had
+// been unmapped under a reader).
 #ifndef REFIT_SERVER_SIGBUS_GUARD_H_
 #define REFIT_SERVER_SIGBUS_GUARD_H_
 

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -82,6 +83,44 @@ TEST(SigbusGuardTest, AFaultOutsideEveryGuardedRangeStillKillsTheProcess) {
       },
       "");
   EXPECT_FALSE(SigbusGuard::Faulted(slot));
+  SigbusGuard::Unregister(slot);
+}
+
+// A SIGBUS that no load raised (sent with kill, or forged with an address
+// inside a guarded range) patches nothing and ends the process, as without
+// the guard; before, it was swallowed and switched the guard off for good.
+TEST(SigbusGuardTest, ASentSigbusEndsTheProcessAndPatchesNothing) {
+  ShmFile file(2);
+  const int slot = SigbusGuard::Register(const_cast<char*>(file.map), file.length);
+  ASSERT_GE(slot, 0);
+  constexpr int kSurvived = 3;  // the child's exit status if the signal was swallowed
+  auto ended_by_it = [](int status) {
+    if (WIFSIGNALED(status)) return WTERMSIG(status) == SIGBUS;
+    // Under a sanitizer, its handler reports the signal and exits non-zero.
+    return WIFEXITED(status) && WEXITSTATUS(status) != 0 && WEXITSTATUS(status) != kSurvived;
+  };
+  EXPECT_EXIT(
+      {
+        ::kill(::getpid(), SIGBUS);
+        ::_exit(kSurvived);
+      },
+      ended_by_it, "");
+  EXPECT_EXIT(
+      {
+        siginfo_t forged{};
+        forged.si_signo = SIGBUS;
+        forged.si_code = SI_QUEUE;
+        forged.si_addr = const_cast<char*>(file.map);
+        ::syscall(SYS_rt_tgsigqueueinfo, ::getpid(), ::syscall(SYS_gettid), SIGBUS, &forged);
+        ::_exit(kSurvived);
+      },
+      ended_by_it, "");
+  // (The signals went to the death tests' children.) A real fault is still
+  // patched here.
+  EXPECT_FALSE(SigbusGuard::Faulted(slot));
+  ASSERT_EQ(::ftruncate(file.fd, 0), 0);
+  EXPECT_EQ(file.map[file.page], 0);
+  EXPECT_TRUE(SigbusGuard::Faulted(slot));
   SigbusGuard::Unregister(slot);
 }
 

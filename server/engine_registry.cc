@@ -21,8 +21,9 @@ EngineRegistry::~EngineRegistry() {
   store_->RemoveListener(listener_);
 }
 
-std::string EngineRegistry::Add(absl::string_view name, bool coordinated, EngineSink* sink,
-                                absl::FunctionRef<uint64_t(const std::string&)> attached) {
+std::string EngineRegistry::Add(
+    absl::string_view name, bool coordinated, EngineSink* sink,
+    absl::FunctionRef<uint64_t(const std::string&, const v1::CommitPending*)> attached) {
   absl::MutexLock lock(&mu_);
   std::string id = absl::StrCat("e-", next_id_++);
   Engine& engine = engines_[id];
@@ -31,8 +32,15 @@ std::string EngineRegistry::Add(absl::string_view name, bool coordinated, Engine
   engine.info.coordinated = coordinated;
   engine.info.attached = absl::Now();
   engine.sink = sink;
-  engine.info.version = attached(id);
-  if (coordinated && !pending_refit_.empty()) {
+  const bool asked = coordinated && !pending_refit_.empty();
+  v1::CommitPending pending;
+  if (asked) {
+    pending.set_refit_id(pending_refit_);
+    pending.set_version(pending_version_);
+    pending.set_attempt(attempt_);
+  }
+  engine.info.version = attached(id, asked ? &pending : nullptr);
+  if (asked) {
     // A commit is under way. Before its copy it waits for this engine as
     // well (the wait re-checks its condition when the lock is released);
     // during the copy the engine holds at its next safe point until

@@ -68,12 +68,15 @@ class EngineRegistry final : public core::CommitCoordinator {
   // Registers an engine and returns its id ("e-N"). `attached` runs with the
   // registry's lock held: it sends the engine its first message and returns
   // the version it told the engine of, so that no commit's Committed falls
-  // between the two.
+  // between the two. `pending` is the commit the engine is asked about at
+  // once (below), or null.
   // A coordinated engine that attaches while a commit is pending is sent
   // its CommitPending at once: before the copy the commit waits for its ack
   // too; during the copy it is told to hold until Committed.
-  std::string Add(absl::string_view name, bool coordinated, EngineSink* sink,
-                  absl::FunctionRef<uint64_t(const std::string& engine_id)> attached);
+  std::string Add(
+      absl::string_view name, bool coordinated, EngineSink* sink,
+      absl::FunctionRef<uint64_t(const std::string& engine_id, const v1::CommitPending* pending)>
+          attached);
   // Releases the engine: it no longer receives anything, and a commit
   // waiting for it goes on without it.
   void Remove(absl::string_view engine_id);

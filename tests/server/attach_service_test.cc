@@ -269,7 +269,12 @@ TEST_F(AttachTest, AnEngineAttachingWhileACommitWaitsIsAskedAndWaitedForToo) {
 
   // The commit is waiting for `first`; a second engine attaches now.
   Engine second(engine_stub_.get(), /*coordinate=*/true);
-  EXPECT_EQ(AttachOne(second).version(), 1u);
+  const v1::Attached attached = AttachOne(second);
+  EXPECT_EQ(attached.version(), 1u);
+  // In the manifest already, so that the engine holds at its first safe
+  // point however late it reads the message below.
+  EXPECT_EQ(attached.pending().version(), 2u);
+  EXPECT_EQ(attached.pending().attempt(), pending.attempt());
   ASSERT_TRUE(second.Read(&message));
   ASSERT_TRUE(message.has_commit_pending());
   EXPECT_EQ(message.commit_pending().version(), 2u);

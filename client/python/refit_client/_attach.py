@@ -411,6 +411,10 @@ class AttachedEngine:
         self._version: int = a.version
         self._fingerprint: str = a.fingerprint
         self._pending: Optional[Tuple[str, int, int]] = None  # (refit id, version, attempt)
+        if a.HasField("pending"):
+            # Attached while a commit is pending: the first safe point holds
+            # for it, whenever the stream's CommitPending is read.
+            self._pending = (a.pending.refit_id, a.pending.version, a.pending.attempt)
         self._acked = False
         self._closed: Optional[BaseException] = None
         self._closing = False
@@ -568,8 +572,12 @@ class AttachedEngine:
                         p = message.commit_pending
                         event = EngineEvent("commit_pending", p.refit_id, p.version, time=now)
                         with self._cv:
-                            self._pending = (p.refit_id, p.version, p.attempt)
-                            self._acked = False
+                            asked = (p.refit_id, p.version, p.attempt)
+                            # (Already pending from the manifest, or already
+                            # delivered from the header: nothing new to ack.)
+                            if self._pending != asked and p.version > self._delivered:
+                                self._pending = asked
+                                self._acked = False
                             self._cv.notify_all()
                     elif kind == "aborted":
                         b = message.aborted

@@ -243,6 +243,32 @@ def test_an_idle_engine_acks_from_its_callback_and_follows_every_commit(daemon, 
         assert engine.safe_point() is False
 
 
+def test_an_engine_attaching_mid_commit_holds_at_its_first_safe_point(start_daemon, weights):
+    """A coordinated engine that attaches while a commit waits for another
+    engine's ack comes back from attach() with that commit pending: its
+    first safe point acks and holds until the copy is done, and the commit
+    waits for both acks."""
+    d = start_daemon("--engine-quiesce-timeout=60s")
+    with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address, name="first") as first:
+        pushed = {}
+        pusher = threading.Thread(
+            target=lambda: pushed.update(r=client.push(load_state_dict(weights(2)))))
+        pusher.start()
+        assert [e.kind for e in first_events(first, 1)] == ["commit_pending"]
+        with attach(d.address, name="second") as second:
+            assert second.version == 1
+            assert second._pending is not None and second._pending[1] == 2  # from the manifest
+            first_acked = threading.Thread(target=first.safe_point)
+            first_acked.start()
+            time.sleep(0.3)
+            assert client.status().version == 1  # waits for the second engine too
+            assert second.safe_point(timeout=LIMIT) is True
+            first_acked.join(LIMIT)
+            pusher.join(LIMIT)
+            assert pushed["r"].version == 2
+            assert second.version == 2 and second.pauses[-1][0] == 2
+
+
 def test_attach_to_no_daemon_gives_up_after_its_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded) as e:

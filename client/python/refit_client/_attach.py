@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import grpc
 
 from . import _fdsocket
+from ._expiry import CallExpiry
 from ._proto import engine_pb2 as epb
 from ._proto import engine_pb2_grpc as epb_grpc
 from .errors import (
@@ -367,40 +368,28 @@ class AttachedEngine:
         # the wait for its first message (a daemon not there yet, or not
         # answering) by cancelling the call.
         self._call = stub.Attach(self._request_iter(), metadata=metadata, wait_for_ready=True)
-        expiry = threading.Lock()
-        expired = [False, False]  # [first message in, cancelled]
+        expiry = CallExpiry(self._call)
+        expiry.after(timeout, f"no answer from {address} within {timeout:g} s")
 
-        def expire() -> None:
-            with expiry:
-                if not expired[0]:
-                    expired[1] = True
-                    self._call.cancel()
+        def give_up() -> None:
+            self._requests.put(None)  # ends the request iterator
+            self._channel.close()
 
-        timer = threading.Timer(timeout, expire)
-        timer.daemon = True
-        timer.start()
         try:
             first = next(self._call)
         except grpc.RpcError as e:
-            self._requests.put(None)  # ends the request iterator
-            self._channel.close()
-            if expired[1]:
-                raise DeadlineExceeded(
-                    f"attach: no answer from {address} within {timeout:g} s"
-                ) from None
+            give_up()
+            why = expiry.finish()
+            if why is not None:
+                raise DeadlineExceeded(f"attach: {why}") from None
             raise from_rpc_error(e, "attach") from None
         except StopIteration:
-            self._requests.put(None)
-            self._channel.close()
+            give_up()
             raise RefitError("attach: the daemon ended the stream without a manifest") from None
-        finally:
-            timer.cancel()
-        with expiry:
-            expired[0] = True
-            if expired[1]:
-                self._requests.put(None)
-                self._channel.close()
-                raise DeadlineExceeded(f"attach: no answer from {address} within {timeout:g} s")
+        why = expiry.finish()
+        if why is not None:  # cancelled just as the manifest came
+            give_up()
+            raise DeadlineExceeded(f"attach: {why}")
         a = first.attached
         self.engine_id: str = a.engine_id
         self.group: str = a.model_group

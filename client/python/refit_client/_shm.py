@@ -49,6 +49,7 @@ import grpc
 import numpy as np
 
 from . import _fdsocket, _tensors
+from ._expiry import CallExpiry
 from ._proto import region_pb2 as rpb
 from ._proto import region_pb2_grpc as rpb_grpc
 from .errors import DeadlineExceeded, RefitError, ResourceExhausted, from_rpc_error
@@ -107,46 +108,13 @@ def _access_name(access: int) -> str:
     return "pread"
 
 
-class _Expiry:
-    """Cancels a RegisterRegion call whose handshake takes too long: the call
-    is the lease and has no deadline of its own, so its events are waited
-    for under this instead."""
-
-    def __init__(self, call: Any, seconds: float) -> None:
-        self._call = call
-        self._lock = threading.Lock()
-        self._done = False
-        self.why: Optional[str] = None  # set when it cancelled the call
-        self._timers: List[threading.Timer] = []
-        self.after(seconds, f"no registration within {seconds:g} s")
-
-    def after(self, seconds: float, why: str) -> None:
-        timer = threading.Timer(seconds, self._expire, args=(why,))
-        timer.daemon = True
-        self._timers.append(timer)
-        timer.start()
-
-    def _expire(self, why: str) -> None:
-        with self._lock:
-            if not self._done and self.why is None:
-                self.why = why
-                self._call.cancel()
-
-    def finish(self) -> Optional[str]:
-        """Stops the timers; the reason if one cancelled the call first."""
-        for timer in self._timers:
-            timer.cancel()
-        with self._lock:
-            self._done = True
-            return self.why
-
-
 def _lease(call: Any, size: int, address: str, what: str, handshake: Any) -> Lease:
     """The lease of a RegisterRegion `call` once `handshake(events, expiry)`
     has returned its RegionRegistered, within _REGISTER_TIMEOUT; any failure
     cancels the call and raises (the daemon's error, DeadlineExceeded, or
     RefitError)."""
-    expiry = _Expiry(call, _REGISTER_TIMEOUT)
+    expiry = CallExpiry(call)
+    expiry.after(_REGISTER_TIMEOUT, f"no registration within {_REGISTER_TIMEOUT:g} s")
     try:
         registered = handshake(iter(call), expiry)
     except grpc.RpcError as e:
@@ -185,7 +153,7 @@ def register_cuda(
         metadata=metadata,
     )
 
-    def handshake(events: Any, expiry: _Expiry) -> Any:
+    def handshake(events: Any, expiry: CallExpiry) -> Any:
         first = next(events)
         if not first.HasField("registered"):
             raise RefitError("RegisterRegion: the daemon sent no registration for a CUDA region")
@@ -203,7 +171,7 @@ def register(
     for a descriptor too small, ...)."""
     call = stub.RegisterRegion(rpb.RegisterRegionRequest(size=size, name=name), metadata=metadata)
 
-    def handshake(events: Any, expiry: _Expiry) -> Any:
+    def handshake(events: Any, expiry: CallExpiry) -> Any:
         first = next(events)
         if not first.HasField("ticket"):
             raise RefitError("RegisterRegion: the daemon sent no ticket")

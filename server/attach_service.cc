@@ -216,64 +216,65 @@ class AttachService::Reactor final
     const std::vector<core::KernelView> kernels = store->Kernels();
     const bool coordinated = request.coordinate();
     std::string ticket;
+    // The engine's first message, its manifest: sent under the registry's
+    // lock (EngineRegistry::Add), so that no commit's Committed can be sent
+    // between the version read here and this message.
+    auto send_manifest = [&](const std::string& id, const v1::CommitPending* pending) -> uint64_t {
+      ticket = service_->IssueTicket(group_, id);
+      v1::DaemonMessage message;
+      v1::Attached* a = message.mutable_attached();
+      a->set_engine_id(id);
+      a->set_model_group(group_);
+      const core::LiveVersion live = store->live_version();
+      a->set_version(live.version);
+      a->set_fingerprint(live.fingerprint);
+      *a->mutable_layout() = layout;
+      v1::ArenaRegion* host = a->add_regions();
+      host->set_kind(v1::ArenaRegion::KIND_HOST_MEMFD);
+      host->set_bytes(static_cast<uint64_t>(arena.host_bytes));
+      host->set_data_offset(static_cast<uint64_t>(core::kArenaDataOffset));
+      uint32_t data_region = 0;
+      if (arena.on_device && arena.device_vmm) {
+        // The allocation's descriptor comes second from fd_socket.
+        v1::ArenaRegion* dev = a->add_regions();
+        dev->set_kind(v1::ArenaRegion::KIND_CUDA_VMM);
+        dev->set_bytes(static_cast<uint64_t>(arena.device_mapped_bytes));
+        dev->set_cuda_device(arena.device_index);
+        dev->set_fd_index(1);
+        data_region = 1;
+      } else if (arena.on_device) {
+        v1::ArenaRegion* dev = a->add_regions();
+        dev->set_kind(v1::ArenaRegion::KIND_CUDA_IPC);
+        dev->set_bytes(static_cast<uint64_t>(arena.data_bytes));
+        dev->set_cuda_ipc_handle(arena.ipc_handle);
+        dev->set_cuda_device(arena.device_index);
+        data_region = 1;
+      }
+      for (const core::KernelView& k : kernels) {
+        v1::ArenaTensor* t = a->add_tensors();
+        t->set_name(k.spec->name);
+        t->set_dtype(std::string(core::TorchDTypeName(k.spec->dtype)));
+        int64_t stride = 1;
+        std::vector<int64_t> strides(k.spec->shape.size());
+        for (size_t d = k.spec->shape.size(); d-- > 0;) {
+          strides[d] = stride;
+          stride *= k.spec->shape[d];
+        }
+        for (int64_t d : k.spec->shape) t->add_shape(d);
+        for (int64_t s : strides) t->add_strides(s);
+        t->set_region(data_region);
+        t->set_byte_offset(static_cast<uint64_t>(k.arena_offset));
+        t->set_nbytes(static_cast<uint64_t>(k.nbytes));
+      }
+      a->set_fd_socket(service_->fd_socket());
+      a->set_ticket(ticket);
+      a->set_coordinated(coordinated);
+      if (pending != nullptr) *a->mutable_pending() = *pending;
+      Send(std::move(message));
+      return live.version;
+    };
     const std::string engine_id =
-        registry->Add(request.engine_name(), coordinated, this,
-                      [&](const std::string& id, const v1::CommitPending* pending) -> uint64_t {
-                        // Under the registry's lock: no commit's Committed can be sent
-                        // between the version read here and this message.
-                        ticket = service_->IssueTicket(group_, id);
-                        v1::DaemonMessage message;
-                        v1::Attached* a = message.mutable_attached();
-                        a->set_engine_id(id);
-                        a->set_model_group(group_);
-                        const core::LiveVersion live = store->live_version();
-                        a->set_version(live.version);
-                        a->set_fingerprint(live.fingerprint);
-                        *a->mutable_layout() = layout;
-                        v1::ArenaRegion* host = a->add_regions();
-                        host->set_kind(v1::ArenaRegion::KIND_HOST_MEMFD);
-                        host->set_bytes(static_cast<uint64_t>(arena.host_bytes));
-                        host->set_data_offset(static_cast<uint64_t>(core::kArenaDataOffset));
-                        uint32_t data_region = 0;
-                        if (arena.on_device && arena.device_vmm) {
-                          // The allocation's descriptor comes second from fd_socket.
-                          v1::ArenaRegion* dev = a->add_regions();
-                          dev->set_kind(v1::ArenaRegion::KIND_CUDA_VMM);
-                          dev->set_bytes(static_cast<uint64_t>(arena.device_mapped_bytes));
-                          dev->set_cuda_device(arena.device_index);
-                          dev->set_fd_index(1);
-                          data_region = 1;
-                        } else if (arena.on_device) {
-                          v1::ArenaRegion* dev = a->add_regions();
-                          dev->set_kind(v1::ArenaRegion::KIND_CUDA_IPC);
-                          dev->set_bytes(static_cast<uint64_t>(arena.data_bytes));
-                          dev->set_cuda_ipc_handle(arena.ipc_handle);
-                          dev->set_cuda_device(arena.device_index);
-                          data_region = 1;
-                        }
-                        for (const core::KernelView& k : kernels) {
-                          v1::ArenaTensor* t = a->add_tensors();
-                          t->set_name(k.spec->name);
-                          t->set_dtype(std::string(core::TorchDTypeName(k.spec->dtype)));
-                          int64_t stride = 1;
-                          std::vector<int64_t> strides(k.spec->shape.size());
-                          for (size_t d = k.spec->shape.size(); d-- > 0;) {
-                            strides[d] = stride;
-                            stride *= k.spec->shape[d];
-                          }
-                          for (int64_t d : k.spec->shape) t->add_shape(d);
-                          for (int64_t s : strides) t->add_strides(s);
-                          t->set_region(data_region);
-                          t->set_byte_offset(static_cast<uint64_t>(k.arena_offset));
-                          t->set_nbytes(static_cast<uint64_t>(k.nbytes));
-                        }
-                        a->set_fd_socket(service_->fd_socket());
-                        a->set_ticket(ticket);
-                        a->set_coordinated(coordinated);
-                        if (pending != nullptr) *a->mutable_pending() = *pending;
-                        Send(std::move(message));
-                        return live.version;
-                      });
+        registry->Add(request.engine_name(), coordinated, this, send_manifest);
     bool ended = false;
     {
       absl::MutexLock lock(&mu_);

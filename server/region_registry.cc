@@ -67,9 +67,10 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
   }
   struct statfs fs {};
   if (::fstatfs(fd, &fs) == 0 && static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC) {
-    // A hole punched in a hugetlbfs file (allowed under every seal) faults
-    // the mapping once the huge page pool is empty, and its mappings only
-    // unmap in whole huge pages.
+    // A hole punched in a hugetlbfs file (allowed unless it is sealed
+    // against writes, which a trainer's region cannot be) faults the mapping
+    // once the huge page pool is empty, and its mappings only unmap in
+    // whole huge pages.
     return absl::InvalidArgumentError(absl::StrCat(
         "region \"", region->id_,
         "\": the descriptor is on hugetlbfs (MFD_HUGETLB), which refitd does not map; send a "

@@ -160,7 +160,8 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
       engine.sink->Send(std::move(message));
       engine.info.version = result->version;
       if (told_.count(id) > 0 && engine.quiesced_at != absl::InfinitePast()) {
-        metrics_->RecordEnginePause(absl::ToDoubleSeconds(now - engine.quiesced_at));
+        metrics_->RecordEnginePause(absl::ToDoubleSeconds(now - engine.quiesced_at),
+                                    /*committed=*/true);
       }
       engine.quiesced_at = absl::InfinitePast();
     }
@@ -183,6 +184,7 @@ void EngineRegistry::OnStoreEvent(const core::StoreEvent& event) {
 void EngineRegistry::SendAbortedLocked(absl::string_view refit_id, absl::string_view reason,
                                        bool told_only) {
   const uint64_t live = store_->version();
+  const absl::Time now = absl::Now();
   for (auto& [id, engine] : engines_) {
     if (told_only && told_.count(id) == 0) continue;
     v1::DaemonMessage message;
@@ -190,6 +192,12 @@ void EngineRegistry::SendAbortedLocked(absl::string_view refit_id, absl::string_
     message.mutable_aborted()->set_version(live);
     message.mutable_aborted()->set_reason(std::string(reason));
     engine.sink->Send(std::move(message));
+    // An engine that quiesced for this commit held until now: its pause
+    // counts, ended by the abort.
+    if (told_.count(id) > 0 && engine.quiesced_at != absl::InfinitePast()) {
+      metrics_->RecordEnginePause(absl::ToDoubleSeconds(now - engine.quiesced_at),
+                                  /*committed=*/false);
+    }
     engine.quiesced_at = absl::InfinitePast();
   }
 }

@@ -2,15 +2,19 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <utility>
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/dtype.h"
 #include "core/log.h"
 #include "core/model_layout.h"
+#include "server/metrics.h"
 #include "server/refit_server.h"
 
 namespace refit::server {
@@ -42,6 +46,20 @@ std::string DefaultMemberId(int64_t tp_rank) {
   return absl::StrCat(host[0] != '\0' ? host : "refitd", "-r", tp_rank);
 }
 
+// Fleet names and member ids become etcd key segments, JSON strings and
+// metric labels: the characters that are plain in all three.
+absl::Status ValidateFleetName(absl::string_view flag, absl::string_view what,
+                               absl::string_view name) {
+  const bool valid = !name.empty() && name.size() <= 128 && name != "." && name != ".." &&
+                     std::all_of(name.begin(), name.end(), [](char c) {
+                       return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
+                              c == '_' || c == '-';
+                     });
+  if (valid) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(flag, " \"", absl::CHexEscape(name.substr(0, 160)),
+                                                 "\": a ", what, " is 1 to 128 of [A-Za-z0-9._-]"));
+}
+
 }  // namespace
 
 std::string FleetPrefix(absl::string_view fleet) {
@@ -51,17 +69,15 @@ std::string FleetPrefix(absl::string_view fleet) {
 absl::StatusOr<std::unique_ptr<FleetMember>> FleetMember::Start(
     FleetOptions options, ModelGroup* group, Metrics* metrics,
     std::function<void(bool ready)> set_ready) {
-  if (options.fleet.empty()) return absl::InvalidArgumentError("--fleet: empty fleet name");
-  if (options.fleet.find('/') != std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--fleet \"", options.fleet, "\": a fleet name has no '/'"));
+  if (absl::Status s = ValidateFleetName("--fleet", "fleet name", options.fleet); !s.ok()) {
+    return s;
   }
   if (options.member_id.empty()) {
     options.member_id = DefaultMemberId(group->store()->layout().parallel().tp_rank);
   }
-  if (options.member_id.find('/') != std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--fleet-member \"", options.member_id, "\": a member id has no '/'"));
+  if (absl::Status s = ValidateFleetName("--fleet-member", "member id", options.member_id);
+      !s.ok()) {
+    return s;
   }
   EtcdClientOptions etcd_options;
   etcd_options.endpoints = options.etcd_endpoints;
@@ -734,7 +750,8 @@ FleetStatus FleetMember::status() const {
 std::string FleetMember::RenderMetrics() const {
   absl::MutexLock lock(&mu_);
   const std::string labels =
-      absl::StrCat("{fleet=\"", options_.fleet, "\",member=\"", options_.member_id, "\"}");
+      absl::StrCat("{fleet=\"", PrometheusLabelValue(options_.fleet), "\",member=\"",
+                   PrometheusLabelValue(options_.member_id), "\"}");
   return absl::StrCat(
       "# HELP refitd_fleet_version The fleet's last committed version.\n"
       "# TYPE refitd_fleet_version gauge\n"

@@ -24,8 +24,8 @@
 namespace refit::server {
 
 void Metrics::Histogram::Observe(double value) {
-  for (size_t i = 0; i < kBuckets.size(); ++i) {
-    if (value <= kBuckets[i]) ++counts[i];
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    if (value <= bounds[i]) ++counts[i];
   }
   ++count;
   sum += value;
@@ -59,19 +59,22 @@ namespace {
 
 std::string Num(double v) { return absl::StrFormat("%.9g", v); }
 
-void RenderHistogram(std::string* out, absl::string_view phase, const Metrics::Histogram& h) {
-  for (size_t i = 0; i < Metrics::kBuckets.size(); ++i) {
-    absl::StrAppend(out, "refitd_phase_seconds_bucket{phase=\"", phase, "\",le=\"",
-                    Num(Metrics::kBuckets[i]), "\"} ", h.counts[i], "\n");
+// The samples of histogram `name` whose other label is label="value".
+void RenderHistogram(std::string* out, absl::string_view name, absl::string_view label,
+                     absl::string_view value, const Metrics::Histogram& h) {
+  const std::string labels = absl::StrCat(label, "=\"", PrometheusLabelValue(value), "\"");
+  for (size_t i = 0; i < h.bounds.size(); ++i) {
+    absl::StrAppend(out, name, "_bucket{", labels, ",le=\"", Num(h.bounds[i]), "\"} ", h.counts[i],
+                    "\n");
   }
-  absl::StrAppend(out, "refitd_phase_seconds_bucket{phase=\"", phase, "\",le=\"+Inf\"} ", h.count,
-                  "\n");
-  absl::StrAppend(out, "refitd_phase_seconds_sum{phase=\"", phase, "\"} ", Num(h.sum), "\n");
-  absl::StrAppend(out, "refitd_phase_seconds_count{phase=\"", phase, "\"} ", h.count, "\n");
+  absl::StrAppend(out, name, "_bucket{", labels, ",le=\"+Inf\"} ", h.count, "\n");
+  absl::StrAppend(out, name, "_sum{", labels, "} ", Num(h.sum), "\n");
+  absl::StrAppend(out, name, "_count{", labels, "} ", h.count, "\n");
 }
 
-// A label value in the text format: backslash, quote and newline escaped.
-std::string LabelValue(absl::string_view value) {
+}  // namespace
+
+std::string PrometheusLabelValue(absl::string_view value) {
   std::string out;
   for (char c : value) {
     if (c == '\\' || c == '"') out += '\\';
@@ -79,8 +82,6 @@ std::string LabelValue(absl::string_view value) {
   }
   return out;
 }
-
-}  // namespace
 
 void Metrics::SetFleetText(std::string text) {
   absl::MutexLock lock(&mu_);
@@ -93,8 +94,8 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
   out +=
       "# HELP refitd_build_info The refitd build: version and git description.\n"
       "# TYPE refitd_build_info gauge\n";
-  absl::StrAppend(&out, "refitd_build_info{version=\"", LabelValue(core::Version()), "\",git=\"",
-                  LabelValue(core::GitDescribe()), "\"} 1\n");
+  absl::StrAppend(&out, "refitd_build_info{version=\"", PrometheusLabelValue(core::Version()),
+                  "\",git=\"", PrometheusLabelValue(core::GitDescribe()), "\"} 1\n");
   out += "# HELP refitd_refits_total Refits by outcome.\n# TYPE refitd_refits_total counter\n";
   for (const char* outcome : {"committed", "prepared", "aborted", "failed"}) {
     auto it = outcomes_.find(outcome);
@@ -112,7 +113,7 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
         auto it = by_group->second.find(outcome);
         if (it != by_group->second.end()) n = it->second;
       }
-      absl::StrAppend(&out, "refitd_group_refits_total{group=\"", LabelValue(g.group),
+      absl::StrAppend(&out, "refitd_group_refits_total{group=\"", PrometheusLabelValue(g.group),
                       "\",outcome=\"", outcome, "\"} ", n, "\n");
     }
   }
@@ -123,19 +124,21 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
   out +=
       "# HELP refitd_phase_seconds Duration of each refit phase, per committed refit.\n"
       "# TYPE refitd_phase_seconds histogram\n";
-  RenderHistogram(&out, "receive", receive_);
-  RenderHistogram(&out, "quantize", quantize_);
-  RenderHistogram(&out, "finalize", finalize_);
-  RenderHistogram(&out, "commit", commit_);
+  RenderHistogram(&out, "refitd_phase_seconds", "phase", "receive", receive_);
+  RenderHistogram(&out, "refitd_phase_seconds", "phase", "quantize", quantize_);
+  RenderHistogram(&out, "refitd_phase_seconds", "phase", "finalize", finalize_);
+  RenderHistogram(&out, "refitd_phase_seconds", "phase", "commit", commit_);
   out += "# HELP refitd_version Live version of the model group.\n# TYPE refitd_version gauge\n";
   for (const GroupGauges& g : groups) {
-    absl::StrAppend(&out, "refitd_version{group=\"", g.group, "\"} ", g.version, "\n");
+    absl::StrAppend(&out, "refitd_version{group=\"", PrometheusLabelValue(g.group), "\"} ",
+                    g.version, "\n");
   }
   out +=
       "# HELP refitd_staging_bytes High-precision staging held by the active refit.\n"
       "# TYPE refitd_staging_bytes gauge\n";
   for (const GroupGauges& g : groups) {
-    absl::StrAppend(&out, "refitd_staging_bytes{group=\"", g.group, "\"} ", g.staging_bytes, "\n");
+    absl::StrAppend(&out, "refitd_staging_bytes{group=\"", PrometheusLabelValue(g.group), "\"} ",
+                    g.staging_bytes, "\n");
   }
   out +=
       "# HELP refitd_last_commit_pause_seconds Readers' pause during the last commit.\n"
@@ -165,27 +168,22 @@ std::string Metrics::Render(const std::vector<GroupGauges>& groups) const {
       "# HELP refitd_attached_engines Engines attached to the model group's arena.\n"
       "# TYPE refitd_attached_engines gauge\n";
   for (const GroupGauges& g : groups) {
-    absl::StrAppend(&out, "refitd_attached_engines{group=\"", g.group, "\"} ", g.attached_engines,
-                    "\n");
+    absl::StrAppend(&out, "refitd_attached_engines{group=\"", PrometheusLabelValue(g.group), "\"} ",
+                    g.attached_engines, "\n");
   }
   out +=
       "# HELP refitd_engine_pause_seconds A coordinated engine's pause per commit, from its "
-      "Quiesced to its Committed.\n"
+      "Quiesced to its Committed (outcome committed) or Aborted (outcome aborted).\n"
       "# TYPE refitd_engine_pause_seconds histogram\n";
-  for (size_t i = 0; i < kBuckets.size(); ++i) {
-    absl::StrAppend(&out, "refitd_engine_pause_seconds_bucket{le=\"", Num(kBuckets[i]), "\"} ",
-                    engine_pause_.counts[i], "\n");
-  }
-  absl::StrAppend(&out, "refitd_engine_pause_seconds_bucket{le=\"+Inf\"} ", engine_pause_.count,
-                  "\n");
-  absl::StrAppend(&out, "refitd_engine_pause_seconds_sum ", Num(engine_pause_.sum), "\n");
-  absl::StrAppend(&out, "refitd_engine_pause_seconds_count ", engine_pause_.count, "\n");
+  RenderHistogram(&out, "refitd_engine_pause_seconds", "outcome", "committed",
+                  engine_pause_committed_);
+  RenderHistogram(&out, "refitd_engine_pause_seconds", "outcome", "aborted", engine_pause_aborted_);
   return out;
 }
 
-void Metrics::RecordEnginePause(double seconds) {
+void Metrics::RecordEnginePause(double seconds, bool committed) {
   absl::MutexLock lock(&mu_);
-  engine_pause_.Observe(seconds);
+  (committed ? engine_pause_committed_ : engine_pause_aborted_).Observe(seconds);
 }
 
 namespace {

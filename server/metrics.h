@@ -15,6 +15,14 @@
 //   refitd_version{group}             gauge; live version
 //   refitd_staging_bytes{group}       gauge; high-precision staging of the active refit
 //   refitd_last_commit_pause_seconds  gauge; readers' pause of the last commit
+//   refitd_attached_engines{group}    gauge; engines attached to the group's arena
+//   refitd_engine_pause_seconds{outcome}
+//                                     histogram; a coordinated engine's pause, from its
+//                                     Quiesced to its release: outcome = committed (by
+//                                     Committed) | aborted (by Aborted: the commit did not
+//                                     happen, another engine did not quiesce in time, say)
+//
+// Label values are escaped (PrometheusLabelValue), whatever a name holds.
 //
 // Metrics is thread-safe. MetricsHttpServer serves GET /metrics on one
 // thread of its own (poll over non-blocking sockets) from Start until
@@ -41,6 +49,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "core/refit_session.h"
 
 namespace refit::server {
@@ -52,10 +61,19 @@ struct GroupGauges {
   int64_t attached_engines = 0;
 };
 
+// `value` as a label value of the text format: backslash, quote and newline
+// escaped.
+std::string PrometheusLabelValue(absl::string_view value);
+
 class Metrics {
  public:
   static constexpr std::array<double, 14> kBuckets = {0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5,
                                                       1,     2.5,   5,    10,   30,  60,   300};
+  // An engine's pause is the commit's copy plus a round trip: often well
+  // under a millisecond.
+  static constexpr std::array<double, 17> kPauseBuckets = {
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+      0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30};
 
   void RecordOutcome(absl::string_view outcome);
   // One refit event of `group`: "committed", "prepared" or "aborted".
@@ -63,15 +81,19 @@ class Metrics {
   void AddBytesReceived(int64_t bytes);
   // Observes the four phases and sets the last commit pause.
   void RecordCommitted(const core::PhaseTimings& timings);
-  // A coordinated engine's pause: from its Quiesced to its Committed.
-  void RecordEnginePause(double seconds);
+  // A coordinated engine's pause: from its Quiesced to its Committed
+  // (`committed`) or its Aborted.
+  void RecordEnginePause(double seconds, bool committed);
   std::string Render(const std::vector<GroupGauges>& groups) const;
   // Lines Render adds as they are: the fleet's gauges (refitd_fleet_*,
   // server/fleet_member.h), replaced whole at each update.
   void SetFleetText(std::string text);
 
   struct Histogram {
-    std::array<uint64_t, kBuckets.size()> counts{};  // cumulative
+    explicit Histogram(absl::Span<const double> bounds = kBuckets)
+        : bounds(bounds), counts(bounds.size(), 0) {}
+    absl::Span<const double> bounds;  // upper bounds, ascending
+    std::vector<uint64_t> counts;     // cumulative, one per bound
     uint64_t count = 0;
     double sum = 0;
     void Observe(double value);
@@ -89,7 +111,8 @@ class Metrics {
   Histogram finalize_ ABSL_GUARDED_BY(mu_);
   Histogram commit_ ABSL_GUARDED_BY(mu_);
   double last_commit_pause_ ABSL_GUARDED_BY(mu_) = 0;
-  Histogram engine_pause_ ABSL_GUARDED_BY(mu_);
+  Histogram engine_pause_committed_ ABSL_GUARDED_BY(mu_){kPauseBuckets};
+  Histogram engine_pause_aborted_ ABSL_GUARDED_BY(mu_){kPauseBuckets};
   std::string fleet_text_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -268,6 +268,29 @@ TEST_F(FleetFaultTest, MemberWithADifferentLayoutIsRefusedNamingTheFields) {
   EXPECT_EQ(state->members.size(), static_cast<size_t>(kMembers));
 }
 
+TEST_F(FleetFaultTest, FleetNamesAndMemberIdsOutsideThePlainCharactersAreRefusedAtStartUp) {
+  // They become etcd keys, JSON strings and metric labels.
+  const std::pair<std::string, std::string> bad[] = {
+      {"--fleet=fl\"eet", "--fleet \"fl\\\"eet\": a fleet name is 1 to 128 of [A-Za-z0-9._-]"},
+      {"--fleet-member=m\n1", "--fleet-member \"m\\n1\": a member id is 1 to 128 of"},
+      {"--fleet-member=..", "--fleet-member \"..\": a member id"},
+  };
+  for (const auto& [flag, message] : bad) {
+    SCOPED_TRACE(flag);
+    std::vector<std::string> args = {
+        BinPath("refitd"), "--model=demo", "--listen=unix:" + Path("bad.sock"),
+        absl::StrCat("--fleet=", kFleet), "--etcd=" + etcd_->endpoint()};
+    args.push_back(flag);
+    auto child = Child::Start(args, Path("bad.out"), Path("bad.log"));
+    ASSERT_NE(child, nullptr);
+    EXPECT_EQ(child->Wait(), 1) << child->Stderr();
+    EXPECT_TRUE(absl::StrContains(child->Stderr(), message)) << child->Stderr();
+  }
+  absl::StatusOr<client::FleetState> state = Coordinator()->Status();
+  ASSERT_TRUE(state.ok());
+  EXPECT_EQ(state->members.size(), static_cast<size_t>(kMembers));
+}
+
 TEST_F(FleetFaultTest, CoordinatorKilledBeforeAnyPrepareCompletesChangesNothing) {
   const std::string before = LiveFingerprint();
   auto c = RunCoordinator(3, {"--die-at", "sending:0"});

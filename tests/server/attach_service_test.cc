@@ -201,6 +201,37 @@ TEST_F(AttachTest, CoordinatedEngineQuiescesThenIsToldOfTheCommit) {
   pusher.join();
   EXPECT_EQ(message.committed().fingerprint(), Status(stub_.get()).fingerprint());
   EXPECT_EQ(Status(stub_.get()).engines(0).version(), 2u);
+  // Its pause is one observation, ended by the commit.
+  const std::string metrics = server_->metrics()->Render({});
+  EXPECT_THAT(metrics, HasSubstr("refitd_engine_pause_seconds_count{outcome=\"committed\"} 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("refitd_engine_pause_seconds_count{outcome=\"aborted\"} 0\n"));
+}
+
+TEST_F(AttachTest, AnEngineHeldByACommitThatIsAbortedHasItsPauseCounted) {
+  // One engine acks, the other never does: the push is aborted at the
+  // timeout, and the first engine was paused from its ack until Aborted.
+  Engine acking(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(acking);
+  Engine silent(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(silent);
+  std::thread pusher([&] {
+    const PushOutcome outcome = PushMessages(stub_.get(), FullPush(2));
+    EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::ABORTED);
+  });
+  v1::DaemonMessage message;
+  ASSERT_TRUE(acking.Read(&message));
+  ASSERT_TRUE(message.has_commit_pending());
+  acking.Quiesced(message.commit_pending());
+  ASSERT_TRUE(acking.Read(&message));
+  EXPECT_TRUE(message.has_aborted());
+  pusher.join();
+  EXPECT_EQ(Version(), 1u);
+  const std::string metrics = server_->metrics()->Render({});
+  EXPECT_THAT(metrics, HasSubstr("refitd_engine_pause_seconds_count{outcome=\"aborted\"} 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("refitd_engine_pause_seconds_count{outcome=\"committed\"} 0\n"));
+  // Paused for most of the 200 ms the daemon waited for the other engine.
+  EXPECT_THAT(metrics,
+              HasSubstr("refitd_engine_pause_seconds_bucket{outcome=\"aborted\",le=\"0.05\"} 0\n"));
 }
 
 TEST_F(AttachTest, OnePhasePushWithAnEngineThatNeverAcksIsAbortedNamingIt) {

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -28,6 +29,7 @@
 #ifdef REFIT_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "core/cuda/cuda_status.h"
 #include "core/cuda/device_commit.h"
 #endif
 
@@ -221,6 +223,13 @@ CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& st
   std::vector<cuda::DeviceCopy> device_copies;
   bool any_on_device = false;
   for (const StagedKernel& s : staged) any_on_device = any_on_device || s.on_device;
+  // Host-staged kernels of a device store (--host-staging) go up with
+  // cudaMemcpy from pageable memory, which may return before the DMA has
+  // landed: the copies are waited for before the version is published.
+  bool host_to_device = false;
+  // On the store's device, whichever device this thread had current.
+  std::optional<cuda::ScopedCudaDevice> on_device;
+  if (device.is_cuda()) on_device.emplace(device.index());
 #endif
   // Host kernels: one copy split over helper threads, after the loop.
   std::vector<HostCopy> host_copies;
@@ -238,12 +247,15 @@ CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& st
 #ifdef REFIT_WITH_CUDA
         if (s.on_device) {
           device_copies.push_back({live.data_ptr(), s.data, nbytes});
-        } else if (cudaMemcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes),
-                              cudaMemcpyHostToDevice) != cudaSuccess) {
-          // Some kernels already hold new bytes: a mixed version must never
-          // be served, so this is fatal.
-          REFIT_LOG(ERROR) << "commit copy of " << specs[s.kernel]->name << " failed";
-          std::abort();
+        } else {
+          host_to_device = true;
+          if (cudaMemcpy(live.data_ptr(), s.data, static_cast<size_t>(nbytes),
+                         cudaMemcpyHostToDevice) != cudaSuccess) {
+            // Some kernels already hold new bytes: a mixed version must
+            // never be served, so this is fatal.
+            REFIT_LOG(ERROR) << "commit copy of " << specs[s.kernel]->name << " failed";
+            std::abort();
+          }
         }
 #else
         // CPU-only build with a device store: go through LibTorch.
@@ -263,6 +275,13 @@ CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& st
   }
   ParallelStreamingCopy(host_copies, BulkThreads());
 #ifdef REFIT_WITH_CUDA
+  if (host_to_device) {
+    if (cudaError_t e = cudaStreamSynchronize(cudaStreamLegacy); e != cudaSuccess) {
+      REFIT_LOG(ERROR) << "commit copy to " << device.str()
+                       << " failed: " << cudaGetErrorString(e);
+      std::abort();
+    }
+  }
   if (any_on_device) {
     // The event marks version N+1 complete; the writer lock is held until
     // it has, so a reader never sees the copies half done.
@@ -334,6 +353,13 @@ class DeviceRestoreTarget : public RestoreTarget {
 }  // namespace
 
 absl::Status ShardStoreImpl::ZeroKernelsLocked() {
+#ifdef REFIT_WITH_CUDA
+  std::optional<cuda::ScopedCudaDevice> on_device;
+  if (device.is_cuda()) {
+    on_device.emplace(device.index());
+    if (!on_device->status().ok()) return on_device->status();
+  }
+#endif
   for (size_t i = 0; i < kernels.size(); ++i) {
     const size_t nbytes = static_cast<size_t>(specs[i]->nbytes());
     if (nbytes == 0) continue;

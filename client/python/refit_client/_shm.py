@@ -24,7 +24,14 @@ descriptor socket with SCM_RIGHTS.
   rows of quantized weights device to device into its staging (the rest
   through host memory). These leases last one push: the daemon holds an
   opened allocation, which keeps its memory allocated, only while it reads.
-  The devices are synchronized before the chunks go. A daemon that cannot
+  The devices are synchronized before the chunks go. torch shares a storage
+  by wrapping it in a record that counts a reference for the receiving
+  process, which only the receiver gives back (refitd, not a torch process,
+  does not): a storage freed while counted keeps its memory for good. So
+  each storage is shared once while it lives (again, each share would add a
+  record and an interprocess event to it), and the reference its share
+  counted is given back as the push that shared it ends, however it ends.
+  A daemon that cannot
   open them (no GPU, not the same GPUs visible, built without CUDA) makes
   the lane copy CUDA tensors into the staging region instead, from then on
   (``cuda_ipc_fallback_reason``).
@@ -229,11 +236,46 @@ def cuda_ipc_mem_handle(shared: object) -> Optional[bytes]:
     return None
 
 
-def _cuda_allocation(src: _tensors.Source) -> Optional[Tuple[bytes, bytes, int, int, int]]:
+class CudaShare:
+    """What torch's ``_share_cuda_()`` gave for one CUDA storage: its
+    allocation's cudaIpcMemHandle_t (None when there is none, as with
+    expandable segments), the storage's size and its offset in the
+    allocation. Valid while that storage lives at that address."""
+
+    def __init__(self, storage: Any, handle: Optional[bytes], size: int, offset: int) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._storage = StorageWeakRef(storage)  # held weakly, as _Held
+        self._ptr = storage.data_ptr()
+        self._nbytes = storage.nbytes()
+        self.handle = handle
+        self.size = size
+        self.offset = offset
+
+    def alive(self) -> bool:
+        return not self._storage.expired()
+
+    def of(self, storage: Any) -> bool:
+        """True if this is still the share of `storage`."""
+        return self.alive() and self._ptr == storage.data_ptr() and self._nbytes == storage.nbytes()
+
+
+def _release_ipc_counter(counter: Tuple[bytes, int]) -> None:
+    """Gives back the reference torch counted for a receiver when it shared a
+    storage (``_share_cuda_()[4:6]``: the counters file and the slot in it),
+    as a receiving torch process does when it lets go of the storage."""
+    import torch
+
+    torch.UntypedStorage._release_ipc_counter_cuda(*counter)
+
+
+def _cuda_allocation(
+    src: _tensors.Source, share: Callable[[Any], CudaShare]
+) -> Optional[Tuple[bytes, bytes, int, int, int]]:
     """(IPC handle, GPU UUID, device index, byte offset of the tensor in the
     allocation, end of its storage there) for a CUDA torch tensor, else None
     (also when the allocator hands out no plain IPC handle, as with
-    expandable segments)."""
+    expandable segments). `share(storage)` shares the tensor's storage."""
     t = src.tensor
     if t is None or t.device.type != "cuda":
         return None
@@ -241,17 +283,15 @@ def _cuda_allocation(src: _tensors.Source) -> Optional[Tuple[bytes, bytes, int, 
 
     storage = t.untyped_storage()
     try:
-        shared = storage._share_cuda_()
+        shared = share(storage)
     except (RuntimeError, AttributeError):
         return None
-    handle = cuda_ipc_mem_handle(shared[1])
-    size_bytes, offset_bytes = int(shared[2]), int(shared[3])
-    if handle is None:
+    if shared.handle is None:
         return None
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     uuid = bytes(torch.cuda.get_device_properties(index).uuid.bytes)
-    offset = offset_bytes + (t.data_ptr() - storage.data_ptr())
-    return handle, uuid, index, offset, offset_bytes + size_bytes
+    offset = shared.offset + (t.data_ptr() - storage.data_ptr())
+    return shared.handle, uuid, index, offset, shared.offset + shared.size
 
 
 class _ArenaMap(mmap.mmap):
@@ -403,6 +443,13 @@ class ShmLane:
         self.cuda_ipc_fallback_reason: Optional[str] = None
         # The CUDA allocations registered for the push in progress.
         self._cuda_leases: List[Lease] = []
+        # CUDA storages torch has shared, by storage (its _cdata, which a
+        # storage held weakly keeps from being reused), each shared once
+        # while it lives.
+        self._cuda_shares: Dict[int, CudaShare] = {}
+        # The receiver references the shares of the push in progress counted:
+        # given back when it ends (end_push).
+        self._ipc_counters: List[Tuple[bytes, int]] = []
         self._metadata = metadata
         self._address = address
         self.lock = threading.Lock()
@@ -600,11 +647,12 @@ class ShmLane:
         (then cuda_ipc_fallback_reason says why and the tensors are copied)."""
         if not self._cuda_ipc:
             return {}
+        self._cuda_shares = {k: v for k, v in self._cuda_shares.items() if v.alive()}
         found: Dict[int, Tuple[bytes, int]] = {}
         allocations: Dict[bytes, Tuple[bytes, int]] = {}  # handle -> (uuid, bytes needed)
         devices = set()
         for i, src in enumerate(sources):
-            alloc = _cuda_allocation(src)
+            alloc = _cuda_allocation(src, self._share_cuda)
             if alloc is None:
                 if src.tensor is not None and src.tensor.device.type == "cuda":
                     self.cuda_ipc_fallback_reason = (
@@ -648,11 +696,37 @@ class ShmLane:
             return {}
         return {i: (leases[handle], offset) for i, (handle, offset) in found.items()}
 
+    def _share_cuda(self, storage: Any) -> CudaShare:
+        """The share of a CUDA storage: torch's _share_cuda_() the first time
+        the storage is seen, the same answer while it lives. Raises what
+        torch raises (RuntimeError)."""
+        key = storage._cdata
+        known = self._cuda_shares.get(key)
+        if known is not None and known.of(storage):
+            return known
+        shared = storage._share_cuda_()
+        # (device, handle, storage bytes, offset in the allocation, receiver
+        # reference: counters file and slot, event handle, event needed)
+        if shared[4] is not None:
+            self._ipc_counters.append((shared[4], int(shared[5])))
+        share = CudaShare(storage, cuda_ipc_mem_handle(shared[1]), int(shared[2]), int(shared[3]))
+        self._cuda_shares[key] = share
+        return share
+
     def end_push(self) -> None:
-        """Releases the CUDA allocations registered for the push."""
+        """Releases the CUDA allocations registered for the push, and gives
+        back the receiver references its shares counted: the daemon has let
+        go of them (or never opened them), and a storage freed while counted
+        would keep its memory for good."""
         for lease in self._cuda_leases:
             lease.release()
         self._cuda_leases = []
+        counters, self._ipc_counters = self._ipc_counters, []
+        for counter in counters:
+            try:
+                _release_ipc_counter(counter)
+            except RuntimeError:
+                pass  # torch already gave up on its counters file (it warned)
 
     def _ensure_staging(self, size: int) -> None:
         if (
@@ -689,6 +763,7 @@ class ShmLane:
 
     def close(self) -> None:
         self.end_push()
+        self._cuda_shares.clear()
         for lease, _ in self._shared.values():
             lease.release()
         self._shared.clear()

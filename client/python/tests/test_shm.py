@@ -551,7 +551,7 @@ def test_a_daemon_that_cannot_open_cuda_tensors_gets_them_copied_from_then_on(
     # is asked for its IPC handle); the daemon, with no such GPU, refuses.
     asked = []
 
-    def fake_allocation(src):
+    def fake_allocation(src, share):
         asked.append(src.name)
         return b"\x5a" * 64, b"\x11" * 16, 0, 0, src.nbytes
 
@@ -581,6 +581,152 @@ def test_the_ipc_handle_inside_torchs_shareable_handle_is_found():
     assert _shm.cuda_ipc_mem_handle(b"\x02c" + raw[:63]) is None
     assert _shm.cuda_ipc_mem_handle(raw[:63]) is None
     assert _shm.cuda_ipc_mem_handle("c" * 66) is None
+
+
+class _FakeShares:
+    """torch's CUDA sharing, recorded, over CPU storages: each _share_cuda_()
+    takes a new receiver reference (a counters file slot), as torch's does;
+    the lane sees every tensor as a CUDA one."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.shared: list = []  # storage data_ptr per _share_cuda_() call
+        self.counters: list = []  # the references taken, in order
+        self.released: list = []
+        fakes = self
+
+        def share_cuda(storage):
+            fakes.shared.append(storage.data_ptr())
+            counter = (b"/torch_refit_test_counters", len(fakes.counters))
+            fakes.counters.append(counter)
+            return (0, b"\x02c" + b"\x5a" * 64, storage.nbytes(), 0, *counter, None, False)
+
+        def as_if_cuda(src, share):
+            storage = src.tensor.untyped_storage()
+            shared = share(storage)
+            offset = shared.offset + src.tensor.data_ptr() - storage.data_ptr()
+            return shared.handle, b"\x11" * 16, 0, offset, shared.offset + shared.size
+
+        monkeypatch.setattr(torch.UntypedStorage, "_share_cuda_", share_cuda, raising=False)
+        monkeypatch.setattr(_shm, "_cuda_allocation", as_if_cuda)
+        monkeypatch.setattr(_shm, "_release_ipc_counter", self.released.append)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+class _FakeCall:
+    def is_active(self) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_each_cuda_storage_is_shared_once_and_its_reference_given_back_as_the_push_ends(
+    client, monkeypatch
+):
+    """torch counts a reference for the receiver at each share, which refitd
+    never gives back: the lane shares a storage once while it lives and gives
+    back what the push's shares counted when the push ends, so that freed
+    storages (a converted temporary) free their memory."""
+    fakes = _FakeShares(monkeypatch)
+    monkeypatch.setattr(
+        _shm, "register_cuda",
+        lambda stub, metadata, handle, uuid, size, name, address:
+            _shm.Lease(_FakeCall(), "cuda-region", size, "cuda_ipc"),
+    )
+    lane = _shm.ShmLane(client._channel, client._metadata, client.address)
+    weights = torch.arange(64, dtype=torch.bfloat16)
+    bias = torch.ones(8, dtype=torch.bfloat16)
+    sources = [
+        _tensors.to_source("a", weights[:32]),
+        _tensors.to_source("b", weights[32:]),  # the same storage
+        _tensors.to_source("c", bias),
+    ]
+    plan = lane.plan(sources)
+    assert [(lease.region_id, offset, copy) for _, lease, offset, copy in plan] == [
+        ("cuda-region", 0, False), ("cuda-region", 64, False), ("cuda-region", 0, False)]
+    assert fakes.shared == [weights.data_ptr(), bias.data_ptr()]
+    assert fakes.released == []  # the daemon reads them while the push lasts
+    lane.end_push()
+    assert fakes.released == fakes.counters  # each once
+    # Pushed again (parameters updated in place): not shared again, nothing
+    # counted, nothing to give back.
+    lane.plan(sources)
+    lane.end_push()
+    assert len(fakes.shared) == 2 and fakes.released == fakes.counters
+    # A new storage at the next push is shared, and given back.
+    temporary = _tensors.to_source("a", weights[:32].float(), "bf16")
+    lane.plan([temporary])
+    assert len(fakes.shared) == 3
+    lane.end_push()
+    assert fakes.released == fakes.counters and len(fakes.counters) == 3
+    del plan, temporary, sources, weights, bias
+    lane.plan([_tensors.to_source("d", torch.zeros(4, dtype=torch.bfloat16))])
+    lane.end_push()
+    assert len(lane._cuda_shares) == 1  # the freed storages' shares are dropped
+    lane.close()
+
+
+def test_a_failed_push_gives_back_the_references_its_cuda_shares_counted(
+    client, daemon, seed2, monkeypatch
+):
+    before = client.status()
+    fakes = _FakeShares(monkeypatch)
+    # The chunks name a region the daemon never registered: the push fails
+    # mid-way.
+    monkeypatch.setattr(
+        _shm, "register_cuda",
+        lambda stub, metadata, handle, uuid, size, name, address:
+            _shm.Lease(_FakeCall(), "r-never-registered", size, "cuda_ipc"),
+    )
+    with pytest.raises(RefitError) as info:
+        client.push(seed2, lane="shm")
+    assert "r-never-registered" in info.value.message
+    assert len(fakes.counters) == len({t.untyped_storage().data_ptr() for t in seed2.values()})
+    assert sorted(fakes.released) == sorted(fakes.counters)  # each once
+    after = client.status()
+    assert (after.version, after.fingerprint) == (before.version, before.fingerprint)
+
+
+@pytest.mark.gpu
+def test_pushed_cuda_temporaries_are_freed_and_parameters_shared_once(client, daemon, seed2):
+    """Tensors converted (fp32 pushed as bf16) or made contiguous on the GPU
+    for a push are freed once it ends, and parameters pushed again are not
+    shared again."""
+    import gc
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    expected = client.push(seed2, lane="grpc").fingerprint
+    temporaries = [
+        (k, v.cuda().t().contiguous().t() if v.dim() == 2 else v.float().cuda(), "bf16")
+        for k, v in seed2.items()
+    ]
+    assert client.push(temporaries, lane="shm").fingerprint == expected
+    assert client.cuda_ipc_fallback_reason is None and client._shm.last_copied_bytes == 0
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    for _ in range(4):
+        assert client.push(temporaries, lane="shm").fingerprint == expected
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == baseline
+    # Parameters pushed again and again are shared once.
+    share = torch.UntypedStorage._share_cuda_
+    shares: list = []
+
+    def counting(storage):
+        shares.append(storage.data_ptr())
+        return share(storage)
+
+    params = {k: v.cuda() for k, v in seed2.items()}
+    torch.UntypedStorage._share_cuda_ = counting
+    try:
+        for _ in range(3):
+            assert client.push(params, lane="shm").fingerprint == expected
+    finally:
+        del torch.UntypedStorage._share_cuda_
+    assert sorted(shares) == sorted({t.untyped_storage().data_ptr() for t in params.values()})
 
 
 @pytest.mark.gpu

@@ -13,7 +13,9 @@ Unix socket), receives the manifest and the arena's memfd (SCM_RIGHTS on the
 socket beside it), maps it read-only and builds one torch tensor per kernel
 over the mapping. The tensors keep their storage for the daemon's lifetime:
 every commit writes the new version into the same bytes. A CUDA store's
-kernels are opened from their CUDA IPC handle instead (CUDA tensors).
+kernels are opened from their CUDA IPC handle instead (CUDA tensors); that
+device mapping lasts as long as any tensor over it (or a view of one), and
+is undone, after the device's queued work, once the last is gone.
 
 With coordinate=True the daemon waits, before each commit copies, until the
 engine has passed a safe_point() (or --engine-quiesce-timeout passes: then the
@@ -45,6 +47,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -175,14 +178,37 @@ _CU_MEM_LOCATION_TYPE_DEVICE = 1
 _CU_MEM_ACCESS_FLAGS_PROT_READ = 1
 
 
+class _DeviceMapping:
+    """A device arena of the daemon mapped into this process, undone once
+    nothing refers to it. Every tensor over it holds it (torch keeps the
+    object a CUDA tensor was built from, a _DevicePointer, as long as the
+    tensor's storage), so it goes with the last tensor or view over it, never
+    before: an engine that re-attaches after a daemon restart lets go of the
+    old arena's device memory as it drops the old tensors. `unmap` waits for
+    the device's queued work first (a kernel may still read the bytes)."""
+
+    def __init__(self, ptr: int, unmap: Callable[[], None]) -> None:
+        self.ptr = ptr
+        self.released = weakref.finalize(self, _unmap_once, unmap)
+        # At exit the process' mappings end with it.
+        self.released.atexit = False
+
+
+def _unmap_once(unmap: Callable[[], None]) -> None:
+    try:
+        unmap()
+    except Exception as e:  # noqa: BLE001 - a finalizer has no caller to raise to
+        warnings.warn(f"attach: unmapping a device arena failed: {e}", RuntimeWarning)
+
+
 class _CudaVmm:
     """Maps a CUDA virtual-memory allocation another process exported as a
     POSIX file descriptor, with read-only access, through the CUDA driver
     torch has loaded: cuMemImportFromShareableHandle, cuMemAddressReserve,
     cuMemMap, cuMemSetAccess(PROT_READ). A kernel that writes to it faults
     (the engine's CUDA context is lost; the daemon's bytes are untouched).
-    The mapping stays for the process' life: tensors built on it may outlive
-    the attachment."""
+    The mapping lasts while any tensor over it does (_DeviceMapping):
+    cuMemUnmap and cuMemAddressFree then give the allocation back."""
 
     def __init__(self) -> None:
         import torch
@@ -214,9 +240,9 @@ class _CudaVmm:
         if err != 0:
             raise RefitError(f"attach: {what} failed (CUDA driver error {err})")
 
-    def map_read_only(self, fd: int, nbytes: int, device: int) -> int:
-        """The device address of the whole allocation behind `fd` (`nbytes`
-        long), mapped read-only on `device`. Does not take `fd`."""
+    def map_read_only(self, fd: int, nbytes: int, device: int) -> _DeviceMapping:
+        """The whole allocation behind `fd` (`nbytes` long), mapped
+        read-only on `device`. Does not take `fd`."""
         import torch
 
         cu = self.cu
@@ -253,23 +279,45 @@ class _CudaVmm:
             finally:
                 # The mapping holds the allocation from now on.
                 cu.cuMemRelease(handle)
-            return int(ptr.value)
+        address = int(ptr.value)
+
+        def unmap() -> None:
+            with torch.cuda.device(device):
+                torch.cuda.synchronize(device)  # no queued kernel reads it any more
+                self._check("cuMemUnmap", cu.cuMemUnmap(address, nbytes))
+                self._check("cuMemAddressFree", cu.cuMemAddressFree(address, nbytes))
+
+        return _DeviceMapping(address, unmap)
 
 
 class _CudaIpcMemHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
+class _IpcOpened:
+    """One CUDA IPC handle opened in this process; closed once."""
+
+    def __init__(self, key: Tuple[bytes, int], ptr: int) -> None:
+        self.key = key
+        self.ptr = ptr
+        self.closed = False
+
+
 class _CudaIpc:
     """cudaIpcOpenMemHandle through the CUDA runtime torch has loaded.
 
-    A handle is opened once per process and stays mapped: tensors built on
-    it may outlive the attachment, and opening the same allocation twice in
-    one process is an error, so a second attach to the same arena reuses the
-    first mapping."""
+    Opening the same allocation twice in one process is an error, so a
+    handle is opened once and shared: a second attach to the same arena gets
+    the first one's mapping while any tensor over it lives. Once the last is
+    gone the handle is closed (cudaIpcCloseMemHandle) and forgotten, so a
+    daemon that frees the allocation (it restarted) leaves no mapping of it
+    here."""
 
-    _opened: Dict[Tuple[bytes, int], int] = {}
-    _opened_mu = threading.Lock()
+    # (handle, device) -> the mapping (weakly) and what closes it. Reentrant:
+    # a mapping's finalizer may run on a thread that holds it (a garbage
+    # collection during open()).
+    _opened: Dict[Tuple[bytes, int], Tuple["weakref.ref[_DeviceMapping]", _IpcOpened]] = {}
+    _opened_mu = threading.RLock()
 
     def __init__(self) -> None:
         import torch
@@ -285,18 +333,52 @@ class _CudaIpc:
             raise RefitError("attach: no CUDA runtime loaded in this process")
         self.rt = ctypes.CDLL(lib)
 
-    def open(self, handle: bytes, device: int) -> int:
+    def open(self, handle: bytes, device: int) -> _DeviceMapping:
         if len(handle) != ctypes.sizeof(_CudaIpcMemHandle):
             raise RefitError(
                 f"attach: the daemon sent a CUDA IPC handle of {len(handle)} bytes, "
                 f"expected {ctypes.sizeof(_CudaIpcMemHandle)}"
             )
+        key = (handle, device)
         with _CudaIpc._opened_mu:
-            ptr = _CudaIpc._opened.get((handle, device))
-            if ptr is None:
-                ptr = self._open(handle, device)
-                _CudaIpc._opened[(handle, device)] = ptr
-            return ptr
+            entry = _CudaIpc._opened.get(key)
+            if entry is not None:
+                mapping = entry[0]()
+                if mapping is not None:
+                    return mapping
+                # Its last tensor is gone and its finalizer not yet run:
+                # the handle is closed here first, to be opened anew.
+                self._close_once(entry[1])
+            opened = _IpcOpened(key, self._open(handle, device))
+            mapping = _DeviceMapping(opened.ptr, lambda: self._release(opened))
+            _CudaIpc._opened[key] = (weakref.ref(mapping), opened)
+            return mapping
+
+    def _release(self, opened: _IpcOpened) -> None:
+        with _CudaIpc._opened_mu:
+            self._close_once(opened)
+
+    def _close_once(self, opened: _IpcOpened) -> None:
+        # Under _opened_mu.
+        if opened.closed:
+            return
+        opened.closed = True
+        entry = _CudaIpc._opened.get(opened.key)
+        if entry is not None and entry[1] is opened:
+            del _CudaIpc._opened[opened.key]
+        self._close(opened.ptr, opened.key[1])
+
+    def _close(self, ptr: int, device: int) -> None:
+        import torch
+
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)  # no queued kernel reads it any more
+            self.rt.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+            self.rt.cudaIpcCloseMemHandle.restype = ctypes.c_int
+            err = self.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))
+            if err != 0:
+                self.rt.cudaGetLastError()  # (as in _open)
+                raise RefitError(f"attach: cudaIpcCloseMemHandle failed (CUDA error {err})")
 
     def _open(self, handle: bytes, device: int) -> int:
         import torch
@@ -324,16 +406,18 @@ class _CudaIpc:
 
 
 class _DevicePointer:
-    """Presents a device allocation to torch.as_tensor as uint8 bytes.
+    """Presents a device mapping to torch.as_tensor as uint8 bytes. The
+    tensor's storage keeps this object, and so the mapping, alive.
 
     Not flagged read-only: torch refuses that flag for CUDA memory, and a
     CUDA IPC mapping is read-write anyway (see the module docstring)."""
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
+    def __init__(self, mapping: _DeviceMapping, nbytes: int) -> None:
+        self.mapping = mapping
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
-            "data": (ptr, False),
+            "data": (mapping.ptr, False),
             "version": 2,
         }
 
@@ -420,6 +504,11 @@ class AttachedEngine:
         # --cuda-arena=vmm); False for host tensors (read-only anyway) and
         # for CUDA IPC mappings (writable).
         self.read_only_device = False
+        # The devices the arena's CUDA tensors are on (none for a host store):
+        # a safe point waits for their queued work before it acks.
+        self._cuda_devices: Tuple[int, ...] = ()
+        # The device mappings, held weakly: the tensors keep them.
+        self._device_mappings: List["weakref.ref[_DeviceMapping]"] = []
         try:
             self._build(a, timeout)
         except BaseException:
@@ -465,25 +554,28 @@ class AttachedEngine:
         self._futex: Optional[_Futex] = None
         if _SYS_FUTEX is not None:
             self._futex = _Futex(whole.data_ptr() + _SEQ_OFFSET)
+        devices = set()
         for index, region in enumerate(a.regions):
             if region.kind == epb.ArenaRegion.KIND_CUDA_IPC:
-                ptr = _CudaIpc().open(region.cuda_ipc_handle, region.cuda_device)
-                bases[index] = torch.as_tensor(
-                    _DevicePointer(ptr, region.bytes), device=f"cuda:{region.cuda_device}"
-                )
+                mapping = _CudaIpc().open(region.cuda_ipc_handle, region.cuda_device)
             elif region.kind == epb.ArenaRegion.KIND_CUDA_VMM:
                 if region.fd_index >= len(fds):
                     raise RefitError(
                         f"attach: the daemon sent {len(fds)} descriptors, the device arena is "
                         f"number {region.fd_index}"
                     )
-                ptr = _CudaVmm().map_read_only(
+                mapping = _CudaVmm().map_read_only(
                     fds[region.fd_index], region.bytes, region.cuda_device
                 )
-                bases[index] = torch.as_tensor(
-                    _DevicePointer(ptr, region.bytes), device=f"cuda:{region.cuda_device}"
-                )
                 self.read_only_device = True
+            else:
+                continue
+            bases[index] = torch.as_tensor(
+                _DevicePointer(mapping, region.bytes), device=f"cuda:{region.cuda_device}"
+            )
+            self._device_mappings.append(weakref.ref(mapping))
+            devices.add(region.cuda_device)
+        self._cuda_devices = tuple(sorted(devices))
         self.tensors: Dict[str, Any] = {}
         # One typed view of each region per dtype, and each tensor a single
         # as_strided over it: a model has hundreds of kernel tensors, and
@@ -671,26 +763,42 @@ class AttachedEngine:
         ended (the arena header shows the new version; this thread then
         delivers its Committed event from the header) or the daemon gave up
         (Aborted). True if it paused. From an on_event callback it acks and
-        returns False without waiting (see on_event)."""
-        with self._cv:
-            if self._pending is None:
-                return False
-            pending = self._pending
-            refit_id, version, attempt = pending
-            if not self._acked:
-                self._acked = True
-                self._requests.put(
-                    epb.EngineMessage(
-                        quiesced=epb.Quiesced(refit_id=refit_id, version=version, attempt=attempt)
+        returns False without waiting (see on_event).
+
+        On a GPU store the ack waits for the work queued on the arena's
+        devices (torch.cuda.synchronize): kernels launched before the call
+        may still read the tensors, and once acked the daemon's copy
+        overwrites them."""
+        while True:
+            with self._cv:
+                pending = self._pending
+                if pending is None:
+                    return False
+                if self._acked:
+                    break
+            # Outside the lock: the other threads' events go on meanwhile.
+            self._sync_devices()
+            with self._cv:
+                if self._pending == pending and not self._acked:
+                    self._acked = True
+                    refit_id, version, attempt = pending
+                    self._requests.put(
+                        epb.EngineMessage(
+                            quiesced=epb.Quiesced(
+                                refit_id=refit_id, version=version, attempt=attempt
+                            )
+                        )
                     )
-                )
-            if getattr(self._local, "delivering", False):
-                # An on_event callback: this thread delivers the events, so
-                # it cannot wait for the Committed it would deliver. The ack
-                # is sent; a safe point on another thread holds until the copy
-                # has ended.
-                return False
-            start = time.monotonic()
+                    break
+            # Aborted, or asked again, while the devices synchronized: look again.
+        version = pending[1]
+        if getattr(self._local, "delivering", False):
+            # An on_event callback: this thread delivers the events, so it
+            # cannot wait for the Committed it would deliver. The ack is
+            # sent; a safe point on another thread holds until the copy has
+            # ended.
+            return False
+        start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         futex = self._futex
         if futex is not None:
@@ -713,6 +821,16 @@ class AttachedEngine:
                     self._cv.wait_for(lambda: self._pending != pending, remaining)
             self.pauses.append((version, time.monotonic() - start))
             return True
+
+    def _sync_devices(self) -> None:
+        """Waits until the work queued on the arena's devices has run. Nothing
+        (and no torch.cuda call) for a host store."""
+        if not self._cuda_devices:
+            return
+        import torch
+
+        for device in self._cuda_devices:
+            torch.cuda.synchronize(device)
 
     def _copied(self, version: int) -> bool:
         seq, live = self.header()

@@ -40,6 +40,7 @@ from .errors import (
 from .types import (
     AbortResult,
     ActiveRefit,
+    EngineInfo,
     Health,
     MemoryUsage,
     ModelSummary,
@@ -194,6 +195,17 @@ def _status(r: Any) -> Status:
         ),
         last_commit_unix_seconds=r.last_commit_unix_seconds,
         server_version=r.server_version,
+        engines=tuple(
+            EngineInfo(
+                engine_id=e.engine_id,
+                pid=e.pid,
+                uid=e.uid,
+                coordinated=e.coordinated,
+                attached_unix_seconds=e.attached_unix_seconds,
+                version=e.version,
+            )
+            for e in r.engines
+        ),
     )
 
 
@@ -1257,7 +1269,8 @@ class RefitClient:
     # -- read-only ---------------------------------------------------------------
 
     def status(self, *, group: str = "", timeout: Optional[float] = None) -> Status:
-        """The served version, fingerprint, active refit, memory and model."""
+        """The served version, fingerprint, active refit, memory, model and
+        attached engines."""
         r = self._unary_read(
             self._stub.GetStatus, pb.GetStatusRequest(model_group=group), "status", timeout
         )
@@ -1288,13 +1301,24 @@ class RefitClient:
         return [_tensor_info(t) for t in r.tensors]
 
     def read_raw(
-        self, name: str, *, group: str = "", timeout: Optional[float] = None
+        self,
+        name: str,
+        *,
+        group: str = "",
+        version: Optional[int] = None,
+        timeout: Optional[float] = None,
     ) -> Tuple[TensorInfo, int, bytes]:
         """A live kernel tensor's bytes, all of one version:
-        (info, version, data). Raises NotFound (unknown tensor) and
-        ChecksumMismatch (DATA_LOSS) when the stream is inconsistent."""
+        (info, version, data). `version` pins the read to that version: it
+        raises RefitConflict (ABORTED, naming both versions) unless that
+        version is live for the whole read, so reads of several tensors
+        pinned to one version never mix versions (one spanning a commit
+        fails instead). Raises NotFound (unknown tensor) and ChecksumMismatch
+        (DATA_LOSS) when the stream is inconsistent."""
         deadline = self._deadline(timeout)
         request = pb.ReadTensorRequest(model_group=group, name=name)
+        if version is not None:
+            request.version = version
         info = None
         version = 0
         parts: List[bytes] = []
@@ -1328,14 +1352,21 @@ class RefitClient:
         return _tensor_info(info), version, b"".join(parts)
 
     def read(
-        self, name: str, as_: str = "numpy", *, group: str = "", timeout: Optional[float] = None
+        self,
+        name: str,
+        as_: str = "numpy",
+        *,
+        group: str = "",
+        version: Optional[int] = None,
+        timeout: Optional[float] = None,
     ) -> Any:
         """A live kernel tensor, shaped: as a numpy array (bf16 and FP8 as
         their raw bits, uint16 / uint8) or, with as_="torch", a torch tensor
-        (FP8 as torch.float8_e4m3fn, bf16 as torch.bfloat16)."""
+        (FP8 as torch.float8_e4m3fn, bf16 as torch.bfloat16). `version` pins
+        the read as in read_raw() (RefitConflict unless it is live)."""
         if as_ not in ("numpy", "torch"):
             raise InvalidArgument(f"as_ must be 'numpy' or 'torch', got {as_!r}")
-        info, _, data = self.read_raw(name, group=group, timeout=timeout)
+        info, _, data = self.read_raw(name, group=group, version=version, timeout=timeout)
         if as_ == "torch":
             import torch
 

@@ -14,6 +14,7 @@ __all__ = [
     "ModelSummary",
     "MemoryUsage",
     "ActiveRefit",
+    "EngineInfo",
     "Status",
     "AbortResult",
     "WatchEvent",
@@ -139,8 +140,25 @@ class ActiveRefit:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """An engine attached to a group (status().engines): its lease's id, the
+    engine's process and user, whether the daemon waits for its safe points
+    before each commit, when it attached, and the last version it was told
+    of."""
+
+    engine_id: str
+    pid: int
+    uid: int
+    coordinated: bool
+    attached_unix_seconds: float
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Status:
-    """status(): the served version of a model group and what the daemon holds."""
+    """status(): the served version of a model group and what the daemon
+    holds. ``engines``: the engines attached to the group (refit_client.attach),
+    in the order they attached."""
 
     model_group: str
     version: int
@@ -152,6 +170,7 @@ class Status:
     model: ModelSummary
     last_commit_unix_seconds: float
     server_version: str
+    engines: Tuple[EngineInfo, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,6 +79,32 @@ def test_attach_maps_every_kernel_zero_copy_and_read_only(daemon, client):
         assert listed.pid > 0 and listed.version == 1
 
 
+def test_status_lists_the_attached_engines_until_they_detach(daemon, client):
+    from refit_client.types import EngineInfo
+
+    assert client.status().engines == ()
+    start = time.time()
+    with attach(daemon.address, name="listed") as engine, \
+            attach(daemon.address, coordinate=False) as watcher:
+        listed = client.status().engines
+        assert all(isinstance(e, EngineInfo) for e in listed)
+        assert sorted(e.engine_id for e in listed) == sorted(
+            [engine.engine_id, watcher.engine_id])
+        (info,) = [e for e in listed if e.engine_id == engine.engine_id]
+        assert (info.pid, info.uid) == (os.getpid(), os.getuid())
+        assert info.coordinated is True and info.version == 1
+        assert start - 1 <= info.attached_unix_seconds <= time.time() + 1
+        assert [e.coordinated for e in listed if e.engine_id == watcher.engine_id] == [False]
+        assert client.statuses()[0].engines == listed
+        watcher.close()
+        daemon.wait_for_line("engine detached")
+        assert [e.engine_id for e in client.status().engines] == [engine.engine_id]
+    with daemon._cv:
+        daemon._cv.wait_for(
+            lambda: sum("engine detached" in line for line in daemon._lines) >= 2, LIMIT)
+    assert client.status().engines == ()
+
+
 def test_attach_over_tcp_is_failed_precondition(start_daemon):
     d = start_daemon(tcp=True)
     with grpc.insecure_channel(d.address) as channel:
@@ -590,3 +616,227 @@ def test_every_descriptor_the_daemon_hands_arrives_in_order(tmp_path):
         server.close()
         for fd in files:
             os.close(fd)
+
+
+def _record_acks(engine, order: list) -> None:
+    """Adds ("quiesced", version) to `order` as the engine queues each ack."""
+    put = engine._requests.put
+
+    def recording_put(item, *args, **kwargs):
+        if item is not None and item.WhichOneof("kind") == "quiesced":
+            order.append(("quiesced", item.quiesced.version))
+        put(item, *args, **kwargs)
+
+    engine._requests.put = recording_put
+
+
+@pytest.mark.parametrize("where", ["engine_thread", "callback"])
+def test_a_safe_point_acks_only_once_the_devices_queued_work_has_run(
+        start_daemon, weights, where):
+    """The ack lets the daemon overwrite the arena, so a safe point first
+    waits for the work queued on the arena's devices (kernels of the last
+    forward step may still read it), from the engine's thread and from an
+    on_event callback alike. The seam stands in for the device: it takes its
+    time, and the daemon must not have copied meanwhile."""
+    d = start_daemon("--engine-quiesce-timeout=60s")
+    with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address, name="seam") as engine:
+        order: list = []
+        _record_acks(engine, order)
+
+        def sync_devices() -> None:
+            time.sleep(0.3)  # a forward step's kernels finishing
+            order.append(("synced", engine.header()[1]))
+
+        engine._sync_devices = sync_devices
+        returned: list = []
+        if where == "callback":
+            engine.on_event(
+                lambda e: returned.append(engine.safe_point()) if e.kind == "commit_pending"
+                else None)
+        pushed = {}
+        pusher = threading.Thread(
+            target=lambda: pushed.update(r=client.push(load_state_dict(weights(2)))))
+        pusher.start()
+        if where == "engine_thread":
+            assert first_events(engine, 1)[0].kind == "commit_pending"
+            returned.append(engine.safe_point(timeout=LIMIT))
+        pusher.join(LIMIT)
+        assert pushed["r"].version == 2
+        # Synchronized while version 1 was still in the arena, then acked.
+        assert order == [("synced", 1), ("quiesced", 2)]
+        assert returned == [where == "engine_thread"]
+
+
+def test_a_host_store_safe_point_makes_no_cuda_call(start_daemon, weights, monkeypatch):
+    """torch.cuda may be unavailable (or not initialised) in a CPU engine:
+    the safe point of a host store leaves it alone."""
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("torch.cuda called for a host store")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_cuda)
+    monkeypatch.setattr(torch.cuda, "init", no_cuda)
+    d = start_daemon("--engine-quiesce-timeout=60s")
+    with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address, name="cpu") as engine:
+        assert engine._cuda_devices == () and engine._device_mappings == []
+        pusher = threading.Thread(target=lambda: client.push(load_state_dict(weights(2))))
+        pusher.start()
+        assert first_events(engine, 1)[0].kind == "commit_pending"
+        assert engine.safe_point(timeout=LIMIT) is True
+        pusher.join(LIMIT)
+        assert engine.version == 2
+
+
+def test_a_device_mapping_is_undone_once_with_the_last_reference_to_it():
+    """The finalizer seam of a CUDA arena's mapping: whatever holds it (a
+    tensor's storage holds its _DevicePointer) keeps it mapped; once the
+    last holder is gone it is unmapped, once."""
+    import gc
+
+    unmapped = []
+    mapping = _attach_module._DeviceMapping(0x1000, lambda: unmapped.append(0x1000))
+    pointer = _attach_module._DevicePointer(mapping, 64)
+    assert pointer.__cuda_array_interface__["data"] == (0x1000, False)
+    del mapping
+    gc.collect()
+    assert unmapped == []  # the pointer (a storage, in torch) still holds it
+    del pointer
+    gc.collect()
+    assert unmapped == [0x1000]
+
+
+class _FakeRuntime(_attach_module._CudaIpc):
+    """The IPC handle cache over a recorded runtime: no CUDA."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.next_ptr = 0x10000
+
+    def _open(self, handle, device):
+        self.next_ptr += 0x1000
+        self.calls.append(("open", handle[:1], device, self.next_ptr))
+        return self.next_ptr
+
+    def _close(self, ptr, device):
+        self.calls.append(("close", ptr, device))
+
+
+def test_an_ipc_handle_is_shared_while_any_tensor_maps_it_then_closed_and_forgotten(
+        monkeypatch):
+    import gc
+
+    monkeypatch.setattr(_attach_module._CudaIpc, "_opened", {})
+    runtime = _FakeRuntime()
+    a = runtime.open(b"a" * 64, 0)
+    again = runtime.open(b"a" * 64, 0)  # a second attach to the same arena
+    assert again is a
+    b = runtime.open(b"b" * 64, 0)  # a restarted daemon's arena
+    assert [c[0] for c in runtime.calls] == ["open", "open"]
+    del again
+    gc.collect()
+    assert [c[0] for c in runtime.calls] == ["open", "open"]  # `a` still maps it
+    a_ptr = a.ptr
+    del a
+    gc.collect()
+    assert runtime.calls[2:] == [("close", a_ptr, 0)]
+    assert list(_attach_module._CudaIpc._opened) == [(b"b" * 64, 0)]
+    # Opened anew when attached again.
+    reopened = runtime.open(b"a" * 64, 0)
+    assert reopened.ptr != a_ptr and runtime.calls[3][0] == "open"
+    del b, reopened
+    gc.collect()
+    assert [c[0] for c in runtime.calls[4:]] == ["close", "close"]
+    assert _attach_module._CudaIpc._opened == {}
+
+
+def test_an_ipc_handle_whose_mapping_died_unclosed_is_closed_before_it_is_opened_again(
+        monkeypatch):
+    """The mapping's last reference is gone but its finalizer has not run
+    (it waits for the lock): the next open closes it first, and the
+    finalizer then does nothing."""
+    monkeypatch.setattr(_attach_module._CudaIpc, "_opened", {})
+    runtime = _FakeRuntime()
+    mapping = runtime.open(b"a" * 64, 0)
+    ptr = mapping.ptr
+    mapping.released.detach()  # its finalizer, held back
+    key = (b"a" * 64, 0)
+    opened = _attach_module._CudaIpc._opened[key][1]
+    del mapping
+    fresh = runtime.open(b"a" * 64, 0)
+    assert runtime.calls[1:] == [("close", ptr, 0), ("open", b"a", 0, fresh.ptr)]
+    runtime._release(opened)  # the held-back finalizer
+    assert len(runtime.calls) == 3
+    assert _attach_module._CudaIpc._opened[key][1] is not opened
+
+
+@pytest.mark.gpu
+def test_a_safe_point_acks_after_the_kernels_reading_the_arena_have_run(start_daemon, weights):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    d = start_daemon("--device=cuda:0", "--engine-quiesce-timeout=60s")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address) as engine:
+        assert engine._cuda_devices == (0,)
+        stream = torch.cuda.current_stream(0)
+        idle_at_ack: list = []
+        put = engine._requests.put
+
+        def recording_put(item, *args, **kwargs):
+            if item is not None and item.WhichOneof("kind") == "quiesced":
+                idle_at_ack.append(stream.query())
+            put(item, *args, **kwargs)
+
+        engine._requests.put = recording_put
+        pusher = threading.Thread(target=lambda: client.push(load_state_dict(weights(2))))
+        pusher.start()
+        assert first_events(engine, 1)[0].kind == "commit_pending"
+        before = client.read_raw(name)[2]
+        # A forward step still running when the safe point is called: a long
+        # kernel, then one that reads the arena.
+        torch.cuda._sleep(2_000_000_000)
+        read = engine.tensors[name].view(torch.uint8).clone()
+        assert not stream.query()
+        assert engine.safe_point(timeout=LIMIT) is True
+        pusher.join(LIMIT)
+        assert idle_at_ack == [True]
+        assert read.cpu().numpy().tobytes() == before  # read all of version 1
+        assert engine.version == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arena", ["ipc", "vmm"])
+def test_a_cuda_arena_is_unmapped_with_its_last_tensor_and_reattaching_after_a_restart_works(
+        start_daemon, arena):
+    import gc
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    d = start_daemon("--device=cuda:0", f"--cuda-arena={arena}")
+    gc.collect()
+    opened_before = set(_attach_module._CudaIpc._opened)
+    engine = attach(d.address, coordinate=False)
+    (mapping,) = engine._device_mappings
+    opened = set(_attach_module._CudaIpc._opened) - opened_before
+    assert len(opened) == (1 if arena == "ipc" else 0)
+    weight = engine.tensors[name]
+    assert weight.is_contiguous()
+    kept = weight[1:]  # a view outlives the engine
+    row = weight.shape[1] * weight.element_size()
+    engine.close()
+    del engine, weight
+    gc.collect()
+    assert mapping() is not None  # the view still reads it
+    with RefitClient(d.address, timeout=LIMIT) as client:
+        expected = client.read_raw(name)[2]
+    assert kept.view(torch.uint8).cpu().numpy().tobytes() == expected[row:]
+    del kept
+    gc.collect()
+    assert mapping() is None
+    assert not opened & set(_attach_module._CudaIpc._opened)  # closed and forgotten
+    # The daemon restarts: the engine attaches to its new arena.
+    d.stop()
+    d = start_daemon("--device=cuda:0", f"--cuda-arena={arena}")
+    with RefitClient(d.address, timeout=LIMIT) as client, \
+            attach(d.address, coordinate=False) as engine:
+        got = engine.tensors[name].view(torch.uint8).cpu().numpy().tobytes()
+        assert got == client.read_raw(name)[2]

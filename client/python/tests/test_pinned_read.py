@@ -1,9 +1,15 @@
-"""`refitctl read --at-version` against a real refitd: the live version reads,
-another is exit 5 (ABORTED) naming both versions."""
+"""Pinned reads against a real refitd, from `refitctl read --at-version` and
+from RefitClient.read / read_raw(version=...): the live version reads,
+another is ABORTED (exit 5, RefitConflict) naming both versions."""
 
 from __future__ import annotations
 
-from conftest import refitctl
+import grpc
+import pytest
+
+from refit_client import RefitConflict
+
+from conftest import load_state_dict, refitctl
 
 NAME = "model.layers.0.mlp.down_proj.weight"
 
@@ -19,3 +25,33 @@ def test_read_at_another_version_is_a_conflict(daemon):
     read = refitctl(daemon.address, "read", NAME, "--at-version", "7", "--out", "/dev/null")
     assert read.returncode == 5, read.stderr
     assert "pinned to version 7 but version 1 is live" in read.stderr
+
+
+def test_a_read_pinned_to_the_served_version_reads_it(client):
+    live = client.status().version
+    info, version, data = client.read_raw(NAME, version=live)
+    assert version == live and info.name == NAME
+    assert data == client.read_raw(NAME)[2]
+    assert client.read(NAME, version=live).tobytes() == data
+
+
+@pytest.mark.parametrize("pinned", [7, 0])
+def test_a_read_pinned_to_a_version_not_served_is_a_conflict(client, pinned):
+    for read in (client.read_raw, client.read):
+        with pytest.raises(RefitConflict) as e:
+            read(NAME, version=pinned)
+        assert e.value.code == grpc.StatusCode.ABORTED
+        assert f"pinned to version {pinned} but version 1 is live" in e.value.message
+
+
+def test_reads_pinned_to_one_version_fail_once_another_is_committed(client, weights):
+    """Several tensors read pinned to one version: a commit between them
+    fails the later reads, never mixing versions."""
+    names = [t.name for t in client.tensors()]
+    pinned = client.status().version
+    first = client.read_raw(names[0], version=pinned)
+    assert first[1] == pinned
+    client.push(load_state_dict(weights(2)))
+    with pytest.raises(RefitConflict) as e:
+        client.read_raw(names[1], version=pinned)
+    assert f"pinned to version {pinned} but version {pinned + 1} is live" in e.value.message

@@ -556,14 +556,17 @@ absl::StatusOr<refit::v1::ListTensorsResponse> RefitClient::ListTensors(
 absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& model_group,
                                                          const std::string& name,
                                                          uint32_t max_chunk_bytes,
-                                                         std::optional<uint64_t> version) {
+                                                         std::optional<uint64_t> version,
+                                                         std::optional<std::string> fingerprint) {
   refit::v1::ReadTensorRequest request;
   request.set_model_group(model_group);
   request.set_name(name);
   request.set_max_chunk_bytes(max_chunk_bytes);
   if (version.has_value()) request.set_version(*version);
+  if (fingerprint.has_value()) request.set_fingerprint(*fingerprint);
+  const bool pinned = version.has_value() || fingerprint.has_value();
   ReadTensorResult result;
-  absl::Status status = RetryReadOnly([&]() -> absl::Status {
+  auto read_once = [&]() -> absl::Status {
     grpc::ClientContext context;
     PrepareContext(&context, /*with_token=*/true, /*read_only=*/true);
     result = ReadTensorResult();
@@ -577,6 +580,7 @@ absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& mode
       if (first) {
         result.info = message.info();
         result.version = message.version();
+        result.fingerprint = message.fingerprint();
         result.data.reserve(result.info.nbytes());
         first = false;
       } else if (message.version() != result.version) {
@@ -601,7 +605,14 @@ absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& mode
                                               " bytes, expected ", result.info.nbytes()));
     }
     return absl::OkStatus();
-  });
+  };
+  absl::Status status = RetryReadOnly(read_once);
+  // Unpinned, any one version will do: a commit that landed mid-read only
+  // means reading it again.
+  for (int attempt = 1; !pinned && attempt < kUnpinnedReadAttempts && absl::IsAborted(status);
+       ++attempt) {
+    status = RetryReadOnly(read_once);
+  }
   if (!status.ok()) return status;
   return result;
 }

@@ -143,6 +143,7 @@ struct PushOptions {
 struct ReadTensorResult {
   refit::v1::TensorInfo info;
   uint64_t version = 0;
+  std::string fingerprint;  // of `version`
   std::string data;
 };
 
@@ -280,19 +281,26 @@ class RefitClient {
   absl::StatusOr<refit::v1::ListTensorsResponse> ListTensors(
       const std::string& model_group, refit::v1::ListTensorsRequest::Layout layout);
   // The whole tensor, all of one version. Read-only; retried on UNAVAILABLE.
+  // An unpinned read that a commit interrupts (ABORTED) is read again, up to
+  // kUnpinnedReadAttempts times in all. `fingerprint` pins the content too
+  // (GetStatus.fingerprint): a version number alone does not survive a
+  // restart of a daemon without --state-dir.
   // Errors:
   //   DATA_LOSS           the stream is empty, mixes versions, has a gap, or
   //                       its pieces do not add up to info.nbytes (the message
   //                       names the tensor and expected vs got)
   //   NOT_FOUND           unknown kernel tensor or model group (the daemon's)
-  //   ABORTED             with `version`: another version is live, or a commit
-  //                       landed during the read (reads of several tensors
-  //                       pinned to one version never mix versions)
+  //   ABORTED             with `version` or `fingerprint`: another version is
+  //                       live, or a commit landed during the read (reads of
+  //                       several tensors pinned to one version never mix
+  //                       versions); without: commits kept interrupting it
   //   and GetStatus's UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED,
   //   PERMISSION_DENIED.
-  absl::StatusOr<ReadTensorResult> ReadTensor(const std::string& model_group,
-                                              const std::string& name, uint32_t max_chunk_bytes = 0,
-                                              std::optional<uint64_t> version = std::nullopt);
+  static constexpr int kUnpinnedReadAttempts = 4;
+  absl::StatusOr<ReadTensorResult> ReadTensor(
+      const std::string& model_group, const std::string& name, uint32_t max_chunk_bytes = 0,
+      std::optional<uint64_t> version = std::nullopt,
+      std::optional<std::string> fingerprint = std::nullopt);
 
   // Calls `on_event` for every event (the first is a snapshot) until it
   // returns false, the stream ends or `deadline` passes. Returns OK when the

@@ -25,6 +25,7 @@
 #include "client/refit_client.h"
 #include "client/safetensors_view.h"
 #include "client/verify.h"
+#include "core/text.h"
 #include "core/version.h"
 #include "nlohmann/json.hpp"
 
@@ -221,15 +222,36 @@ bool ParseTimeout(const std::string& text, absl::Duration* out) {
 struct CommandSpec {
   size_t min_args;
   size_t max_args;
+  // The command's own flags (the global ones go with every command): any
+  // other is a usage error, never silently ignored.
+  std::set<std::string> flags;
 };
 
 const std::map<std::string, CommandSpec>& Commands() {
   static const auto* commands = new std::map<std::string, CommandSpec>{
-      {"status", {0, 0}},        {"health", {0, 0}}, {"push", {1, SIZE_MAX}}, {"reload", {0, 1}},
-      {"commit", {0, 1}},        {"abort", {0, 1}},  {"tensors", {0, 0}},     {"read", {1, 1}},
-      {"verify", {1, SIZE_MAX}}, {"watch", {0, 0}},
+      {"status", {0, 0, {}}},
+      {"health", {0, 0, {"wait"}}},
+      {"push",
+       {1,
+        SIZE_MAX,
+        {"prepare", "base-version", "label", "bucket-mib", "chunk-mib", "streams", "no-checksum",
+         "allow-partial", "partial", "vllm-non-finite", "link"}}},
+      {"reload", {0, 1, {"from", "prepare", "base-version", "label", "partial"}}},
+      {"commit", {0, 1, {"linked"}}},
+      {"abort", {0, 1, {"reason"}}},
+      {"tensors", {0, 0, {"checkpoint"}}},
+      {"read", {1, 1, {"out", "at-version"}}},
+      {"verify", {1, SIZE_MAX, {"config", "quant", "tp-rank", "tp-size"}}},
+      {"watch", {0, 0, {"count"}}},
   };
   return *commands;
+}
+
+bool IsGlobalFlag(const std::string& name) {
+  static const auto* globals = new std::set<std::string>{
+      "addr",    "group",           "token-file", "tls-ca", "tls-cert", "tls-key",
+      "timeout", "tls-server-name", "json",       "help",   "version"};
+  return globals->count(name) > 0;
 }
 
 // Every usage error, found before anything is sent: "" when the command
@@ -247,6 +269,15 @@ std::string CheckUsage(const CommandLine& cl) {
   if (cl.args.size() > spec.max_args) {
     return absl::StrCat("'", cl.command, "' takes at most ", spec.max_args, " argument(s), got ",
                         cl.args.size());
+  }
+  for (const auto& [name, value] : cl.flags) {
+    if (!IsGlobalFlag(name) && spec.flags.count(name) == 0) {
+      return absl::StrCat(
+          "--", name, " is not a flag of '", cl.command, "'",
+          spec.flags.empty()
+              ? ""
+              : absl::StrCat(" (its flags: --", absl::StrJoin(spec.flags, ", --"), ")"));
+    }
   }
   for (const char* name :
        {"base-version", "bucket-mib", "chunk-mib", "tp-rank", "tp-size", "count", "at-version"}) {
@@ -489,8 +520,18 @@ class Refitctl {
              {"ep_rank", s.model().ep_rank()},
              {"ep_size", s.model().ep_size()}}},
            {"not_ready_reason", s.not_ready_reason()},
-           {"active_refit", nullptr}};
+           {"active_refit", nullptr},
+           {"engines", Json::array()}};
     if (s.has_active_refit()) j["active_refit"] = ProgressJson(s.active_refit());
+    for (const refit::v1::AttachedEngine& e : s.engines()) {
+      j["engines"].push_back({{"engine_id", e.engine_id()},
+                              {"name", e.name()},
+                              {"pid", e.pid()},
+                              {"uid", e.uid()},
+                              {"coordinated", e.coordinated()},
+                              {"attached_unix_seconds", e.attached_unix_seconds()},
+                              {"version", e.version()}});
+    }
     return j;
   }
 
@@ -529,6 +570,13 @@ class Refitctl {
                                    FormatBytes(p.bytes_received()));
     } else {
       std::cout << "active refit none\n";
+    }
+    // Engines attached to the group's arena: one line each.
+    for (const refit::v1::AttachedEngine& e : s.engines()) {
+      std::cout << absl::StrFormat(
+          "engine       %s%s pid %d uid %d, %s, told of version %d\n", e.engine_id(),
+          e.name().empty() ? "" : " " + core::QuoteText(e.name()), e.pid(), e.uid(),
+          e.coordinated() ? "coordinated" : "not coordinated", e.version());
     }
     if (!s.server_version().empty()) std::cout << "server       " << s.server_version() << "\n";
   }

@@ -361,10 +361,12 @@ absl::StatusOr<VerifyReport> Verify(RefitClient& client, const VerifyOptions& op
     }
     for (size_t k = 0; k < spec.kernels.size(); ++k) {
       const KernelSpec& kernel = spec.kernels[k];
-      // Pinned to the version GetStatus reported: a commit during verify
-      // fails it (ABORTED: run it again) rather than comparing a mix.
-      absl::StatusOr<ReadTensorResult> got =
-          client.ReadTensor(options.model_group, kernel.name, 0, report.version);
+      // Pinned to the version GetStatus reported, and to its fingerprint
+      // (the same version number after a daemon restart may be other
+      // weights): a commit during verify fails it (ABORTED: run it again)
+      // rather than comparing a mix.
+      absl::StatusOr<ReadTensorResult> got = client.ReadTensor(
+          options.model_group, kernel.name, 0, report.version, report.daemon_fingerprint);
       if (!got.ok()) return got.status();
       if (got->version != report.version) {
         report.problems.push_back(absl::StrCat("the daemon's version changed from ", report.version,

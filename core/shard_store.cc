@@ -277,8 +277,7 @@ CommitStats ShardStoreImpl::CopyStagedLocked(const std::vector<StagedKernel>& st
 #ifdef REFIT_WITH_CUDA
   if (host_to_device) {
     if (cudaError_t e = cudaStreamSynchronize(cudaStreamLegacy); e != cudaSuccess) {
-      REFIT_LOG(ERROR) << "commit copy to " << device.str()
-                       << " failed: " << cudaGetErrorString(e);
+      REFIT_LOG(ERROR) << "commit copy to " << device.str() << " failed: " << cudaGetErrorString(e);
       std::abort();
     }
   }
@@ -616,7 +615,8 @@ absl::Status ShardStore::ReadKernel(absl::string_view name, std::string* out,
 }
 
 absl::Status ShardStore::ReadKernelRange(absl::string_view name, int64_t offset, int64_t length,
-                                         std::string* out, uint64_t* version) const {
+                                         std::string* out, uint64_t* version,
+                                         std::string* fingerprint) const {
   auto it = impl_->kernel_index.find(std::string(name));
   if (it == impl_->kernel_index.end()) {
     return absl::NotFoundError(absl::StrCat("no kernel tensor named \"", name, "\""));
@@ -644,6 +644,7 @@ absl::Status ShardStore::ReadKernelRange(absl::string_view name, int64_t offset,
     }
   }
   if (version != nullptr) *version = impl_->version;
+  if (fingerprint != nullptr) *fingerprint = impl_->fingerprint;
   return absl::OkStatus();
 }
 

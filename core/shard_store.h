@@ -297,8 +297,10 @@ class ShardStore {
   // the versions to detect a commit in between.
   // Errors: NOT_FOUND for unknown names; OUT_OF_RANGE for an offset past the
   // end; INTERNAL if copying a GPU kernel back fails.
+  // `fingerprint`, when not null, gets the fingerprint of `version`.
   absl::Status ReadKernelRange(absl::string_view name, int64_t offset, int64_t length,
-                               std::string* out, uint64_t* version) const;
+                               std::string* out, uint64_t* version,
+                               std::string* fingerprint = nullptr) const;
   // Runs `fn` with the reader lock held: the live version cannot change.
   void WithReaderLock(absl::FunctionRef<void(uint64_t version)> fn) const;
   // Runs `fn` while no event can go out: a listener registered in `fn` gets

@@ -200,6 +200,11 @@ class AttachService::Reactor final
       return absl::FailedPreconditionError("the first message of Attach must be attach");
     }
     const v1::AttachRequest& request = in_.attach();
+    if (request.engine_name().size() > kMaxEngineNameBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("engine_name is ", request.engine_name().size(), " bytes; at most ",
+                       kMaxEngineNameBytes, " (it is shown in status and logs)"));
+    }
     absl::StatusOr<ModelGroup*> group = service_->refit()->FindGroup(request.model_group());
     if (!group.ok()) return group.status();
     core::ShardStore* store = (*group)->store();
@@ -371,6 +376,7 @@ void AttachService::FillEngines(absl::string_view group, v1::GetStatusResponse* 
   for (const EngineInfo& e : Engines(group)) {
     v1::AttachedEngine* out = response->add_engines();
     out->set_engine_id(e.engine_id);
+    out->set_name(e.name);
     out->set_pid(e.pid);
     out->set_uid(e.uid);
     out->set_coordinated(e.coordinated);

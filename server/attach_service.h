@@ -57,6 +57,8 @@ class AttachService final : public v1::EngineService::CallbackService {
   // `refit` (groups, authorization) and `metrics` must outlive the service.
   AttachService(RefitServiceImpl* refit, absl::Duration quiesce_timeout, Metrics* metrics);
   ~AttachService() override;
+  // Longer engine names are INVALID_ARGUMENT at attach.
+  static constexpr size_t kMaxEngineNameBytes = 256;
   AttachService(const AttachService&) = delete;
   AttachService& operator=(const AttachService&) = delete;
 

@@ -46,14 +46,17 @@ uint64_t ResidentBytes() {
 class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorResponse> {
  public:
   ReadTensorReactor(const core::ShardStore* store, std::string name, v1::TensorInfo info,
-                    uint64_t version, std::string first, size_t chunk_bytes)
+                    uint64_t version, std::string fingerprint, bool pinned, std::string first,
+                    size_t chunk_bytes)
       : store_(store),
         name_(std::move(name)),
         nbytes_(info.nbytes()),
         version_(version),
+        pinned_(pinned),
         chunk_bytes_(chunk_bytes) {
     *message_.mutable_info() = std::move(info);
     message_.set_version(version);
+    message_.set_fingerprint(std::move(fingerprint));
     Write(std::move(first));
   }
 
@@ -75,14 +78,21 @@ class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorRe
       return;
     }
     if (version != version_) {
+      // A pinned read belongs to a pass over several tensors: the pinned
+      // version is gone, so the whole pass has to start again.
       Finish(grpc::Status(
           grpc::StatusCode::ABORTED,
-          absl::StrCat("ReadTensor ", name_, ": version ", version, " was committed while version ",
-                       version_, " was being read (at byte ", offset_, " of ", nbytes_,
-                       "); read the tensor again")));
+          absl::StrCat("ReadTensor ", core::QuoteText(name_), ": version ", version,
+                       " was committed while version ", version_, " was being read (at byte ",
+                       offset_, " of ", nbytes_, "); ",
+                       pinned_ ? absl::StrCat("the read was pinned to version ", version_,
+                                              ", which is no longer served: read every tensor "
+                                              "again at the live version")
+                               : "read the tensor again")));
       return;
     }
     message_.clear_info();
+    message_.clear_fingerprint();
     Write(std::move(bytes));
   }
 
@@ -100,6 +110,7 @@ class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorRe
   const std::string name_;
   const uint64_t nbytes_;
   const uint64_t version_;
+  const bool pinned_;
   const size_t chunk_bytes_;
   uint64_t offset_ = 0;
   v1::ReadTensorResponse message_;
@@ -726,7 +737,9 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
   }
   std::string first;
   uint64_t version = 0;
-  absl::Status read = store->ReadKernelRange(request->name(), 0, chunk, &first, &version);
+  std::string fingerprint;
+  absl::Status read =
+      store->ReadKernelRange(request->name(), 0, chunk, &first, &version, &fingerprint);
   if (!read.ok()) return FailStream<v1::ReadTensorResponse>(read);
   // A pinned read: later chunks are checked against the first one's version
   // anyway, so checking the first against the pin keeps the whole read in it.
@@ -735,7 +748,15 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
         "ReadTensor ", core::QuoteText(request->name()), ": the read is pinned to version ",
         request->version(), " but version ", version, " is live; read every tensor again")));
   }
-  return new ReadTensorReactor(store, request->name(), std::move(info), version, std::move(first),
+  if (request->has_fingerprint() && request->fingerprint() != fingerprint) {
+    return FailStream<v1::ReadTensorResponse>(absl::AbortedError(absl::StrCat(
+        "ReadTensor ", core::QuoteText(request->name()), ": the read is pinned to fingerprint ",
+        core::QuoteText(request->fingerprint()), " but version ", version, " (fingerprint ",
+        fingerprint, ") is live; read every tensor again")));
+  }
+  const bool pinned = request->has_version() || request->has_fingerprint();
+  return new ReadTensorReactor(store, request->name(), std::move(info), version,
+                               std::move(fingerprint), pinned, std::move(first),
                                static_cast<size_t>(chunk));
 }
 

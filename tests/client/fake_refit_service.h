@@ -117,6 +117,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     response->set_version(7);
     response->set_fingerprint("00112233aabbccdd");
     response->set_ready(true);
+    for (const refit::v1::AttachedEngine& engine : engines_) *response->add_engines() = engine;
     return grpc::Status::OK;
   }
 
@@ -137,6 +138,12 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     absl::MutexLock lock(&mu_);
     if (request->name() != tensor_name_) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "no tensor " + request->name());
+    }
+    ++read_calls_;
+    if (interrupted_reads_ > 0) {
+      --interrupted_reads_;
+      return grpc::Status(grpc::StatusCode::ABORTED,
+                          "version 8 was committed while version 7 was being read");
     }
     if (read_fault_ == ReadFault::kEmptyStream) return grpc::Status::OK;
     const size_t piece = 5;
@@ -210,6 +217,20 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     absl::MutexLock lock(&mu_);
     read_fault_ = fault;
   }
+  // GetStatus lists `engines` as attached.
+  void SetEngines(std::vector<refit::v1::AttachedEngine> engines) {
+    absl::MutexLock lock(&mu_);
+    engines_ = std::move(engines);
+  }
+  // The next `n` ReadTensor calls end ABORTED, as a commit landing mid-read.
+  void InterruptReads(int n) {
+    absl::MutexLock lock(&mu_);
+    interrupted_reads_ = n;
+  }
+  int read_calls() const {
+    absl::MutexLock lock(&mu_);
+    return read_calls_;
+  }
   void SetPushStatus(grpc::Status status) {
     absl::MutexLock lock(&mu_);
     push_status_ = std::move(status);
@@ -273,6 +294,9 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
   std::string tensor_bytes_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   ReadFault read_fault_ ABSL_GUARDED_BY(mu_) = ReadFault::kNone;
+  int interrupted_reads_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<refit::v1::AttachedEngine> engines_ ABSL_GUARDED_BY(mu_);
+  int read_calls_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, grpc::Status> failures_ ABSL_GUARDED_BY(mu_);
   bool reload_without_result_ ABSL_GUARDED_BY(mu_) = false;
   bool hang_commit_ ABSL_GUARDED_BY(mu_) = false;

@@ -406,6 +406,28 @@ TEST(RefitClientTest, ReadTensorRejectsMixedVersions) {
   EXPECT_THAT(r.status().message(), HasSubstr("mixes versions 7 and 8"));
 }
 
+TEST(RefitClientTest, AnUnpinnedReadACommitInterruptsIsReadAgainAPinnedOneIsNot) {
+  FakeServer server;
+  server.service().SetTensor("t", "0123456789");
+  auto client = Connect(server);
+  // Unpinned: any version will do, so it reads again.
+  server.service().InterruptReads(2);
+  absl::StatusOr<ReadTensorResult> r = client->ReadTensor("", "t");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->data, "0123456789");
+  EXPECT_EQ(server.service().read_calls(), 3);
+  // ... a bounded number of times.
+  server.service().InterruptReads(100);
+  r = client->ReadTensor("", "t");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(server.service().read_calls(), 3 + RefitClient::kUnpinnedReadAttempts);
+  // Pinned: the version is gone, reading it again cannot help.
+  server.service().InterruptReads(1);
+  r = client->ReadTensor("", "t", 0, 7);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(server.service().read_calls(), 4 + RefitClient::kUnpinnedReadAttempts);
+}
+
 TEST(RefitClientTest, ReloadStreamsProgressThenResult) {
   FakeServer server;
   auto client = Connect(server);

@@ -83,6 +83,46 @@ TEST(RefitctlTest, UsageErrorsExitOne) {
   EXPECT_THAT(err, HasSubstr("--base-version needs a non-negative integer"));
 }
 
+TEST(RefitctlTest, AFlagOfAnotherCommandIsAUsageErrorNotIgnored) {
+  // verify takes its own pin; --at-version belongs to read.
+  std::string err;
+  EXPECT_EQ(RunCtl({"verify", "dir", "--at-version", "99"}, nullptr, &err), 1);
+  EXPECT_THAT(err, HasSubstr("--at-version is not a flag of 'verify' (its flags: --config, "
+                             "--quant, --tp-rank, --tp-size)"));
+  EXPECT_EQ(RunCtl({"status", "--prepare"}, nullptr, &err), 1);
+  EXPECT_THAT(err, HasSubstr("--prepare is not a flag of 'status'\n"));
+  EXPECT_EQ(RunCtl({"reload", "--from", "x", "--streams", "2"}, nullptr, &err), 1);
+  EXPECT_THAT(err, HasSubstr("--streams is not a flag of 'reload'"));
+  // Global flags go with every command.
+  FakeServer server;
+  EXPECT_EQ(
+      RunCtl({"status", "--addr", server.address(), "--json", "--timeout", "5s"}, nullptr, &err), 0)
+      << err;
+}
+
+TEST(RefitctlTest, StatusListsTheAttachedEngines) {
+  FakeServer server;
+  refit::v1::AttachedEngine engine;
+  engine.set_engine_id("e-3");
+  engine.set_name("vllm \"rank 0\"");
+  engine.set_pid(4242);
+  engine.set_uid(1000);
+  engine.set_coordinated(true);
+  engine.set_version(7);
+  server.service().SetEngines({engine});
+  std::string out;
+  ASSERT_EQ(RunCtl({"--addr", server.address(), "status"}, &out), 0);
+  EXPECT_THAT(out, HasSubstr("engine       e-3 \"vllm \\\"rank 0\\\"\" pid 4242 uid 1000, "
+                             "coordinated, told of version 7\n"));
+  ASSERT_EQ(RunCtl({"--addr", server.address(), "status", "--json"}, &out), 0);
+  nlohmann::json j = nlohmann::json::parse(out);
+  ASSERT_EQ(j["engines"].size(), 1u);
+  EXPECT_EQ(j["engines"][0]["engine_id"], "e-3");
+  EXPECT_EQ(j["engines"][0]["name"], "vllm \"rank 0\"");
+  EXPECT_EQ(j["engines"][0]["pid"], 4242);
+  EXPECT_EQ(j["engines"][0]["coordinated"], true);
+}
+
 TEST(RefitctlTest, StatusJsonHasVersionAndFingerprint) {
   FakeServer server;
   std::string out;

@@ -42,11 +42,12 @@ int ReceiveFd(const std::string& path, const std::string& ticket, std::string* e
 // One engine's Attach stream.
 class Engine {
  public:
-  Engine(v1::EngineService::Stub* stub, bool coordinate, v1::EngineLayout expect = {}) {
+  Engine(v1::EngineService::Stub* stub, bool coordinate, v1::EngineLayout expect = {},
+         const std::string& name = "test-engine") {
     stream_ = stub->Attach(&context_);
     v1::EngineMessage first;
     first.mutable_attach()->set_coordinate(coordinate);
-    first.mutable_attach()->set_engine_name("test-engine");
+    first.mutable_attach()->set_engine_name(name);
     *first.mutable_attach()->mutable_expect() = std::move(expect);
     stream_->Write(first);
   }
@@ -201,6 +202,7 @@ TEST_F(AttachTest, CoordinatedEngineQuiescesThenIsToldOfTheCommit) {
   pusher.join();
   EXPECT_EQ(message.committed().fingerprint(), Status(stub_.get()).fingerprint());
   EXPECT_EQ(Status(stub_.get()).engines(0).version(), 2u);
+  EXPECT_EQ(Status(stub_.get()).engines(0).name(), "test-engine");
   // Its pause is one observation, ended by the commit.
   const std::string metrics = server_->metrics()->Render({});
   EXPECT_THAT(metrics, HasSubstr("refitd_engine_pause_seconds_count{outcome=\"committed\"} 1\n"));
@@ -369,6 +371,15 @@ TEST_F(AttachTest, AnAckForAnEarlierAttemptDoesNotCountForTheRetry) {
   last.join();
   EXPECT_TRUE(retried.ok()) << retried.error_message();
   EXPECT_EQ(Version(), 2u);
+}
+
+TEST_F(AttachTest, AnEngineNameLongerThanTheLimitIsInvalidArgument) {
+  Engine engine(engine_stub_.get(), /*coordinate=*/false, {},
+                std::string(AttachService::kMaxEngineNameBytes + 1, 'n'));
+  const grpc::Status status = engine.Close();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("engine_name is 257 bytes; at most 256"));
+  EXPECT_EQ(Status(stub_.get()).engines_size(), 0);
 }
 
 TEST_F(AttachTest, FirstMessageThatIsNotAttachIsFailedPrecondition) {

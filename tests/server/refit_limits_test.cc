@@ -322,11 +322,10 @@ TEST_F(RefitLimitsTest, ReadTensorClampsATinyChunkSizeTo64KiB) {
 }
 
 // A stream is one version: a commit between two of its chunks ends it with
-// ABORTED, and what was sent before is the old version's.
+// ABORTED, and what was sent before is the old version's. Unpinned, reading
+// the tensor again will do; pinned, the pinned version is gone.
 TEST_F(RefitLimitsTest, ReadTensorAcrossACommitIsAborted) {
   const std::string name = LargestKernel(stub_.get()).first;
-  std::string old_bytes;
-  ASSERT_TRUE(testing::ReadTensorBytes(stub_.get(), name, &old_bytes).ok());
   // A reader whose flow-control window holds about one chunk: the daemon
   // cannot run ahead of it, so the commit below lands mid-stream.
   grpc::ChannelArguments args;
@@ -334,23 +333,37 @@ TEST_F(RefitLimitsTest, ReadTensorAcrossACommitIsAborted) {
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, static_cast<int>(kMinReadChunkBytes));
   auto slow = v1::RefitService::NewStub(grpc::CreateCustomChannel(
       server_->bound_addresses().front(), grpc::InsecureChannelCredentials(), args));
-  grpc::ClientContext context;
-  v1::ReadTensorRequest request;
-  request.set_name(name);
-  request.set_max_chunk_bytes(kMinReadChunkBytes);
-  auto reader = slow->ReadTensor(&context, request);
-  v1::ReadTensorResponse message;
-  ASSERT_TRUE(reader->Read(&message));
-  EXPECT_EQ(message.version(), 1u);
-  std::string bytes = message.data();
-  ASSERT_TRUE(PushMessages(stub_.get(), FullPush(14)).status.ok());
-  while (reader->Read(&message)) bytes.append(message.data());
-  grpc::Status status = reader->Finish();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED);
-  EXPECT_THAT(status.error_message(), HasSubstr("version 2 was committed while version 1"));
-  // What did arrive is the old version's, from the start.
-  EXPECT_LT(bytes.size(), old_bytes.size());
-  EXPECT_EQ(bytes, old_bytes.substr(0, bytes.size()));
+  for (const bool pinned : {false, true}) {
+    SCOPED_TRACE(pinned ? "pinned" : "unpinned");
+    const uint64_t version = Status(stub_.get()).version();
+    std::string old_bytes;
+    ASSERT_TRUE(testing::ReadTensorBytes(stub_.get(), name, &old_bytes).ok());
+    grpc::ClientContext context;
+    v1::ReadTensorRequest request;
+    request.set_name(name);
+    request.set_max_chunk_bytes(kMinReadChunkBytes);
+    if (pinned) request.set_version(version);
+    auto reader = slow->ReadTensor(&context, request);
+    v1::ReadTensorResponse message;
+    ASSERT_TRUE(reader->Read(&message));
+    EXPECT_EQ(message.version(), version);
+    std::string bytes = message.data();
+    ASSERT_TRUE(PushMessages(stub_.get(), FullPush(14 + version)).status.ok());
+    while (reader->Read(&message)) bytes.append(message.data());
+    grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED);
+    EXPECT_THAT(status.error_message(),
+                HasSubstr(absl::StrCat("version ", version + 1, " was committed while version ",
+                                       version, " was being read")));
+    EXPECT_THAT(status.error_message(),
+                HasSubstr(pinned ? absl::StrCat("the read was pinned to version ", version,
+                                                ", which is no longer served: read every tensor "
+                                                "again at the live version")
+                                 : std::string("read the tensor again")));
+    // What did arrive is the old version's, from the start.
+    EXPECT_LT(bytes.size(), old_bytes.size());
+    EXPECT_EQ(bytes, old_bytes.substr(0, bytes.size()));
+  }
 }
 
 TEST_F(RefitLimitsTest, MetricsBeyondLoopbackNeedAllowInsecureRemote) {

@@ -34,6 +34,7 @@ from .errors import (
 from .types import (
     AbortResult,
     ActiveRefit,
+    EngineInfo,
     Health,
     MemoryUsage,
     ModelSummary,
@@ -88,6 +89,7 @@ __all__ = [
     "RefitResult",
     "ReloadProgress",
     "Status",
+    "EngineInfo",
     "TensorInfo",
     "WatchEvent",
 ]

@@ -32,6 +32,7 @@ from ._proto import refit_pb2_grpc as pb_grpc
 from .errors import (
     DeadlineExceeded,
     InvalidArgument,
+    RefitConflict,
     RefitError,
     Unavailable,
     error_for,
@@ -203,6 +204,7 @@ def _status(r: Any) -> Status:
                 coordinated=e.coordinated,
                 attached_unix_seconds=e.attached_unix_seconds,
                 version=e.version,
+                name=e.name,
             )
             for e in r.engines
         ),
@@ -1306,6 +1308,7 @@ class RefitClient:
         *,
         group: str = "",
         version: Optional[int] = None,
+        fingerprint: Optional[str] = None,
         timeout: Optional[float] = None,
     ) -> Tuple[TensorInfo, int, bytes]:
         """A live kernel tensor's bytes, all of one version:
@@ -1313,12 +1316,34 @@ class RefitClient:
         raises RefitConflict (ABORTED, naming both versions) unless that
         version is live for the whole read, so reads of several tensors
         pinned to one version never mix versions (one spanning a commit
-        fails instead). Raises NotFound (unknown tensor) and ChecksumMismatch
-        (DATA_LOSS) when the stream is inconsistent."""
+        fails instead). `fingerprint` (status().fingerprint) pins the content
+        as well: a daemon restarted without --state-dir counts versions from
+        1 again, with other weights. An unpinned read that a commit cuts is
+        read again (up to READ_ATTEMPTS times in all). Raises NotFound
+        (unknown tensor) and ChecksumMismatch (DATA_LOSS) when the stream is
+        inconsistent."""
         deadline = self._deadline(timeout)
         request = pb.ReadTensorRequest(model_group=group, name=name)
         if version is not None:
             request.version = version
+        if fingerprint is not None:
+            request.fingerprint = fingerprint
+        pinned = version is not None or fingerprint is not None
+        for attempt in range(1, self.READ_ATTEMPTS + 1):
+            try:
+                return self._read_once(request, deadline)
+            except RefitConflict:
+                if pinned or attempt == self.READ_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    # Reads of an unpinned tensor that commits kept cutting, in all.
+    READ_ATTEMPTS = 4
+
+    def _read_once(
+        self, request: "pb.ReadTensorRequest", deadline: Optional[float]
+    ) -> Tuple[TensorInfo, int, bytes]:
+        name = request.name
         info = None
         version = 0
         parts: List[bytes] = []
@@ -1358,15 +1383,19 @@ class RefitClient:
         *,
         group: str = "",
         version: Optional[int] = None,
+        fingerprint: Optional[str] = None,
         timeout: Optional[float] = None,
     ) -> Any:
         """A live kernel tensor, shaped: as a numpy array (bf16 and FP8 as
         their raw bits, uint16 / uint8) or, with as_="torch", a torch tensor
         (FP8 as torch.float8_e4m3fn, bf16 as torch.bfloat16). `version` pins
-        the read as in read_raw() (RefitConflict unless it is live)."""
+        the read as in read_raw() (RefitConflict unless it is live), and so
+        does `fingerprint`."""
         if as_ not in ("numpy", "torch"):
             raise InvalidArgument(f"as_ must be 'numpy' or 'torch', got {as_!r}")
-        info, _, data = self.read_raw(name, group=group, version=version, timeout=timeout)
+        info, _, data = self.read_raw(
+            name, group=group, version=version, fingerprint=fingerprint, timeout=timeout
+        )
         if as_ == "torch":
             import torch
 

@@ -143,8 +143,8 @@ class ActiveRefit:
 class EngineInfo:
     """An engine attached to a group (status().engines): its lease's id, the
     engine's process and user, whether the daemon waits for its safe points
-    before each commit, when it attached, and the last version it was told
-    of."""
+    before each commit, when it attached, the last version it was told of,
+    and the name it attached with (attach(name=...))."""
 
     engine_id: str
     pid: int
@@ -152,6 +152,7 @@ class EngineInfo:
     coordinated: bool
     attached_unix_seconds: float
     version: int
+    name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

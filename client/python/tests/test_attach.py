@@ -92,6 +92,7 @@ def test_status_lists_the_attached_engines_until_they_detach(daemon, client):
             [engine.engine_id, watcher.engine_id])
         (info,) = [e for e in listed if e.engine_id == engine.engine_id]
         assert (info.pid, info.uid) == (os.getpid(), os.getuid())
+        assert info.name == "listed"
         assert info.coordinated is True and info.version == 1
         assert start - 1 <= info.attached_unix_seconds <= time.time() + 1
         assert [e.coordinated for e in listed if e.engine_id == watcher.engine_id] == [False]

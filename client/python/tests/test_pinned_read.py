@@ -55,3 +55,57 @@ def test_reads_pinned_to_one_version_fail_once_another_is_committed(client, weig
     with pytest.raises(RefitConflict) as e:
         client.read_raw(names[1], version=pinned)
     assert f"pinned to version {pinned} but version {pinned + 1} is live" in e.value.message
+
+
+def test_a_read_pinned_to_a_fingerprint_reads_only_that_content(client):
+    """A version number alone names a version of one daemon's life; the
+    fingerprint names the weights."""
+    status = client.status()
+    _, version, data = client.read_raw(NAME, version=status.version, fingerprint=status.fingerprint)
+    assert version == status.version and data == client.read_raw(NAME)[2]
+    for read in (client.read_raw, client.read):
+        with pytest.raises(RefitConflict) as e:
+            read(NAME, fingerprint="0123456789abcdef")
+        assert (f'pinned to fingerprint "0123456789abcdef" but version {status.version} '
+                f"(fingerprint {status.fingerprint}) is live") in e.value.message
+
+
+def test_an_unpinned_read_a_commit_cuts_is_read_again(client):
+    """A read a commit cuts (the daemon ends it ABORTED) is read again when
+    unpinned, up to READ_ATTEMPTS times in all; pinned, it is a conflict at
+    once. The cut is simulated at the client's one-read seam; the daemon's
+    side is tested in C++ (RefitLimitsTest.ReadTensorAcrossACommitIsAborted)."""
+    from refit_client.errors import error_for
+
+    calls = []
+    real = client._read_once
+    cuts = [2]
+
+    def cut(request, deadline):
+        calls.append(request.HasField("version"))
+        if cuts[0] > 0:
+            cuts[0] -= 1
+            raise error_for(grpc.StatusCode.ABORTED, "version 2 was committed while version 1 "
+                            "was being read")
+        return real(request, deadline)
+
+    client._read_once = cut
+    _, version, data = client.read_raw(NAME)
+    assert calls == [False, False, False]
+    assert version == 1 and data == real(pb_request(NAME), None)[2]
+    calls.clear()
+    cuts[0] = 100
+    with pytest.raises(RefitConflict):
+        client.read_raw(NAME)
+    assert len(calls) == client.READ_ATTEMPTS
+    calls.clear()
+    cuts[0] = 1
+    with pytest.raises(RefitConflict):
+        client.read_raw(NAME, version=1)
+    assert calls == [True]
+
+
+def pb_request(name):
+    from refit_client._proto import refit_pb2
+
+    return refit_pb2.ReadTensorRequest(name=name)

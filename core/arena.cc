@@ -403,6 +403,10 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(int device_inde
   if (arena->sharing_ == DeviceArenaSharing::kCudaIpc) {
     arena->ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
   }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device_index) == cudaSuccess) {
+    arena->device_uuid_.assign(prop.uuid.bytes, sizeof(prop.uuid.bytes));
+  }
   return arena;
 #else
   (void)device_index;

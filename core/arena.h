@@ -199,6 +199,9 @@ class DeviceArena {
   // it with cudaIpcOpenMemHandle and adds each kernel's offset. Empty for
   // kVmmFd.
   const std::string& ipc_handle() const { return ipc_handle_; }
+  // The device's UUID (cudaDeviceProp::uuid, 16 bytes): what names the device
+  // in another process, whose CUDA_VISIBLE_DEVICES may number it otherwise.
+  const std::string& device_uuid() const { return device_uuid_; }
   // kVmmFd: a new descriptor of the allocation (the caller owns it), for
   // cuMemImportFromShareableHandle in another process. FAILED_PRECONDITION
   // for kCudaIpc.
@@ -213,6 +216,7 @@ class DeviceArena {
   DeviceArenaSharing sharing_ = DeviceArenaSharing::kCudaIpc;
   unsigned long long vmm_handle_ = 0;  // CUmemGenericAllocationHandle (kVmmFd)
   std::string ipc_handle_;
+  std::string device_uuid_;
 };
 
 // What an engine compares before it trusts an arena's bytes: the fields

@@ -567,6 +567,7 @@ ArenaInfo ShardStore::arena() const {
   info.device_index = device_index();
   if (impl_->device_arena != nullptr) {
     info.ipc_handle = impl_->device_arena->ipc_handle();
+    info.device_uuid = impl_->device_arena->device_uuid();
     info.device_vmm = impl_->device_arena->sharing() == DeviceArenaSharing::kVmmFd;
     info.device_mapped_bytes = impl_->device_arena->mapped_bytes();
   }

@@ -79,11 +79,12 @@ struct KernelView {
 // header; the kernels are one device allocation exported as a CUDA IPC
 // handle. Kernel i is at KernelView::arena_offset from the data start.
 struct ArenaInfo {
-  int64_t host_bytes = 0;  // the memfd's length (header + host data)
-  int64_t data_bytes = 0;  // the kernels' region, alignment included
-  bool on_device = false;  // data in device memory (ipc_handle), else in the memfd
-  int device_index = -1;   // CUDA device of the data, -1 on the host
-  std::string ipc_handle;  // cudaIpcMemHandle_t of the allocation base (GPU, ipc sharing)
+  int64_t host_bytes = 0;   // the memfd's length (header + host data)
+  int64_t data_bytes = 0;   // the kernels' region, alignment included
+  bool on_device = false;   // data in device memory (ipc_handle), else in the memfd
+  int device_index = -1;    // CUDA device of the data, -1 on the host
+  std::string device_uuid;  // its UUID (16 bytes; empty on the host)
+  std::string ipc_handle;   // cudaIpcMemHandle_t of the allocation base (GPU, ipc sharing)
   // GPU, vmm sharing: the allocation goes to engines as a descriptor
   // (ExportDeviceArenaFd) they map read-only, `device_mapped_bytes` long.
   bool device_vmm = false;

@@ -245,6 +245,7 @@ class AttachService::Reactor final
         dev->set_kind(v1::ArenaRegion::KIND_CUDA_VMM);
         dev->set_bytes(static_cast<uint64_t>(arena.device_mapped_bytes));
         dev->set_cuda_device(arena.device_index);
+        dev->set_cuda_device_uuid(arena.device_uuid);
         dev->set_fd_index(1);
         data_region = 1;
       } else if (arena.on_device) {
@@ -253,6 +254,7 @@ class AttachService::Reactor final
         dev->set_bytes(static_cast<uint64_t>(arena.data_bytes));
         dev->set_cuda_ipc_handle(arena.ipc_handle);
         dev->set_cuda_device(arena.device_index);
+        dev->set_cuda_device_uuid(arena.device_uuid);
         data_region = 1;
       }
       for (const core::KernelView& k : kernels) {

@@ -41,6 +41,9 @@ TEST(ArenaGpuTest, KernelsLieInOneExportedAllocationAndCommitInPlace) {
   EXPECT_EQ(arena.device_index, 0);
   EXPECT_EQ(arena.ipc_handle.size(), 64u);
   EXPECT_EQ(arena.host_bytes, kArenaHeaderBytes);  // the memfd holds only the header
+  // The UUID other processes find the device by, whatever their ordinals.
+  ASSERT_EQ(arena.device_uuid.size(), 16u);
+  EXPECT_NE(arena.device_uuid, std::string(16, '\0'));
   const std::vector<KernelView> kernels = store->Kernels();
   const char* base = static_cast<const char*>(kernels[0].data) - kernels[0].arena_offset;
   for (const KernelView& k : kernels) {

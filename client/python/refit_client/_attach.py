@@ -422,6 +422,32 @@ class _DevicePointer:
         }
 
 
+def _local_cuda_device(region: Any, cuda: Any = None) -> int:
+    """This process's ordinal of a CUDA region's device. The daemon's ordinal
+    (region.cuda_device) names another device, or none, where
+    CUDA_VISIBLE_DEVICES differs (a sidecar, a container given its GPUs in
+    another order): the device is found by its UUID. `cuda` is torch.cuda
+    (a seam for tests)."""
+    if not region.cuda_device_uuid:
+        return region.cuda_device  # a daemon that does not send the UUID
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    visible = []
+    for index in range(cuda.device_count()):
+        uuid = bytes(cuda.get_device_properties(index).uuid.bytes)
+        if uuid == region.cuda_device_uuid:
+            return index
+        visible.append(uuid.hex())
+    raise FailedPrecondition(
+        f"attach: the arena's GPU (UUID {bytes(region.cuda_device_uuid).hex()}, the daemon's "
+        f"cuda:{region.cuda_device}) is not visible to this process "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; visible: "
+        f"{', '.join(visible) or 'none'})"
+    )
+
+
 class AttachedEngine:
     """An engine's lease on a model group's kernels. Thread-safe."""
 
@@ -556,25 +582,31 @@ class AttachedEngine:
             self._futex = _Futex(whole.data_ptr() + _SEQ_OFFSET)
         devices = set()
         for index, region in enumerate(a.regions):
+            if region.kind in (epb.ArenaRegion.KIND_CUDA_IPC, epb.ArenaRegion.KIND_CUDA_VMM):
+                device = _local_cuda_device(region)
             if region.kind == epb.ArenaRegion.KIND_CUDA_IPC:
-                mapping = _CudaIpc().open(region.cuda_ipc_handle, region.cuda_device)
+                mapping = _CudaIpc().open(region.cuda_ipc_handle, device)
             elif region.kind == epb.ArenaRegion.KIND_CUDA_VMM:
                 if region.fd_index >= len(fds):
                     raise RefitError(
                         f"attach: the daemon sent {len(fds)} descriptors, the device arena is "
                         f"number {region.fd_index}"
                     )
-                mapping = _CudaVmm().map_read_only(
-                    fds[region.fd_index], region.bytes, region.cuda_device
-                )
+                mapping = _CudaVmm().map_read_only(fds[region.fd_index], region.bytes, device)
                 self.read_only_device = True
             else:
                 continue
             bases[index] = torch.as_tensor(
-                _DevicePointer(mapping, region.bytes), device=f"cuda:{region.cuda_device}"
+                _DevicePointer(mapping, region.bytes), device=f"cuda:{device}"
             )
+            if bases[index].data_ptr() != mapping.ptr:
+                # torch copied it to another device: commits would never reach the copy.
+                raise RefitError(
+                    f"attach: the arena mapped at {mapping.ptr:#x} on cuda:{device} came back as "
+                    f"a copy at {bases[index].data_ptr():#x}"
+                )
             self._device_mappings.append(weakref.ref(mapping))
-            devices.add(region.cuda_device)
+            devices.add(device)
         self._cuda_devices = tuple(sorted(devices))
         self.tensors: Dict[str, Any] = {}
         # One typed view of each region per dtype, and each tensor a single

@@ -841,3 +841,33 @@ def test_a_cuda_arena_is_unmapped_with_its_last_tensor_and_reattaching_after_a_r
             attach(d.address, coordinate=False) as engine:
         got = engine.tensors[name].view(torch.uint8).cpu().numpy().tobytes()
         assert got == client.read_raw(name)[2]
+
+
+def test_a_cuda_region_is_found_by_its_device_uuid_not_the_daemons_ordinal():
+    """The daemon's cuda:1 is this process's cuda:0 when CUDA_VISIBLE_DEVICES
+    differs; a GPU this process cannot see is a FailedPrecondition naming it.
+    torch.cuda is replaced at the seam (no GPU here)."""
+    import types
+
+    from refit_client import FailedPrecondition
+    from refit_client._attach import _local_cuda_device
+    from refit_client._proto import engine_pb2 as epb
+
+    uuids = [bytes([0xA0 + i] * 16) for i in range(2)]
+    cuda = types.SimpleNamespace(
+        device_count=lambda: len(uuids),
+        get_device_properties=lambda i: types.SimpleNamespace(
+            uuid=types.SimpleNamespace(bytes=uuids[i])),
+    )
+    region = epb.ArenaRegion(kind=epb.ArenaRegion.KIND_CUDA_VMM, cuda_device=1,
+                             cuda_device_uuid=uuids[0])
+    assert _local_cuda_device(region, cuda) == 0
+    region.cuda_device_uuid = uuids[1]
+    assert _local_cuda_device(region, cuda) == 1
+    region.cuda_device_uuid = bytes([0xEE] * 16)
+    with pytest.raises(FailedPrecondition) as e:
+        _local_cuda_device(region, cuda)
+    assert "the arena's GPU (UUID " + "ee" * 16 + ", the daemon's cuda:1) is not visible" in str(e.value)
+    assert ("a0" * 16) in str(e.value) and ("a1" * 16) in str(e.value)
+    # A daemon that sends no UUID: its ordinal, as before.
+    assert _local_cuda_device(epb.ArenaRegion(cuda_device=3), cuda) == 3

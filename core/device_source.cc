@@ -1,6 +1,8 @@
 #include "core/device_source.h"
 
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -53,6 +55,25 @@ GetAddressRangeFn AddressRangeFn() {
   return fn;
 }
 
+// The UUID of each visible device (by ordinal; empty where it could not be
+// read), read once: cudaGetDeviceProperties takes milliseconds per device,
+// and a trainer registers every allocation of every push.
+const std::vector<std::string>& VisibleDeviceUuids(int count) {
+  static const std::vector<std::string>* uuids = [count] {
+    auto* out = new std::vector<std::string>(static_cast<size_t>(count));
+    for (int d = 0; d < count; ++d) {
+      cudaDeviceProp prop{};
+      if (cudaGetDeviceProperties(&prop, d) == cudaSuccess) {
+        (*out)[static_cast<size_t>(d)].assign(prop.uuid.bytes, sizeof(prop.uuid.bytes));
+      } else {
+        cudaGetLastError();
+      }
+    }
+    return out;
+  }();
+  return *uuids;
+}
+
 }  // namespace
 #endif  // REFIT_WITH_CUDA
 
@@ -75,10 +96,9 @@ absl::StatusOr<std::unique_ptr<CudaIpcAllocation>> CudaIpcAllocation::Open(
                      e == cudaSuccess ? std::string("no device") : CudaError(e), ")"));
   }
   int device = -1;
-  for (int d = 0; d < count && device < 0; ++d) {
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) continue;
-    if (std::memcmp(prop.uuid.bytes, device_uuid.data(), kUuidBytes) == 0) device = d;
+  const std::vector<std::string>& uuids = VisibleDeviceUuids(count);
+  for (size_t d = 0; d < uuids.size() && device < 0; ++d) {
+    if (uuids[d] == device_uuid) device = static_cast<int>(d);
   }
   if (device < 0) {
     return absl::FailedPreconditionError(absl::StrCat(

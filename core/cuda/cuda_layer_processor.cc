@@ -142,6 +142,10 @@ class CudaLayerProcessor final : public LayerProcessor {
 
     absl::Status Quantize(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols, int k,
                           int s) override {
+      // On the store's device whichever thread calls (the build's own
+      // scoped_ holds only on the thread that started it).
+      ScopedCudaDevice scoped(p_.device_);
+      if (!scoped.status().ok()) return scoped.status();
       const KernelSpec& weight = spec_.kernels[k];
       absl::StatusOr<StagingBuffer> on_device = AllocateDevice(p_.device_, src.size(), weight.name);
       if (!on_device.ok()) return on_device.status();
@@ -151,9 +155,14 @@ class CudaLayerProcessor final : public LayerProcessor {
           AllocateDevice(p_.device_, spec_.kernels[s].nbytes(), weight.name);
       if (!scales.ok()) return scales.status();
       absl::StatusOr<bool> up = Upload(src, on_device->data());
-      // A failed upload may have enqueued copies that still read `src`.
+      // A failed upload may have enqueued copies that still read `src` and
+      // write `on_device`: neither goes back to an allocator (whose next
+      // user could be another session) before the stream is idle.
       HoldUntilIdle(std::move(src), !up.ok() || *up);
-      if (!up.ok()) return up.status();
+      if (!up.ok()) {
+        HoldUntilIdle(*std::move(on_device), true);
+        return up.status();
+      }
       Fp8CudaJob job;
       job.src = on_device->data();
       job.src_dtype = src_dtype;
@@ -167,6 +176,10 @@ class CudaLayerProcessor final : public LayerProcessor {
       qopts.non_finite = p_.options_.non_finite;
       jobs_ = true;
       if (absl::Status e = p_.shared_->quantizer->Enqueue(job, qopts, p_.stream_); !e.ok()) {
+        // What was launched may still read and write these.
+        HoldUntilIdle(*std::move(on_device), true);
+        HoldUntilIdle(*std::move(q), true);
+        HoldUntilIdle(*std::move(scales), true);
         return e;
       }
       sources_.push_back(*std::move(on_device));
@@ -234,13 +247,18 @@ class CudaLayerProcessor final : public LayerProcessor {
 
     // Process hashed the host bytes already, in the sweep that checked them.
     absl::Status KeepHashed(int k, StagingBuffer bytes, uint64_t hash) override {
+      ScopedCudaDevice scoped(p_.device_);
+      if (!scoped.status().ok()) return scoped.status();
       hashes_[k] = hash;
       absl::StatusOr<StagingBuffer> staged =
           AllocateDevice(p_.device_, bytes.size(), spec_.kernels[k].name);
       if (!staged.ok()) return staged.status();
       absl::StatusOr<bool> up = Upload(bytes, staged->data());
       HoldUntilIdle(std::move(bytes), !up.ok() || *up);
-      if (!up.ok()) return up.status();
+      if (!up.ok()) {
+        HoldUntilIdle(*std::move(staged), true);  // copies may still write it
+        return up.status();
+      }
       kernels_[k] = *std::move(staged);
       return absl::OkStatus();
     }
@@ -425,7 +443,8 @@ class CudaLayerProcessor final : public LayerProcessor {
     // High-precision weights on the device; declared after kernels_, so they
     // are freed first, but only after the destructor idled the stream.
     std::vector<StagingBuffer> sources_;
-    // Params whose memory a copy on the stream may still read; released
+    // Params whose memory a copy on the stream may still read, and device
+    // buffers work on the stream may still write after a failure; released
     // with the other members, after the destructor idled the stream.
     std::vector<StagingBuffer> held_;
     bool jobs_ = false;  // quantize jobs enqueued and not yet synced

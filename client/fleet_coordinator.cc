@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/refit_client.h"
+#include "server/fleet_names.h"
 
 namespace refit::client {
 namespace {
@@ -55,6 +56,10 @@ void ForEachParallel(size_t n, const std::function<void(size_t)>& fn) {
 absl::StatusOr<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Create(
     FleetCoordinatorOptions options) {
   if (options.fleet.empty()) return absl::InvalidArgumentError("--fleet is required");
+  // The rule the daemons' --fleet follows: another name has no members.
+  if (absl::Status s = server::ValidateFleetName("--fleet", "fleet name", options.fleet); !s.ok()) {
+    return s;
+  }
   server::EtcdClientOptions etcd_options;
   etcd_options.endpoints = options.etcd;
   etcd_options.tls_ca_file = options.etcd_ca_file;

@@ -604,6 +604,17 @@ absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& mode
       return absl::DataLossError(absl::StrCat("read ", name, ": got ", result.data.size(),
                                               " bytes, expected ", result.info.nbytes()));
     }
+    // The daemon checks the pin; this catches one that does not know it
+    // (it would serve whatever is live).
+    if (fingerprint.has_value() && result.fingerprint != *fingerprint) {
+      if (result.fingerprint.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "read ", name, ": the daemon does not answer fingerprint pins (an older refitd)"));
+      }
+      return absl::AbortedError(absl::StrCat("read ", name, ": pinned to fingerprint ",
+                                             *fingerprint, " but version ", result.version,
+                                             " has fingerprint ", result.fingerprint));
+    }
     return absl::OkStatus();
   };
   absl::Status status = RetryReadOnly(read_once);

@@ -67,7 +67,8 @@ Commands:
       --link GROUP=DIR[,GROUP=DIR...]   also push DIR to GROUP and commit all the
                              groups at one commit point; any failure aborts them all
   reload --from PATH         the daemon reloads safetensors from PATH (under its root)
-      --prepare, --base-version N, --label TEXT, --partial as for push
+      --prepare, --base-version N, --label TEXT, --partial, --allow-partial,
+      --vllm-non-finite as for push
   commit [REFIT_ID]          commit a prepared refit (default: your own active one;
                              an operator's: whichever is active)
       --linked GROUP=ID[,GROUP=ID...]   and these prepared refits of other groups, at
@@ -236,7 +237,11 @@ const std::map<std::string, CommandSpec>& Commands() {
         SIZE_MAX,
         {"prepare", "base-version", "label", "bucket-mib", "chunk-mib", "streams", "no-checksum",
          "allow-partial", "partial", "vllm-non-finite", "link"}}},
-      {"reload", {0, 1, {"from", "prepare", "base-version", "label", "partial"}}},
+      {"reload",
+       {0,
+        1,
+        {"from", "prepare", "base-version", "label", "partial", "allow-partial",
+         "vllm-non-finite"}}},
       {"commit", {0, 1, {"linked"}}},
       {"abort", {0, 1, {"reason"}}},
       {"tensors", {0, 0, {"checkpoint"}}},

@@ -4,7 +4,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/const_init.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 #ifdef REFIT_WITH_CUDA
 #include <cuda.h>  // driver API types only: entry points come through the runtime
@@ -55,23 +57,28 @@ GetAddressRangeFn AddressRangeFn() {
   return fn;
 }
 
-// The UUID of each visible device (by ordinal; empty where it could not be
-// read), read once: cudaGetDeviceProperties takes milliseconds per device,
-// and a trainer registers every allocation of every push.
-const std::vector<std::string>& VisibleDeviceUuids(int count) {
-  static const std::vector<std::string>* uuids = [count] {
-    auto* out = new std::vector<std::string>(static_cast<size_t>(count));
-    for (int d = 0; d < count; ++d) {
+// The ordinal of the visible device whose UUID is `uuid`, or -1. Each
+// device's UUID is read once (cudaGetDeviceProperties takes milliseconds, and
+// a trainer registers every allocation of every push); a read that failed is
+// tried again at the next lookup.
+int DeviceOfUuid(absl::string_view uuid, int count) {
+  static absl::Mutex mu(absl::kConstInit);
+  static std::vector<std::string>* uuids = new std::vector<std::string>();
+  absl::MutexLock lock(&mu);
+  if (uuids->size() < static_cast<size_t>(count)) uuids->resize(static_cast<size_t>(count));
+  for (int d = 0; d < count; ++d) {
+    std::string& known = (*uuids)[static_cast<size_t>(d)];
+    if (known.empty()) {
       cudaDeviceProp prop{};
-      if (cudaGetDeviceProperties(&prop, d) == cudaSuccess) {
-        (*out)[static_cast<size_t>(d)].assign(prop.uuid.bytes, sizeof(prop.uuid.bytes));
-      } else {
+      if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
         cudaGetLastError();
+        continue;
       }
+      known.assign(prop.uuid.bytes, sizeof(prop.uuid.bytes));
     }
-    return out;
-  }();
-  return *uuids;
+    if (known == uuid) return d;
+  }
+  return -1;
 }
 
 }  // namespace
@@ -95,11 +102,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcAllocation>> CudaIpcAllocation::Open(
         absl::StrCat("CUDA IPC regions need a GPU visible to refitd; it has none (",
                      e == cudaSuccess ? std::string("no device") : CudaError(e), ")"));
   }
-  int device = -1;
-  const std::vector<std::string>& uuids = VisibleDeviceUuids(count);
-  for (size_t d = 0; d < uuids.size() && device < 0; ++d) {
-    if (uuids[d] == device_uuid) device = static_cast<int>(d);
-  }
+  const int device = DeviceOfUuid(device_uuid, count);
   if (device < 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the trainer's GPU (UUID given) is not one of the ", count,

@@ -2,18 +2,16 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <utility>
 
 #include <nlohmann/json.hpp>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/dtype.h"
 #include "core/log.h"
 #include "core/model_layout.h"
+#include "server/fleet_names.h"
 #include "server/metrics.h"
 #include "server/refit_server.h"
 
@@ -40,24 +38,20 @@ uint64_t Fnv1a(absl::string_view text, uint64_t h = 1469598103934665603ull) {
   return h;
 }
 
+// <hostname>-r<tp rank>, the hostname's characters outside the fleet-name
+// rule replaced by '-' and cut to fit it.
 std::string DefaultMemberId(int64_t tp_rank) {
   char host[256] = {0};
   if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
-  return absl::StrCat(host[0] != '\0' ? host : "refitd", "-r", tp_rank);
-}
-
-// Fleet names and member ids become etcd key segments, JSON strings and
-// metric labels: the characters that are plain in all three.
-absl::Status ValidateFleetName(absl::string_view flag, absl::string_view what,
-                               absl::string_view name) {
-  const bool valid = !name.empty() && name.size() <= 128 && name != "." && name != ".." &&
-                     std::all_of(name.begin(), name.end(), [](char c) {
-                       return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
-                              c == '_' || c == '-';
-                     });
-  if (valid) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(flag, " \"", absl::CHexEscape(name.substr(0, 160)),
-                                                 "\": a ", what, " is 1 to 128 of [A-Za-z0-9._-]"));
+  std::string name = host[0] != '\0' ? host : "refitd";
+  for (char& c : name) {
+    if (!IsFleetNameChar(c)) c = '-';
+  }
+  const std::string suffix = absl::StrCat("-r", tp_rank);
+  if (name.size() + suffix.size() > kMaxFleetNameBytes) {
+    name.resize(kMaxFleetNameBytes - suffix.size());
+  }
+  return name + suffix;
 }
 
 }  // namespace

@@ -46,13 +46,13 @@ uint64_t ResidentBytes() {
 class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorResponse> {
  public:
   ReadTensorReactor(const core::ShardStore* store, std::string name, v1::TensorInfo info,
-                    uint64_t version, std::string fingerprint, bool pinned, std::string first,
+                    uint64_t version, std::string fingerprint, std::string pin, std::string first,
                     size_t chunk_bytes)
       : store_(store),
         name_(std::move(name)),
         nbytes_(info.nbytes()),
         version_(version),
-        pinned_(pinned),
+        pin_(std::move(pin)),
         chunk_bytes_(chunk_bytes) {
     *message_.mutable_info() = std::move(info);
     message_.set_version(version);
@@ -85,10 +85,10 @@ class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorRe
           absl::StrCat("ReadTensor ", core::QuoteText(name_), ": version ", version,
                        " was committed while version ", version_, " was being read (at byte ",
                        offset_, " of ", nbytes_, "); ",
-                       pinned_ ? absl::StrCat("the read was pinned to version ", version_,
-                                              ", which is no longer served: read every tensor "
-                                              "again at the live version")
-                               : "read the tensor again")));
+                       pin_.empty() ? std::string("read the tensor again")
+                                    : absl::StrCat("the read was pinned to ", pin_,
+                                                   ", which is no longer served: read every "
+                                                   "tensor again at the live version"))));
       return;
     }
     message_.clear_info();
@@ -110,7 +110,7 @@ class ReadTensorReactor final : public grpc::ServerWriteReactor<v1::ReadTensorRe
   const std::string name_;
   const uint64_t nbytes_;
   const uint64_t version_;
-  const bool pinned_;
+  const std::string pin_;  // "version N" or "fingerprint "F"", empty when unpinned
   const size_t chunk_bytes_;
   uint64_t offset_ = 0;
   v1::ReadTensorResponse message_;
@@ -754,9 +754,14 @@ grpc::ServerWriteReactor<v1::ReadTensorResponse>* RefitServiceImpl::ReadTensor(
         core::QuoteText(request->fingerprint()), " but version ", version, " (fingerprint ",
         fingerprint, ") is live; read every tensor again")));
   }
-  const bool pinned = request->has_version() || request->has_fingerprint();
+  std::string pin;
+  if (request->has_version()) {
+    pin = absl::StrCat("version ", version);
+  } else if (request->has_fingerprint()) {
+    pin = absl::StrCat("fingerprint ", core::QuoteText(request->fingerprint()));
+  }
   return new ReadTensorReactor(store, request->name(), std::move(info), version,
-                               std::move(fingerprint), pinned, std::move(first),
+                               std::move(fingerprint), std::move(pin), std::move(first),
                                static_cast<size_t>(chunk));
 }
 

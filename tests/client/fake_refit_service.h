@@ -61,6 +61,10 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
   grpc::Status Reload(grpc::ServerContext* context, const refit::v1::ReloadRequest* request,
                       grpc::ServerWriter<refit::v1::ReloadProgress>* writer) override {
     if (std::optional<grpc::Status> failure = Failure("Reload")) return *failure;
+    {
+      absl::MutexLock lock(&mu_);
+      last_reload_ = *request;
+    }
     refit::v1::ReloadProgress progress;
     for (uint32_t i = 1; i <= 3; ++i) {
       progress.mutable_progress()->set_layers_done(i);
@@ -227,6 +231,10 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     absl::MutexLock lock(&mu_);
     interrupted_reads_ = n;
   }
+  refit::v1::ReloadRequest last_reload() const {
+    absl::MutexLock lock(&mu_);
+    return last_reload_;
+  }
   int read_calls() const {
     absl::MutexLock lock(&mu_);
     return read_calls_;
@@ -296,6 +304,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
   ReadFault read_fault_ ABSL_GUARDED_BY(mu_) = ReadFault::kNone;
   int interrupted_reads_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<refit::v1::AttachedEngine> engines_ ABSL_GUARDED_BY(mu_);
+  refit::v1::ReloadRequest last_reload_ ABSL_GUARDED_BY(mu_);
   int read_calls_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, grpc::Status> failures_ ABSL_GUARDED_BY(mu_);
   bool reload_without_result_ ABSL_GUARDED_BY(mu_) = false;

@@ -51,6 +51,10 @@ TEST(FleetCommandTest, UsageErrorsExitOne) {
       RunCtl({"fleet", "status", "--etcd=h:1", "--fleet=f", "--keep-decisions=-1"}, nullptr, &err),
       kExitUsage);
   EXPECT_THAT(err, HasSubstr("--keep-decisions: not a count"));
+  // Names a daemon's --fleet refuses have no members: refused here too.
+  EXPECT_NE(RunCtl({"fleet", "status", "--etcd=127.0.0.1:1", "--fleet=a b"}, nullptr, &err),
+            kExitOk);
+  EXPECT_THAT(err, HasSubstr("--fleet \"a b\": a fleet name is 1 to 128 of [A-Za-z0-9._-]"));
   std::string out;
   EXPECT_EQ(RunCtl({"fleet", "--help"}, &out), kExitOk);
   EXPECT_THAT(out, HasSubstr("refitctl fleet push DIR"));

@@ -428,6 +428,17 @@ TEST(RefitClientTest, AnUnpinnedReadACommitInterruptsIsReadAgainAPinnedOneIsNot)
   EXPECT_EQ(server.service().read_calls(), 4 + RefitClient::kUnpinnedReadAttempts);
 }
 
+TEST(RefitClientTest, AFingerprintPinADaemonDoesNotAnswerIsRefused) {
+  // A daemon that ignores the pin serves whatever is live: the client checks
+  // the fingerprint that comes back (this fake sends none).
+  FakeServer server;
+  server.service().SetTensor("t", "0123456789");
+  auto client = Connect(server);
+  absl::StatusOr<ReadTensorResult> r = client->ReadTensor("", "t", 0, 7, "0011223344556677");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("does not answer fingerprint pins"));
+}
+
 TEST(RefitClientTest, ReloadStreamsProgressThenResult) {
   FakeServer server;
   auto client = Connect(server);

@@ -210,6 +210,19 @@ TEST(RefitctlTest, CommitOfARefitStillReceivingExitsTwo) {
   EXPECT_THAT(err, HasSubstr("FAILED_PRECONDITION: refit \"r-3\" is still receiving"));
 }
 
+TEST(RefitctlTest, ReloadTakesThePushFlagsItSends) {
+  FakeServer server;
+  std::string err;
+  ASSERT_EQ(RunCtl({"--addr", server.address(), "reload", "--from", "/models/step-9",
+                    "--vllm-non-finite", "--allow-partial"},
+                   nullptr, &err),
+            0)
+      << err;
+  const refit::v1::ReloadRequest sent = server.service().last_reload();
+  EXPECT_EQ(sent.options().non_finite(), refit::v1::NON_FINITE_POLICY_VLLM_COMPATIBLE);
+  EXPECT_TRUE(sent.options().allow_partial_layers());
+}
+
 TEST(RefitctlTest, StaleBaseVersionExitsFive) {
   FakeServer server;
   server.service().Fail("Reload",

@@ -333,16 +333,19 @@ TEST_F(RefitLimitsTest, ReadTensorAcrossACommitIsAborted) {
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, static_cast<int>(kMinReadChunkBytes));
   auto slow = v1::RefitService::NewStub(grpc::CreateCustomChannel(
       server_->bound_addresses().front(), grpc::InsecureChannelCredentials(), args));
-  for (const bool pinned : {false, true}) {
-    SCOPED_TRACE(pinned ? "pinned" : "unpinned");
-    const uint64_t version = Status(stub_.get()).version();
+  enum class Pin { kNone, kVersion, kFingerprint };
+  for (const Pin pin : {Pin::kNone, Pin::kVersion, Pin::kFingerprint}) {
+    SCOPED_TRACE(static_cast<int>(pin));
+    const v1::GetStatusResponse live = Status(stub_.get());
+    const uint64_t version = live.version();
     std::string old_bytes;
     ASSERT_TRUE(testing::ReadTensorBytes(stub_.get(), name, &old_bytes).ok());
     grpc::ClientContext context;
     v1::ReadTensorRequest request;
     request.set_name(name);
     request.set_max_chunk_bytes(kMinReadChunkBytes);
-    if (pinned) request.set_version(version);
+    if (pin == Pin::kVersion) request.set_version(version);
+    if (pin == Pin::kFingerprint) request.set_fingerprint(live.fingerprint());
     auto reader = slow->ReadTensor(&context, request);
     v1::ReadTensorResponse message;
     ASSERT_TRUE(reader->Read(&message));
@@ -355,11 +358,15 @@ TEST_F(RefitLimitsTest, ReadTensorAcrossACommitIsAborted) {
     EXPECT_THAT(status.error_message(),
                 HasSubstr(absl::StrCat("version ", version + 1, " was committed while version ",
                                        version, " was being read")));
-    EXPECT_THAT(status.error_message(),
-                HasSubstr(pinned ? absl::StrCat("the read was pinned to version ", version,
-                                                ", which is no longer served: read every tensor "
-                                                "again at the live version")
-                                 : std::string("read the tensor again")));
+    const std::string pinned_to = pin == Pin::kVersion
+                                      ? absl::StrCat("version ", version)
+                                      : absl::StrCat("fingerprint \"", live.fingerprint(), "\"");
+    EXPECT_THAT(
+        status.error_message(),
+        HasSubstr(pin == Pin::kNone ? std::string("read the tensor again")
+                                    : absl::StrCat("the read was pinned to ", pinned_to,
+                                                   ", which is no longer served: read every tensor "
+                                                   "again at the live version")));
     // What did arrive is the old version's, from the start.
     EXPECT_LT(bytes.size(), old_bytes.size());
     EXPECT_EQ(bytes, old_bytes.substr(0, bytes.size()));

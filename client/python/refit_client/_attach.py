@@ -359,14 +359,16 @@ class _CudaIpc:
             self._close_once(opened)
 
     def _close_once(self, opened: _IpcOpened) -> None:
-        # Under _opened_mu.
+        # Under _opened_mu. Forgotten only once closed: a close that failed
+        # leaves the handle open, and known, so the next open of it closes
+        # it first instead of opening it a second time (which CUDA refuses).
         if opened.closed:
             return
+        self._close(opened.ptr, opened.key[1])
         opened.closed = True
         entry = _CudaIpc._opened.get(opened.key)
         if entry is not None and entry[1] is opened:
             del _CudaIpc._opened[opened.key]
-        self._close(opened.ptr, opened.key[1])
 
     def _close(self, ptr: int, device: int) -> None:
         import torch

@@ -1329,9 +1329,12 @@ class RefitClient:
         if fingerprint is not None:
             request.fingerprint = fingerprint
         pinned = version is not None or fingerprint is not None
+        # One deadline for every attempt.
+        end = None if deadline is None else time.monotonic() + deadline
         for attempt in range(1, self.READ_ATTEMPTS + 1):
+            left = None if end is None else max(0.0, end - time.monotonic())
             try:
-                return self._read_once(request, deadline)
+                return self._read_once(request, left)
             except RefitConflict:
                 if pinned or attempt == self.READ_ATTEMPTS:
                     raise
@@ -1346,6 +1349,7 @@ class RefitClient:
         name = request.name
         info = None
         version = 0
+        served = ""  # the version's fingerprint, from the first message
         parts: List[bytes] = []
         size = 0
         try:
@@ -1353,7 +1357,7 @@ class RefitClient:
                 request, timeout=deadline, metadata=self._metadata, wait_for_ready=True
             ):
                 if info is None:
-                    info, version = m.info, m.version
+                    info, version, served = m.info, m.version, m.fingerprint
                 elif m.version != version:
                     raise error_for(
                         grpc.StatusCode.DATA_LOSS,
@@ -1373,6 +1377,19 @@ class RefitClient:
         if size != info.nbytes:
             raise error_for(
                 grpc.StatusCode.DATA_LOSS, f"read {name}: got {size} bytes, expected {info.nbytes}"
+            )
+        # The daemon checks the pin; this catches one that does not know it
+        # (it would serve whatever is live).
+        if request.HasField("fingerprint") and served != request.fingerprint:
+            if not served:
+                raise error_for(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"read {name}: the daemon does not answer fingerprint pins (an older refitd)",
+                )
+            raise error_for(
+                grpc.StatusCode.ABORTED,
+                f"read {name}: pinned to fingerprint {request.fingerprint} but version {version} "
+                f"has fingerprint {served}",
             )
         return _tensor_info(info), version, b"".join(parts)
 

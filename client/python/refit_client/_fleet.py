@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import secrets
 import socket
 import ssl
@@ -38,10 +39,12 @@ import grpc
 from ._client import Tls, _read_file
 from ._proto import refit_pb2 as pb
 from ._proto import refit_pb2_grpc as pb_grpc
-from .errors import RefitConflict, RefitError, Unavailable, from_rpc_error
+from .errors import InvalidArgument, RefitConflict, RefitError, Unavailable, from_rpc_error
 
 _DTYPES = {"BF16": pb.DTYPE_BF16, "F16": pb.DTYPE_F16, "F32": pb.DTYPE_F32}
 _CHUNK = 32 << 20
+# Fleet names, as refitd --fleet accepts them.
+_FLEET_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 @dataclasses.dataclass
@@ -203,6 +206,10 @@ class FleetClient:
                  lock_ttl: int = 10, timeout: Optional[float] = None,
                  tls: Optional[Tls] = None, etcd_tls: Optional[Tls] = None,
                  keep_decisions: int = 16) -> None:
+        # The rule the daemons' --fleet follows: another name has no members.
+        if not _FLEET_NAME.fullmatch(fleet) or fleet in (".", ".."):
+            raise InvalidArgument(
+                f"fleet {fleet!r}: a fleet name is 1 to 128 of [A-Za-z0-9._-]")
         self._etcd = _Etcd(etcd, tls=etcd_tls)
         self._tls = tls
         self._keep_decisions = keep_decisions

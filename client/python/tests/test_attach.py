@@ -769,6 +769,39 @@ def test_an_ipc_handle_whose_mapping_died_unclosed_is_closed_before_it_is_opened
     assert _attach_module._CudaIpc._opened[key][1] is not opened
 
 
+def test_an_ipc_handle_whose_close_failed_stays_known_and_is_closed_before_it_is_opened_again(
+        monkeypatch):
+    """A close that raises leaves the handle open: it stays in the cache, so
+    the next open of the same handle closes it first instead of opening it a
+    second time (which CUDA refuses)."""
+    from refit_client import RefitError
+
+    monkeypatch.setattr(_attach_module._CudaIpc, "_opened", {})
+    runtime = _FakeRuntime()
+    fail = [True]
+    close = runtime._close
+
+    def flaky_close(ptr, device):
+        if fail[0]:
+            fail[0] = False
+            raise RefitError("attach: cudaIpcCloseMemHandle failed (CUDA error 1)")
+        close(ptr, device)
+
+    runtime._close = flaky_close
+    mapping = runtime.open(b"a" * 64, 0)
+    ptr = mapping.ptr
+    key = (b"a" * 64, 0)
+    opened = _attach_module._CudaIpc._opened[key][1]
+    mapping.released.detach()
+    with pytest.raises(RefitError):
+        runtime._release(opened)  # the finalizer's close fails
+    assert not opened.closed and _attach_module._CudaIpc._opened[key][1] is opened
+    del mapping
+    fresh = runtime.open(b"a" * 64, 0)
+    assert runtime.calls[1:] == [("close", ptr, 0), ("open", b"a", 0, fresh.ptr)]
+    assert opened.closed
+
+
 @pytest.mark.gpu
 def test_a_safe_point_acks_after_the_kernels_reading_the_arena_have_run(start_daemon, weights):
     if not torch.cuda.is_available():

@@ -109,3 +109,26 @@ def pb_request(name):
     from refit_client._proto import refit_pb2
 
     return refit_pb2.ReadTensorRequest(name=name)
+
+
+def test_a_fingerprint_pin_a_daemon_does_not_answer_is_refused(client):
+    """A daemon that does not know the pin serves whatever is live: the
+    client checks the fingerprint that comes back. The older daemon is
+    simulated at the stub (the pin dropped, no fingerprint answered)."""
+    from refit_client import FailedPrecondition
+    from refit_client._proto import refit_pb2
+
+    real = client._stub.ReadTensor
+
+    def older_daemon(request, **kwargs):
+        request = refit_pb2.ReadTensorRequest.FromString(request.SerializeToString())
+        request.ClearField("fingerprint")
+        for m in real(request, **kwargs):
+            m.fingerprint = ""
+            yield m
+
+    client._stub.ReadTensor = older_daemon
+    with pytest.raises(FailedPrecondition) as e:
+        client.read_raw(NAME, fingerprint=client.status().fingerprint)
+    assert "does not answer fingerprint pins" in e.value.message
+    assert client.read_raw(NAME)[1] == client.status().version  # unpinned: as before

@@ -212,6 +212,11 @@ TEST_F(AttachTest, CoordinatedEngineQuiescesThenIsToldOfTheCommit) {
 TEST_F(AttachTest, AnEngineHeldByACommitThatIsAbortedHasItsPauseCounted) {
   // One engine acks, the other never does: the push is aborted at the
   // timeout, and the first engine was paused from its ack until Aborted.
+  // A timeout long enough for the ack to beat it on a slow (sanitized) build.
+  ServerOptions options = TestOptions(dir_);
+  options.engine_quiesce_timeout = absl::Seconds(2);
+  StartServer(std::move(options));
+  engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
   Engine acking(engine_stub_.get(), /*coordinate=*/true);
   AttachOne(acking);
   Engine silent(engine_stub_.get(), /*coordinate=*/true);
@@ -231,7 +236,7 @@ TEST_F(AttachTest, AnEngineHeldByACommitThatIsAbortedHasItsPauseCounted) {
   const std::string metrics = server_->metrics()->Render({});
   EXPECT_THAT(metrics, HasSubstr("refitd_engine_pause_seconds_count{outcome=\"aborted\"} 1\n"));
   EXPECT_THAT(metrics, HasSubstr("refitd_engine_pause_seconds_count{outcome=\"committed\"} 0\n"));
-  // Paused for most of the 200 ms the daemon waited for the other engine.
+  // Paused for most of the 2 s the daemon waited for the other engine.
   EXPECT_THAT(metrics,
               HasSubstr("refitd_engine_pause_seconds_bucket{outcome=\"aborted\",le=\"0.05\"} 0\n"));
 }

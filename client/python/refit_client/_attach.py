@@ -73,6 +73,7 @@ __all__ = ["attach", "AttachedEngine", "EngineEvent", "LAYOUT_FIELDS"]
 # from a daemon that does not write them, which leaves Committed to the
 # stream).
 _MAGIC = b"REFITAR1"
+_FORMAT = 1  # the header format this client reads
 _SEQ_OFFSET = 40
 _VERSION_OFFSET = 48
 _FINGERPRINT = slice(64, 96)
@@ -424,6 +425,39 @@ class _DevicePointer:
         }
 
 
+def _check_header(header: Any, a: Any) -> None:
+    """The arena header against the manifest (`a`, an Attached): the format
+    this client reads, where the data starts, that a host arena holds its
+    data, and the layout hash, which is the manifest's layout fingerprint as
+    a number. FailedPrecondition naming the field otherwise."""
+    host = a.regions[0]
+    if len(header) < 40:
+        raise FailedPrecondition(f"attach: the arena is {len(header)} bytes, shorter than its header")
+    fmt, _, data_offset, data_bytes, layout_hash = struct.unpack_from("<IIQQQ", header, 8)
+    if fmt != _FORMAT:
+        raise FailedPrecondition(
+            f"attach: the arena header is format {fmt}; this client reads format {_FORMAT}")
+    if data_offset != host.data_offset:
+        raise FailedPrecondition(
+            f"attach: the arena header puts the data at {data_offset}, the manifest at "
+            f"{host.data_offset}")
+    on_device = any(r.kind != epb.ArenaRegion.KIND_HOST_MEMFD for r in a.regions)
+    if not on_device and data_offset + data_bytes > host.bytes:
+        raise FailedPrecondition(
+            f"attach: the arena header says {data_bytes} bytes of data at {data_offset}, past "
+            f"the arena's {host.bytes} bytes")
+    try:
+        expected = int(a.layout.fingerprint, 16)
+    except ValueError:
+        raise FailedPrecondition(
+            f"attach: the manifest's layout fingerprint {a.layout.fingerprint!r} is not hex"
+        ) from None
+    if layout_hash != expected:
+        raise FailedPrecondition(
+            f"attach: the arena's layout hash {layout_hash:016x} is not the manifest's layout "
+            f"fingerprint {a.layout.fingerprint}")
+
+
 def _local_cuda_device(region: Any, cuda: Any = None) -> int:
     """This process's ordinal of a CUDA region's device. The daemon's ordinal
     (region.cuda_device) names another device, or none, where
@@ -573,6 +607,7 @@ class AttachedEngine:
         self._map = mmap.mmap(fds[0], host.bytes, mmap.MAP_SHARED, mmap.PROT_READ)
         if self._map[:8] != _MAGIC:
             raise FailedPrecondition("attach: the arena does not start with the refitd header")
+        _check_header(self._map, a)
         bases: Dict[int, Any] = {}
         with warnings.catch_warnings():
             # The mapping is read-only by design; torch warns about that.

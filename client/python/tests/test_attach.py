@@ -904,3 +904,36 @@ def test_a_cuda_region_is_found_by_its_device_uuid_not_the_daemons_ordinal():
     assert ("a0" * 16) in str(e.value) and ("a1" * 16) in str(e.value)
     # A daemon that sends no UUID: its ordinal, as before.
     assert _local_cuda_device(epb.ArenaRegion(cuda_device=3), cuda) == 3
+
+
+def test_an_arena_header_that_disagrees_with_the_manifest_is_refused():
+    """Format, data offset, data size and layout hash are checked against the
+    manifest before the memory is trusted."""
+    import struct as _struct
+
+    from refit_client import FailedPrecondition
+    from refit_client._attach import _check_header
+    from refit_client._proto import engine_pb2 as epb
+
+    a = epb.Attached()
+    a.layout.fingerprint = "cb4d2b65eccb4b83"
+    host = a.regions.add(kind=epb.ArenaRegion.KIND_HOST_MEMFD, bytes=4096 + 512, data_offset=4096)
+
+    def header(fmt=1, data_offset=4096, data_bytes=512, layout_hash=0xCB4D2B65ECCB4B83):
+        h = bytearray(4096)
+        h[:8] = b"REFITAR1"
+        _struct.pack_into("<IIQQQ", h, 8, fmt, 4096, data_offset, data_bytes, layout_hash)
+        return bytes(h)
+
+    _check_header(header(), a)  # all agree
+    for bad, says in [(header(fmt=2), "format 2; this client reads format 1"),
+                      (header(data_offset=8192), "puts the data at 8192, the manifest at 4096"),
+                      (header(data_bytes=513), "513 bytes of data at 4096, past"),
+                      (header(layout_hash=1), "layout hash 0000000000000001 is not the manifest")]:
+        with pytest.raises(FailedPrecondition) as e:
+            _check_header(bad, a)
+        assert says in str(e.value)
+    # A device arena: the memfd holds only the header, the data is elsewhere.
+    host.bytes = 4096
+    a.regions.add(kind=epb.ArenaRegion.KIND_CUDA_VMM, bytes=512)
+    _check_header(header(), a)

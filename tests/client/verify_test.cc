@@ -80,6 +80,9 @@ class StoreBackedService final : public refit::v1::RefitService::Service {
     response.mutable_info()->set_name(request->name());
     response.mutable_info()->set_nbytes(bytes.size());
     response.set_version(version);
+    // As the daemon does: the version's fingerprint, which the client checks
+    // against the pin verify sends.
+    response.set_fingerprint(store_->fingerprint());
     response.set_data(bytes);
     writer->Write(response);
     return grpc::Status::OK;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -1089,10 +1090,22 @@ int ExitCodeFor(const absl::Status& status) {
 }
 
 int RunRefitctl(int argc, char** argv) {
-  // `refitctl [flags] fleet ...` has its own flags (client/fleet_command.h).
+  // `refitctl [flags] fleet ...` has its own flags (client/fleet_command.h):
+  // flags given before `fleet` go after its arguments, where its parser reads
+  // them (one it does not know is its usage error, never silently dropped).
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "fleet") return RunFleetCommand(argc - i, argv + i);
-    if (argv[i][0] != '-') break;
+    const std::string arg = argv[i];
+    if (arg == "fleet") {
+      std::vector<char*> args(argv + i, argv + argc);
+      args.insert(args.end(), argv + 1, argv + i);
+      return RunFleetCommand(static_cast<int>(args.size()), args.data());
+    }
+    if (arg.size() < 2 || arg[0] != '-') break;
+    // "--name value": the value is not the command.
+    if (arg.find('=') == std::string::npos && absl::StartsWith(arg, "--")) {
+      auto spec = KnownFlags().find(arg.substr(2));
+      if (spec != KnownFlags().end() && spec->second.takes_value) ++i;
+    }
   }
   CommandLine cl;
   std::string error = Parse(argc, argv, &cl);

@@ -60,6 +60,21 @@ TEST(FleetCommandTest, UsageErrorsExitOne) {
   EXPECT_THAT(out, HasSubstr("refitctl fleet push DIR"));
 }
 
+TEST(FleetCommandTest, FlagsBeforeFleetAreItsOwn) {
+  // `refitctl --timeout 1s --json fleet status ...`: the flags are the fleet
+  // command's, neither dropped nor taken for the command.
+  std::string err;
+  EXPECT_EQ(RunCtl({"--timeout", "1s", "--json", "fleet", "status",
+                    absl::StrCat("--etcd=127.0.0.1:", refit::testing::PickFreePort()), "--fleet=f"},
+                   nullptr, &err),
+            kExitUnavailable)
+      << err;
+  // One the fleet command does not have is its usage error.
+  EXPECT_EQ(RunCtl({"--group", "g", "fleet", "status", "--etcd=h:1", "--fleet=f"}, nullptr, &err),
+            kExitUsage);
+  EXPECT_THAT(err, HasSubstr("unknown flag --group"));
+}
+
 TEST(FleetCommandTest, StatusWithEtcdUnreachableExitsSeven) {
   std::string err;
   EXPECT_EQ(RunCtl({"fleet", "status",

@@ -37,6 +37,7 @@ overwrites those bytes.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import gc
 import mmap
@@ -195,11 +196,45 @@ class _DeviceMapping:
         self.released.atexit = False
 
 
+# Unmaps that came due on a thread capturing a CUDA graph (the last tensor
+# over an arena dropped there, by the garbage collector say): the device sync
+# an unmap starts with would invalidate the capture. They are done at the next
+# safe point or attach instead (_drain_deferred_unmaps).
+_deferred_unmaps: "collections.deque[Callable[[], None]]" = collections.deque()
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph."""
+    import torch
+
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001 - no CUDA state to capture with
+        return False
+
+
 def _unmap_once(unmap: Callable[[], None]) -> None:
+    if _capturing():
+        _deferred_unmaps.append(unmap)
+        return
+    _run_unmap(unmap)
+
+
+def _run_unmap(unmap: Callable[[], None]) -> None:
     try:
         unmap()
     except Exception as e:  # noqa: BLE001 - a finalizer has no caller to raise to
         warnings.warn(f"attach: unmapping a device arena failed: {e}", RuntimeWarning)
+
+
+def _drain_deferred_unmaps() -> None:
+    """The unmaps deferred during a graph capture, unless one is still on."""
+    while _deferred_unmaps and not _capturing():
+        try:
+            unmap = _deferred_unmaps.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        _run_unmap(unmap)
 
 
 class _CudaVmm:
@@ -603,6 +638,7 @@ class AttachedEngine:
     def _build_on(self, a: Any, fds: List[int]) -> None:
         import torch
 
+        _drain_deferred_unmaps()
         host = a.regions[0]
         self._map = mmap.mmap(fds[0], host.bytes, mmap.MAP_SHARED, mmap.PROT_READ)
         if self._map[:8] != _MAGIC:
@@ -838,6 +874,8 @@ class AttachedEngine:
         devices (torch.cuda.synchronize): kernels launched before the call
         may still read the tensors, and once acked the daemon's copy
         overwrites them."""
+        if _deferred_unmaps:
+            _drain_deferred_unmaps()
         while True:
             with self._cv:
                 pending = self._pending

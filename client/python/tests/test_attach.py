@@ -937,3 +937,30 @@ def test_an_arena_header_that_disagrees_with_the_manifest_is_refused():
     host.bytes = 4096
     a.regions.add(kind=epb.ArenaRegion.KIND_CUDA_VMM, bytes=512)
     _check_header(header(), a)
+
+
+def test_an_unmap_due_during_a_graph_capture_waits_for_the_next_safe_point_or_attach(monkeypatch):
+    """The device sync an unmap starts with would invalidate a CUDA graph
+    being captured on the thread that dropped the last tensor: the unmap is
+    deferred, and done once no capture is on. torch.cuda's capture state is
+    replaced at the seam (no GPU here)."""
+    import gc
+
+    capturing = [True]
+    monkeypatch.setattr(_attach_module, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(_attach_module, "_deferred_unmaps", __import__("collections").deque())
+    unmapped = []
+    mapping = _attach_module._DeviceMapping(0x1000, lambda: unmapped.append(0x1000))
+    del mapping
+    gc.collect()
+    assert unmapped == [] and len(_attach_module._deferred_unmaps) == 1
+    _attach_module._drain_deferred_unmaps()  # still capturing: nothing yet
+    assert unmapped == []
+    capturing[0] = False
+    _attach_module._drain_deferred_unmaps()
+    assert unmapped == [0x1000] and not _attach_module._deferred_unmaps
+    # Not capturing: unmapped at once, as before.
+    mapping = _attach_module._DeviceMapping(0x2000, lambda: unmapped.append(0x2000))
+    del mapping
+    gc.collect()
+    assert unmapped == [0x1000, 0x2000]

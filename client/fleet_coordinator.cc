@@ -14,7 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/refit_client.h"
-#include "server/fleet_names.h"
+#include "server/plain_names.h"
 
 namespace refit::client {
 namespace {

@@ -239,22 +239,20 @@ class AttachService::Reactor final
       host->set_bytes(static_cast<uint64_t>(arena.host_bytes));
       host->set_data_offset(static_cast<uint64_t>(core::kArenaDataOffset));
       uint32_t data_region = 0;
-      if (arena.on_device && arena.device_vmm) {
-        // The allocation's descriptor comes second from fd_socket.
+      if (arena.on_device) {
         v1::ArenaRegion* dev = a->add_regions();
-        dev->set_kind(v1::ArenaRegion::KIND_CUDA_VMM);
-        dev->set_bytes(static_cast<uint64_t>(arena.device_mapped_bytes));
         dev->set_cuda_device(arena.device_index);
         dev->set_cuda_device_uuid(arena.device_uuid);
-        dev->set_fd_index(1);
-        data_region = 1;
-      } else if (arena.on_device) {
-        v1::ArenaRegion* dev = a->add_regions();
-        dev->set_kind(v1::ArenaRegion::KIND_CUDA_IPC);
-        dev->set_bytes(static_cast<uint64_t>(arena.data_bytes));
-        dev->set_cuda_ipc_handle(arena.ipc_handle);
-        dev->set_cuda_device(arena.device_index);
-        dev->set_cuda_device_uuid(arena.device_uuid);
+        if (arena.device_vmm) {
+          // The allocation's descriptor comes second from fd_socket.
+          dev->set_kind(v1::ArenaRegion::KIND_CUDA_VMM);
+          dev->set_bytes(static_cast<uint64_t>(arena.device_mapped_bytes));
+          dev->set_fd_index(1);
+        } else {
+          dev->set_kind(v1::ArenaRegion::KIND_CUDA_IPC);
+          dev->set_bytes(static_cast<uint64_t>(arena.data_bytes));
+          dev->set_cuda_ipc_handle(arena.ipc_handle);
+        }
         data_region = 1;
       }
       for (const core::KernelView& k : kernels) {

@@ -159,11 +159,7 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
       message.mutable_committed()->set_fingerprint(result->fingerprint);
       engine.sink->Send(std::move(message));
       engine.info.version = result->version;
-      if (told_.count(id) > 0 && engine.quiesced_at != absl::InfinitePast()) {
-        metrics_->RecordEnginePause(absl::ToDoubleSeconds(now - engine.quiesced_at),
-                                    /*committed=*/true);
-      }
-      engine.quiesced_at = absl::InfinitePast();
+      EndPauseLocked(id, engine, now, /*committed=*/true);
     }
   } else {
     SendAbortedLocked(refit_id, result.status().message(), /*told_only=*/true);
@@ -181,6 +177,15 @@ void EngineRegistry::OnStoreEvent(const core::StoreEvent& event) {
   SendAbortedLocked(event.refit_id, event.message, /*told_only=*/false);
 }
 
+void EngineRegistry::EndPauseLocked(const std::string& id, Engine& engine, absl::Time now,
+                                    bool committed) {
+  // An engine that quiesced for this commit held until now.
+  if (told_.count(id) > 0 && engine.quiesced_at != absl::InfinitePast()) {
+    metrics_->RecordEnginePause(absl::ToDoubleSeconds(now - engine.quiesced_at), committed);
+  }
+  engine.quiesced_at = absl::InfinitePast();
+}
+
 void EngineRegistry::SendAbortedLocked(absl::string_view refit_id, absl::string_view reason,
                                        bool told_only) {
   const uint64_t live = store_->version();
@@ -192,13 +197,7 @@ void EngineRegistry::SendAbortedLocked(absl::string_view refit_id, absl::string_
     message.mutable_aborted()->set_version(live);
     message.mutable_aborted()->set_reason(std::string(reason));
     engine.sink->Send(std::move(message));
-    // An engine that quiesced for this commit held until now: its pause
-    // counts, ended by the abort.
-    if (told_.count(id) > 0 && engine.quiesced_at != absl::InfinitePast()) {
-      metrics_->RecordEnginePause(absl::ToDoubleSeconds(now - engine.quiesced_at),
-                                  /*committed=*/false);
-    }
-    engine.quiesced_at = absl::InfinitePast();
+    EndPauseLocked(id, engine, now, /*committed=*/false);
   }
 }
 

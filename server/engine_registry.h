@@ -103,6 +103,10 @@ class EngineRegistry final : public core::CommitCoordinator {
   void SendPendingLocked(const std::string& id, Engine& engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAbortedLocked(absl::string_view refit_id, absl::string_view reason, bool told_only)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engine is released from a commit (`committed`, or aborted): its
+  // pause, if it quiesced for it, is observed.
+  void EndPauseLocked(const std::string& id, Engine& engine, absl::Time now, bool committed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool NoneWaitingLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return waiting_.empty(); }
 
   core::ShardStore* const store_;

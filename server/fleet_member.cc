@@ -11,8 +11,8 @@
 #include "core/dtype.h"
 #include "core/log.h"
 #include "core/model_layout.h"
-#include "server/fleet_names.h"
 #include "server/metrics.h"
+#include "server/plain_names.h"
 #include "server/refit_server.h"
 
 namespace refit::server {
@@ -45,7 +45,7 @@ std::string DefaultMemberId(int64_t tp_rank) {
   if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
   std::string name = host[0] != '\0' ? host : "refitd";
   for (char& c : name) {
-    if (!IsFleetNameChar(c)) c = '-';
+    if (!IsPlainNameChar(c)) c = '-';
   }
   const std::string suffix = absl::StrCat("-r", tp_rank);
   if (name.size() + suffix.size() > kMaxFleetNameBytes) {

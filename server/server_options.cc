@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "server/plain_names.h"
 
 namespace refit::server {
 
@@ -30,12 +31,7 @@ std::vector<GroupOptions> EffectiveGroups(const ServerOptions& options) {
 }
 
 absl::Status ValidateGroupName(absl::string_view name) {
-  const bool valid = !name.empty() && name.size() <= 64 && name != "." && name != ".." &&
-                     std::all_of(name.begin(), name.end(), [](char c) {
-                       return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
-                              c == '_' || c == '-';
-                     });
-  if (valid) return absl::OkStatus();
+  if (IsPlainName(name, 64)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
       "model group name \"", absl::CHexEscape(name.substr(0, 80)),
       "\" is not 1 to 64 of [A-Za-z0-9._-] (it names a health service and a directory)"));

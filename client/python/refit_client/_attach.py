@@ -874,8 +874,7 @@ class AttachedEngine:
         devices (torch.cuda.synchronize): kernels launched before the call
         may still read the tensors, and once acked the daemon's copy
         overwrites them."""
-        if _deferred_unmaps:
-            _drain_deferred_unmaps()
+        _drain_deferred_unmaps()
         while True:
             with self._cv:
                 pending = self._pending

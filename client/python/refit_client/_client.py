@@ -1331,14 +1331,17 @@ class RefitClient:
         pinned = version is not None or fingerprint is not None
         # One deadline for every attempt.
         end = None if deadline is None else time.monotonic() + deadline
-        for attempt in range(1, self.READ_ATTEMPTS + 1):
+
+        def read_once() -> Tuple[TensorInfo, int, bytes]:
             left = None if end is None else max(0.0, end - time.monotonic())
+            return self._read_once(request, left)
+
+        for _ in range(0 if pinned else self.READ_ATTEMPTS - 1):
             try:
-                return self._read_once(request, left)
+                return read_once()
             except RefitConflict:
-                if pinned or attempt == self.READ_ATTEMPTS:
-                    raise
-        raise AssertionError("unreachable")
+                pass  # a commit cut it: read again
+        return read_once()
 
     # Reads of an unpinned tensor that commits kept cutting, in all.
     READ_ATTEMPTS = 4

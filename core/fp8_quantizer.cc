@@ -991,6 +991,23 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
       partial[w] = std::max(partial[w], m);
       return true;
     });
+  } else if (hashing && !speculate) {
+    // The hashing convert below takes units first to last, so pass 1 walks
+    // them last to first: the units it read last, still in cache, are the
+    // ones the convert reads first.
+    std::atomic<int64_t> next{(total + kHashUnitBytes - 1) / kHashUnitBytes};
+    RunInParallel(workers, [&](int w) {
+      for (int64_t u = next.fetch_sub(1, std::memory_order_relaxed) - 1; u >= 0;
+           u = next.fetch_sub(1, std::memory_order_relaxed) - 1) {
+        const int64_t begin = u * kHashUnitBytes;
+        ForEachPart(pieces, first, job.esize, begin, std::min(total, begin + kHashUnitBytes),
+                    /*reverse=*/false, [&](const uint8_t* src, int64_t count, int64_t) {
+                      uint32_t m = 0;
+                      job.k.abs_max(src, 0, 1, count, count, job.vllm, &m);
+                      partial[w] = std::max(partial[w], m);
+                    });
+      }
+    });
   } else {
     ParallelRanges(workers, total, 64, [&](int w, int64_t begin, int64_t end) {
       if (speculate) {

@@ -744,6 +744,31 @@ TEST(Fp8QuantizerTest, AnOutputHashIsTheHashOfTheBytesWrittenOnEveryPath) {
   }
 }
 
+TEST(Fp8QuantizerTest, AnOutputHashedPerTensorScaleSeesTheMaxInEveryUnit) {
+  // With a hash, the amax pass walks 64 Ki-element units last to first: the
+  // largest |x| must count wherever it lies (the first and last element, on
+  // either side of a unit boundary, the short last unit).
+  for (int64_t at : {int64_t{0}, int64_t{65535}, int64_t{65536}, int64_t{131072 + 7},
+                     int64_t{262143}, int64_t{262144}, int64_t{299999}}) {
+    at::Tensor x = RandomWeights(300, 1000, at::kBFloat16, 44);
+    x.view({-1})[at] = -1048576.0f;  // 2^20: above any random weight
+    for (int threads : {1, 2, 3}) {
+      SCOPED_TRACE(absl::StrCat("max at ", at, " threads ", threads));
+      ExpectHashedLikeUnhashed(x, QuantScheme::kPerTensor, NonFinitePolicy::kReject, threads);
+      std::vector<uint8_t> q(300 * 1000);
+      float scale = -1;
+      uint64_t hash = 0;
+      Fp8QuantizeOptions options;
+      options.num_threads = threads;
+      options.out_hash = &hash;
+      ASSERT_TRUE(QuantizeFp8(x.data_ptr(), DType::kBFloat16, 300, 1000, options, q.data(), &scale,
+                              "w")
+                      .ok());
+      EXPECT_EQ(scale, 1048576.0f / kFp8E4M3Max);
+    }
+  }
+}
+
 TEST(Fp8QuantizerTest, AnOutputHashCoversTheSpecialOutputs) {
   // Every code 0x7E (vLLM, all zero), the infinite inverse, one element.
   const at::Tensor zeros = at::zeros({70, 1000}, at::kBFloat16);

@@ -761,9 +761,9 @@ TEST(Fp8QuantizerTest, AnOutputHashedPerTensorScaleSeesTheMaxInEveryUnit) {
       Fp8QuantizeOptions options;
       options.num_threads = threads;
       options.out_hash = &hash;
-      ASSERT_TRUE(QuantizeFp8(x.data_ptr(), DType::kBFloat16, 300, 1000, options, q.data(), &scale,
-                              "w")
-                      .ok());
+      ASSERT_TRUE(
+          QuantizeFp8(x.data_ptr(), DType::kBFloat16, 300, 1000, options, q.data(), &scale, "w")
+              .ok());
       EXPECT_EQ(scale, 1048576.0f / kFp8E4M3Max);
     }
   }

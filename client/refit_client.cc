@@ -280,24 +280,34 @@ RefitClient::RefitClient(std::shared_ptr<grpc::Channel> channel, ClientOptions o
       stub_(refit::v1::RefitService::NewStub(channel_)),
       health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
 
-void RefitClient::PrepareContext(grpc::ClientContext* context, bool with_token,
-                                 bool read_only) const {
+void RefitClient::PrepareContext(grpc::ClientContext* context, bool with_token, bool read_only,
+                                 absl::Time deadline) const {
   if (read_only && options_.wait_for_ready) context->set_wait_for_ready(true);
   if (with_token && !options_.token.empty()) {
     context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
   }
-  if (options_.timeout != absl::InfiniteDuration()) {
+  if (deadline != absl::InfiniteFuture()) {
+    context->set_deadline(absl::ToChronoTime(deadline));
+  } else if (options_.timeout != absl::InfiniteDuration()) {
     context->set_deadline(Deadline(options_.timeout));
   }
 }
 
-absl::Status RefitClient::RetryReadOnly(const std::function<absl::Status()>& call) const {
+absl::Time RefitClient::CallDeadline() const {
+  return options_.timeout == absl::InfiniteDuration() ? absl::InfiniteFuture()
+                                                      : absl::Now() + options_.timeout;
+}
+
+absl::Status RefitClient::RetryReadOnly(const std::function<absl::Status(absl::Time)>& call,
+                                        absl::Time deadline) const {
   absl::Duration backoff = options_.retry.initial_backoff;
   const int attempts = std::max(1, options_.retry.max_attempts);
   absl::Status status;
   for (int attempt = 1; attempt <= attempts; ++attempt) {
-    status = call();
+    status = call(deadline);
     if (status.code() != absl::StatusCode::kUnavailable || attempt == attempts) break;
+    // No attempt could start before the deadline: the last error stands.
+    if (absl::Now() + backoff >= deadline) break;
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, options_.retry.max_backoff);
   }
@@ -527,12 +537,14 @@ absl::StatusOr<refit::v1::GetStatusResponse> RefitClient::GetStatusOf(
   request.set_model_group(model_group);
   request.set_all_groups(all_groups);
   refit::v1::GetStatusResponse response;
-  absl::Status status = RetryReadOnly([&] {
-    grpc::ClientContext context;
-    PrepareContext(&context, /*with_token=*/true, /*read_only=*/true);
-    response.Clear();
-    return FromGrpcStatus(stub_->GetStatus(&context, request, &response));
-  });
+  absl::Status status = RetryReadOnly(
+      [&](absl::Time deadline) {
+        grpc::ClientContext context;
+        PrepareContext(&context, /*with_token=*/true, /*read_only=*/true, deadline);
+        response.Clear();
+        return FromGrpcStatus(stub_->GetStatus(&context, request, &response));
+      },
+      CallDeadline());
   if (!status.ok()) return status;
   return response;
 }
@@ -543,12 +555,14 @@ absl::StatusOr<refit::v1::ListTensorsResponse> RefitClient::ListTensors(
   request.set_model_group(model_group);
   request.set_layout(layout);
   refit::v1::ListTensorsResponse response;
-  absl::Status status = RetryReadOnly([&] {
-    grpc::ClientContext context;
-    PrepareContext(&context, /*with_token=*/true, /*read_only=*/true);
-    response.Clear();
-    return FromGrpcStatus(stub_->ListTensors(&context, request, &response));
-  });
+  absl::Status status = RetryReadOnly(
+      [&](absl::Time deadline) {
+        grpc::ClientContext context;
+        PrepareContext(&context, /*with_token=*/true, /*read_only=*/true, deadline);
+        response.Clear();
+        return FromGrpcStatus(stub_->ListTensors(&context, request, &response));
+      },
+      CallDeadline());
   if (!status.ok()) return status;
   return response;
 }
@@ -566,9 +580,9 @@ absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& mode
   if (fingerprint.has_value()) request.set_fingerprint(*fingerprint);
   const bool pinned = version.has_value() || fingerprint.has_value();
   ReadTensorResult result;
-  auto read_once = [&]() -> absl::Status {
+  auto read_once = [&](absl::Time deadline) -> absl::Status {
     grpc::ClientContext context;
-    PrepareContext(&context, /*with_token=*/true, /*read_only=*/true);
+    PrepareContext(&context, /*with_token=*/true, /*read_only=*/true, deadline);
     result = ReadTensorResult();
     std::unique_ptr<grpc::ClientReader<refit::v1::ReadTensorResponse>> reader =
         stub_->ReadTensor(&context, request);
@@ -617,12 +631,14 @@ absl::StatusOr<ReadTensorResult> RefitClient::ReadTensor(const std::string& mode
     }
     return absl::OkStatus();
   };
-  absl::Status status = RetryReadOnly(read_once);
+  // One deadline for every attempt: options().timeout bounds the whole read.
+  const absl::Time deadline = CallDeadline();
+  absl::Status status = RetryReadOnly(read_once, deadline);
   // Unpinned, any one version will do: a commit that landed mid-read only
   // means reading it again.
   for (int attempt = 1; !pinned && attempt < kUnpinnedReadAttempts && absl::IsAborted(status);
        ++attempt) {
-    status = RetryReadOnly(read_once);
+    status = RetryReadOnly(read_once, deadline);
   }
   if (!status.ok()) return status;
   return result;
@@ -657,12 +673,14 @@ absl::StatusOr<HealthCheckResponse::ServingStatus> RefitClient::HealthCheck(
   HealthCheckRequest request;
   request.set_service(service);
   HealthCheckResponse response;
-  absl::Status status = RetryReadOnly([&] {
-    grpc::ClientContext context;
-    PrepareContext(&context, /*with_token=*/false, /*read_only=*/true);
-    response.Clear();
-    return FromGrpcStatus(health_stub_->Check(&context, request, &response));
-  });
+  absl::Status status = RetryReadOnly(
+      [&](absl::Time deadline) {
+        grpc::ClientContext context;
+        PrepareContext(&context, /*with_token=*/false, /*read_only=*/true, deadline);
+        response.Clear();
+        return FromGrpcStatus(health_stub_->Check(&context, request, &response));
+      },
+      CallDeadline());
   if (!status.ok()) return status;
   return response.status();
 }

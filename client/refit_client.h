@@ -68,8 +68,8 @@ struct ClientOptions {
   std::string tls_key_file;
   // Overrides the name checked against the server certificate.
   std::string tls_server_name;
-  // Deadline of unary calls and of each streaming call as a whole;
-  // infinite means none.
+  // Deadline of unary calls and of each streaming call as a whole, all the
+  // attempts of a retried read-only call together; infinite means none.
   absl::Duration timeout = absl::InfiniteDuration();
   // Read-only calls (GetStatus, ListTensors, ReadTensor, HealthCheck, Watch)
   // wait for a daemon that cannot be reached yet (still starting, or
@@ -346,10 +346,17 @@ class RefitClient {
  private:
   RefitClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
   // `read_only` calls wait for the daemon when options().wait_for_ready.
-  void PrepareContext(class grpc::ClientContext* context, bool with_token,
-                      bool read_only = false) const;
-  // Runs `call` up to retry.max_attempts times while it returns UNAVAILABLE.
-  absl::Status RetryReadOnly(const std::function<absl::Status()>& call) const;
+  // The call ends at `deadline` (a CallDeadline()) or, without one,
+  // options().timeout from now.
+  void PrepareContext(class grpc::ClientContext* context, bool with_token, bool read_only = false,
+                      absl::Time deadline = absl::InfiniteFuture()) const;
+  // options().timeout from now: the end of one method call of this client,
+  // all its attempts together.
+  absl::Time CallDeadline() const;
+  // Runs `call` up to retry.max_attempts times while it returns UNAVAILABLE,
+  // every attempt (and the backoff between them) before `deadline`.
+  absl::Status RetryReadOnly(const std::function<absl::Status(absl::Time deadline)>& call,
+                             absl::Time deadline) const;
   absl::StatusOr<refit::v1::GetStatusResponse> GetStatusOf(const std::string& model_group,
                                                            bool all_groups);
 

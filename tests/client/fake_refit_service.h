@@ -21,6 +21,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "refit/v1/refit.grpc.pb.h"
 
 namespace refit::client::testing {
@@ -109,6 +111,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
 
   grpc::Status GetStatus(grpc::ServerContext* context, const refit::v1::GetStatusRequest* request,
                          refit::v1::GetStatusResponse* response) override {
+    Delay();
     absl::MutexLock lock(&mu_);
     ++status_calls_;
     last_authorization_ = Authorization(context);
@@ -139,6 +142,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
 
   grpc::Status ReadTensor(grpc::ServerContext* context, const refit::v1::ReadTensorRequest* request,
                           grpc::ServerWriter<refit::v1::ReadTensorResponse>* writer) override {
+    Delay();
     absl::MutexLock lock(&mu_);
     if (request->name() != tensor_name_) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "no tensor " + request->name());
@@ -226,6 +230,11 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
     absl::MutexLock lock(&mu_);
     engines_ = std::move(engines);
   }
+  // GetStatus and ReadTensor answer `delay` late.
+  void SetDelay(absl::Duration delay) {
+    absl::MutexLock lock(&mu_);
+    delay_ = delay;
+  }
   // The next `n` ReadTensor calls end ABORTED, as a commit landing mid-read.
   void InterruptReads(int n) {
     absl::MutexLock lock(&mu_);
@@ -270,6 +279,15 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
   }
 
  private:
+  void Delay() const {
+    absl::Duration delay;
+    {
+      absl::MutexLock lock(&mu_);
+      delay = delay_;
+    }
+    absl::SleepFor(delay);
+  }
+
   std::optional<grpc::Status> Failure(const std::string& rpc) const {
     absl::MutexLock lock(&mu_);
     auto it = failures_.find(rpc);
@@ -303,6 +321,7 @@ class FakeRefitService final : public refit::v1::RefitService::Service {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   ReadFault read_fault_ ABSL_GUARDED_BY(mu_) = ReadFault::kNone;
   int interrupted_reads_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Duration delay_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
   std::vector<refit::v1::AttachedEngine> engines_ ABSL_GUARDED_BY(mu_);
   refit::v1::ReloadRequest last_reload_ ABSL_GUARDED_BY(mu_);
   int read_calls_ ABSL_GUARDED_BY(mu_) = 0;

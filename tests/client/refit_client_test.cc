@@ -428,6 +428,26 @@ TEST(RefitClientTest, AnUnpinnedReadACommitInterruptsIsReadAgainAPinnedOneIsNot)
   EXPECT_EQ(server.service().read_calls(), 4 + RefitClient::kUnpinnedReadAttempts);
 }
 
+TEST(RefitClientTest, TheAttemptsOfAReadShareOneDeadline) {
+  // Each attempt fits the timeout; all of them together do not. A client
+  // giving each attempt the whole timeout would end ABORTED (reads) or
+  // UNAVAILABLE (GetStatus) after 4 or 10 attempts instead.
+  FakeServer server;
+  server.service().SetTensor("t", "0123456789");
+  server.service().SetDelay(absl::Milliseconds(300));
+  ClientOptions options;
+  options.timeout = absl::Milliseconds(500);
+  options.retry.max_attempts = 10;
+  auto client = Connect(server, options);
+  server.service().InterruptReads(100);
+  absl::StatusOr<ReadTensorResult> r = client->ReadTensor("", "t");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  server.service().FailGetStatus(std::vector<grpc::Status>(
+      10, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the daemon is restarting")));
+  absl::StatusOr<refit::v1::GetStatusResponse> status = client->GetStatus();
+  EXPECT_EQ(status.status().code(), absl::StatusCode::kDeadlineExceeded) << status.status();
+}
+
 TEST(RefitClientTest, AFingerprintPinADaemonDoesNotAnswerIsRefused) {
   // A daemon that ignores the pin serves whatever is live: the client checks
   // the fingerprint that comes back (this fake sends none).

@@ -113,6 +113,10 @@ ABSL_FLAG(int, max_regions_per_caller, 1024,
 ABSL_FLAG(std::string, max_region_bytes_per_caller, "256GiB",
           "Total size of the shared-memory regions one caller may hold at once; more is "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(std::string, max_pinned_region_bytes, "auto",
+          "With --pin-regions: the most bytes of trainers' regions page-locked at once, all "
+          "callers together; a region past it is mapped without and copied through the pinned "
+          "staging pool. \"auto\": half the host's memory.");
 ABSL_FLAG(bool, pin_regions, true,
           "With a model group on a GPU: page-lock trainers' shared-memory regions "
           "(cudaHostRegister, read-only) so that refits copy them to the device by DMA, with no "
@@ -360,6 +364,14 @@ int main(int argc, char** argv) {
   if (!region_bytes.ok()) return UsageError(region_bytes.status());
   options.max_region_bytes_per_caller = *region_bytes;
   options.pin_regions = absl::GetFlag(FLAGS_pin_regions);
+  if (const std::string pinned = absl::GetFlag(FLAGS_max_pinned_region_bytes); pinned != "auto") {
+    absl::StatusOr<int64_t> bytes = refit::server::ParseByteSize(pinned);
+    if (!bytes.ok()) {
+      return UsageError(absl::InvalidArgumentError(
+          absl::StrCat("--max-pinned-region-bytes: ", bytes.status().message(), " (or \"auto\")")));
+    }
+    options.max_pinned_region_bytes = *bytes;
+  }
   options.reload_root = absl::GetFlag(FLAGS_reload_root);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);

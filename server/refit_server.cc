@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
@@ -264,6 +265,12 @@ absl::Status RefitServer::StartGrpc() {
   pin &= options_.pin_regions;
   RegionRegistry::Limits limits{options_.max_regions_per_caller,
                                 options_.max_region_bytes_per_caller};
+  limits.max_pinned_bytes = options_.max_pinned_region_bytes;
+  if (limits.max_pinned_bytes < 0) {
+    const long pages = ::sysconf(_SC_PHYS_PAGES);
+    const long page = ::sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) limits.max_pinned_bytes = int64_t{pages} * page / 2;
+  }
   // Each region holds one of this process's descriptors: all callers
   // together get at most half of them, so that gRPC, attaches, reloads and
   // snapshots keep the rest.

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/log.h"
 #include "core/text.h"
 #include "server/sigbus_guard.h"
 
@@ -96,6 +97,7 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
   }
   region->map_ = static_cast<const uint8_t*>(p);
   region->access_ = Access::kMapped;
+  region->pin_requested_ = pin;
   if (pin) region->pinned_ = core::PinnedHostRange::Pin(p, size);
   return region;
 }
@@ -247,18 +249,35 @@ absl::StatusOr<std::string> RegionRegistry::Reserve(const std::string& owner, ui
 absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::Activate(const std::string& id,
                                                                        int fd) {
   return ActivateWith(
-      id, [&](uint64_t size) { return Region::Open(id, fd, size, pin_); }, [fd] { ::close(fd); });
+      id, /*may_pin=*/pin_,
+      [&](uint64_t size, bool pin) { return Region::Open(id, fd, size, pin); },
+      [fd] { ::close(fd); });
 }
 
 absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateCudaIpc(
     const std::string& id, absl::string_view handle, absl::string_view device_uuid) {
   return ActivateWith(
-      id, [&](uint64_t size) { return Region::OpenCudaIpc(id, handle, device_uuid, size); }, [] {});
+      id, /*may_pin=*/false,
+      [&](uint64_t size, bool) { return Region::OpenCudaIpc(id, handle, device_uuid, size); },
+      [] {});
+}
+
+uint64_t RegionRegistry::PinnedBytesLocked() const {
+  uint64_t bytes = 0;
+  for (const auto& [id, entry] : entries_) {
+    if (entry.pin) bytes += entry.size;
+  }
+  for (const Retired& r : retired_) {
+    if (r.pin && !r.region.expired()) bytes += r.size;
+  }
+  return bytes;
 }
 
 absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateWith(
-    const std::string& id, const Opener& open, const std::function<void()>& on_not_waiting) {
+    const std::string& id, bool may_pin, const Opener& open,
+    const std::function<void()>& on_not_waiting) {
   uint64_t size = 0;
+  bool pin = false;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(id);
@@ -268,10 +287,27 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateWith(
           absl::StrCat("region \"", id, "\" is not waiting for its descriptor"));
     }
     size = it->second.size;
+    // Page-locked memory cannot be swapped or reclaimed: trainers get at
+    // most max_pinned_bytes of it, the host keeps the rest (an engine's
+    // own pinned buffers, the page cache). Counted from here, so that
+    // regions opening at once cannot all pass.
+    if (may_pin) {
+      const uint64_t pinned = PinnedBytesLocked();
+      pin = limits_.max_pinned_bytes < 0 ||
+            (size <= static_cast<uint64_t>(limits_.max_pinned_bytes) &&
+             pinned <= static_cast<uint64_t>(limits_.max_pinned_bytes) - size);
+      it->second.pin = pin;
+      if (!pin) {
+        REFIT_LOG(INFO).Field("region", id).Field("bytes", absl::StrCat(size))
+            << "not page-locked: the trainers' page-locked regions (" << pinned
+            << " bytes) would pass --max-pinned-region-bytes " << limits_.max_pinned_bytes
+            << "; its refits copy it through the pinned staging pool";
+      }
+    }
   }
   // Outside the lock: fstat and mmap of a large region (or opening a CUDA
   // allocation) are not instant.
-  absl::StatusOr<std::unique_ptr<Region>> opened = open(size);
+  absl::StatusOr<std::unique_ptr<Region>> opened = open(size, pin);
   if (!opened.ok()) return opened.status();
   std::shared_ptr<const Region> region = *std::move(opened);
   absl::MutexLock lock(&mu_);
@@ -291,7 +327,7 @@ void RegionRegistry::Release(const std::string& id) {
   if (it == entries_.end()) return;
   last = std::move(it->second.region);
   if (last != nullptr && last.use_count() > 1) {  // a refit still reads it
-    retired_.push_back(Retired{it->second.owner, it->second.size, last});
+    retired_.push_back(Retired{it->second.owner, it->second.size, last, it->second.pin});
   }
   entries_.erase(it);
 }

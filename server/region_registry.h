@@ -110,6 +110,8 @@ class Region {
   bool guarded() const { return guard_slot_ >= 0; }
   // Page-locked for the GPUs (Open with `pin`).
   bool pinned() const { return pinned_ != nullptr; }
+  // Open was asked to page-lock it (pinned() unless the driver refused).
+  bool pin_requested() const { return pin_requested_; }
   // A guarded region's file shrank under a read (its mapping reads zeros),
   // or CheckFileSize found it shorter than size(). Sticky.
   bool faulted() const;
@@ -141,7 +143,8 @@ class Region {
   int guard_slot_ = -1;
   std::unique_ptr<core::CudaIpcAllocation> cuda_;
   std::unique_ptr<core::PinnedHostRange> pinned_;  // released before the unmap
-  mutable std::atomic<bool> shrunk_{false};        // CheckFileSize found the file short
+  bool pin_requested_ = false;
+  mutable std::atomic<bool> shrunk_{false};  // CheckFileSize found the file short
 };
 
 // The guarded regions one refit read from, and the first tensor read from
@@ -170,6 +173,11 @@ class RegionRegistry {
     // All callers together (each region holds a descriptor of the daemon's
     // own); 0: no cap of its own.
     int max_total_regions = 0;
+    // With `pin`: the bytes of registered regions that may be page-locked,
+    // all callers together; a region that would go past it is mapped
+    // without (its refits copy it through the pinned staging pool). -1: no
+    // cap.
+    int64_t max_pinned_bytes = -1;
   };
   struct Totals {
     int64_t regions = 0;  // registered (descriptor received), all callers
@@ -214,11 +222,17 @@ class RegionRegistry {
     std::string owner;
     uint64_t size = 0;
     std::shared_ptr<const Region> region;  // null while pending
+    bool pin = false;                      // counted against max_pinned_bytes (from Activate on)
   };
 
-  using Opener = std::function<absl::StatusOr<std::unique_ptr<Region>>(uint64_t size)>;
+  // Opens the region, page-locked when `pin`.
+  using Opener = std::function<absl::StatusOr<std::unique_ptr<Region>>(uint64_t size, bool pin)>;
   absl::StatusOr<std::shared_ptr<const Region>> ActivateWith(
-      const std::string& id, const Opener& open, const std::function<void()>& on_not_waiting);
+      const std::string& id, bool may_pin, const Opener& open,
+      const std::function<void()>& on_not_waiting);
+  // Bytes of the regions, live or retired, that count against
+  // max_pinned_bytes.
+  uint64_t PinnedBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Released regions a refit still holds: they keep counting against their
   // owner (and the total) until the last reference goes.
@@ -226,6 +240,7 @@ class RegionRegistry {
     std::string owner;
     uint64_t size = 0;
     std::weak_ptr<const Region> region;
+    bool pin = false;
   };
 
   const Limits limits_;

@@ -89,8 +89,10 @@ struct ServerOptions {
   // their total size.
   int max_regions_per_caller = 1024;
   int64_t max_region_bytes_per_caller = int64_t{256} << 30;
-  // Page-lock trainers' regions for DMA when a store is on a GPU.
+  // Page-lock trainers' regions for DMA when a store is on a GPU, up to
+  // max_pinned_region_bytes of them (-1: half the host's memory).
   bool pin_regions = true;
+  int64_t max_pinned_region_bytes = -1;
   // Reload reads only below this directory; "" disables Reload.
   std::string reload_root;
   // "token role [name]" lines; "" disables authentication.

@@ -656,6 +656,16 @@ TEST_F(RefitdE2eTest, AQuiesceTimeoutThatIsNotPositiveAndFiniteIsRefusedAtStartU
   }
 }
 
+TEST_F(RefitdE2eTest, APinnedRegionBudgetThatIsNotASizeIsRefusedAtStartUp) {
+  auto child = Child::Start({BinPath("refitd"), "--model=demo", "--max-pinned-region-bytes=half"},
+                            Path("bad-pinned.out"), Path("bad-pinned.err"));
+  std::optional<int> code = child->Wait();
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 2);
+  EXPECT_THAT(child->Stderr(), HasSubstr("--max-pinned-region-bytes: "));
+  EXPECT_THAT(child->Stderr(), HasSubstr("(or \"auto\")"));
+}
+
 TEST_F(RefitdE2eTest, VersionsAreTheBuildsVersion) {
   for (const char* bin : {"refitd", "refitctl"}) {
     auto child = Child::Start({BinPath(bin), "--version"}, Path(absl::StrCat(bin, "-version.out")),

@@ -644,6 +644,56 @@ TEST(RegionRegistryTest, ReleasedRegionsARefitStillHoldsCountUntilLetGoAndTotals
   EXPECT_TRUE(registry.Reserve("third", 4096).ok());
 }
 
+// Page-locked memory cannot be reclaimed: a daemon that pins trainers'
+// regions pins at most max_pinned_bytes of them, all callers together.
+// Regions past it are mapped without; a region unregistered while a refit
+// still reads it keeps its share until the refit lets go.
+TEST(RegionRegistryTest, PageLockedRegionsStayWithinTheirBudget) {
+  RegionRegistry::Limits limits{16, int64_t{1} << 30, 0};
+  limits.max_pinned_bytes = 3 * 4096;
+  RegionRegistry registry(limits, /*pin=*/true);
+  auto open = [&](const std::string& owner, uint64_t size) -> std::shared_ptr<const Region> {
+    const int fd = ::memfd_create("r", MFD_CLOEXEC);
+    EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(size)), 0);
+    absl::StatusOr<std::string> id = registry.Reserve(owner, size);
+    EXPECT_TRUE(id.ok()) << id.status();
+    absl::StatusOr<std::shared_ptr<const Region>> region = registry.Activate(*id, fd);
+    EXPECT_TRUE(region.ok()) << region.status();
+    return region.ok() ? *region : nullptr;
+  };
+  std::shared_ptr<const Region> a = open("trainer", 2 * 4096);
+  EXPECT_TRUE(a->pin_requested());
+  std::shared_ptr<const Region> b = open("other", 2 * 4096);  // 4 pages: past the budget
+  EXPECT_FALSE(b->pin_requested());
+  std::shared_ptr<const Region> c = open("other", 4096);  // 3 pages: fits
+  EXPECT_TRUE(c->pin_requested());
+  EXPECT_FALSE(open("trainer", 1)->pin_requested());
+  // `a` unregistered while a refit (this reference) still reads it.
+  registry.Release(a->id());
+  EXPECT_FALSE(open("trainer", 4096)->pin_requested());
+  a.reset();  // the refit ended
+  EXPECT_TRUE(open("trainer", 2 * 4096)->pin_requested());
+  // A budget of none, and a daemon that does not pin at all.
+  limits.max_pinned_bytes = 0;
+  RegionRegistry none(limits, /*pin=*/true);
+  absl::StatusOr<std::string> id = none.Reserve("trainer", 4096);
+  ASSERT_TRUE(id.ok());
+  const int fd = ::memfd_create("r", MFD_CLOEXEC);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  absl::StatusOr<std::shared_ptr<const Region>> region = none.Activate(*id, fd);
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_FALSE((*region)->pin_requested());
+  limits.max_pinned_bytes = -1;
+  RegionRegistry unpinned(limits, /*pin=*/false);
+  id = unpinned.Reserve("trainer", 4096);
+  ASSERT_TRUE(id.ok());
+  const int fd2 = ::memfd_create("r", MFD_CLOEXEC);
+  ASSERT_EQ(::ftruncate(fd2, 4096), 0);
+  region = unpinned.Activate(*id, fd2);
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_FALSE((*region)->pin_requested());
+}
+
 TEST_F(RegionTest, RegionTruncatedMidRefitFailsTheRefitAndTheLiveVersionStays) {
   const std::vector<core::OwnedTensor> tensors = FixtureWeights(5);
   auto file = MakeRegionFile(tensors, /*seal=*/false);

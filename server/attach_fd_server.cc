@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -59,12 +60,10 @@ ssize_t ReceiveWithDescriptors(int conn, char* buf, size_t len, int flags, std::
   return n;
 }
 
-// Answers `line` on a connection the server will not serve, and closes it.
-// What the peer sent already is read first (descriptors closed): closing a
-// Unix socket with unread bytes would reset the peer's read, and the answer
-// with it. Nothing here blocks: a fresh socket's send buffer is empty.
-void Refuse(int conn, absl::string_view line) {
-  (void)!::send(conn, line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+// Reads (and drops) what the peer sent that is still queued, closing any
+// descriptors: closing a Unix socket with unread bytes would reset the
+// peer's read, and an answer just sent with it. Never blocks.
+void DrainInput(int conn) {
   for (int i = 0; i < 16; ++i) {
     char buf[256];
     std::vector<int> fds;
@@ -72,6 +71,13 @@ void Refuse(int conn, absl::string_view line) {
     for (int fd : fds) ::close(fd);
     if (n <= 0) break;
   }
+}
+
+// Answers `line` on a connection the server will not serve, and closes it.
+// Nothing here blocks: a fresh socket's send buffer is empty.
+void Refuse(int conn, absl::string_view line) {
+  (void)!::send(conn, line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  DrainInput(conn);
   ::close(conn);
 }
 
@@ -180,6 +186,17 @@ void AttachFdServer::Run() {
       Refuse(conn, "Etoo many attach connections at once; retry\n");
       continue;
     }
+    ucred cred{};
+    socklen_t cred_len = sizeof(cred);
+    const int pid =
+        ::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) == 0 ? cred.pid : 0;
+    if (pid > 0 && std::count_if(connections_.begin(), connections_.end(),
+                                 [pid](const Connection& c) { return c.pid == pid; }) >=
+                       kMaxConnectionsPerProcess) {
+      Refuse(conn,
+             absl::StrCat("Etoo many attach connections from process ", pid, " at once; retry\n"));
+      continue;
+    }
     auto done = std::make_shared<std::atomic<bool>>(false);
     std::thread thread;
     try {
@@ -195,7 +212,7 @@ void AttachFdServer::Run() {
       Refuse(conn, "Erefitd cannot serve this connection now (no thread); retry\n");
       continue;
     }
-    connections_.push_back(Connection{std::move(thread), std::move(done)});
+    connections_.push_back(Connection{std::move(thread), std::move(done), pid});
   }
 }
 
@@ -253,7 +270,10 @@ void AttachFdServer::Serve(int conn) {
   bool lost = false;  // descriptors the peer sent that the kernel dropped
   std::string why;
   if (!ReadTicket(conn, &ticket, &received, &lost, &why)) {
-    if (!why.empty()) SendAll(conn, absl::StrCat("E", why, "\n"));
+    if (!why.empty()) {
+      SendAll(conn, absl::StrCat("E", why, "\n"));
+      DrainInput(conn);  // a long ticket's rest: the peer reads the answer
+    }
     return;
   }
   ucred cred{};

@@ -23,9 +23,11 @@
 // Lifecycle: Start binds and starts the accepting thread; Stop (or the
 // destructor) ends it and every connection's thread, and removes the socket
 // file. Connections are served at once, each on its own thread, at most
-// kMaxConnections together (one more is answered 'E' and closed at once);
-// a peer has one second in all to send its ticket line, so one that stalls
-// or trickles bytes holds only its own connection, and only that long.
+// kMaxConnections together and kMaxConnectionsPerProcess from one peer
+// process (one more is answered 'E' and closed at once: a process that
+// holds connections open cannot take every slot); a peer has one second
+// in all to send its ticket line, so one that stalls or trickles bytes
+// holds only its own connection, and only that long.
 //
 // Thread-safety: Start/Stop from one thread; the redeemer and the
 // depositor are called on connection threads, several at once.
@@ -53,8 +55,10 @@ class AttachFdServer {
   using Redeem = std::function<absl::StatusOr<std::vector<int>>(absl::string_view ticket, int pid,
                                                                 uint32_t uid)>;
   static constexpr int kMaxDescriptors = 4;
-  // Connections served at once; the time a peer has to send its ticket line.
-  static constexpr int kMaxConnections = 16;
+  // Connections served at once, in all and from one process; the time a
+  // peer has to send its ticket line.
+  static constexpr int kMaxConnections = 64;
+  static constexpr int kMaxConnectionsPerProcess = 4;
   static constexpr int kTicketTimeoutMs = 1000;
   // How long the accept loop waits after running out of descriptors.
   static constexpr int kAcceptBackoffMs = 100;
@@ -90,6 +94,7 @@ class AttachFdServer {
   struct Connection {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;
+    int pid = 0;  // the peer's, from SO_PEERCRED (0: unknown)
   };
 
   void Run();

@@ -278,8 +278,10 @@ class AttachService::Reactor final
       Send(std::move(message));
       return live.version;
     };
-    const std::string engine_id =
+    absl::StatusOr<std::string> added =
         registry->Add(request.engine_name(), coordinated, this, send_manifest);
+    if (!added.ok()) return added.status();
+    const std::string engine_id = *std::move(added);
     bool ended = false;
     {
       absl::MutexLock lock(&mu_);
@@ -333,8 +335,11 @@ class AttachService::Reactor final
 };
 
 AttachService::AttachService(RefitServiceImpl* refit, absl::Duration quiesce_timeout,
-                             Metrics* metrics)
-    : refit_(refit), quiesce_timeout_(quiesce_timeout), metrics_(metrics) {}
+                             Metrics* metrics, int max_engines)
+    : refit_(refit),
+      quiesce_timeout_(quiesce_timeout),
+      metrics_(metrics),
+      max_engines_(max_engines) {}
 
 AttachService::~AttachService() {
   Shutdown();
@@ -407,7 +412,8 @@ EngineRegistry* AttachService::RegistryFor(ModelGroup* group) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<EngineRegistry>& registry = registries_[group->name()];
   if (registry == nullptr) {
-    registry = std::make_unique<EngineRegistry>(group->store(), quiesce_timeout_, metrics_);
+    registry =
+        std::make_unique<EngineRegistry>(group->store(), quiesce_timeout_, metrics_, max_engines_);
   }
   return registry.get();
 }

@@ -55,7 +55,9 @@ bool IsUnixPeer(absl::string_view peer);
 class AttachService final : public v1::EngineService::CallbackService {
  public:
   // `refit` (groups, authorization) and `metrics` must outlive the service.
-  AttachService(RefitServiceImpl* refit, absl::Duration quiesce_timeout, Metrics* metrics);
+  // Each model group has at most `max_engines` engines attached at once.
+  AttachService(RefitServiceImpl* refit, absl::Duration quiesce_timeout, Metrics* metrics,
+                int max_engines);
   ~AttachService() override;
   // Longer engine names are INVALID_ARGUMENT at attach.
   static constexpr size_t kMaxEngineNameBytes = 256;
@@ -95,6 +97,7 @@ class AttachService final : public v1::EngineService::CallbackService {
   RefitServiceImpl* const refit_;
   const absl::Duration quiesce_timeout_;
   Metrics* const metrics_;
+  const int max_engines_;
   std::string fd_socket_;
   std::unique_ptr<AttachFdServer> fd_server_;
 

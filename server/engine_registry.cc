@@ -9,9 +9,20 @@
 
 namespace refit::server {
 
+namespace {
+
+// A commit that engines hold up names this many of them; the error goes to
+// the trainer (in a gRPC status, whose size is bounded) and to every engine.
+constexpr size_t kEnginesNamed = 8;
+
+}  // namespace
+
 EngineRegistry::EngineRegistry(core::ShardStore* store, absl::Duration quiesce_timeout,
-                               Metrics* metrics)
-    : store_(store), quiesce_timeout_(quiesce_timeout), metrics_(metrics) {
+                               Metrics* metrics, int max_engines)
+    : store_(store),
+      quiesce_timeout_(quiesce_timeout),
+      metrics_(metrics),
+      max_engines_(max_engines) {
   listener_ = store_->AddListener([this](const core::StoreEvent& event) { OnStoreEvent(event); });
   store_->SetCommitCoordinator(this);
 }
@@ -21,10 +32,15 @@ EngineRegistry::~EngineRegistry() {
   store_->RemoveListener(listener_);
 }
 
-std::string EngineRegistry::Add(
+absl::StatusOr<std::string> EngineRegistry::Add(
     absl::string_view name, bool coordinated, EngineSink* sink,
     absl::FunctionRef<uint64_t(const std::string&, const v1::CommitPending*)> attached) {
   absl::MutexLock lock(&mu_);
+  if (static_cast<int>(engines_.size()) >= max_engines_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("model group ", core::QuoteText(store_->group()), " has ", engines_.size(),
+                     " engines attached, its limit (--max-attached-engines): detach one first"));
+  }
   std::string id = absl::StrCat("e-", next_id_++);
   Engine& engine = engines_[id];
   engine.info.engine_id = id;
@@ -124,6 +140,10 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   }
   std::vector<std::string> names;
   for (const std::string& id : waiting_) {
+    if (names.size() == kEnginesNamed) {
+      names.push_back(absl::StrCat("and ", waiting_.size() - kEnginesNamed, " more engines"));
+      break;
+    }
     const EngineInfo& info = engines_.at(id).info;
     names.push_back(
         absl::StrCat("engine \"", id, "\"",

@@ -59,13 +59,16 @@ struct EngineInfo {
 
 class EngineRegistry final : public core::CommitCoordinator {
  public:
-  // `store` and `metrics` must outlive the registry.
-  EngineRegistry(core::ShardStore* store, absl::Duration quiesce_timeout, Metrics* metrics);
+  // `store` and `metrics` must outlive the registry. At most `max_engines`
+  // engines are attached at once.
+  EngineRegistry(core::ShardStore* store, absl::Duration quiesce_timeout, Metrics* metrics,
+                 int max_engines);
   ~EngineRegistry() override;
   EngineRegistry(const EngineRegistry&) = delete;
   EngineRegistry& operator=(const EngineRegistry&) = delete;
 
-  // Registers an engine and returns its id ("e-N"). `attached` runs with the
+  // Registers an engine and returns its id ("e-N"); RESOURCE_EXHAUSTED with
+  // max_engines attached already (nothing sent). `attached` runs with the
   // registry's lock held: it sends the engine its first message and returns
   // the version it told the engine of, so that no commit's Committed falls
   // between the two. `pending` is the commit the engine is asked about at
@@ -73,7 +76,7 @@ class EngineRegistry final : public core::CommitCoordinator {
   // A coordinated engine that attaches while a commit is pending is sent
   // its CommitPending at once: before the copy the commit waits for its ack
   // too; during the copy it is told to hold until Committed.
-  std::string Add(
+  absl::StatusOr<std::string> Add(
       absl::string_view name, bool coordinated, EngineSink* sink,
       absl::FunctionRef<uint64_t(const std::string& engine_id, const v1::CommitPending* pending)>
           attached);
@@ -112,6 +115,7 @@ class EngineRegistry final : public core::CommitCoordinator {
   core::ShardStore* const store_;
   const absl::Duration quiesce_timeout_;
   Metrics* const metrics_;
+  const int max_engines_;
   int listener_ = -1;
 
   mutable absl::Mutex mu_;

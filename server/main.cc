@@ -107,6 +107,9 @@ ABSL_FLAG(absl::Duration, engine_quiesce_timeout, absl::Seconds(5),
           "to answer CommitPending with Quiesced. Past it the commit does not happen: a PREPARED "
           "refit stays PREPARED (Commit is DEADLINE_EXCEEDED naming the engines), a one-phase "
           "push is ABORTED naming them.");
+ABSL_FLAG(int, max_attached_engines, 1024,
+          "Engines (EngineService.Attach) attached to one model group at once; more are "
+          "RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int, max_regions_per_caller, 1024,
           "Shared-memory regions (RegionService.RegisterRegion) one caller may hold at once; "
           "more are RESOURCE_EXHAUSTED.");
@@ -354,6 +357,10 @@ int main(int argc, char** argv) {
     return UsageError(absl::InvalidArgumentError(
         absl::StrCat("--engine-quiesce-timeout must be a positive, finite duration, got ",
                      absl::FormatDuration(options.engine_quiesce_timeout))));
+  }
+  options.max_attached_engines = absl::GetFlag(FLAGS_max_attached_engines);
+  if (options.max_attached_engines < 1) {
+    return UsageError(absl::InvalidArgumentError("--max-attached-engines must be >= 1"));
   }
   options.max_regions_per_caller = absl::GetFlag(FLAGS_max_regions_per_caller);
   if (options.max_regions_per_caller < 0) {

@@ -254,8 +254,8 @@ absl::Status RefitServer::StartGrpc() {
   }
 
   service_ = std::make_unique<RefitServiceImpl>(options_, &groups_, auth_.get(), &metrics_);
-  attach_ =
-      std::make_unique<AttachService>(service_.get(), options_.engine_quiesce_timeout, &metrics_);
+  attach_ = std::make_unique<AttachService>(service_.get(), options_.engine_quiesce_timeout,
+                                            &metrics_, options_.max_attached_engines);
   service_->SetAttachService(attach_.get());
   for (const auto& [name, group] : groups_) attach_->RegistryFor(group.get());
   // Trainer regions are page-locked when a store is on a GPU: its refits

@@ -85,6 +85,8 @@ struct ServerOptions {
   // How long a commit waits for coordinated attached engines to answer
   // CommitPending with Quiesced; past it the commit does not happen.
   absl::Duration engine_quiesce_timeout = absl::Seconds(5);
+  // Engines attached to one model group at once; more are RESOURCE_EXHAUSTED.
+  int max_attached_engines = 1024;
   // Shared-memory regions (RegionService) one caller may hold at once, and
   // their total size.
   int max_regions_per_caller = 1024;

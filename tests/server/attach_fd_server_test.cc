@@ -5,9 +5,11 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -93,6 +95,24 @@ std::string ReadAll(int s, int ms) {
   }
 }
 
+// As ReadAll, then whether the stream ended with an orderly close (a reset
+// loses the answer for a peer that reads until the end).
+std::string ReadAllThenEnd(int s, int ms, bool* closed_cleanly) {
+  std::string out;
+  char buf[256];
+  *closed_cleanly = false;
+  for (;;) {
+    pollfd p{s, POLLIN, 0};
+    if (::poll(&p, 1, ms) <= 0) return out + "<still open>";
+    const ssize_t n = ::recv(s, buf, sizeof(buf), 0);
+    if (n <= 0) {
+      *closed_cleanly = n == 0;
+      return out;
+    }
+    out.append(buf, static_cast<size_t>(n));
+  }
+}
+
 bool StillOpen(int s) {
   pollfd p{s, POLLIN, 0};
   return ::poll(&p, 1, 0) == 0;
@@ -162,32 +182,106 @@ TEST_F(AttachFdServerPeersTest, ATricklingPeerIsCutOffAfterOneSecondInAll) {
   ::close(fds[0]);
 }
 
+// A child process that connects `n` times to `path`, sends nothing and
+// waits to be killed; returns once its connections are made (its pid), or
+// -1.
+pid_t HoldConnectionsInChild(const std::string& path, int n) {
+  int ready[2];
+  if (::pipe(ready) != 0) return -1;
+  const pid_t pid = ::fork();
+  if (pid == 0) {  // only async-signal-safe calls from here
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    for (int i = 0; i < n; ++i) {
+      const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
+      if (s < 0 || ::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) _exit(1);
+    }
+    (void)!::write(ready[1], "r", 1);
+    for (;;) ::pause();
+  }
+  ::close(ready[1]);
+  char byte = 0;
+  const bool ok = pid > 0 && ::read(ready[0], &byte, 1) == 1;
+  ::close(ready[0]);
+  return ok ? pid : -1;
+}
+
+void KillChild(pid_t pid) {
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+}
+
+// A process that holds its connections open takes at most
+// kMaxConnectionsPerProcess slots: one more of its own is refused at once,
+// while another process is still served.
+TEST_F(AttachFdServerPeersTest, OneProcessHoldsAtMostItsShareOfTheConnections) {
+  StartServer();
+  std::string error;
+  std::vector<int> held;
+  for (int i = 0; i < AttachFdServer::kMaxConnectionsPerProcess; ++i) {
+    held.push_back(ConnectUnix(path_, &error));
+    ASSERT_GE(held.back(), 0) << error;
+  }
+  // (The server reads each peer's credentials as it accepts: the last
+  // connection above may still be queued.)
+  ::usleep(100 * 1000);
+  const int extra = ConnectUnix(path_, &error);
+  ASSERT_GE(extra, 0) << error;
+  EXPECT_THAT(ReadAll(extra, 900),
+              HasSubstr(absl::StrCat("Etoo many attach connections from process ", ::getpid(),
+                                     " at once")));
+  ::close(extra);
+  const pid_t other = ::fork();
+  if (other == 0) {  // another process: served
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path_.c_str(), path_.size() + 1);
+    const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (s < 0 || ::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) _exit(2);
+    if (::write(s, "good\n", 5) != 5) _exit(3);
+    char answer = 0;
+    _exit(::read(s, &answer, 1) == 1 && answer == 'K' ? 0 : 4);
+  }
+  ASSERT_GT(other, 0);
+  int status = -1;
+  ASSERT_EQ(::waitpid(other, &status, 0), other);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  for (int s : held) ::close(s);
+}
+
 // At most kMaxConnections peers are served at once: one more is refused at
-// once with a reason, and a line that never ends is refused too. None of
+// once with a reason, and a line that never ends is refused too (its
+// answer arrives: the rest of the line is read before the close). None of
 // it stops the server.
 TEST_F(AttachFdServerPeersTest, ConnectionsBeyondTheCapAndOverlongTicketsAreRefused) {
   StartServer();
   std::string error;
-  std::vector<int> held;
-  for (int i = 0; i < AttachFdServer::kMaxConnections; ++i) {
-    held.push_back(ConnectUnix(path_, &error));
-    ASSERT_GE(held.back(), 0) << error;
+  std::vector<pid_t> holders;
+  for (int i = 0; i < AttachFdServer::kMaxConnections / AttachFdServer::kMaxConnectionsPerProcess;
+       ++i) {
+    holders.push_back(HoldConnectionsInChild(path_, AttachFdServer::kMaxConnectionsPerProcess));
+    ASSERT_GT(holders.back(), 0);
   }
+  ::usleep(100 * 1000);  // every connection accepted
   const int extra = ConnectUnix(path_, &error);
   ASSERT_GE(extra, 0) << error;
   EXPECT_THAT(ReadAll(extra, 900), HasSubstr("Etoo many attach connections at once"));
   ::close(extra);
-  for (int s : held) ::close(s);
+  for (pid_t pid : holders) KillChild(pid);
   // Once those end (closed by their peers), new ones are served again.
   std::vector<int> fds = ReceiveFdsWithin(path_, "good", 1.0, &error);
   ASSERT_EQ(fds.size(), 1u) << error;
   ::close(fds[0]);
   const int s = ConnectUnix(path_, &error);
   ASSERT_GE(s, 0) << error;
-  const std::string long_line(AttachFdServer::kMaxTicketBytes + 10, 'x');
+  const std::string long_line(AttachFdServer::kMaxTicketBytes + 300, 'x');
   ASSERT_EQ(::send(s, long_line.data(), long_line.size(), MSG_NOSIGNAL),
             static_cast<ssize_t>(long_line.size()));
-  EXPECT_THAT(ReadAll(s, 5000), HasSubstr("Eticket too long"));
+  bool closed_cleanly = false;
+  EXPECT_THAT(ReadAllThenEnd(s, 5000, &closed_cleanly), HasSubstr("Eticket too long"));
+  EXPECT_TRUE(closed_cleanly) << "reset: " << std::strerror(errno);
   ::close(s);
 }
 

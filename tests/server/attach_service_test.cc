@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -376,6 +377,56 @@ TEST_F(AttachTest, AnAckForAnEarlierAttemptDoesNotCountForTheRetry) {
   last.join();
   EXPECT_TRUE(retried.ok()) << retried.error_message();
   EXPECT_EQ(Version(), 2u);
+}
+
+TEST_F(AttachTest, EnginesThatHoldUpACommitAreNamedUpToEightAndCounted) {
+  // The reason goes to the trainer (a gRPC status, bounded in size) and to
+  // every engine: with many silent engines it names eight and counts the rest.
+  std::vector<std::unique_ptr<Engine>> engines;
+  for (int i = 0; i < 11; ++i) {
+    engines.push_back(std::make_unique<Engine>(engine_stub_.get(), /*coordinate=*/true,
+                                               v1::EngineLayout(), std::string(200, 'n')));
+    AttachOne(*engines.back());
+  }
+  const PushOutcome outcome = PushMessages(stub_.get(), FullPush(2));
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("engine \"e-1\""));
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr(", and 3 more engines did not quiesce"));
+  EXPECT_LT(outcome.status.error_message().size(), 4000u);
+  EXPECT_EQ(Version(), 1u);
+  v1::DaemonMessage message;
+  ASSERT_TRUE(engines[10]->Read(&message));
+  ASSERT_TRUE(message.has_commit_pending());
+  ASSERT_TRUE(engines[10]->Read(&message));
+  ASSERT_TRUE(message.has_aborted());
+  EXPECT_THAT(message.aborted().reason(), HasSubstr("and 3 more engines"));
+}
+
+TEST_F(AttachTest, EnginesPastTheLimitAreResourceExhaustedUntilOneDetaches) {
+  ServerOptions options = TestOptions(dir_);
+  options.max_attached_engines = 2;
+  StartServer(std::move(options));
+  engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
+  auto first = std::make_unique<Engine>(engine_stub_.get(), /*coordinate=*/false);
+  AttachOne(*first);
+  Engine second(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(second);
+  {
+    Engine third(engine_stub_.get(), /*coordinate=*/false);
+    const grpc::Status status = third.Close();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(status.error_message(),
+                HasSubstr("has 2 engines attached, its limit (--max-attached-engines)"));
+  }
+  EXPECT_EQ(Status(stub_.get()).engines_size(), 2);
+  ASSERT_TRUE(first->Close().ok());
+  first.reset();
+  // The daemon releases a detached engine as its stream ends.
+  for (int i = 0; i < 100 && Status(stub_.get()).engines_size() != 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  Engine again(engine_stub_.get(), /*coordinate=*/false);
+  EXPECT_TRUE(AttachOne(again).has_layout());
 }
 
 TEST_F(AttachTest, AnEngineNameLongerThanTheLimitIsInvalidArgument) {

@@ -6,7 +6,7 @@ with its registration ticket.
 The daemon serves a bounded number of these connections at once and answers
 one more with a "busy" refusal at once (or, when the refusal crosses the
 ticket, resets the connection or closes it under the ticket); all are retried here, until the caller's
-timeout.
+timeout, and then raise Unavailable.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ import socket
 import time
 from typing import List, Optional, Tuple
 
+from .errors import Unavailable
+
 # The daemon's answers when it cannot serve one more connection now: as
-# many as it takes are being served, or it has no thread for another.
-_BUSY = (b"Etoo many attach connections at once", b"Erefitd cannot serve this connection now")
+# many as it takes are being served (from this process, or from all), or it
+# has no thread for another.
+_BUSY = (b"Etoo many attach connections", b"Erefitd cannot serve this connection now")
 
 # Descriptors one answer carries at most (the daemon sends up to 4).
 _MAX_FDS = 4
@@ -27,20 +30,25 @@ _MAX_FDS = 4
 def exchange(path: str, ticket: str, timeout: float, fd: Optional[int] = None) -> Tuple[bytes, List[int]]:
     """Sends `ticket` (and the descriptor `fd`, if given) and returns the
     daemon's whole answer and the descriptors it carried (the caller owns
-    them)."""
+    them). Unavailable when the daemon stayed too busy to serve it until
+    `timeout`."""
     deadline = time.monotonic() + timeout
     delay = 0.005
     while True:
         try:
             reply, fds = _exchange_once(path, ticket, max(deadline - time.monotonic(), 0.001), fd)
         except (ConnectionResetError, BrokenPipeError):
-            if time.monotonic() + delay >= deadline:
-                raise
-            reply, fds = _BUSY[0], []
-        if not reply.startswith(_BUSY) or time.monotonic() + delay >= deadline:
+            reply, fds = _BUSY[0] + b" (the connection was reset)", []
+        if not reply.startswith(_BUSY):
             return reply, fds
         for received in fds:
             os.close(received)
+        if time.monotonic() + delay >= deadline:
+            text = reply[1:].decode(errors="replace").strip()
+            raise Unavailable(
+                f"the daemon's descriptor socket {path} stayed busy for {timeout:g} s ({text}): "
+                "retry"
+            )
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
 

@@ -28,6 +28,7 @@ from refit_client import (
     RefitClient,
     RefitError,
     ResourceExhausted,
+    Unavailable,
     shared_tensors,
 )
 from refit_client import _shm, _tensors
@@ -111,6 +112,35 @@ def test_auto_goes_over_grpc_when_the_staging_copy_exceeds_the_limit(daemon, see
         assert {r.access for r in c._shm.regions()} == {"mapped"}
         # An explicit lane="shm" stages whatever it needs.
         assert c.push(seed2, lane="shm").fingerprint == grpc_result.fingerprint
+
+
+def test_a_descriptor_socket_that_stays_busy_is_unavailable(monkeypatch):
+    """The daemon serves a bounded number of descriptor-socket connections
+    (and a few per process): a client that finds it busy, or has its
+    connection reset, tries again until its timeout and then raises
+    Unavailable with the daemon's answer, not a socket error."""
+    from refit_client import _fdsocket
+
+    calls = []
+
+    def busy(path, ticket, timeout, fd):
+        calls.append(ticket)
+        return b"Etoo many attach connections from process 7 at once; retry\n", []
+
+    monkeypatch.setattr(_fdsocket, "_exchange_once", busy)
+    with pytest.raises(Unavailable) as e:
+        _fdsocket.exchange("/run/refitd/x.sock.fd", "t", 0.2)
+    assert "stayed busy for 0.2 s" in str(e.value)
+    assert "from process 7" in str(e.value)
+    assert len(calls) > 1
+
+    def reset(path, ticket, timeout, fd):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(_fdsocket, "_exchange_once", reset)
+    with pytest.raises(Unavailable) as e:
+        _fdsocket.exchange("/run/refitd/x.sock.fd", "t", 0.05)
+    assert "the connection was reset" in str(e.value)
 
 
 def test_a_descriptor_the_socket_refused_fails_the_push_promptly_and_nothing_changes(

@@ -50,6 +50,9 @@ Commands:
                              "refit.v1.RefitService/NAME"); exits 0 only when both are SERVING
       --wait                 wait until both are SERVING (scripts, init systems): exit 0
                              once they are, 7 when --timeout (default 60s) passes first
+      --live                 check "" only: the daemon runs and answers gRPC, loaded or
+                             not (a liveness probe: a TCP connect alone does not show
+                             that the gRPC server still accepts)
   push FILES|DIR...          push *.safetensors as one refit (a progress bar on a
                              terminal, a plain line every 2 s otherwise)
       --prepare              stop at PREPARED; flip later with `commit`
@@ -134,6 +137,7 @@ const std::map<std::string, FlagSpec>& KnownFlags() {
       {"help", {false}},
       {"version", {false}},
       {"wait", {false}},
+      {"live", {false}},
       {"prepare", {false}},
       {"base-version", {true}},
       {"label", {true}},
@@ -232,7 +236,7 @@ struct CommandSpec {
 const std::map<std::string, CommandSpec>& Commands() {
   static const auto* commands = new std::map<std::string, CommandSpec>{
       {"status", {0, 0, {}}},
-      {"health", {0, 0, {"wait"}}},
+      {"health", {0, 0, {"wait", "live"}}},
       {"push",
        {1,
         SIZE_MAX,
@@ -588,9 +592,15 @@ class Refitctl {
   }
 
   int Health() {
+    const bool live_only = cl_.Has("live");
+    if (live_only && cl_.Has("group")) {
+      return Fail(absl::InvalidArgumentError(
+          "health --live checks the daemon's liveness, which no group has: drop --group"));
+    }
     // --group NAME: that group's readiness ("refit.v1.RefitService/NAME")
-    // instead of the daemon's (every group ready).
-    const std::string readiness = cl_.Has("group")
+    // instead of the daemon's (every group ready); --live: liveness alone.
+    const std::string readiness = live_only ? std::string()
+                                  : cl_.Has("group")
                                       ? absl::StrCat(kReadinessService, "/", cl_.Get("group"))
                                       : std::string(kReadinessService);
     if (cl_.Has("wait")) {
@@ -601,6 +611,15 @@ class Refitctl {
     }
     auto live = client_->HealthCheck("");
     if (!live.ok()) return Fail(live.status());
+    if (live_only) {
+      const bool ok = *live == HealthCheckResponse::SERVING;
+      if (json_) {
+        std::cout << Json{{"live", ServingLabel(*live)}, {"ok", ok}}.dump() << std::endl;
+      } else {
+        std::cout << "live   " << ServingLabel(*live) << std::endl;
+      }
+      return ok ? kExitOk : kExitUnavailable;
+    }
     auto ready = client_->HealthCheck(readiness);
     if (!ready.ok()) return Fail(ready.status());
     const bool ok = *live == HealthCheckResponse::SERVING && *ready == HealthCheckResponse::SERVING;

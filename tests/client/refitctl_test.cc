@@ -154,6 +154,29 @@ TEST(RefitctlTest, HealthExitsZeroOnlyWhenReady) {
   EXPECT_EQ(nlohmann::json::parse(out)["ready"], "SERVING");
 }
 
+TEST(RefitctlTest, HealthLiveChecksLivenessAloneAndNeedsAnAnsweringServer) {
+  FakeServer server;
+  std::string out, err;
+  server.server().GetHealthCheckService()->SetServingStatus(::refit::client::kReadinessService,
+                                                            false);
+  EXPECT_EQ(RunCtl({"--addr", server.address(), "health", "--live"}, &out), 0);
+  EXPECT_EQ(out, "live   SERVING\n");
+  EXPECT_EQ(RunCtl({"--addr", server.address(), "health", "--live", "--json"}, &out), 0);
+  EXPECT_EQ(nlohmann::json::parse(out)["live"], "SERVING");
+  EXPECT_FALSE(nlohmann::json::parse(out).contains("ready"));
+  server.server().GetHealthCheckService()->SetServingStatus("", false);
+  EXPECT_EQ(RunCtl({"--addr", server.address(), "health", "--live"}, &out), 7);
+  EXPECT_THAT(out, HasSubstr("live   NOT_SERVING"));
+  EXPECT_EQ(RunCtl({"--addr", server.address(), "health", "--live", "--group", "g"}, &out, &err),
+            2);
+  EXPECT_THAT(err, HasSubstr("drop --group"));
+  // Nothing answering: the probe fails (exit 7) within its timeout.
+  EXPECT_EQ(
+      RunCtl({"--addr", "unix:/nonexistent/refitd.sock", "--timeout", "300ms", "health", "--live"},
+             nullptr, &err),
+      7);
+}
+
 TEST(RefitctlTest, RefusedPushExitsFiveWithTheDaemonsMessage) {
   FakeServer server;
   server.service().SetPushStatus(

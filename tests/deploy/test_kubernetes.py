@@ -81,6 +81,18 @@ def test_startup_and_readiness_wait_for_a_served_version(path):
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_liveness_asks_the_grpc_server_not_the_kernel(path):
+    """A TCP connect succeeds into the listen backlog even when the gRPC
+    server stopped accepting (gRPC 1.51 does after EMFILE): liveness must be
+    a gRPC call, and one that does not wait for the model to load."""
+    for workload in workloads(path):
+        spec = refitd_container(workload)["livenessProbe"]
+        assert "tcpSocket" not in spec, spec
+        command = spec["exec"]["command"]
+        assert command[0].endswith("refitctl") and command[-2:] == ["health", "--live"], command
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_tokens_never_travel_in_plaintext(path):
     for workload in workloads(path):
         args = refitd_container(workload)["args"]
@@ -217,7 +229,7 @@ def test_probes_pass_against_refitd_started_with_the_manifest(path, tmp_path, bu
                 except queue.Empty:
                     pytest.fail("refitd never served version 1:\n" + "".join(log))
                 assert proc.poll() is None or not lines.empty(), "".join(log)
-            for probe in ("startupProbe", "readinessProbe"):
+            for probe in ("livenessProbe", "startupProbe", "readinessProbe"):
                 command = [local(c) for c in container[probe]["exec"]["command"]]
                 command[0] = str(build_dir / "bin" / "refitctl")
                 result = subprocess.run(command, capture_output=True, text=True, timeout=60)

@@ -36,6 +36,7 @@
 #include "server/refit_server.h"
 #include "server/sd_notify.h"
 #include "server/server_options.h"
+#include "server/service_watchdog.h"
 
 ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:50051"},
           "gRPC listen addresses, comma-separated or repeated: host:port (port 0 picks a free "
@@ -453,11 +454,24 @@ int main(int argc, char** argv) {
   // From here a signal shuts down, also while the first version loads (the
   // load is aborted).
   std::atomic<bool> signalled{false};
+  // Under systemd with WatchdogSec= (deploy/systemd): pings while every
+  // listener still accepts connections, from READY=1 until the shutdown.
+  // TLS listeners are not probed: the probe speaks plaintext HTTP/2, which a
+  // TLS server logs as a failed handshake.
+  const std::optional<absl::Duration> watchdog_timeout =
+      refit::server::WatchdogTimeoutFromEnvironment();
+  const bool probe_listeners = options.tls_cert.empty();
+  refit::server::ServiceWatchdog watchdog(
+      watchdog_timeout.value_or(absl::Seconds(3)),
+      refit::server::ServiceWatchdog::ProbeAll(probe_listeners ? (*server)->bound_addresses()
+                                                               : std::vector<std::string>()),
+      [](absl::string_view state) { NotifyServiceManager(std::string(state).c_str()); });
   std::thread waiter([&] {
     int signal_number = 0;
     sigwait(&signals, &signal_number);
     signalled.store(true);
     REFIT_LOG(INFO).Field("signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT") << "stopping";
+    watchdog.Stop();  // the listeners close next: no ping, no probe
     NotifyServiceManager("STOPPING=1\nSTATUS=stopping");
     (*server)->Shutdown();
   });
@@ -490,6 +504,14 @@ int main(int argc, char** argv) {
     // Under systemd (Type=notify, deploy/systemd) the unit turns active only
     // now, with version 1 served, the moment readiness turns SERVING.
     NotifyServiceManager("READY=1\nSTATUS=serving; ready");
+    if (watchdog_timeout.has_value()) {
+      REFIT_LOG(INFO).Field("timeout", absl::FormatDuration(*watchdog_timeout))
+          << (probe_listeners ? "watchdog: pinging the service manager while every listener "
+                                "accepts connections"
+                              : "watchdog: pinging the service manager while refitd runs (TLS "
+                                "listeners are not probed)");
+      watchdog.Start();
+    }
   } else {
     REFIT_LOG(INFO) << "the first load was stopped by the signal: " << loaded.ToString();
   }

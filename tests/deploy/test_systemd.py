@@ -156,8 +156,10 @@ def receive(sock, proc, log, timeout):
     pytest.fail(f"no notification within {timeout}s:\n{log.read_text()}")
 
 
-def test_exec_start_runs_notifies_and_stops(tmp_path, build_dir):
-    """The unit's command line with its defaults, started as systemd would."""
+def unit_instance(tmp_path, build_dir):
+    """Instance 0's command line and environment as systemd would run it,
+    with its runtime directory and tokens credential under tmp_path: (argv,
+    env, settings, run_dir, credentials dir)."""
     run_dir = tmp_path / "run"
     (run_dir / "refitd" / "0").mkdir(parents=True, mode=0o750)
     creds = tmp_path / "credentials"
@@ -166,6 +168,12 @@ def test_exec_start_runs_notifies_and_stops(tmp_path, build_dir):
     settings = unit_settings(UNIT.read_text())
     argv, env = exec_argv(settings, {"i": "0", "t": str(run_dir), "d": str(creds)})
     argv[0] = str(build_dir / "bin" / "refitd")
+    return argv, env, settings, run_dir, creds
+
+
+def test_exec_start_runs_notifies_and_stops(tmp_path, build_dir):
+    """The unit's command line with its defaults, started as systemd would."""
+    argv, env, settings, run_dir, creds = unit_instance(tmp_path, build_dir)
     umask = int(dict(settings["Service"])["UMask"], 8)
 
     notify_path = str(tmp_path / "notify")
@@ -201,3 +209,76 @@ def test_exec_start_runs_notifies_and_stops(tmp_path, build_dir):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_watchdog_pings_only_while_the_listener_accepts(tmp_path, build_dir):
+    """WatchdogSec=: refitd pings while its listener accepts new connections.
+    A local peer that exhausts its descriptors makes gRPC 1.51's listener stop
+    accepting for good; then the pings stop (systemd restarts the unit), while
+    a listener that recovered keeps them going. Either way pings and a fresh
+    connection's answer agree."""
+    import resource
+
+    argv, env, settings, run_dir, creds = unit_instance(tmp_path, build_dir)
+    watchdog = dict(settings["Service"])["WatchdogSec"]
+    assert watchdog.endswith("s") and int(watchdog[:-1]) >= 10, watchdog
+    sock_path = run_dir / "refitd" / "0" / "refitd.sock"
+
+    def few_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    notify_path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(notify_path)
+        # A 600 ms watchdog: a probe and a ping every 200 ms.
+        child_env = dict(os.environ, **env, NOTIFY_SOCKET=notify_path,
+                         CREDENTIALS_DIRECTORY=str(creds), WATCHDOG_USEC="600000")
+        log = tmp_path / "refitd.log"
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(argv, env=child_env, stdout=log_file, stderr=log_file,
+                                    preexec_fn=few_descriptors)
+
+        def pings_within(seconds):
+            deadline = time.monotonic() + seconds
+            count = 0
+            notify.settimeout(0.05)
+            while time.monotonic() < deadline:
+                try:
+                    count += notify.recv(4096).decode() == "WATCHDOG=1"
+                except TimeoutError:
+                    pass
+            return count
+
+        try:
+            assert "READY=1" in receive(notify, proc, log, 120).split("\n")
+            assert pings_within(1.0) >= 3, log.read_text()
+            # More connections than the daemon has descriptors, held, then let go.
+            flood = []
+            for _ in range(300):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.setblocking(False)
+                try:
+                    s.connect(str(sock_path))
+                except (BlockingIOError, ConnectionRefusedError, OSError):
+                    s.close()
+                    break
+                flood.append(s)
+            time.sleep(1.0)
+            for s in flood:
+                s.close()
+            time.sleep(1.0)
+            assert proc.poll() is None, log.read_text()
+            answers = subprocess.run(
+                [str(build_dir / "bin" / "refitctl"), f"--addr=unix:{sock_path}",
+                 "--timeout=2s", "health", "--live"], capture_output=True, text=True,
+                timeout=60).returncode == 0
+            pings_within(0.3)  # a round already under way
+            pings = pings_within(1.2)
+            if answers:
+                assert pings >= 3, log.read_text()
+            else:
+                assert pings == 0, log.read_text()
+                assert "the connection was not accepted" in log.read_text()
+        finally:
+            proc.kill()
+            proc.wait()

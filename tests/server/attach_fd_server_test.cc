@@ -83,30 +83,20 @@ TEST_F(AttachFdServerTest, SendsEveryDescriptorInOrderInOneMessage) {
 }
 
 // Everything the server sent on `s` until it closed (or `ms` passed).
-std::string ReadAll(int s, int ms) {
+// Everything the server sends until it closes (or "<still open>" after `ms`
+// of silence); *closed_cleanly, when given: whether the stream ended with an
+// orderly close (a reset loses the answer for a peer that reads until the
+// end).
+std::string ReadAll(int s, int ms, bool* closed_cleanly = nullptr) {
   std::string out;
   char buf[256];
-  for (;;) {
-    pollfd p{s, POLLIN, 0};
-    if (::poll(&p, 1, ms) <= 0) return out + "<still open>";
-    const ssize_t n = ::recv(s, buf, sizeof(buf), 0);
-    if (n <= 0) return out;
-    out.append(buf, static_cast<size_t>(n));
-  }
-}
-
-// As ReadAll, then whether the stream ended with an orderly close (a reset
-// loses the answer for a peer that reads until the end).
-std::string ReadAllThenEnd(int s, int ms, bool* closed_cleanly) {
-  std::string out;
-  char buf[256];
-  *closed_cleanly = false;
+  if (closed_cleanly != nullptr) *closed_cleanly = false;
   for (;;) {
     pollfd p{s, POLLIN, 0};
     if (::poll(&p, 1, ms) <= 0) return out + "<still open>";
     const ssize_t n = ::recv(s, buf, sizeof(buf), 0);
     if (n <= 0) {
-      *closed_cleanly = n == 0;
+      if (closed_cleanly != nullptr) *closed_cleanly = n == 0;
       return out;
     }
     out.append(buf, static_cast<size_t>(n));
@@ -280,7 +270,7 @@ TEST_F(AttachFdServerPeersTest, ConnectionsBeyondTheCapAndOverlongTicketsAreRefu
   ASSERT_EQ(::send(s, long_line.data(), long_line.size(), MSG_NOSIGNAL),
             static_cast<ssize_t>(long_line.size()));
   bool closed_cleanly = false;
-  EXPECT_THAT(ReadAllThenEnd(s, 5000, &closed_cleanly), HasSubstr("Eticket too long"));
+  EXPECT_THAT(ReadAll(s, 5000, &closed_cleanly), HasSubstr("Eticket too long"));
   EXPECT_TRUE(closed_cleanly) << "reset: " << std::strerror(errno);
   ::close(s);
 }

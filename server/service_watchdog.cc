@@ -1,0 +1,199 @@
+#include "server/service_watchdog.h"
+
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/log.h"
+
+namespace refit::server {
+namespace {
+
+// What an HTTP/2 client sends first: the connection preface and an empty
+// SETTINGS frame. A gRPC server that accepted the connection answers with
+// its own SETTINGS; a TLS one answers with an alert and closes.
+constexpr char kPreface[] =
+    "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    "\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+constexpr size_t kPrefaceBytes = sizeof(kPreface) - 1;
+
+int MillisecondsUntil(absl::Time deadline) {
+  const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+  return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, 60 * 1000));
+}
+
+// Closes the descriptor when it goes out of scope.
+struct Socket {
+  int fd = -1;
+  ~Socket() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Connects `s` (non-blocking) to `address`, and sends the preface; then
+// waits for any answer or a close.
+absl::Status ConnectAndHear(Socket& s, const sockaddr* address, socklen_t length,
+                            absl::string_view name, absl::Time deadline) {
+  if (::connect(s.fd, address, length) != 0 && errno != EINPROGRESS) {
+    return absl::UnavailableError(
+        absl::StrCat("listener ", name, ": connect: ", std::strerror(errno)));
+  }
+  pollfd p{s.fd, POLLOUT, 0};
+  if (::poll(&p, 1, MillisecondsUntil(deadline)) <= 0) {
+    return absl::UnavailableError(absl::StrCat("listener ", name, ": connect timed out"));
+  }
+  int error = 0;
+  socklen_t error_length = sizeof(error);
+  ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &error, &error_length);
+  if (error != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("listener ", name, ": connect: ", std::strerror(error)));
+  }
+  if (::send(s.fd, kPreface, kPrefaceBytes, MSG_NOSIGNAL) < 0 && errno != EAGAIN) {
+    return absl::OkStatus();  // reset at once: something accepted and refused it
+  }
+  p = pollfd{s.fd, POLLIN, 0};
+  if (::poll(&p, 1, MillisecondsUntil(deadline)) <= 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "listener ", name, ": the connection was not accepted (no answer to a new connection)"));
+  }
+  return absl::OkStatus();  // bytes, a close or a reset: the server took the connection
+}
+
+}  // namespace
+
+std::optional<absl::Duration> WatchdogTimeoutFromEnvironment() {
+  const char* usec = std::getenv("WATCHDOG_USEC");
+  uint64_t micros = 0;
+  if (usec == nullptr || !absl::SimpleAtoi(usec, &micros) || micros == 0) return std::nullopt;
+  if (const char* pid = std::getenv("WATCHDOG_PID"); pid != nullptr && *pid != '\0') {
+    int64_t watched = 0;
+    if (!absl::SimpleAtoi(pid, &watched) || watched != ::getpid()) return std::nullopt;
+  }
+  return absl::Microseconds(static_cast<int64_t>(micros));
+}
+
+absl::Status ProbeListener(absl::string_view address, absl::Time deadline) {
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
+    const bool abstract = absl::StartsWith(address, "unix-abstract:");
+    absl::string_view path = address.substr(abstract ? 14 : 5);
+    if (!abstract && absl::StartsWith(path, "//")) path.remove_prefix(2);
+    sockaddr_un un{};
+    un.sun_family = AF_UNIX;
+    const size_t offset = abstract ? 1 : 0;
+    if (path.empty() || path.size() + offset >= sizeof(un.sun_path)) {
+      return absl::InvalidArgumentError(absl::StrCat("listener ", address, ": bad socket path"));
+    }
+    std::memcpy(un.sun_path + offset, path.data(), path.size());
+    const socklen_t length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + offset +
+                                                    path.size() + (abstract ? 0 : 1));
+    Socket s{::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
+    if (s.fd < 0) {
+      return absl::UnavailableError(
+          absl::StrCat("listener ", address, ": socket: ", std::strerror(errno)));
+    }
+    return ConnectAndHear(s, reinterpret_cast<const sockaddr*>(&un), length, address, deadline);
+  }
+  std::string host;
+  std::string port;
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find("]:");
+    if (close == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("listener ", address, ": bad address"));
+    }
+    host = std::string(address.substr(1, close - 1));
+    port = std::string(address.substr(close + 2));
+    if (host == "::" || host.empty()) host = "::1";
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("listener ", address, ": bad address"));
+    }
+    host = std::string(address.substr(0, colon));
+    port = std::string(address.substr(colon + 1));
+    if (host == "0.0.0.0" || host.empty()) host = "127.0.0.1";
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("listener ", address, ": cannot resolve: ", ::gai_strerror(rc)));
+  }
+  absl::Status status = absl::UnavailableError(absl::StrCat("listener ", address, ": no address"));
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    Socket s{::socket(a->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
+    if (s.fd < 0) continue;
+    status = ConnectAndHear(s, a->ai_addr, a->ai_addrlen, address, deadline);
+    if (status.ok()) break;
+  }
+  ::freeaddrinfo(found);
+  return status;
+}
+
+ServiceWatchdog::ServiceWatchdog(absl::Duration timeout, Probe probe, Notify notify)
+    : interval_(timeout / 3), probe_(std::move(probe)), notify_(std::move(notify)) {}
+
+ServiceWatchdog::~ServiceWatchdog() { Stop(); }
+
+void ServiceWatchdog::Start() {
+  absl::MutexLock lock(&mu_);
+  if (stopping_ || thread_.joinable()) return;
+  thread_ = std::thread([this] { Run(); });
+}
+
+void ServiceWatchdog::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+ServiceWatchdog::Probe ServiceWatchdog::ProbeAll(std::vector<std::string> addresses) {
+  return [addresses = std::move(addresses)](absl::Time deadline) {
+    for (const std::string& address : addresses) {
+      if (absl::Status s = ProbeListener(address, deadline); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  };
+}
+
+void ServiceWatchdog::Run() {
+  int failures = 0;
+  for (;;) {
+    const absl::Time round = absl::Now();
+    const absl::Status alive = probe_(round + interval_);
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+    }
+    if (alive.ok()) {
+      if (failures > 0) REFIT_LOG(INFO) << "watchdog: every listener answers again";
+      failures = 0;
+      notify_("WATCHDOG=1");
+    } else if (failures++ == 0) {
+      REFIT_LOG(ERROR) << "watchdog: " << alive.message()
+                       << "; not pinging the service manager, which restarts refitd once "
+                          "WatchdogSec passes without a ping";
+    }
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithDeadline(absl::Condition(&stopping_), round + interval_);
+    if (stopping_) return;
+  }
+}
+
+}  // namespace refit::server

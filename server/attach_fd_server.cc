@@ -24,6 +24,9 @@
 namespace refit::server {
 namespace {
 
+// AttachFdServer::SetPeerHookForTesting's hook.
+std::atomic<void (*)(int, int*, uint32_t*)> g_peer_hook{nullptr};
+
 void SendAll(int fd, absl::string_view text) {
   while (!text.empty()) {
     ssize_t n = ::send(fd, text.data(), text.size(), MSG_NOSIGNAL);
@@ -64,7 +67,7 @@ ssize_t ReceiveWithDescriptors(int conn, char* buf, size_t len, int flags, std::
 // descriptors: closing a Unix socket with unread bytes would reset the
 // peer's read, and an answer just sent with it. Never blocks.
 void DrainInput(int conn) {
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < 256; ++i) {  // up to 64 KiB
     char buf[256];
     std::vector<int> fds;
     const ssize_t n = ReceiveWithDescriptors(conn, buf, sizeof(buf), MSG_DONTWAIT, &fds);
@@ -82,6 +85,10 @@ void Refuse(int conn, absl::string_view line) {
 }
 
 }  // namespace
+
+void AttachFdServer::SetPeerHookForTesting(void (*hook)(int conn, int* pid, uint32_t* uid)) {
+  g_peer_hook.store(hook);
+}
 
 absl::StatusOr<std::unique_ptr<AttachFdServer>> AttachFdServer::Start(std::string path,
                                                                       Redeem redeem,
@@ -186,15 +193,25 @@ void AttachFdServer::Run() {
       Refuse(conn, "Etoo many attach connections at once; retry\n");
       continue;
     }
+    // The peer's process, or (pid 0: a process in another PID namespace,
+    // as engines in other pods are) its uid, with a share of its own.
     ucred cred{};
     socklen_t cred_len = sizeof(cred);
-    const int pid =
-        ::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) == 0 ? cred.pid : 0;
-    if (pid > 0 && std::count_if(connections_.begin(), connections_.end(),
-                                 [pid](const Connection& c) { return c.pid == pid; }) >=
-                       kMaxConnectionsPerProcess) {
-      Refuse(conn,
-             absl::StrCat("Etoo many attach connections from process ", pid, " at once; retry\n"));
+    if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) {
+      cred = ucred{0, static_cast<uid_t>(-1), static_cast<gid_t>(-1)};
+    }
+    int pid = cred.pid;
+    uint32_t uid = cred.uid;
+    if (auto* hook = g_peer_hook.load(); hook != nullptr) hook(conn, &pid, &uid);
+    const auto same_peer = [&](const Connection& c) {
+      return pid > 0 ? c.pid == pid : c.pid <= 0 && c.uid == uid;
+    };
+    const int share = pid > 0 ? kMaxConnectionsPerProcess : kMaxConnectionsPerUnseenUid;
+    if (std::count_if(connections_.begin(), connections_.end(), same_peer) >= share) {
+      Refuse(conn, pid > 0 ? absl::StrCat("Etoo many attach connections from process ", pid,
+                                          " at once; retry\n")
+                           : absl::StrCat("Etoo many attach connections from uid ", uid,
+                                          " in another PID namespace at once; retry\n"));
       continue;
     }
     auto done = std::make_shared<std::atomic<bool>>(false);
@@ -212,7 +229,7 @@ void AttachFdServer::Run() {
       Refuse(conn, "Erefitd cannot serve this connection now (no thread); retry\n");
       continue;
     }
-    connections_.push_back(Connection{std::move(thread), std::move(done), pid});
+    connections_.push_back(Connection{std::move(thread), std::move(done), pid, uid});
   }
 }
 

@@ -24,10 +24,13 @@
 // destructor) ends it and every connection's thread, and removes the socket
 // file. Connections are served at once, each on its own thread, at most
 // kMaxConnections together and kMaxConnectionsPerProcess from one peer
-// process (one more is answered 'E' and closed at once: a process that
-// holds connections open cannot take every slot); a peer has one second
-// in all to send its ticket line, so one that stalls or trickles bytes
-// holds only its own connection, and only that long.
+// process, or kMaxConnectionsPerUnseenUid from the processes of one uid
+// in other PID namespaces (SO_PEERCRED gives them pid 0); one more is
+// answered 'E' and closed at once, so one process that holds connections
+// open cannot take every slot. A peer has one second in all to send its
+// ticket line, so one that stalls or trickles bytes holds only its own
+// connection, and only that long: that second is the bound on processes
+// that fork to hold more.
 //
 // Thread-safety: Start/Stop from one thread; the redeemer and the
 // depositor are called on connection threads, several at once.
@@ -59,6 +62,7 @@ class AttachFdServer {
   // peer has to send its ticket line.
   static constexpr int kMaxConnections = 64;
   static constexpr int kMaxConnectionsPerProcess = 4;
+  static constexpr int kMaxConnectionsPerUnseenUid = 16;
   static constexpr int kTicketTimeoutMs = 1000;
   // How long the accept loop waits after running out of descriptors.
   static constexpr int kAcceptBackoffMs = 100;
@@ -85,6 +89,11 @@ class AttachFdServer {
   AttachFdServer& operator=(const AttachFdServer&) = delete;
 
   const std::string& path() const { return path_; }
+
+  // Tests: the peer credentials the accept loop sees for a connection
+  // (what SO_PEERCRED gives otherwise: a peer in another PID namespace has
+  // pid 0). nullptr: none.
+  static void SetPeerHookForTesting(void (*hook)(int conn, int* pid, uint32_t* uid));
   void Stop();
 
  private:
@@ -94,7 +103,8 @@ class AttachFdServer {
   struct Connection {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;
-    int pid = 0;  // the peer's, from SO_PEERCRED (0: unknown)
+    int pid = 0;       // the peer's, from SO_PEERCRED (0: another PID namespace)
+    uint32_t uid = 0;  // the peer's
   };
 
   void Run();

@@ -280,7 +280,11 @@ class AttachService::Reactor final
     };
     absl::StatusOr<std::string> added =
         registry->Add(request.engine_name(), coordinated, this, send_manifest);
-    if (!added.ok()) return added.status();
+    if (!added.ok()) {
+      REFIT_LOG(WARNING).Field("group", (*group)->name())
+          << "attach refused: " << added.status().message();
+      return added.status();
+    }
     const std::string engine_id = *std::move(added);
     bool ended = false;
     {

@@ -141,7 +141,8 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   std::vector<std::string> names;
   for (const std::string& id : waiting_) {
     if (names.size() == kEnginesNamed) {
-      names.push_back(absl::StrCat("and ", waiting_.size() - kEnginesNamed, " more engines"));
+      const size_t more = waiting_.size() - kEnginesNamed;
+      names.push_back(absl::StrCat("and ", more, more == 1 ? " more engine" : " more engines"));
       break;
     }
     const EngineInfo& info = engines_.at(id).info;

@@ -269,7 +269,8 @@ absl::Status RefitServer::StartGrpc() {
   if (limits.max_pinned_bytes < 0) {
     const long pages = ::sysconf(_SC_PHYS_PAGES);
     const long page = ::sysconf(_SC_PAGESIZE);
-    if (pages > 0 && page > 0) limits.max_pinned_bytes = int64_t{pages} * page / 2;
+    // Unknown memory: pin nothing rather than without bound.
+    limits.max_pinned_bytes = pages > 0 && page > 0 ? int64_t{pages} * page / 2 : 0;
   }
   // Each region holds one of this process's descriptors: all callers
   // together get at most half of them, so that gRPC, attaches, reloads and

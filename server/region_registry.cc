@@ -263,7 +263,7 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateCudaIpc(
 }
 
 uint64_t RegionRegistry::PinnedBytesLocked() const {
-  uint64_t bytes = 0;
+  uint64_t bytes = pinning_;
   for (const auto& [id, entry] : entries_) {
     if (entry.pin) bytes += entry.size;
   }
@@ -289,14 +289,15 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateWith(
     size = it->second.size;
     // Page-locked memory cannot be swapped or reclaimed: trainers get at
     // most max_pinned_bytes of it, the host keeps the rest (an engine's
-    // own pinned buffers, the page cache). Counted from here, so that
-    // regions opening at once cannot all pass.
+    // own pinned buffers, the page cache). Counted from here (pinning_
+    // while the open runs, even if the region is released meanwhile), so
+    // that regions opening at once cannot all pass.
     if (may_pin) {
       const uint64_t pinned = PinnedBytesLocked();
       pin = limits_.max_pinned_bytes < 0 ||
             (size <= static_cast<uint64_t>(limits_.max_pinned_bytes) &&
              pinned <= static_cast<uint64_t>(limits_.max_pinned_bytes) - size);
-      it->second.pin = pin;
+      if (pin) pinning_ += size;
       if (!pin) {
         REFIT_LOG(INFO).Field("region", id).Field("bytes", absl::StrCat(size))
             << "not page-locked: the trainers' page-locked regions (" << pinned
@@ -308,15 +309,18 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateWith(
   // Outside the lock: fstat and mmap of a large region (or opening a CUDA
   // allocation) are not instant.
   absl::StatusOr<std::unique_ptr<Region>> opened = open(size, pin);
-  if (!opened.ok()) return opened.status();
-  std::shared_ptr<const Region> region = *std::move(opened);
+  std::shared_ptr<const Region> region;
+  if (opened.ok()) region = *std::move(opened);
   absl::MutexLock lock(&mu_);
+  if (pin) pinning_ -= size;
+  if (!opened.ok()) return opened.status();
   auto it = entries_.find(id);
   // Released meanwhile: `region` is closed outside the lock, on return.
   if (it == entries_.end()) {
     return absl::NotFoundError(absl::StrCat("region \"", id, "\" was released meanwhile"));
   }
   it->second.region = region;
+  it->second.pin = pin;
   return region;
 }
 
@@ -371,6 +375,7 @@ RegionRegistry::Totals RegionRegistry::totals() const {
     t.bytes += static_cast<int64_t>(entry.size);
     if (entry.region->pinned()) t.pinned_bytes += static_cast<int64_t>(entry.size);
   }
+  t.pin_budget_used_bytes = static_cast<int64_t>(PinnedBytesLocked());
   return t;
 }
 
@@ -391,7 +396,14 @@ std::string RegionRegistry::RenderMetrics() const {
       "GPU store's DMA (when a store is on a GPU).\n"
       "# TYPE refitd_trainer_region_pinned_bytes gauge\n"
       "refitd_trainer_region_pinned_bytes ",
-      t.pinned_bytes, "\n");
+      t.pinned_bytes,
+      "\n"
+      "# HELP refitd_trainer_region_pin_budget_used_bytes Bytes counted against "
+      "--max-pinned-region-bytes: regions opened to be page-locked, retired ones a refit still "
+      "reads, and ones opening now.\n"
+      "# TYPE refitd_trainer_region_pin_budget_used_bytes gauge\n"
+      "refitd_trainer_region_pin_budget_used_bytes ",
+      t.pin_budget_used_bytes, "\n");
 }
 
 }  // namespace refit::server

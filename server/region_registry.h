@@ -184,6 +184,10 @@ class RegionRegistry {
     int64_t bytes = 0;
     int64_t pending = 0;       // reserved, descriptor not yet received
     int64_t pinned_bytes = 0;  // of regions page-locked for the GPUs
+    // What counts against max_pinned_bytes: regions opened to be
+    // page-locked (also those the driver refused, retired ones a refit
+    // still reads, and ones opening now).
+    int64_t pin_budget_used_bytes = 0;
   };
 
   // `pin`: page-lock mapped regions for the GPUs (Region::Open's `pin`),
@@ -222,7 +226,7 @@ class RegionRegistry {
     std::string owner;
     uint64_t size = 0;
     std::shared_ptr<const Region> region;  // null while pending
-    bool pin = false;                      // counted against max_pinned_bytes (from Activate on)
+    bool pin = false;  // opened to be page-locked: counted against max_pinned_bytes
   };
 
   // Opens the region, page-locked when `pin`.
@@ -230,7 +234,7 @@ class RegionRegistry {
   absl::StatusOr<std::shared_ptr<const Region>> ActivateWith(
       const std::string& id, bool may_pin, const Opener& open,
       const std::function<void()>& on_not_waiting);
-  // Bytes of the regions, live or retired, that count against
+  // Bytes of the regions, live, retired or opening, that count against
   // max_pinned_bytes.
   uint64_t PinnedBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -248,6 +252,7 @@ class RegionRegistry {
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
   std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
+  uint64_t pinning_ ABSL_GUARDED_BY(mu_) = 0;  // bytes of regions being opened to be pinned
 };
 
 }  // namespace refit::server

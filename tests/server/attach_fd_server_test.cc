@@ -241,6 +241,38 @@ TEST_F(AttachFdServerPeersTest, OneProcessHoldsAtMostItsShareOfTheConnections) {
   for (int s : held) ::close(s);
 }
 
+// Peers in another PID namespace (engines in other pods of a node daemon)
+// have pid 0 in SO_PEERCRED: those of one uid share a larger share of their
+// own, so one of them cannot take every slot either, nor other uids'.
+TEST_F(AttachFdServerPeersTest, PeersInAnotherPidNamespaceShareASlotCountPerUid) {
+  AttachFdServer::SetPeerHookForTesting([](int, int* pid, uint32_t* uid) {
+    *pid = 0;
+    *uid = 4242;
+  });
+  StartServer();
+  std::string error;
+  std::vector<int> held;
+  for (int i = 0; i < AttachFdServer::kMaxConnectionsPerUnseenUid; ++i) {
+    held.push_back(ConnectUnix(path_, &error));
+    ASSERT_GE(held.back(), 0) << error;
+  }
+  ::usleep(100 * 1000);
+  const int extra = ConnectUnix(path_, &error);
+  ASSERT_GE(extra, 0) << error;
+  EXPECT_THAT(ReadAll(extra, 900),
+              HasSubstr("Etoo many attach connections from uid 4242 in another PID namespace"));
+  ::close(extra);
+  AttachFdServer::SetPeerHookForTesting([](int, int* pid, uint32_t* uid) {
+    *pid = 0;
+    *uid = 4343;
+  });
+  std::vector<int> fds = ReceiveFds(path_, "good", &error);  // another uid: served
+  AttachFdServer::SetPeerHookForTesting(nullptr);
+  ASSERT_EQ(fds.size(), 1u) << error;
+  ::close(fds[0]);
+  for (int s : held) ::close(s);
+}
+
 // At most kMaxConnections peers are served at once: one more is refused at
 // once with a reason, and a line that never ends is refused too (its
 // answer arrives: the rest of the line is read before the close). None of
@@ -266,7 +298,7 @@ TEST_F(AttachFdServerPeersTest, ConnectionsBeyondTheCapAndOverlongTicketsAreRefu
   ::close(fds[0]);
   const int s = ConnectUnix(path_, &error);
   ASSERT_GE(s, 0) << error;
-  const std::string long_line(AttachFdServer::kMaxTicketBytes + 300, 'x');
+  const std::string long_line(AttachFdServer::kMaxTicketBytes + 20000, 'x');
   ASSERT_EQ(::send(s, long_line.data(), long_line.size(), MSG_NOSIGNAL),
             static_cast<ssize_t>(long_line.size()));
   bool closed_cleanly = false;

@@ -663,6 +663,7 @@ TEST(RegionRegistryTest, PageLockedRegionsStayWithinTheirBudget) {
   };
   std::shared_ptr<const Region> a = open("trainer", 2 * 4096);
   EXPECT_TRUE(a->pin_requested());
+  EXPECT_EQ(registry.totals().pin_budget_used_bytes, 2 * 4096);
   std::shared_ptr<const Region> b = open("other", 2 * 4096);  // 4 pages: past the budget
   EXPECT_FALSE(b->pin_requested());
   std::shared_ptr<const Region> c = open("other", 4096);  // 3 pages: fits
@@ -671,7 +672,10 @@ TEST(RegionRegistryTest, PageLockedRegionsStayWithinTheirBudget) {
   // `a` unregistered while a refit (this reference) still reads it.
   registry.Release(a->id());
   EXPECT_FALSE(open("trainer", 4096)->pin_requested());
+  EXPECT_THAT(registry.RenderMetrics(),
+              HasSubstr("refitd_trainer_region_pin_budget_used_bytes 12288\n"));
   a.reset();  // the refit ended
+  EXPECT_EQ(registry.totals().pin_budget_used_bytes, 4096);
   EXPECT_TRUE(open("trainer", 2 * 4096)->pin_requested());
   // A budget of none, and a daemon that does not pin at all.
   limits.max_pinned_bytes = 0;

@@ -39,7 +39,8 @@ absl::StatusOr<std::string> EngineRegistry::Add(
   if (static_cast<int>(engines_.size()) >= max_engines_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("model group ", core::QuoteText(store_->group()), " has ", engines_.size(),
-                     " engines attached, its limit (--max-attached-engines): detach one first"));
+                     engines_.size() == 1 ? " engine" : " engines",
+                     " attached, its limit (--max-attached-engines): detach one first"));
   }
   std::string id = absl::StrCat("e-", next_id_++);
   Engine& engine = engines_[id];

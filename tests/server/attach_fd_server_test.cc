@@ -172,6 +172,31 @@ TEST_F(AttachFdServerPeersTest, ATricklingPeerIsCutOffAfterOneSecondInAll) {
   ::close(fds[0]);
 }
 
+// `n` connections to `path` that send nothing, accepted by the server by
+// the time this returns (it reads each peer's credentials as it accepts).
+std::vector<int> HoldConnections(const std::string& path, int n) {
+  std::vector<int> held;
+  std::string error;
+  for (int i = 0; i < n; ++i) {
+    const int s = ConnectUnix(path, &error);
+    EXPECT_GE(s, 0) << error;
+    if (s >= 0) held.push_back(s);
+  }
+  ::usleep(100 * 1000);
+  return held;
+}
+
+// What the server answers one more connection that sends nothing, within
+// 900 ms.
+std::string OneMoreAnswer(const std::string& path) {
+  std::string error;
+  const int s = ConnectUnix(path, &error);
+  if (s < 0) return "connect: " + error;
+  std::string answer = ReadAll(s, 900);
+  ::close(s);
+  return answer;
+}
+
 // A child process that connects `n` times to `path`, sends nothing and
 // waits to be killed; returns once its connections are made (its pid), or
 // -1.
@@ -208,21 +233,10 @@ void KillChild(pid_t pid) {
 // while another process is still served.
 TEST_F(AttachFdServerPeersTest, OneProcessHoldsAtMostItsShareOfTheConnections) {
   StartServer();
-  std::string error;
-  std::vector<int> held;
-  for (int i = 0; i < AttachFdServer::kMaxConnectionsPerProcess; ++i) {
-    held.push_back(ConnectUnix(path_, &error));
-    ASSERT_GE(held.back(), 0) << error;
-  }
-  // (The server reads each peer's credentials as it accepts: the last
-  // connection above may still be queued.)
-  ::usleep(100 * 1000);
-  const int extra = ConnectUnix(path_, &error);
-  ASSERT_GE(extra, 0) << error;
-  EXPECT_THAT(ReadAll(extra, 900),
+  const std::vector<int> held = HoldConnections(path_, AttachFdServer::kMaxConnectionsPerProcess);
+  EXPECT_THAT(OneMoreAnswer(path_),
               HasSubstr(absl::StrCat("Etoo many attach connections from process ", ::getpid(),
                                      " at once")));
-  ::close(extra);
   const pid_t other = ::fork();
   if (other == 0) {  // another process: served
     sockaddr_un addr{};
@@ -250,18 +264,10 @@ TEST_F(AttachFdServerPeersTest, PeersInAnotherPidNamespaceShareASlotCountPerUid)
     *uid = 4242;
   });
   StartServer();
-  std::string error;
-  std::vector<int> held;
-  for (int i = 0; i < AttachFdServer::kMaxConnectionsPerUnseenUid; ++i) {
-    held.push_back(ConnectUnix(path_, &error));
-    ASSERT_GE(held.back(), 0) << error;
-  }
-  ::usleep(100 * 1000);
-  const int extra = ConnectUnix(path_, &error);
-  ASSERT_GE(extra, 0) << error;
-  EXPECT_THAT(ReadAll(extra, 900),
+  const std::vector<int> held = HoldConnections(path_, AttachFdServer::kMaxConnectionsPerUnseenUid);
+  EXPECT_THAT(OneMoreAnswer(path_),
               HasSubstr("Etoo many attach connections from uid 4242 in another PID namespace"));
-  ::close(extra);
+  std::string error;
   AttachFdServer::SetPeerHookForTesting([](int, int* pid, uint32_t* uid) {
     *pid = 0;
     *uid = 4343;
@@ -287,10 +293,7 @@ TEST_F(AttachFdServerPeersTest, ConnectionsBeyondTheCapAndOverlongTicketsAreRefu
     ASSERT_GT(holders.back(), 0);
   }
   ::usleep(100 * 1000);  // every connection accepted
-  const int extra = ConnectUnix(path_, &error);
-  ASSERT_GE(extra, 0) << error;
-  EXPECT_THAT(ReadAll(extra, 900), HasSubstr("Etoo many attach connections at once"));
-  ::close(extra);
+  EXPECT_THAT(OneMoreAnswer(path_), HasSubstr("Etoo many attach connections at once"));
   for (pid_t pid : holders) KillChild(pid);
   // Once those end (closed by their peers), new ones are served again.
   std::vector<int> fds = ReceiveFdsWithin(path_, "good", 1.0, &error);

@@ -298,6 +298,17 @@ absl::Time RefitClient::CallDeadline() const {
                                                       : absl::Now() + options_.timeout;
 }
 
+absl::Status RefitClient::UnaryReadOnly(
+    bool with_token, const std::function<grpc::Status(grpc::ClientContext*)>& rpc) const {
+  return RetryReadOnly(
+      [&](absl::Time deadline) {
+        grpc::ClientContext context;
+        PrepareContext(&context, with_token, /*read_only=*/true, deadline);
+        return FromGrpcStatus(rpc(&context));
+      },
+      CallDeadline());
+}
+
 absl::Status RefitClient::RetryReadOnly(const std::function<absl::Status(absl::Time)>& call,
                                         absl::Time deadline) const {
   absl::Duration backoff = options_.retry.initial_backoff;
@@ -537,14 +548,10 @@ absl::StatusOr<refit::v1::GetStatusResponse> RefitClient::GetStatusOf(
   request.set_model_group(model_group);
   request.set_all_groups(all_groups);
   refit::v1::GetStatusResponse response;
-  absl::Status status = RetryReadOnly(
-      [&](absl::Time deadline) {
-        grpc::ClientContext context;
-        PrepareContext(&context, /*with_token=*/true, /*read_only=*/true, deadline);
-        response.Clear();
-        return FromGrpcStatus(stub_->GetStatus(&context, request, &response));
-      },
-      CallDeadline());
+  absl::Status status = UnaryReadOnly(/*with_token=*/true, [&](grpc::ClientContext* context) {
+    response.Clear();
+    return stub_->GetStatus(context, request, &response);
+  });
   if (!status.ok()) return status;
   return response;
 }
@@ -555,14 +562,10 @@ absl::StatusOr<refit::v1::ListTensorsResponse> RefitClient::ListTensors(
   request.set_model_group(model_group);
   request.set_layout(layout);
   refit::v1::ListTensorsResponse response;
-  absl::Status status = RetryReadOnly(
-      [&](absl::Time deadline) {
-        grpc::ClientContext context;
-        PrepareContext(&context, /*with_token=*/true, /*read_only=*/true, deadline);
-        response.Clear();
-        return FromGrpcStatus(stub_->ListTensors(&context, request, &response));
-      },
-      CallDeadline());
+  absl::Status status = UnaryReadOnly(/*with_token=*/true, [&](grpc::ClientContext* context) {
+    response.Clear();
+    return stub_->ListTensors(context, request, &response);
+  });
   if (!status.ok()) return status;
   return response;
 }
@@ -673,14 +676,10 @@ absl::StatusOr<HealthCheckResponse::ServingStatus> RefitClient::HealthCheck(
   HealthCheckRequest request;
   request.set_service(service);
   HealthCheckResponse response;
-  absl::Status status = RetryReadOnly(
-      [&](absl::Time deadline) {
-        grpc::ClientContext context;
-        PrepareContext(&context, /*with_token=*/false, /*read_only=*/true, deadline);
-        response.Clear();
-        return FromGrpcStatus(health_stub_->Check(&context, request, &response));
-      },
-      CallDeadline());
+  absl::Status status = UnaryReadOnly(/*with_token=*/false, [&](grpc::ClientContext* context) {
+    response.Clear();
+    return health_stub_->Check(context, request, &response);
+  });
   if (!status.ok()) return status;
   return response.status();
 }

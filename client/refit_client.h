@@ -353,6 +353,10 @@ class RefitClient {
   // options().timeout from now: the end of one method call of this client,
   // all its attempts together.
   absl::Time CallDeadline() const;
+  // A unary read-only call (`rpc` on a context prepared for it), retried as
+  // RetryReadOnly under one CallDeadline().
+  absl::Status UnaryReadOnly(
+      bool with_token, const std::function<grpc::Status(class grpc::ClientContext*)>& rpc) const;
   // Runs `call` up to retry.max_attempts times while it returns UNAVAILABLE,
   // every attempt (and the backoff between them) before `deadline`.
   absl::Status RetryReadOnly(const std::function<absl::Status(absl::Time deadline)>& call,

@@ -982,6 +982,15 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
   const bool speculate =
       job.scale_hint > 0 && std::isfinite(job.scale_hint) && !InverseOverflows(job.scale_hint);
   std::vector<uint32_t> partial(workers, 0);
+  // Pass 1 without a hint: worker w's max |bits| over elements [begin, end).
+  auto take_amax = [&](int w, int64_t begin, int64_t end) {
+    ForEachPart(pieces, first, job.esize, begin, end, /*reverse=*/false,
+                [&](const uint8_t* src, int64_t count, int64_t) {
+                  uint32_t m = 0;
+                  job.k.abs_max(src, 0, 1, count, count, job.vllm, &m);
+                  partial[w] = std::max(partial[w], m);
+                });
+  };
   if (speculate && hashing) {
     HashFeed feed(job.hash, job.out_q, total, kHashUnitBytes);
     ForEachUnit(workers, feed, [&](int w, int64_t u) {
@@ -1000,12 +1009,7 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
       for (int64_t u = next.fetch_sub(1, std::memory_order_relaxed) - 1; u >= 0;
            u = next.fetch_sub(1, std::memory_order_relaxed) - 1) {
         const int64_t begin = u * kHashUnitBytes;
-        ForEachPart(pieces, first, job.esize, begin, std::min(total, begin + kHashUnitBytes),
-                    /*reverse=*/false, [&](const uint8_t* src, int64_t count, int64_t) {
-                      uint32_t m = 0;
-                      job.k.abs_max(src, 0, 1, count, count, job.vllm, &m);
-                      partial[w] = std::max(partial[w], m);
-                    });
+        take_amax(w, begin, std::min(total, begin + kHashUnitBytes));
       }
     });
   } else {
@@ -1014,12 +1018,7 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
         partial[w] = convert(begin, end, InverseScale(job.scale_hint), true);
         return;
       }
-      ForEachPart(pieces, first, job.esize, begin, end, /*reverse=*/false,
-                  [&](const uint8_t* src, int64_t count, int64_t) {
-                    uint32_t m = 0;
-                    job.k.abs_max(src, 0, 1, count, count, job.vllm, &m);
-                    partial[w] = std::max(partial[w], m);
-                  });
+      take_amax(w, begin, end);
     });
   }
   const uint32_t amax_bits = *std::max_element(partial.begin(), partial.end());

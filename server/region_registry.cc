@@ -297,8 +297,9 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateWith(
       pin = limits_.max_pinned_bytes < 0 ||
             (size <= static_cast<uint64_t>(limits_.max_pinned_bytes) &&
              pinned <= static_cast<uint64_t>(limits_.max_pinned_bytes) - size);
-      if (pin) pinning_ += size;
-      if (!pin) {
+      if (pin) {
+        pinning_ += size;
+      } else {
         REFIT_LOG(INFO).Field("region", id).Field("bytes", absl::StrCat(size))
             << "not page-locked: the trainers' page-locked regions (" << pinned
             << " bytes) would pass --max-pinned-region-bytes " << limits_.max_pinned_bytes

@@ -8,6 +8,7 @@
 #include <regex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -52,6 +53,14 @@ class RefitdE2eTest : public ::testing::Test {
   }
 
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+  // refitd --model=demo with `flag`, which it must refuse at start-up: its
+  // exit code (-1 if it did not exit) and stderr.
+  std::pair<int, std::string> StartUpRefusal(const std::string& flag) {
+    auto child = Child::Start({BinPath("refitd"), "--model=demo", flag}, Path("refused.out"),
+                              Path("refused.err"));
+    std::optional<int> code = child->Wait();
+    return {code.value_or(-1), child->Stderr()};
+  }
 
   // Starts refitd on the demo model with `flags` and waits until it is ready.
   void StartDaemon(std::vector<std::string> flags = {}, bool wait_ready = true) {
@@ -602,12 +611,9 @@ TEST_F(RefitdE2eTest, RefitsThatReuseStagingServeExactlyTheLastPush) {
     daemon_->Signal(SIGTERM);
     EXPECT_EQ(daemon_->Wait(), std::optional<int>(0));
   }
-  auto child = Child::Start({BinPath("refitd"), "--model=demo", "--staging-pool-idle=-1s"},
-                            Path("bad-pool.out"), Path("bad-pool.err"));
-  std::optional<int> code = child->Wait();
-  ASSERT_TRUE(code.has_value());
-  EXPECT_EQ(*code, 2);
-  EXPECT_THAT(child->Stderr(), HasSubstr("--staging-pool-idle must be >= 0"));
+  const auto [code, err] = StartUpRefusal("--staging-pool-idle=-1s");
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(err, HasSubstr("--staging-pool-idle must be >= 0"));
 }
 
 // --host-threads caps a refit's CPU threads (the start-up line says what the
@@ -623,47 +629,33 @@ TEST_F(RefitdE2eTest, HostThreadsCapsTheRefitsThreadsAndChangesNoByte) {
   EXPECT_EQ(verify.code, 0) << verify.out << verify.err;
   EXPECT_THAT(verify.out, HasSubstr("0 mismatch"));
   for (const char* bad : {"--host-threads=-1", "--host-threads=1025"}) {
-    auto child = Child::Start({BinPath("refitd"), "--model=demo", bad}, Path("bad-threads.out"),
-                              Path("bad-threads.err"));
-    std::optional<int> code = child->Wait();
-    ASSERT_TRUE(code.has_value()) << bad;
-    EXPECT_EQ(*code, 2) << bad;
-    EXPECT_THAT(child->Stderr(), HasSubstr("--host-threads must be 0 (one per core) to 1024"))
-        << bad;
+    const auto [code, err] = StartUpRefusal(bad);
+    EXPECT_EQ(code, 2) << bad;
+    EXPECT_THAT(err, HasSubstr("--host-threads must be 0 (one per core) to 1024")) << bad;
   }
 }
 
 TEST_F(RefitdE2eTest, AnUnknownCudaArenaSharingIsRefusedAtStartUp) {
-  auto child = Child::Start({BinPath("refitd"), "--model=demo", "--cuda-arena=shared"},
-                            Path("bad-arena.out"), Path("bad-arena.err"));
-  std::optional<int> code = child->Wait();
-  ASSERT_TRUE(code.has_value());
-  EXPECT_EQ(*code, 2);
-  EXPECT_THAT(child->Stderr(), HasSubstr("--cuda-arena must be ipc or vmm, got \"shared\""));
+  const auto [code, err] = StartUpRefusal("--cuda-arena=shared");
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(err, HasSubstr("--cuda-arena must be ipc or vmm, got \"shared\""));
 }
 
 TEST_F(RefitdE2eTest, AQuiesceTimeoutThatIsNotPositiveAndFiniteIsRefusedAtStartUp) {
   for (const char* bad : {"--engine-quiesce-timeout=0s", "--engine-quiesce-timeout=-1s",
                           "--engine-quiesce-timeout=inf"}) {
-    auto child = Child::Start({BinPath("refitd"), "--model=demo", bad}, Path("bad-quiesce.out"),
-                              Path("bad-quiesce.err"));
-    std::optional<int> code = child->Wait();
-    ASSERT_TRUE(code.has_value()) << bad;
-    EXPECT_EQ(*code, 2) << bad;
-    EXPECT_THAT(child->Stderr(),
-                HasSubstr("--engine-quiesce-timeout must be a positive, finite duration"))
+    const auto [code, err] = StartUpRefusal(bad);
+    EXPECT_EQ(code, 2) << bad;
+    EXPECT_THAT(err, HasSubstr("--engine-quiesce-timeout must be a positive, finite duration"))
         << bad;
   }
 }
 
 TEST_F(RefitdE2eTest, APinnedRegionBudgetThatIsNotASizeIsRefusedAtStartUp) {
-  auto child = Child::Start({BinPath("refitd"), "--model=demo", "--max-pinned-region-bytes=half"},
-                            Path("bad-pinned.out"), Path("bad-pinned.err"));
-  std::optional<int> code = child->Wait();
-  ASSERT_TRUE(code.has_value());
-  EXPECT_EQ(*code, 2);
-  EXPECT_THAT(child->Stderr(), HasSubstr("--max-pinned-region-bytes: "));
-  EXPECT_THAT(child->Stderr(), HasSubstr("(or \"auto\")"));
+  const auto [code, err] = StartUpRefusal("--max-pinned-region-bytes=half");
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(err, HasSubstr("--max-pinned-region-bytes: "));
+  EXPECT_THAT(err, HasSubstr("(or \"auto\")"));
 }
 
 TEST_F(RefitdE2eTest, VersionsAreTheBuildsVersion) {

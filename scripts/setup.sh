@@ -18,6 +18,9 @@ APT_PACKAGES=(
   systemd
   # The fleet tests run a real etcd (tests/testing/etcd_process.h).
   etcd-server
+  # Headers for refit_client's C module (client/python/refit_client/_ntcopy.c)
+  # when the venv is made from Debian's python3.
+  python3-dev
 )
 
 missing=()
@@ -47,10 +50,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$req_sha" ] || \
   echo "$req_sha" > "$stamp"
 fi
 # The Python client, editable; its gRPC stubs are generated from the proto at
-# install time, so a change of the proto or of the package's build files
-# reinstalls it.
+# install time, and its C module (_ntcopy.c) built, so a change of the proto,
+# of that module or of the package's build files reinstalls it.
 client_stamp="$VENV/.refit-client.sha"
-client_sha=$(cat client/python/pyproject.toml client/python/setup.py proto/refit/v1/refit.proto \
+client_sha=$(cat client/python/pyproject.toml client/python/setup.py \
+  client/python/refit_client/_ntcopy.c proto/refit/v1/refit.proto \
   proto/refit/v1/engine.proto proto/refit/v1/region.proto |
   sha256sum | cut -d' ' -f1)
 if [ "$(cat "$client_stamp" 2>/dev/null)" != "$client_sha" ] || \

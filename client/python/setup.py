@@ -1,4 +1,5 @@
-"""Build hook of refit-client: generates the gRPC stubs at build time.
+"""Build hook of refit-client: generates the gRPC stubs at build time, and
+builds the optional C module that copies with streaming stores.
 
 `build_py` (which both `pip install` and editable installs run) calls
 grpc_tools.protoc on proto/refit/v1/refit.proto, engine.proto and region.proto into
@@ -10,7 +11,7 @@ $REFIT_PROTO_DIR or ../../proto (this directory inside the refitd tree).
 import os
 import pathlib
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -50,4 +51,16 @@ class BuildPyWithStubs(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs})
+setup(
+    cmdclass={"build_py": BuildPyWithStubs},
+    # The staging copy with streaming stores (refit_client/_ntcopy.c).
+    # Optional: without a C compiler the package installs without it and
+    # copies with numpy.
+    ext_modules=[
+        Extension(
+            "refit_client._ntcopy",
+            ["refit_client/_ntcopy.c"],
+            optional=True,
+        )
+    ],
+)

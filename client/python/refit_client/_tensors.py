@@ -26,16 +26,27 @@ _MAX_COPY_THREADS = 8
 _copy_pool: Any = None
 _copy_pool_lock = threading.Lock()
 
+try:
+    # Streaming stores for the staging copy (_ntcopy.c says why); built
+    # with the package where a C compiler was found.
+    from ._ntcopy import copy as _copy_bytes
+
+    STREAMING_COPY = True
+except ImportError:
+    _copy_bytes = np.copyto
+    STREAMING_COPY = False
+
 
 def parallel_copyto(dst: np.ndarray, src: np.ndarray, threads: Optional[int] = None) -> None:
-    """np.copyto of two 1-D uint8 arrays of one size, split over up to
+    """Copies a 1-D uint8 array into another of its size, split over up to
     `threads` (default COPY_THREADS, at most 8) threads: this one and a
-    shared pool's (np.copyto releases the GIL while it copies)."""
+    shared pool's. Each piece goes with streaming stores where _ntcopy was
+    built, with np.copyto otherwise (both release the GIL while they copy)."""
     threads = COPY_THREADS if threads is None else threads
     n = src.shape[0]
     parts = max(1, min(threads, _MAX_COPY_THREADS, n // _COPY_PIECE))
     if parts == 1:
-        np.copyto(dst, src)
+        _copy_bytes(dst, src)
         return
     global _copy_pool
     with _copy_pool_lock:
@@ -47,9 +58,9 @@ def parallel_copyto(dst: np.ndarray, src: np.ndarray, threads: Optional[int] = N
             )
         pool = _copy_pool
     bounds = [n * i // parts for i in range(parts + 1)]
-    futures = [pool.submit(np.copyto, dst[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]])
+    futures = [pool.submit(_copy_bytes, dst[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]])
                for i in range(1, parts)]
-    np.copyto(dst[: bounds[1]], src[: bounds[1]])
+    _copy_bytes(dst[: bounds[1]], src[: bounds[1]])
     for f in futures:
         f.result()
 

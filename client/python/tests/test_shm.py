@@ -856,3 +856,49 @@ def test_parallel_copyto_copies_every_byte_once_into_its_place(threads):
     parallel_copyto(dst[32 : 32 + n], src, threads=threads)
     assert np.array_equal(dst[32 : 32 + n], src)
     assert not dst[:32].any() and not dst[32 + n :].any()
+
+
+def test_the_streaming_copy_module_is_built():
+    # setup.sh installs the package with a C compiler at hand: the staging
+    # copy must not have fallen back to numpy's (a slower copy, silently).
+    import platform
+
+    from refit_client import _ntcopy, _tensors
+
+    assert _tensors.STREAMING_COPY
+    assert _ntcopy.STREAMING == (1 if platform.machine() in ("x86_64", "AMD64") else 0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, (256 << 10) - 1, 256 << 10, (1 << 20) + 77])
+@pytest.mark.parametrize("dst_shift,src_shift", [(0, 0), (1, 0), (0, 3), (13, 63), (63, 1)])
+def test_streaming_copy_copies_exact_bytes_at_any_alignment(n, dst_shift, src_shift):
+    from refit_client._ntcopy import copy
+
+    rng = np.random.default_rng(n + 7 * dst_shift + src_shift)
+    src = rng.integers(0, 256, n + 64, dtype=np.uint8)
+    dst = np.full(n + 128, 0xA5, dtype=np.uint8)
+    copy(dst[dst_shift : dst_shift + n], src[src_shift : src_shift + n])
+    assert np.array_equal(dst[dst_shift : dst_shift + n], src[src_shift : src_shift + n])
+    # Nothing written outside the destination (the head and tail are
+    # where a vector loop would overrun).
+    assert (dst[:dst_shift] == 0xA5).all() and (dst[dst_shift + n :] == 0xA5).all()
+
+
+def test_streaming_copy_refuses_bad_buffers_and_handles_overlap():
+    from refit_client._ntcopy import copy
+
+    src = np.arange(4096, dtype=np.uint8)
+    with pytest.raises(ValueError, match="destination is 4095 bytes, source 4096"):
+        copy(np.empty(4095, dtype=np.uint8), src)
+    frozen = np.empty(4096, dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises((TypeError, BufferError)):
+        copy(frozen, src)
+    with pytest.raises((TypeError, BufferError)):
+        copy(np.empty(8192, dtype=np.uint8)[::2], src)  # not contiguous
+    # Overlapping buffers (above the streaming threshold) copy as memmove.
+    n = 1 << 20
+    buf = np.random.default_rng(5).integers(0, 256, n + 100, dtype=np.uint8)
+    want = buf[:n].copy()
+    copy(buf[100 : 100 + n], buf[:n])
+    assert np.array_equal(buf[100 : 100 + n], want)

@@ -456,15 +456,12 @@ int main(int argc, char** argv) {
   std::atomic<bool> signalled{false};
   // Under systemd with WatchdogSec= (deploy/systemd): pings while every
   // listener still accepts connections, from READY=1 until the shutdown.
-  // TLS listeners are not probed: the probe speaks plaintext HTTP/2, which a
-  // TLS server logs as a failed handshake.
   const std::optional<absl::Duration> watchdog_timeout =
       refit::server::WatchdogTimeoutFromEnvironment();
-  const bool probe_listeners = options.tls_cert.empty();
   refit::server::ServiceWatchdog watchdog(
       watchdog_timeout.value_or(absl::Seconds(3)),
-      refit::server::ServiceWatchdog::ProbeAll(probe_listeners ? (*server)->bound_addresses()
-                                                               : std::vector<std::string>()),
+      refit::server::ServiceWatchdog::ProbeAll((*server)->bound_addresses(),
+                                               /*tls=*/!options.tls_cert.empty()),
       [](absl::string_view state) { NotifyServiceManager(std::string(state).c_str()); });
   std::thread waiter([&] {
     int signal_number = 0;
@@ -506,10 +503,7 @@ int main(int argc, char** argv) {
     NotifyServiceManager("READY=1\nSTATUS=serving; ready");
     if (watchdog_timeout.has_value()) {
       REFIT_LOG(INFO).Field("timeout", absl::FormatDuration(*watchdog_timeout))
-          << (probe_listeners ? "watchdog: pinging the service manager while every listener "
-                                "accepts connections"
-                              : "watchdog: pinging the service manager while refitd runs (TLS "
-                                "listeners are not probed)");
+          << "watchdog: pinging the service manager while every listener accepts connections";
       watchdog.Start();
     }
   } else {

@@ -11,24 +11,61 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <utility>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/log.h"
+#include "openssl/bio.h"
+#include "openssl/err.h"
+#include "openssl/ssl.h"
 
 namespace refit::server {
 namespace {
 
 // What an HTTP/2 client sends first: the connection preface and an empty
 // SETTINGS frame. A gRPC server that accepted the connection answers with
-// its own SETTINGS; a TLS one answers with an alert and closes.
+// its own SETTINGS.
 constexpr char kPreface[] =
     "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
     "\x00\x00\x00\x04\x00\x00\x00\x00\x00";
 constexpr size_t kPrefaceBytes = sizeof(kPreface) - 1;
+
+// What a TLS client sends first: a ClientHello (offering "h2", as gRPC
+// clients do), made fresh by OpenSSL into memory. A TLS listener answers
+// with its ServerHello; the probe then closes, which the server takes for a
+// client that went away mid-handshake, with no error logged (the HTTP/2
+// preface instead would be logged as a failed handshake every round).
+absl::StatusOr<std::string> TlsClientHello() {
+  SSL_CTX* ctx = ::SSL_CTX_new(::TLS_client_method());
+  if (ctx == nullptr) return absl::InternalError("TLS probe: SSL_CTX_new failed");
+  std::string hello;
+  SSL* ssl = ::SSL_new(ctx);
+  BIO* in = ::BIO_new(::BIO_s_mem());
+  BIO* out = ::BIO_new(::BIO_s_mem());
+  static constexpr unsigned char kAlpn[] = {2, 'h', '2'};
+  if (ssl != nullptr && in != nullptr && out != nullptr) {
+    ::SSL_set_bio(ssl, in, out);  // ssl owns both from here
+    in = out = nullptr;
+    ::SSL_set_alpn_protos(ssl, kAlpn, sizeof(kAlpn));
+    ::SSL_set_connect_state(ssl);
+    ::SSL_do_handshake(ssl);  // writes the ClientHello, then wants to read
+    char* data = nullptr;
+    const long n = BIO_get_mem_data(::SSL_get_wbio(ssl), &data);
+    if (n > 0 && data != nullptr) hello.assign(data, static_cast<size_t>(n));
+  }
+  ::BIO_free(in);
+  ::BIO_free(out);
+  ::SSL_free(ssl);
+  ::SSL_CTX_free(ctx);
+  ::ERR_clear_error();  // this thread's queue: nothing for gRPC to find later
+  if (hello.empty()) return absl::InternalError("TLS probe: OpenSSL wrote no ClientHello");
+  return hello;
+}
 
 int MillisecondsUntil(absl::Time deadline) {
   const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
@@ -43,10 +80,11 @@ struct Socket {
   }
 };
 
-// Connects `s` (non-blocking) to `address`, and sends the preface; then
+// Connects `s` (non-blocking) to `address`, and sends `greeting`; then
 // waits for any answer or a close.
 absl::Status ConnectAndHear(Socket& s, const sockaddr* address, socklen_t length,
-                            absl::string_view name, absl::Time deadline) {
+                            absl::string_view name, absl::string_view greeting,
+                            absl::Time deadline) {
   if (::connect(s.fd, address, length) != 0 && errno != EINPROGRESS) {
     return absl::UnavailableError(
         absl::StrCat("listener ", name, ": connect: ", std::strerror(errno)));
@@ -62,7 +100,7 @@ absl::Status ConnectAndHear(Socket& s, const sockaddr* address, socklen_t length
     return absl::UnavailableError(
         absl::StrCat("listener ", name, ": connect: ", std::strerror(error)));
   }
-  if (::send(s.fd, kPreface, kPrefaceBytes, MSG_NOSIGNAL) < 0 && errno != EAGAIN) {
+  if (::send(s.fd, greeting.data(), greeting.size(), MSG_NOSIGNAL) < 0 && errno != EAGAIN) {
     return absl::OkStatus();  // reset at once: something accepted and refused it
   }
   p = pollfd{s.fd, POLLIN, 0};
@@ -86,7 +124,13 @@ std::optional<absl::Duration> WatchdogTimeoutFromEnvironment() {
   return absl::Microseconds(static_cast<int64_t>(micros));
 }
 
-absl::Status ProbeListener(absl::string_view address, absl::Time deadline) {
+absl::Status ProbeListener(absl::string_view address, absl::Time deadline, bool tls) {
+  std::string greeting(kPreface, kPrefaceBytes);
+  if (tls) {
+    absl::StatusOr<std::string> hello = TlsClientHello();
+    if (!hello.ok()) return hello.status();
+    greeting = *std::move(hello);
+  }
   if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
     const bool abstract = absl::StartsWith(address, "unix-abstract:");
     absl::string_view path = address.substr(abstract ? 14 : 5);
@@ -105,7 +149,8 @@ absl::Status ProbeListener(absl::string_view address, absl::Time deadline) {
       return absl::UnavailableError(
           absl::StrCat("listener ", address, ": socket: ", std::strerror(errno)));
     }
-    return ConnectAndHear(s, reinterpret_cast<const sockaddr*>(&un), length, address, deadline);
+    return ConnectAndHear(s, reinterpret_cast<const sockaddr*>(&un), length, address, greeting,
+                          deadline);
   }
   std::string host;
   std::string port;
@@ -137,7 +182,7 @@ absl::Status ProbeListener(absl::string_view address, absl::Time deadline) {
   for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
     Socket s{::socket(a->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
     if (s.fd < 0) continue;
-    status = ConnectAndHear(s, a->ai_addr, a->ai_addrlen, address, deadline);
+    status = ConnectAndHear(s, a->ai_addr, a->ai_addrlen, address, greeting, deadline);
     if (status.ok()) break;
   }
   ::freeaddrinfo(found);
@@ -163,10 +208,10 @@ void ServiceWatchdog::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-ServiceWatchdog::Probe ServiceWatchdog::ProbeAll(std::vector<std::string> addresses) {
-  return [addresses = std::move(addresses)](absl::Time deadline) {
+ServiceWatchdog::Probe ServiceWatchdog::ProbeAll(std::vector<std::string> addresses, bool tls) {
+  return [addresses = std::move(addresses), tls](absl::Time deadline) {
     for (const std::string& address : addresses) {
-      if (absl::Status s = ProbeListener(address, deadline); !s.ok()) return s;
+      if (absl::Status s = ProbeListener(address, deadline, tls); !s.ok()) return s;
     }
     return absl::OkStatus();
   };
@@ -174,6 +219,7 @@ ServiceWatchdog::Probe ServiceWatchdog::ProbeAll(std::vector<std::string> addres
 
 void ServiceWatchdog::Run() {
   int failures = 0;
+  std::string last_failure;  // logged once, and again only when the reason changes
   for (;;) {
     const absl::Time round = absl::Now();
     const absl::Status alive = probe_(round + interval_);
@@ -184,8 +230,10 @@ void ServiceWatchdog::Run() {
     if (alive.ok()) {
       if (failures > 0) REFIT_LOG(INFO) << "watchdog: every listener answers again";
       failures = 0;
+      last_failure.clear();
       notify_("WATCHDOG=1");
-    } else if (failures++ == 0) {
+    } else if (failures++ == 0 || alive.message() != last_failure) {
+      last_failure = std::string(alive.message());
       REFIT_LOG(ERROR) << "watchdog: " << alive.message()
                        << "; not pinging the service manager, which restarts refitd once "
                           "WatchdogSec passes without a ping";

@@ -7,9 +7,10 @@
 // nothing new, and a connect still succeeds into the kernel's listen
 // backlog, so neither the process state nor a TCP check shows it. Each
 // round, every listen address is probed the way a client would find out:
-// connect, send the HTTP/2 connection preface, and wait for the server to
-// answer anything (its SETTINGS, a TLS alert) or to close; a listener that
-// no longer accepts leaves the connection in its backlog, unanswered. While
+// connect, send what a client sends first (the HTTP/2 connection preface,
+// or a TLS ClientHello when the listeners use TLS), and wait for the server
+// to answer anything (its SETTINGS, its ServerHello) or to close; a listener
+// that no longer accepts leaves the connection in its backlog, unanswered. While
 // every listener answers, "WATCHDOG=1" goes to the service manager; when one
 // stops, the pings stop and systemd restarts the unit after WatchdogSec.
 //
@@ -40,10 +41,12 @@ std::optional<absl::Duration> WatchdogTimeoutFromEnvironment();
 
 // Whether the server behind `address` (a listen address as bound: "unix:/
 // path" or "host:port"; a wildcard host is probed on loopback) accepts a new
-// connection and answers it before `deadline`. UNAVAILABLE naming the
-// address and what happened otherwise; INVALID_ARGUMENT for an address it
-// cannot parse.
-absl::Status ProbeListener(absl::string_view address, absl::Time deadline);
+// connection and answers it before `deadline`. With `tls` it greets the
+// listener with a TLS ClientHello (a TLS server logs a plaintext greeting
+// as a failed handshake), and leaves before the handshake ends. UNAVAILABLE
+// naming the address and what happened otherwise; INVALID_ARGUMENT for an
+// address it cannot parse.
+absl::Status ProbeListener(absl::string_view address, absl::Time deadline, bool tls = false);
 
 class ServiceWatchdog {
  public:
@@ -64,9 +67,9 @@ class ServiceWatchdog {
   // Ends the thread; no ping after it returns. Any thread.
   void Stop();
 
-  // A probe of every address in `addresses` (ProbeListener); the first
-  // failure.
-  static Probe ProbeAll(std::vector<std::string> addresses);
+  // A probe of every address in `addresses` (ProbeListener, with `tls`
+  // when they use TLS); the first failure.
+  static Probe ProbeAll(std::vector<std::string> addresses, bool tls);
 
  private:
   void Run();

@@ -8,6 +8,7 @@ bin/refitctl, as scripts/test.sh leaves it.
 
 import os
 import pathlib
+import subprocess
 
 import pytest
 
@@ -40,3 +41,16 @@ def refitd_flags(build_dir):
     out = subprocess.run([str(build_dir / "bin" / "refitd"), "--help"], check=True,
                          capture_output=True, text=True, timeout=60).stdout
     return set(re.findall(r"^  --([a-z0-9-]+) \(default", out, re.M))
+
+
+def make_tls_secret(directory):
+    """A CA and a server certificate for localhost, as the refitd-tls Secret holds them."""
+    directory.mkdir(parents=True)
+    script = """
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=refitd-test-ca -keyout ca.key -out ca.crt
+openssl req -newkey rsa:2048 -nodes -subj /CN=refitd -keyout tls.key -out tls.csr
+openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 -out tls.crt \\
+  -extfile <(printf 'subjectAltName=DNS:localhost')
+"""
+    subprocess.run(["bash", "-c", script], cwd=directory, check=True, capture_output=True,
+                   timeout=120)

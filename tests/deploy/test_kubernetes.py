@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, make_tls_secret
 
 K8S_VERSION = "1.37.0"
 MANIFESTS = sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
@@ -125,19 +125,6 @@ def test_args_are_refitd_flags(path, refitd_flags):
         for arg in refitd_container(workload)["args"]:
             name = arg[2:].split("=")[0]
             assert name in refitd_flags, f"{path.name} passes {arg}, refitd has no --{name}"
-
-
-def make_tls_secret(directory):
-    """A CA and a server certificate for localhost, as the refitd-tls Secret holds them."""
-    directory.mkdir(parents=True)
-    script = """
-openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=refitd-test-ca -keyout ca.key -out ca.crt
-openssl req -newkey rsa:2048 -nodes -subj /CN=refitd -keyout tls.key -out tls.csr
-openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 -out tls.crt \\
-  -extfile <(printf 'subjectAltName=DNS:localhost')
-"""
-    subprocess.run(["bash", "-c", script], cwd=directory, check=True, capture_output=True,
-                   timeout=120)
 
 
 def free_port():

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, make_tls_secret
 
 UNIT = REPO / "deploy" / "systemd" / "refitd@.service"
 SECURITY_THRESHOLD = 3.0
@@ -211,15 +211,23 @@ def test_exec_start_runs_notifies_and_stops(tmp_path, build_dir):
                 proc.wait()
 
 
-def test_watchdog_pings_only_while_the_listener_accepts(tmp_path, build_dir):
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+def test_watchdog_pings_only_while_the_listener_accepts(tmp_path, build_dir, tls):
     """WatchdogSec=: refitd pings while its listener accepts new connections.
     A local peer that exhausts its descriptors makes gRPC 1.51's listener stop
     accepting for good; then the pings stop (systemd restarts the unit), while
     a listener that recovered keeps them going. Either way pings and a fresh
-    connection's answer agree."""
+    connection's answer agree. With TLS the probe greets the listener with a
+    ClientHello, which the server answers without logging anything."""
     import resource
 
     argv, env, settings, run_dir, creds = unit_instance(tmp_path, build_dir)
+    ctl_tls = []
+    if tls:
+        certs = tmp_path / "tls"
+        make_tls_secret(certs)
+        argv += [f"--tls-cert={certs}/tls.crt", f"--tls-key={certs}/tls.key"]
+        ctl_tls = [f"--tls-ca={certs}/ca.crt", "--tls-server-name=localhost"]
     watchdog = dict(settings["Service"])["WatchdogSec"]
     assert watchdog.endswith("s") and int(watchdog[:-1]) >= 10, watchdog
     sock_path = run_dir / "refitd" / "0" / "refitd.sock"
@@ -252,6 +260,11 @@ def test_watchdog_pings_only_while_the_listener_accepts(tmp_path, build_dir):
         try:
             assert "READY=1" in receive(notify, proc, log, 120).split("\n")
             assert pings_within(1.0) >= 3, log.read_text()
+            # Every listener is probed, TLS or not, and a probe leaves no
+            # trace in the log (a plaintext greeting to a TLS listener is
+            # logged as a failed handshake).
+            assert "while every listener accepts connections" in log.read_text()
+            assert "Handshake failed" not in log.read_text(), log.read_text()
             # More connections than the daemon has descriptors, held, then let go.
             flood = []
             for _ in range(300):
@@ -269,7 +282,7 @@ def test_watchdog_pings_only_while_the_listener_accepts(tmp_path, build_dir):
             time.sleep(1.0)
             assert proc.poll() is None, log.read_text()
             answers = subprocess.run(
-                [str(build_dir / "bin" / "refitctl"), f"--addr=unix:{sock_path}",
+                [str(build_dir / "bin" / "refitctl"), f"--addr=unix:{sock_path}", *ctl_tls,
                  "--timeout=2s", "health", "--live"], capture_output=True, text=True,
                 timeout=60).returncode == 0
             pings_within(0.3)  # a round already under way

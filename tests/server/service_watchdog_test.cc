@@ -1,9 +1,11 @@
 // ServiceWatchdog and ProbeListener against real sockets: a listener that
 // accepts (and answers or closes) passes, one whose backlog nobody accepts
-// from fails; the watchdog pings only while its probe passes.
+// from fails, and the probe greets it as an HTTP/2 or a TLS client would;
+// the watchdog pings only while its probe passes.
 #include "server/service_watchdog.h"
 
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -29,10 +31,12 @@ using ::refit::server::testing::MakeTempDir;
 using ::testing::HasSubstr;
 
 // A listening Unix socket at `path`; accepts (and then closes each
-// connection at once) only when `accepting`.
+// connection at once) only when `accepting`. With `answering` it first reads
+// what the client sent (received() keeps the first connection's) and
+// answers one byte.
 class UnixListener {
  public:
-  UnixListener(const std::string& path, bool accepting) {
+  UnixListener(const std::string& path, bool accepting, bool answering = false) {
     fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_un address{};
     address.sun_family = AF_UNIX;
@@ -40,10 +44,20 @@ class UnixListener {
     EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
     EXPECT_EQ(::listen(fd_, 16), 0);
     if (accepting) {
-      thread_ = std::thread([this] {
+      thread_ = std::thread([this, answering] {
         for (;;) {
           const int c = ::accept(fd_, nullptr, nullptr);
           if (c < 0) return;  // shut down
+          if (answering) {
+            pollfd p{c, POLLIN, 0};
+            char buffer[4096];
+            const ssize_t n = ::poll(&p, 1, 2000) == 1 ? ::recv(c, buffer, sizeof(buffer), 0) : 0;
+            {
+              absl::MutexLock lock(&mu_);
+              if (received_.empty() && n > 0) received_.assign(buffer, static_cast<size_t>(n));
+            }
+            ::send(c, "x", 1, MSG_NOSIGNAL);
+          }
           ::close(c);
         }
       });
@@ -55,8 +69,15 @@ class UnixListener {
     ::close(fd_);
   }
 
+  std::string received() {
+    absl::MutexLock lock(&mu_);
+    return received_;
+  }
+
  private:
   int fd_ = -1;
+  absl::Mutex mu_;
+  std::string received_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 
@@ -101,6 +122,34 @@ TEST(ProbeListenerTest, AListenerThatAcceptsPassesOneThatDoesNotFails) {
   EXPECT_TRUE(absl::IsUnavailable(ProbeListener(absl::StrCat("unix:", dir, "/none.sock"), soon)));
   EXPECT_TRUE(absl::IsInvalidArgument(ProbeListener("no-port", soon)));
   EXPECT_TRUE(absl::IsInvalidArgument(ProbeListener("unix:", soon)));
+}
+
+TEST(ProbeListenerTest, GreetsAPlaintextListenerWithHttp2AndATlsOneWithAClientHello) {
+  const std::string dir = MakeTempDir();
+  const absl::Time soon = absl::Now() + absl::Seconds(5);
+  {
+    UnixListener plain(dir + "/p.sock", /*accepting=*/true, /*answering=*/true);
+    ASSERT_TRUE(ProbeListener(absl::StrCat("unix:", dir, "/p.sock"), soon).ok());
+    EXPECT_EQ(plain.received().substr(0, 24), "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+  }
+  UnixListener tls(dir + "/t.sock", /*accepting=*/true, /*answering=*/true);
+  ASSERT_TRUE(ProbeListener(absl::StrCat("unix:", dir, "/t.sock"), soon, /*tls=*/true).ok());
+  const std::string hello = tls.received();
+  // A TLS record (handshake, 22) whose first message is a ClientHello (1),
+  // offering ALPN "h2" as a gRPC client does.
+  ASSERT_GE(hello.size(), 6u);
+  EXPECT_EQ(hello[0], '\x16');
+  EXPECT_EQ(hello[1], '\x03');
+  EXPECT_EQ(hello[5], '\x01');
+  const size_t record = (static_cast<uint8_t>(hello[3]) << 8) | static_cast<uint8_t>(hello[4]);
+  EXPECT_EQ(hello.size(), record + 5) << "one whole record";
+  EXPECT_THAT(hello, HasSubstr(std::string("\x02h2", 3)));
+  // A TLS listener that no longer accepts fails like a plaintext one.
+  UnixListener stuck(dir + "/s.sock", /*accepting=*/false);
+  const absl::Status status = ProbeListener(absl::StrCat("unix:", dir, "/s.sock"),
+                                            absl::Now() + absl::Milliseconds(300), /*tls=*/true);
+  EXPECT_TRUE(absl::IsUnavailable(status)) << status;
+  EXPECT_THAT(status.message(), HasSubstr("the connection was not accepted"));
 }
 
 TEST(ServiceWatchdogTest, PingsOnlyWhileItsProbePasses) {

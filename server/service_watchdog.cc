@@ -13,6 +13,7 @@
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
@@ -81,10 +82,12 @@ struct Socket {
 };
 
 // Connects `s` (non-blocking) to `address`, and sends `greeting`; then
-// waits for any answer or a close.
+// waits for any answer or a close. `*connected` tells whether the connect
+// itself went through (then a failure is the listener's, not the address's).
 absl::Status ConnectAndHear(Socket& s, const sockaddr* address, socklen_t length,
-                            absl::string_view name, absl::string_view greeting,
-                            absl::Time deadline) {
+                            absl::string_view name, absl::string_view greeting, absl::Time deadline,
+                            bool* connected) {
+  *connected = false;
   if (::connect(s.fd, address, length) != 0 && errno != EINPROGRESS) {
     return absl::UnavailableError(
         absl::StrCat("listener ", name, ": connect: ", std::strerror(errno)));
@@ -100,8 +103,23 @@ absl::Status ConnectAndHear(Socket& s, const sockaddr* address, socklen_t length
     return absl::UnavailableError(
         absl::StrCat("listener ", name, ": connect: ", std::strerror(error)));
   }
-  if (::send(s.fd, greeting.data(), greeting.size(), MSG_NOSIGNAL) < 0 && errno != EAGAIN) {
-    return absl::OkStatus();  // reset at once: something accepted and refused it
+  *connected = true;
+  // All of it: a TLS server answers only a whole ClientHello.
+  for (size_t sent = 0; sent < greeting.size();) {
+    const ssize_t n = ::send(s.fd, greeting.data() + sent, greeting.size() - sent, MSG_NOSIGNAL);
+    if (n > 0) {
+      sent += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EAGAIN) {
+      p = pollfd{s.fd, POLLOUT, 0};
+      if (::poll(&p, 1, MillisecondsUntil(deadline)) <= 0) {
+        return absl::UnavailableError(absl::StrCat(
+            "listener ", name, ": the connection was not accepted (its greeting did not fit)"));
+      }
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return absl::OkStatus();  // reset at once: something accepted and refused it
+    }
   }
   p = pollfd{s.fd, POLLIN, 0};
   if (::poll(&p, 1, MillisecondsUntil(deadline)) <= 0) {
@@ -149,43 +167,61 @@ absl::Status ProbeListener(absl::string_view address, absl::Time deadline, bool 
       return absl::UnavailableError(
           absl::StrCat("listener ", address, ": socket: ", std::strerror(errno)));
     }
+    bool connected = false;
     return ConnectAndHear(s, reinterpret_cast<const sockaddr*>(&un), length, address, greeting,
-                          deadline);
+                          deadline, &connected);
   }
-  std::string host;
+  // The hosts to try, in order: an IPv6 wildcard listener serves IPv4 too
+  // (dual stack), and a host may have no IPv6 loopback.
+  std::vector<std::string> hosts;
   std::string port;
   if (absl::StartsWith(address, "[")) {
     const size_t close = address.find("]:");
     if (close == absl::string_view::npos) {
       return absl::InvalidArgumentError(absl::StrCat("listener ", address, ": bad address"));
     }
-    host = std::string(address.substr(1, close - 1));
+    const absl::string_view host = address.substr(1, close - 1);
     port = std::string(address.substr(close + 2));
-    if (host == "::" || host.empty()) host = "::1";
+    if (host == "::" || host.empty()) {
+      hosts = {"::1", "127.0.0.1"};
+    } else {
+      hosts = {std::string(host)};
+    }
   } else {
     const size_t colon = address.rfind(':');
     if (colon == absl::string_view::npos) {
       return absl::InvalidArgumentError(absl::StrCat("listener ", address, ": bad address"));
     }
-    host = std::string(address.substr(0, colon));
+    const absl::string_view host = address.substr(0, colon);
     port = std::string(address.substr(colon + 1));
-    if (host == "0.0.0.0" || host.empty()) host = "127.0.0.1";
-  }
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("listener ", address, ": cannot resolve: ", ::gai_strerror(rc)));
+    hosts = {host == "0.0.0.0" || host.empty() ? std::string("127.0.0.1") : std::string(host)};
   }
   absl::Status status = absl::UnavailableError(absl::StrCat("listener ", address, ": no address"));
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    Socket s{::socket(a->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
-    if (s.fd < 0) continue;
-    status = ConnectAndHear(s, a->ai_addr, a->ai_addrlen, address, greeting, deadline);
-    if (status.ok()) break;
+  for (const std::string& host : hosts) {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+      status = absl::UnavailableError(
+          absl::StrCat("listener ", address, ": cannot resolve ", host, ": ", ::gai_strerror(rc)));
+      continue;
+    }
+    bool connected = false;
+    for (addrinfo* a = found; a != nullptr && !connected; a = a->ai_next) {
+      Socket s{::socket(a->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
+      if (s.fd < 0) {
+        status = absl::UnavailableError(
+            absl::StrCat("listener ", address, ": socket: ", std::strerror(errno)));
+        continue;
+      }
+      status =
+          ConnectAndHear(s, a->ai_addr, a->ai_addrlen, address, greeting, deadline, &connected);
+      if (status.ok()) break;
+    }
+    ::freeaddrinfo(found);
+    // Answered, or reached and silent: either way the listener's verdict.
+    if (status.ok() || connected) break;
   }
-  ::freeaddrinfo(found);
   return status;
 }
 

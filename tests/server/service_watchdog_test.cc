@@ -17,7 +17,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
@@ -93,6 +95,51 @@ int TcpListenerThatNeverAccepts(int* port) {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
   *port = ntohs(address.sin_port);
   return fd;
+}
+
+// A TCP listener on 127.0.0.1 that accepts, answers one byte and closes;
+// its port.
+class TcpAnsweringListener {
+ public:
+  TcpAnsweringListener() {
+    fd_ = TcpListenerThatNeverAccepts(&port_);
+    thread_ = std::thread([this] {
+      for (;;) {
+        const int c = ::accept(fd_, nullptr, nullptr);
+        if (c < 0) return;  // shut down
+        ::send(c, "x", 1, MSG_NOSIGNAL);
+        ::close(c);
+      }
+    });
+  }
+  ~TcpAnsweringListener() {
+    ::shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(fd_);
+  }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+TEST(ProbeListenerTest, AnIpv6WildcardListenerIsAlsoProbedOverIpv4) {
+  // Nothing listens on [::1]:port (refused, or no IPv6 loopback at all), so
+  // the probe of "[::]:port" must go on to 127.0.0.1, which a dual-stack
+  // wildcard listener also serves.
+  TcpAnsweringListener v4;
+  const absl::Time soon = absl::Now() + absl::Seconds(5);
+  EXPECT_TRUE(ProbeListener(absl::StrCat("[::]:", v4.port()), soon).ok());
+  EXPECT_TRUE(ProbeListener(absl::StrCat("0.0.0.0:", v4.port()), soon).ok());
+  // A listener reached and silent is the verdict: no other address is tried.
+  int port = 0;
+  const int stuck = TcpListenerThatNeverAccepts(&port);
+  const absl::Status status =
+      ProbeListener(absl::StrCat("[::]:", port), absl::Now() + absl::Milliseconds(300));
+  EXPECT_THAT(status.message(), HasSubstr("the connection was not accepted"));
+  ::close(stuck);
 }
 
 TEST(ProbeListenerTest, AListenerThatAcceptsPassesOneThatDoesNotFails) {
@@ -186,6 +233,45 @@ TEST(ServiceWatchdogTest, PingsOnlyWhileItsProbePasses) {
   EXPECT_EQ(count(), stopped);
   absl::MutexLock lock(&mu);
   for (const std::string& s : sent) EXPECT_EQ(s, "WATCHDOG=1");
+}
+
+TEST(ServiceWatchdogTest, LogsAFailureOnceAndAgainWhenItsReasonChanges) {
+  // The probe's answers, round by round; then it passes for good.
+  const std::vector<std::string> reasons = {"listener x: stuck",
+                                            "listener x: stuck",
+                                            "listener x: socket: Too many open files",
+                                            "listener x: socket: Too many open files",
+                                            "",
+                                            "listener x: stuck"};
+  std::atomic<size_t> round{0};
+  std::atomic<int> pings{0};
+  ::testing::internal::CaptureStderr();
+  {
+    ServiceWatchdog watchdog(
+        absl::Milliseconds(30),
+        [&](absl::Time) {
+          const size_t r = round.fetch_add(1);
+          return r < reasons.size() && !reasons[r].empty() ? absl::UnavailableError(reasons[r])
+                                                           : absl::OkStatus();
+        },
+        [&](absl::string_view) { pings.fetch_add(1); });
+    watchdog.Start();
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    while (round.load() < reasons.size() + 2 && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  std::vector<std::string> errors;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (absl::StrContains(line, "ERROR watchdog: ")) errors.emplace_back(line);
+  }
+  ASSERT_EQ(errors.size(), 3u) << log;
+  EXPECT_THAT(errors[0], HasSubstr("listener x: stuck; not pinging"));
+  EXPECT_THAT(errors[1], HasSubstr("Too many open files; not pinging"));
+  EXPECT_THAT(errors[2], HasSubstr("listener x: stuck; not pinging"));  // after a pass
+  EXPECT_THAT(log, HasSubstr("every listener answers again"));
+  EXPECT_GE(pings.load(), 1);
 }
 
 TEST(ServiceWatchdogTest, TheTimeoutComesFromTheEnvironmentForThisProcessOnly) {

@@ -43,14 +43,20 @@ def refitd_flags(build_dir):
     return set(re.findall(r"^  --([a-z0-9-]+) \(default", out, re.M))
 
 
-def make_tls_secret(directory):
-    """A CA and a server certificate for localhost, as the refitd-tls Secret holds them."""
+def make_tls_secret(directory, client=False):
+    """A CA and a server certificate for localhost, as the refitd-tls Secret holds them;
+    with `client`, a client certificate of that CA too (client.crt, client.key)."""
     directory.mkdir(parents=True)
     script = """
 openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=refitd-test-ca -keyout ca.key -out ca.crt
 openssl req -newkey rsa:2048 -nodes -subj /CN=refitd -keyout tls.key -out tls.csr
 openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 -out tls.crt \\
   -extfile <(printf 'subjectAltName=DNS:localhost')
+"""
+    if client:
+        script += """
+openssl req -newkey rsa:2048 -nodes -subj /CN=operator -keyout client.key -out client.csr
+openssl x509 -req -in client.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 -out client.crt
 """
     subprocess.run(["bash", "-c", script], cwd=directory, check=True, capture_output=True,
                    timeout=120)

@@ -211,23 +211,27 @@ def test_exec_start_runs_notifies_and_stops(tmp_path, build_dir):
                 proc.wait()
 
 
-@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+@pytest.mark.parametrize("tls", [None, "tls", "mtls"], ids=["plaintext", "tls", "mutual-tls"])
 def test_watchdog_pings_only_while_the_listener_accepts(tmp_path, build_dir, tls):
     """WatchdogSec=: refitd pings while its listener accepts new connections.
     A local peer that exhausts its descriptors makes gRPC 1.51's listener stop
     accepting for good; then the pings stop (systemd restarts the unit), while
     a listener that recovered keeps them going. Either way pings and a fresh
     connection's answer agree. With TLS the probe greets the listener with a
-    ClientHello, which the server answers without logging anything."""
+    ClientHello, which the server answers without logging anything, also when
+    it asks clients for a certificate (mutual TLS)."""
     import resource
 
     argv, env, settings, run_dir, creds = unit_instance(tmp_path, build_dir)
     ctl_tls = []
     if tls:
         certs = tmp_path / "tls"
-        make_tls_secret(certs)
+        make_tls_secret(certs, client=tls == "mtls")
         argv += [f"--tls-cert={certs}/tls.crt", f"--tls-key={certs}/tls.key"]
         ctl_tls = [f"--tls-ca={certs}/ca.crt", "--tls-server-name=localhost"]
+        if tls == "mtls":
+            argv.append(f"--tls-client-ca={certs}/ca.crt")
+            ctl_tls += [f"--tls-cert={certs}/client.crt", f"--tls-key={certs}/client.key"]
     watchdog = dict(settings["Service"])["WatchdogSec"]
     assert watchdog.endswith("s") and int(watchdog[:-1]) >= 10, watchdog
     sock_path = run_dir / "refitd" / "0" / "refitd.sock"

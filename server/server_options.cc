@@ -109,21 +109,11 @@ absl::Status ValidateListenAddress(absl::string_view address, absl::string_view 
   auto invalid = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(flag, " address \"", address, "\": ", why));
   };
-  absl::string_view host = address, port;
-  if (absl::StartsWith(address, "[")) {
-    const size_t close = address.find(']');
-    if (close == absl::string_view::npos || address.substr(close + 1, 1) != ":") {
-      return invalid("expected [ipv6]:port");
-    }
-    host = address.substr(1, close - 1);
-    port = address.substr(close + 2);
-  } else {
-    const size_t colon = address.rfind(':');
-    if (colon == absl::string_view::npos || address.find(':') != colon) {
-      return invalid("expected host:port, [ipv6]:port or unix:/path");
-    }
-    host = address.substr(0, colon);
-    port = address.substr(colon + 1);
+  absl::string_view host, port;
+  if (!SplitHostPort(address, &host, &port)) {
+    return invalid(absl::StartsWith(address, "[")
+                       ? "expected [ipv6]:port"
+                       : "expected host:port, [ipv6]:port or unix:/path");
   }
   int value = -1;
   if (port.empty() || port.size() > 5 ||
@@ -132,6 +122,21 @@ absl::Status ValidateListenAddress(absl::string_view address, absl::string_view 
     return invalid(absl::StrCat("port \"", port, "\" is not a number in 0..65535"));
   }
   return absl::OkStatus();
+}
+
+bool SplitHostPort(absl::string_view address, absl::string_view* host, absl::string_view* port) {
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find(']');
+    if (close == absl::string_view::npos || address.substr(close + 1, 1) != ":") return false;
+    *host = address.substr(1, close - 1);
+    *port = address.substr(close + 2);
+    return true;
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos || address.find(':') != colon) return false;
+  *host = address.substr(0, colon);
+  *port = address.substr(colon + 1);
+  return true;
 }
 
 bool IsLoopbackAddress(absl::string_view address) {

@@ -155,6 +155,10 @@ std::vector<std::string> SplitListenAddresses(const std::vector<std::string>& va
 // 500510 mod 65536).
 absl::Status ValidateListenAddress(absl::string_view address, absl::string_view flag);
 
+// Splits "host:port" or "[v6]:port" (host without the brackets); false for
+// any other shape (no port separator, an unbracketed host with colons).
+bool SplitHostPort(absl::string_view address, absl::string_view* host, absl::string_view* port);
+
 // True for unix: sockets and 127.0.0.0/8, ::1, localhost.
 bool IsLoopbackAddress(absl::string_view address);
 

@@ -24,6 +24,7 @@
 #include "openssl/bio.h"
 #include "openssl/err.h"
 #include "openssl/ssl.h"
+#include "server/server_options.h"
 
 namespace refit::server {
 namespace {
@@ -173,37 +174,25 @@ absl::Status ProbeListener(absl::string_view address, absl::Time deadline, bool 
   }
   // The hosts to try, in order: an IPv6 wildcard listener serves IPv4 too
   // (dual stack), and a host may have no IPv6 loopback.
-  std::vector<std::string> hosts;
-  std::string port;
+  absl::string_view host, port_text;
+  if (!SplitHostPort(address, &host, &port_text)) {
+    return absl::InvalidArgumentError(absl::StrCat("listener ", address, ": bad address"));
+  }
+  const std::string port(port_text);
+  std::vector<std::string> hosts = {std::string(host)};
   if (absl::StartsWith(address, "[")) {
-    const size_t close = address.find("]:");
-    if (close == absl::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("listener ", address, ": bad address"));
-    }
-    const absl::string_view host = address.substr(1, close - 1);
-    port = std::string(address.substr(close + 2));
-    if (host == "::" || host.empty()) {
-      hosts = {"::1", "127.0.0.1"};
-    } else {
-      hosts = {std::string(host)};
-    }
-  } else {
-    const size_t colon = address.rfind(':');
-    if (colon == absl::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("listener ", address, ": bad address"));
-    }
-    const absl::string_view host = address.substr(0, colon);
-    port = std::string(address.substr(colon + 1));
-    hosts = {host == "0.0.0.0" || host.empty() ? std::string("127.0.0.1") : std::string(host)};
+    if (host == "::" || host.empty()) hosts = {"::1", "127.0.0.1"};
+  } else if (host == "0.0.0.0" || host.empty()) {
+    hosts = {"127.0.0.1"};
   }
   absl::Status status = absl::UnavailableError(absl::StrCat("listener ", address, ": no address"));
-  for (const std::string& host : hosts) {
+  for (const std::string& candidate : hosts) {
     addrinfo hints{};
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* found = nullptr;
-    if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0) {
-      status = absl::UnavailableError(
-          absl::StrCat("listener ", address, ": cannot resolve ", host, ": ", ::gai_strerror(rc)));
+    if (const int rc = ::getaddrinfo(candidate.c_str(), port.c_str(), &hints, &found); rc != 0) {
+      status = absl::UnavailableError(absl::StrCat("listener ", address, ": cannot resolve ",
+                                                   candidate, ": ", ::gai_strerror(rc)));
       continue;
     }
     bool connected = false;

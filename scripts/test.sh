@@ -36,11 +36,17 @@ summary() {
   printf '\n== test.sh summary (%s)\n' "$BUILD_DIR"
   printf '  %s\n' "${steps[@]}"
   # The runners' own closing lines, so neither scrolls out of sight.
-  local f
+  # (ctest.log's first such line: a rerun's own comes after it.)
+  local f pick
   for f in ctest pytest deploy; do
+    pick=tail
+    [ $f = ctest ] && pick=head
     [ -f "$BUILD_DIR/$f.log" ] && printf '  %-7s %s\n' "$f:" \
-      "$(grep -E '(tests passed|[0-9]+ (passed|failed)|no tests ran)' "$BUILD_DIR/$f.log" | tail -1)"
+      "$(grep -E '(tests passed|[0-9]+ (passed|failed)|no tests ran)' "$BUILD_DIR/$f.log" | $pick -1)"
   done
+  f="$BUILD_DIR/ctest-rerun.log"
+  [ -f "$f" ] && printf '  %-7s %s\n' "rerun:" \
+    "$(head -1 "$f"); run again alone: $(grep -E 'tests passed' "$f" | tail -1)"
   return 0
 }
 # Runs a test runner with its output also kept in $BUILD_DIR/NAME.log.
@@ -56,7 +62,25 @@ run_step setup scripts/setup.sh || { summary; exit 1; }
 run_step build scripts/build.sh || { summary; exit 1; }
 run_step format scripts/format-check.sh || true
 run_step thread-safety scripts/thread-safety.sh || true
-run_step tests logged ctest ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 300 "$@" || true
+# A few failed tests (at most 3) are run once more, alone. A test that then
+# passes still shows in the summary and in $BUILD_DIR/ctest-rerun.log, with
+# the failed run's output kept in ctest.log; more failures than that, or a
+# test that fails twice, fail the step. Every test binary prints a stack trace
+# when it crashes (tests/testing/test_main.cc).
+run_ctest() {
+  local rc=0 list="$BUILD_DIR/Testing/Temporary/LastTestsFailed.log"
+  rm -f "$list"
+  ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 300 "$@" || rc=$?
+  [ $rc -ne 0 ] || return 0
+  [ -s "$list" ] && [ "$(wc -l < "$list")" -le 3 ] || return $rc
+  printf 'failed: %s\n' "$(cut -d: -f2- "$list" | paste -sd' ')" > "$BUILD_DIR/ctest-rerun.log"
+  printf '\n== test.sh: running once more, alone: %s\n' "$(cut -d: -f2- "$list" | paste -sd' ')"
+  ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 300 --rerun-failed "$@" \
+    2>&1 | tee -a "$BUILD_DIR/ctest-rerun.log"
+  return "${PIPESTATUS[0]}"
+}
+rm -f "$BUILD_DIR/ctest-rerun.log"
+run_step tests logged ctest run_ctest "$@" || true
 # pytest exits 5 when it collected no test. That is a failure here too: the
 # suite always has tests, so none collected means they were lost.
 run_step python logged pytest env REFIT_BUILD_DIR="$BUILD_DIR" .venv/bin/python -m pytest client/python/tests -q \

@@ -1,0 +1,36 @@
+// Every test binary reports a crash with a symbolized stack trace
+// (tests/testing/test_main.cc), so a test that dies of a signal once on a CI
+// machine leaves more than "SEGFAULT" in the log.
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+namespace {
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define REFIT_TEST_SANITIZED 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define REFIT_TEST_SANITIZED 1
+#endif
+
+// Not inlined, so it is a frame of its own in the trace.
+[[gnu::noinline]] void CrashHereOnPurpose() {
+  ::raise(SIGSEGV);
+  ::_exit(0);
+}
+
+TEST(CrashReportTest, ATestThatDiesOfASignalPrintsWhereItDied) {
+#ifdef REFIT_TEST_SANITIZED
+  GTEST_SKIP() << "under a sanitizer, its own handler reports crashes";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // The signal's name, then the frames, this function's among them, and the
+  // process still ends by the signal.
+  EXPECT_EXIT(CrashHereOnPurpose(), ::testing::KilledBySignal(SIGSEGV),
+              "received SIGSEGV(.|\n)*CrashHereOnPurpose");
+}
+
+}  // namespace

@@ -18,7 +18,7 @@ APT_PACKAGES=(
   systemd
   # The fleet tests run a real etcd (tests/testing/etcd_process.h).
   etcd-server
-  # Headers for refit_client's C module (client/python/refit_client/_ntcopy.c)
+  # Headers for refit_client's C modules (client/python/refit_client/*.c)
   # when the venv is made from Debian's python3.
   python3-dev
 )
@@ -50,12 +50,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$req_sha" ] || \
   echo "$req_sha" > "$stamp"
 fi
 # The Python client, editable; its gRPC stubs are generated from the proto at
-# install time, and its C module (_ntcopy.c) built, so a change of the proto,
-# of that module or of the package's build files reinstalls it.
+# install time, and its C modules (_ntcopy.c, _atomics.c) built, so a change of
+# the proto, of those modules or of the package's build files reinstalls it.
 client_stamp="$VENV/.refit-client.sha"
 client_sha=$(cat client/python/pyproject.toml client/python/setup.py \
-  client/python/refit_client/_ntcopy.c proto/refit/v1/refit.proto \
-  proto/refit/v1/engine.proto proto/refit/v1/region.proto |
+  client/python/refit_client/_ntcopy.c client/python/refit_client/_atomics.c \
+  proto/refit/v1/refit.proto proto/refit/v1/engine.proto proto/refit/v1/region.proto |
   sha256sum | cut -d' ' -f1)
 if [ "$(cat "$client_stamp" 2>/dev/null)" != "$client_sha" ] || \
    ! "$VENV/bin/python" -c "import refit_client._proto.refit_pb2, refit_client._proto.engine_pb2, refit_client._proto.region_pb2" \

@@ -53,14 +53,12 @@ class BuildPyWithStubs(build_py):
 
 setup(
     cmdclass={"build_py": BuildPyWithStubs},
-    # The staging copy with streaming stores (refit_client/_ntcopy.c).
-    # Optional: without a C compiler the package installs without it and
-    # copies with numpy.
+    # The staging copy with streaming stores (refit_client/_ntcopy.c) and
+    # the arena header's ordered loads (refit_client/_atomics.c). Optional:
+    # without a C compiler the package installs without them, copies with
+    # numpy and reads the header with struct.
     ext_modules=[
-        Extension(
-            "refit_client._ntcopy",
-            ["refit_client/_ntcopy.c"],
-            optional=True,
-        )
+        Extension("refit_client._ntcopy", ["refit_client/_ntcopy.c"], optional=True),
+        Extension("refit_client._atomics", ["refit_client/_atomics.c"], optional=True),
     ],
 )

@@ -77,6 +77,21 @@ _MAGIC = b"REFITAR1"
 _FORMAT = 1  # the header format this client reads
 _SEQ_OFFSET = 40
 _VERSION_OFFSET = 48
+_COMMITTED_NS_OFFSET = 56
+
+try:
+    # Whole 64-bit loads with a read fence and acquire ordering: what a seqlock
+    # reader needs on AArch64 as on x86-64 (_atomics.c says why).
+    from ._atomics import load_acquire as _load_acquire
+
+    ORDERED_HEADER_READS = True
+except ImportError:  # built without a C compiler
+    ORDERED_HEADER_READS = platform.machine().lower() in ("x86_64", "amd64")
+
+    def _load_acquire(buffer: Any, offset: int) -> int:
+        # struct's loads: in order on x86-64, which keeps loads in order.
+        return struct.unpack_from("<Q", buffer, offset)[0]
+
 _FINGERPRINT = slice(64, 96)
 _REFIT_ID = slice(96, 224)
 
@@ -961,8 +976,8 @@ class AttachedEngine:
     def header(self) -> Tuple[int, int]:
         """(seq, version) from the arena header, read without any RPC: seq is
         odd while a commit copies."""
-        seq, version = struct.unpack_from("<QQ", self._map, _SEQ_OFFSET)
-        return seq, version
+        seq = _load_acquire(self._map, _SEQ_OFFSET)
+        return seq, _load_acquire(self._map, _VERSION_OFFSET)
 
     def arena_commit(self) -> Optional[Tuple[int, str, str]]:
         """(version, refit_id, fingerprint) of the arena's latest commit, read
@@ -974,7 +989,7 @@ class AttachedEngine:
                 return None
             fingerprint = bytes(self._map[_FINGERPRINT])
             refit_id = bytes(self._map[_REFIT_ID])
-            if struct.unpack_from("<Q", self._map, _SEQ_OFFSET)[0] == seq:
+            if _load_acquire(self._map, _SEQ_OFFSET) == seq:
                 return (
                     version,
                     refit_id.split(b"\0", 1)[0].decode("ascii", "replace"),
@@ -989,8 +1004,9 @@ class AttachedEngine:
         engine how old what it serves is, and how long a Committed event took
         to arrive."""
         for _ in range(1000):
-            seq, version, nanos = struct.unpack_from("<QQQ", self._map, _SEQ_OFFSET)
-            if seq % 2 == 0 and struct.unpack_from("<Q", self._map, _SEQ_OFFSET)[0] == seq:
+            seq, version = self.header()
+            nanos = _load_acquire(self._map, _COMMITTED_NS_OFFSET)
+            if seq % 2 == 0 and _load_acquire(self._map, _SEQ_OFFSET) == seq:
                 return version, nanos / 1e9
             time.sleep(0)
         raise RefitError("attach: the arena header stayed mid-commit")
@@ -1050,6 +1066,14 @@ def attach(
         with open(token_file) as f:
             lines = f.read().splitlines()
         token = lines[0].strip() if lines else ""
+    if not ORDERED_HEADER_READS:
+        warnings.warn(
+            "attach: refit_client._atomics was not built (no C compiler when the package was "
+            f"installed); on {platform.machine()} the arena header's seqlock reads are not "
+            "ordered, so consistent() can miss a commit. Reinstall refit-client with a C compiler.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     # Building hundreds of tensors allocates thousands of objects: enough to
     # set off a full cyclic collection of the engine's heap (tens of ms in a
     # process with torch loaded) in the middle of attach. It runs later.

@@ -10,6 +10,7 @@ import itertools
 import os
 import pathlib
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -966,3 +967,51 @@ def test_an_unmap_due_during_a_graph_capture_waits_for_the_next_safe_point_or_at
     del mapping
     gc.collect()
     assert unmapped == [0x1000, 0x2000]
+
+
+def test_the_ordered_header_reads_module_is_built():
+    # setup.sh installs the package with a C compiler at hand: the header's
+    # seqlock reads must not have fallen back to struct's (unordered on
+    # AArch64), silently.
+    from refit_client import _atomics
+
+    assert _attach_module.ORDERED_HEADER_READS
+    assert _attach_module._load_acquire is _atomics.load_acquire
+
+
+def test_load_acquire_reads_whole_little_endian_words_and_refuses_bad_offsets(tmp_path):
+    load_acquire = pytest.importorskip("refit_client._atomics").load_acquire
+    import mmap
+
+    words = [0, 1, 0xFF, 0x100, 2**63 + 5, 2**64 - 1, 0x0123456789ABCDEF]
+    path = tmp_path / "header"
+    path.write_bytes(struct.pack(f"<{len(words)}Q", *words))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        # A read-only shared mapping, as an engine maps the arena.
+        assert [load_acquire(m, 8 * i) for i in range(len(words))] == words
+        n = len(m)
+        with pytest.raises(IndexError, match=f"offset {n - 7} is outside a {n}-byte buffer"):
+            load_acquire(m, n - 7)
+        with pytest.raises(IndexError, match="offset -8 is outside"):
+            load_acquire(m, -8)
+        with pytest.raises(ValueError, match="offset 4 is not 8-byte aligned"):
+            load_acquire(m, 4)
+    with pytest.raises(IndexError, match="outside a 4-byte buffer"):
+        load_acquire(b"\0" * 4, 0)
+    with pytest.raises(TypeError):
+        load_acquire("not a buffer", 0)
+
+
+def test_without_ordered_header_reads_attach_warns_off_x86(daemon, client, weights, monkeypatch):
+    # Built without a C compiler, on a machine that reorders loads: the engine
+    # is told, and still reads the header (with struct) correctly.
+    monkeypatch.setattr(_attach_module, "ORDERED_HEADER_READS", False)
+    monkeypatch.setattr(
+        _attach_module, "_load_acquire", lambda buf, off: struct.unpack_from("<Q", buf, off)[0]
+    )
+    pushed = client.push(load_state_dict(weights(2)))
+    with pytest.warns(RuntimeWarning, match="seqlock reads are not ordered"):
+        engine = attach(daemon.address, coordinate=False)
+    with engine:
+        assert engine.arena_commit() == (pushed.version, pushed.refit_id, pushed.fingerprint)
+        assert engine.committed_at()[0] == pushed.version

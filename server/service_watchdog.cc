@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -244,7 +245,11 @@ ServiceWatchdog::Probe ServiceWatchdog::ProbeAll(std::vector<std::string> addres
 
 void ServiceWatchdog::Run() {
   int failures = 0;
-  std::string last_failure;  // logged once, and again only when the reason changes
+  // The reasons logged since every listener last answered: each once, so
+  // two listeners failing in turn do not log every round. Bounded, as the
+  // reasons carry errno texts and addresses.
+  absl::flat_hash_set<std::string> logged;
+  constexpr size_t kMaxLoggedReasons = 16;
   for (;;) {
     const absl::Time round = absl::Now();
     const absl::Status alive = probe_(round + interval_);
@@ -255,13 +260,15 @@ void ServiceWatchdog::Run() {
     if (alive.ok()) {
       if (failures > 0) REFIT_LOG(INFO) << "watchdog: every listener answers again";
       failures = 0;
-      last_failure.clear();
+      logged.clear();
       notify_("WATCHDOG=1");
-    } else if (failures++ == 0 || alive.message() != last_failure) {
-      last_failure = std::string(alive.message());
-      REFIT_LOG(ERROR) << "watchdog: " << alive.message()
-                       << "; not pinging the service manager, which restarts refitd once "
-                          "WatchdogSec passes without a ping";
+    } else {
+      ++failures;
+      if (logged.size() < kMaxLoggedReasons && logged.emplace(alive.message()).second) {
+        REFIT_LOG(ERROR) << "watchdog: " << alive.message()
+                         << "; not pinging the service manager, which restarts refitd once "
+                            "WatchdogSec passes without a ping";
+      }
     }
     absl::MutexLock lock(&mu_);
     mu_.AwaitWithDeadline(absl::Condition(&stopping_), round + interval_);

@@ -235,12 +235,16 @@ TEST(ServiceWatchdogTest, PingsOnlyWhileItsProbePasses) {
   for (const std::string& s : sent) EXPECT_EQ(s, "WATCHDOG=1");
 }
 
-TEST(ServiceWatchdogTest, LogsAFailureOnceAndAgainWhenItsReasonChanges) {
-  // The probe's answers, round by round; then it passes for good.
+TEST(ServiceWatchdogTest, LogsEachReasonOfAFailureOnceUntilEveryListenerAnswersAgain) {
+  // The probe's answers, round by round; then it passes for good. Two
+  // listeners failing in turn alternate reasons: each is logged once.
   const std::vector<std::string> reasons = {"listener x: stuck",
                                             "listener x: stuck",
                                             "listener x: socket: Too many open files",
                                             "listener x: socket: Too many open files",
+                                            "listener x: stuck",
+                                            "listener x: socket: Too many open files",
+                                            "listener x: stuck",
                                             "",
                                             "listener x: stuck"};
   std::atomic<size_t> round{0};

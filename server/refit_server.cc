@@ -15,6 +15,7 @@
 #include <utility>
 
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -290,11 +291,16 @@ absl::Status RefitServer::StartGrpc() {
                                "grpc.reflection.v1alpha.ServerReflection", "refit.v1.EngineService",
                                "refit.v1.RegionService"},
       auth_.get());
+  // refitd accepts connections itself and hands them to gRPC, whose own
+  // listener stops for good after running out of descriptors once
+  // (server/grpc_listeners.h).
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> listeners = GrpcListeners::Bind(options_.listen);
+  if (!listeners.ok()) return listeners.status();
+  listeners_ = *std::move(listeners);
   grpc::ServerBuilder builder;
-  std::vector<int> ports(options_.listen.size(), 0);
-  for (size_t i = 0; i < options_.listen.size(); ++i) {
-    builder.AddListeningPort(options_.listen[i], credentials, &ports[i]);
-  }
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor =
+      builder.experimental().AddExternalConnectionAcceptor(
+          grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   const int64_t receive_limit =
       std::min<int64_t>(options_.max_chunk_bytes + kMessageHeadroomBytes, INT_MAX);
   builder.SetMaxReceiveMessageSize(static_cast<int>(receive_limit));
@@ -305,20 +311,13 @@ absl::Status RefitServer::StartGrpc() {
   builder.RegisterService(regions_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
+    listeners_->Stop();
     return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", absl::StrJoin(options_.listen, ", ")));
+        absl::StrCat("cannot start the gRPC server for ", absl::StrJoin(options_.listen, ", ")));
   }
-  for (size_t i = 0; i < options_.listen.size(); ++i) {
-    const std::string& address = options_.listen[i];
-    if (ports[i] == 0) {
-      server_->Shutdown();
-      return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
-    }
-    std::string bound = address;
-    if (!absl::StartsWith(address, "unix") && absl::EndsWith(address, ":0")) {
-      bound = absl::StrCat(address.substr(0, address.size() - 1), ports[i]);
-    }
-    bound_addresses_.push_back(bound);
+  listeners_->Start(std::move(acceptor));
+  bound_addresses_ = listeners_->bound();
+  for (const std::string& bound : bound_addresses_) {
     REFIT_LOG(INFO).Field("address", bound) << "refitd listening";
   }
   // Engine attach hands descriptors over a Unix socket beside the first
@@ -335,6 +334,7 @@ absl::Status RefitServer::StartGrpc() {
               return regions->Deposit(ticket, std::move(fd), pid, uid);
             });
         !s.ok()) {
+      listeners_->Stop();
       server_->Shutdown();
       return s;
     }
@@ -357,9 +357,16 @@ absl::Status RefitServer::StartGrpc() {
             g.attached_engines = static_cast<int64_t>(self->attach_->Engines(name).size());
             gauges.push_back(std::move(g));
           }
-          return self->metrics_.Render(gauges) + self->regions_->registry()->RenderMetrics();
+          return absl::StrCat(
+              self->metrics_.Render(gauges), self->regions_->registry()->RenderMetrics(),
+              "# HELP refitd_connections_closed_for_descriptors_total Connections closed as they "
+              "were accepted because refitd was out of file descriptors.\n"
+              "# TYPE refitd_connections_closed_for_descriptors_total counter\n"
+              "refitd_connections_closed_for_descriptors_total ",
+              self->listeners_->refused_for_descriptors(), "\n");
         });
     if (!http.ok()) {
+      listeners_->Stop();
       server_->Shutdown();
       return http.status();
     }
@@ -538,6 +545,8 @@ void RefitServer::Shutdown() {
   if (attach_ != nullptr) attach_->Shutdown();
   if (regions_ != nullptr) regions_->Shutdown();
   if (health_ != nullptr) health_->Shutdown();
+  // New connections are refused from here; gRPC finishes the calls under way.
+  if (listeners_ != nullptr) listeners_->Stop();
   if (server_ != nullptr) {
     server_->Shutdown(std::chrono::system_clock::now() +
                       absl::ToChronoMilliseconds(options_.shutdown_timeout));

@@ -38,6 +38,7 @@
 #include "core/snapshot.h"
 #include "server/attach_service.h"
 #include "server/auth.h"
+#include "server/grpc_listeners.h"
 #include "server/health_service.h"
 #include "server/metrics.h"
 #include "server/model_group.h"
@@ -133,6 +134,8 @@ class RefitServer {
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<ReflectionService> reflection_;
   std::unique_ptr<grpc::Server> server_;
+  // The --listen sockets; stopped before server_ shuts down.
+  std::unique_ptr<GrpcListeners> listeners_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::vector<std::string> bound_addresses_;
 

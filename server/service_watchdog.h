@@ -1,11 +1,10 @@
 // ServiceWatchdog: systemd's service watchdog (WatchdogSec=, sd_watchdog_
 // enabled(3)) fed only while refitd's listeners still accept connections.
 //
-// Why: gRPC 1.51 stops accepting on a listener for good once accept4 fails
-// with EMFILE (the process ran out of descriptors, e.g. a local peer held
-// thousands of connections open). The process then lives on, answering
-// nothing new, and a connect still succeeds into the kernel's listen
-// backlog, so neither the process state nor a TCP check shows it. Each
+// Why: a server that stopped accepting (its accept thread hung, or a
+// listener that gave up, as gRPC 1.51's own does after one EMFILE) lives on,
+// answering nothing new, and a connect still succeeds into the kernel's
+// listen backlog, so neither the process state nor a TCP check shows it. Each
 // round, every listen address is probed the way a client would find out:
 // connect, send what a client sends first (the HTTP/2 connection preface,
 // or a TLS ClientHello when the listeners use TLS), and wait for the server

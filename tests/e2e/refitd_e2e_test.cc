@@ -2,6 +2,11 @@
 // (and by e2e_stalled_pusher, a trainer that stops mid-push), as separate
 // processes. See tests/e2e/e2e_util.h for the ground rules.
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cstring>
 
 #include <algorithm>
 #include <map>
@@ -798,6 +803,80 @@ TEST_F(RefitdE2eTest, PushOfPartOfTheModelNeedsPartial) {
   CommandResult whole = Ctl({"push", weights});
   ASSERT_EQ(whole.code, 0) << whole.err;
   EXPECT_EQ(StatusJson()["version"], v0 + 2);
+}
+
+// A local peer that holds more connections open than refitd has descriptors:
+// refitd closes the connections it has no room for at once (their clients see
+// the close instead of hanging) and accepts again the moment descriptors are
+// free. (gRPC's own listener stopped accepting for good after one EMFILE.)
+TEST_F(RefitdE2eTest, ConnectionsBeyondTheDescriptorLimitAreClosedAndTheListenerRecovers) {
+  StartDaemon({"--metrics-listen=127.0.0.1:0"});
+  const std::string metrics = LoggedAddress("metrics at /metrics");
+  ASSERT_FALSE(metrics.empty()) << daemon_->Stderr();
+  EXPECT_THAT(HttpGet(metrics, "/metrics"),
+              HasSubstr("\nrefitd_connections_closed_for_descriptors_total 0\n"));
+  ASSERT_TRUE(Client()->GetStatus().ok());
+  // refitd raised its own limit at start-up; lowered from here, it has a few
+  // dozen descriptors to spare.
+  const rlimit few{128, 128};
+  ASSERT_EQ(::prlimit(daemon_->pid(), RLIMIT_NOFILE, &few, nullptr), 0) << std::strerror(errno);
+  const std::string path = dir_ + "/refitd.sock";
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  std::vector<int> flood;
+  for (int i = 0; i < 300; ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    ASSERT_GE(fd, 0);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      ::close(fd);  // the backlog is full: refitd is behind; enough
+      break;
+    }
+    flood.push_back(fd);
+  }
+  ASSERT_TRUE(daemon_->AwaitStderr("closing new connections at once")) << daemon_->Stderr();
+  // Some of the flood was closed by refitd: reading it gives end-of-file.
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  int closed = 0;
+  while (closed == 0 && absl::Now() < give_up) {
+    for (int fd : flood) {
+      char byte;
+      closed += ::recv(fd, &byte, 1, MSG_DONTWAIT) == 0;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_GT(closed, 0);
+  for (int fd : flood) ::close(fd);
+  // Descriptors free again: a new client is served.
+  auto client = Client();
+  EXPECT_TRUE(client->GetStatus().ok());
+  EXPECT_TRUE(daemon_->AwaitStderr("descriptors free again")) << daemon_->Stderr();
+  ASSERT_TRUE(daemon_->running());
+  const std::string scraped = HttpGet(metrics, "/metrics");
+  EXPECT_THAT(scraped, HasSubstr("\nrefitd_connections_closed_for_descriptors_total "));
+  EXPECT_THAT(scraped, ::testing::Not(HasSubstr("_closed_for_descriptors_total 0\n")));
+}
+
+// Two daemons on one socket path: the second is refused and the first keeps
+// its socket (gRPC's listener replaced any socket file, live or not).
+TEST_F(RefitdE2eTest, ASecondDaemonOnALiveSocketIsRefusedAndAStaleSocketIsReplaced) {
+  StartDaemon();
+  auto second = Child::Start({BinPath("refitd"), "--model=demo", "--listen=" + socket_},
+                             Path("second.out"), Path("second.err"));
+  ASSERT_NE(second, nullptr);
+  EXPECT_NE(second->Wait(), std::optional<int>(0));
+  EXPECT_THAT(second->Stderr(), HasSubstr("another process listens on " + dir_ + "/refitd.sock"));
+  EXPECT_TRUE(Client()->GetStatus().ok());
+  // Killed, refitd leaves its socket file behind: the next one replaces it.
+  daemon_->Signal(SIGKILL);
+  daemon_->Wait();
+  ASSERT_TRUE(std::filesystem::exists(dir_ + "/refitd.sock"));
+  StartDaemon();
+  EXPECT_TRUE(Client()->GetStatus().ok());
+  // Stopped, it removes the file.
+  daemon_->Signal(SIGTERM);
+  EXPECT_EQ(daemon_->Wait(), std::optional<int>(0)) << daemon_->Stderr();
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/refitd.sock"));
 }
 
 }  // namespace

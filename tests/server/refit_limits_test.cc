@@ -375,6 +375,8 @@ TEST_F(RefitLimitsTest, ReadTensorAcrossACommitIsAborted) {
 
 TEST_F(RefitLimitsTest, MetricsBeyondLoopbackNeedAllowInsecureRemote) {
   ServerOptions options = TestOptions(dir_);
+  // Beside the fixture's server, which listens on refitd.sock.
+  options.listen = {absl::StrCat("unix:", dir_, "/second.sock")};
   options.metrics_listen = "0.0.0.0:0";
   absl::StatusOr<std::unique_ptr<RefitServer>> refused = RefitServer::Create(options);
   ASSERT_FALSE(refused.ok());

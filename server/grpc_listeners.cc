@@ -1,0 +1,310 @@
+#include "server/grpc_listeners.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <utility>
+
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "core/log.h"
+#include "server/server_options.h"
+
+namespace refit::server {
+namespace {
+
+// The kernel caps it at net.core.somaxconn.
+constexpr int kBacklog = 4096;
+
+absl::Status ListenError(absl::string_view address, absl::string_view what, int err) {
+  return absl::UnavailableError(
+      absl::StrCat("cannot listen on ", address, ": ", what, ": ", std::strerror(err)));
+}
+
+// unix:PATH, unix:///ABS (the authority is empty), unix-abstract:NAME.
+struct UnixAddress {
+  sockaddr_un sun{};
+  socklen_t len = 0;
+  std::string path;  // empty for an abstract socket
+};
+
+absl::StatusOr<UnixAddress> ParseUnix(absl::string_view address) {
+  UnixAddress a;
+  a.sun.sun_family = AF_UNIX;
+  const bool abstract = absl::StartsWith(address, "unix-abstract:");
+  absl::string_view name = address.substr(abstract ? 14 : 5);
+  if (!abstract && absl::StartsWith(name, "//")) name.remove_prefix(2);
+  // An abstract name goes after a NUL byte; a path needs its terminating one.
+  const size_t room = sizeof(a.sun.sun_path) - 1;
+  if (name.empty() || name.size() > room) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot listen on ", address, ": the ",
+                                                   abstract ? "name" : "path", " is ", name.size(),
+                                                   " bytes; 1 to ", room, " fit a Unix socket"));
+  }
+  if (abstract) {
+    std::memcpy(a.sun.sun_path + 1, name.data(), name.size());
+    a.len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  } else {
+    std::memcpy(a.sun.sun_path, name.data(), name.size());
+    a.len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size() + 1);
+    a.path = std::string(name);
+  }
+  return a;
+}
+
+int ListenOn(int fd, const sockaddr* addr, socklen_t len) {
+  if (::bind(fd, addr, len) != 0 || ::listen(fd, kBacklog) != 0) return errno;
+  return 0;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
+    const std::vector<std::string>& addresses) {
+  std::unique_ptr<GrpcListeners> self(new GrpcListeners());
+  auto take = [&](int fd) {
+    Socket& s = self->sockets_.emplace_back();
+    s.fd = fd;
+    return &s;
+  };
+  for (const std::string& address : addresses) {
+    if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
+      absl::StatusOr<UnixAddress> a = ParseUnix(address);
+      if (!a.ok()) return a.status();
+      const sockaddr* sa = reinterpret_cast<const sockaddr*>(&a->sun);
+      if (!a->path.empty()) {
+        // A socket file left by a process that is gone is replaced; one that
+        // a live process still accepts on is not taken from it.
+        struct stat st;
+        if (::lstat(a->path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+          const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+          const bool live = probe >= 0 && (::connect(probe, sa, a->len) == 0 || errno == EAGAIN);
+          if (probe >= 0) ::close(probe);
+          if (live) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "cannot listen on ", address, ": another process listens on ", a->path));
+          }
+          ::unlink(a->path.c_str());
+        }
+      }
+      const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      if (fd < 0) return ListenError(address, "socket", errno);
+      Socket* s = take(fd);
+      if (const int err = ListenOn(fd, sa, a->len); err != 0) {
+        return ListenError(address, "bind", err);
+      }
+      struct stat st;
+      if (!a->path.empty() && ::stat(a->path.c_str(), &st) == 0) {
+        s->unix_path = a->path;
+        s->unix_inode = st.st_ino;
+      }
+      self->bound_.push_back(address);
+      continue;
+    }
+    absl::string_view host, port_text;
+    if (!SplitHostPort(address, &host, &port_text)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot listen on ", address, ": expected host:port or [ipv6]:port"));
+    }
+    // A wildcard listens on IPv6 and IPv4 alike (one dual-stack socket), or
+    // on IPv4 alone where the host has no IPv6; a name on every address it
+    // resolves to.
+    const bool wildcard = host.empty() || host == "0.0.0.0" || host == "::";
+    std::vector<sockaddr_storage> candidates;
+    if (wildcard) {
+      sockaddr_storage any6{}, any4{};
+      any6.ss_family = AF_INET6;
+      reinterpret_cast<sockaddr_in6*>(&any6)->sin6_addr = in6addr_any;
+      any4.ss_family = AF_INET;
+      reinterpret_cast<sockaddr_in*>(&any4)->sin_addr.s_addr = htonl(INADDR_ANY);
+      candidates = {any6, any4};
+    } else {
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      hints.ai_flags = AI_PASSIVE;
+      addrinfo* found = nullptr;
+      const int rc = ::getaddrinfo(std::string(host).c_str(), nullptr, &hints, &found);
+      if (rc != 0 || found == nullptr) {
+        return absl::UnavailableError(absl::StrCat(
+            "cannot listen on ", address, ": cannot resolve \"", host, "\": ", ::gai_strerror(rc)));
+      }
+      for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
+        sockaddr_storage ss{};
+        std::memcpy(&ss, ai->ai_addr, std::min<size_t>(ai->ai_addrlen, sizeof(ss)));
+        candidates.push_back(ss);
+      }
+      ::freeaddrinfo(found);
+    }
+    int port = 0;
+    (void)absl::SimpleAtoi(port_text, &port);  // validated with the flags
+    int listening = 0, last_err = 0;
+    std::string last_what;
+    for (sockaddr_storage& ss : candidates) {
+      const bool v6 = ss.ss_family == AF_INET6;
+      if (v6) {
+        reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = htons(port);
+      } else {
+        reinterpret_cast<sockaddr_in*>(&ss)->sin_port = htons(port);
+      }
+      const int fd = ::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      if (fd < 0) {
+        last_err = errno;
+        last_what = "socket";
+        continue;
+      }
+      const int one = 1, zero = 0;
+      ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+      // Accepted connections inherit it: gRPC's frames go out unbatched.
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      // The IPv6 wildcard takes IPv4 too; a named IPv6 address only itself,
+      // so that the name's IPv4 address can be bound beside it.
+      if (v6) ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, wildcard ? &zero : &one, sizeof(int));
+      const socklen_t len = v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+      if (const int err = ListenOn(fd, reinterpret_cast<sockaddr*>(&ss), len); err != 0) {
+        ::close(fd);
+        last_err = err;
+        last_what = "bind";
+        continue;
+      }
+      take(fd);
+      ++listening;
+      if (port == 0) {  // the port chosen, for the other addresses too
+        sockaddr_storage got{};
+        socklen_t got_len = sizeof(got);
+        if (::getsockname(fd, reinterpret_cast<sockaddr*>(&got), &got_len) == 0) {
+          port = got.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&got)->sin6_port)
+                                           : ntohs(reinterpret_cast<sockaddr_in*>(&got)->sin_port);
+        }
+      }
+      if (wildcard) break;  // the dual-stack socket took IPv4 as well
+    }
+    if (listening == 0) return ListenError(address, last_what, last_err);
+    if (last_err != 0 && !wildcard) {
+      REFIT_LOG(WARNING).Field("address", address)
+          << "listening on some of the addresses \"" << host << "\" resolves to; " << last_what
+          << ": " << std::strerror(last_err);
+    }
+    self->bound_.push_back(
+        port_text == "0" ? absl::StrCat(address.substr(0, address.size() - 1), port) : address);
+  }
+  self->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (self->wake_fd_ < 0) return ListenError("the gRPC addresses", "eventfd", errno);
+  self->spare_fd_ = ::eventfd(0, EFD_CLOEXEC);
+  return self;
+}
+
+GrpcListeners::~GrpcListeners() {
+  Stop();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  if (spare_fd_ >= 0) ::close(spare_fd_);
+}
+
+void GrpcListeners::Start(
+    std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor) {
+  if (thread_.joinable() || stopping_.load()) return;
+  acceptor_ = std::move(acceptor);
+  thread_ = std::thread([this] { Run(); });
+}
+
+void GrpcListeners::Stop() {
+  if (stopping_.exchange(true)) return;
+  if (thread_.joinable()) {
+    const uint64_t one = 1;
+    while (::write(wake_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+    thread_.join();
+  }
+  for (Socket& s : sockets_) {
+    ::close(s.fd);
+    // Only the file this listener made: a successor may have replaced it.
+    struct stat st;
+    if (!s.unix_path.empty() && ::stat(s.unix_path.c_str(), &st) == 0 &&
+        st.st_ino == s.unix_inode) {
+      ::unlink(s.unix_path.c_str());
+    }
+  }
+  sockets_.clear();
+}
+
+void GrpcListeners::Run() {
+  std::vector<pollfd> fds;
+  for (const Socket& s : sockets_) fds.push_back({s.fd, POLLIN, 0});
+  fds.push_back({wake_fd_, POLLIN, 0});
+  while (!stopping_.load()) {
+    if (::poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno != EINTR) absl::SleepFor(absl::Milliseconds(10));
+      continue;
+    }
+    if (fds.back().revents != 0) return;
+    for (size_t i = 0; i + 1 < fds.size(); ++i) {
+      if (fds[i].revents != 0) AcceptAll(fds[i].fd);
+    }
+  }
+}
+
+void GrpcListeners::AcceptAll(int fd) {
+  for (;;) {
+    const int conn = ::accept4(fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (conn >= 0) {
+      if (out_of_descriptors_) {
+        out_of_descriptors_ = false;
+        REFIT_LOG(INFO) << "descriptors free again: accepting connections";
+      }
+      grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
+      p.listener_fd = fd;
+      p.fd = conn;  // gRPC's from here on
+      acceptor_->HandleNewConnection(&p);
+      continue;
+    }
+    const int err = errno;
+    if (err == EAGAIN || err == EWOULDBLOCK) return;
+    if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
+    if (err != EMFILE && err != ENFILE) {
+      // ENOBUFS, ENOMEM: the kernel is short of memory; try again shortly.
+      REFIT_LOG(WARNING) << "accept: " << std::strerror(err);
+      absl::SleepFor(absl::Milliseconds(10));
+      return;
+    }
+    // Out of descriptors: the spare one makes room to take the connection
+    // off the backlog and close it, so that its client is told at once.
+    if (!out_of_descriptors_) {
+      out_of_descriptors_ = true;
+      REFIT_LOG(WARNING) << "accept: " << std::strerror(err)
+                         << ": closing new connections at once until descriptors are free "
+                            "(a local peer holding many connections open?)";
+    }
+    if (spare_fd_ >= 0) ::close(spare_fd_);
+    const int refused = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (refused >= 0) {
+      ::close(refused);
+      refused_for_descriptors_.fetch_add(1, std::memory_order_relaxed);
+    }
+    spare_fd_ = ::eventfd(0, EFD_CLOEXEC);
+    // Another thread took the descriptor first: wait rather than spin.
+    if (refused < 0 || spare_fd_ < 0) {
+      absl::SleepFor(absl::Milliseconds(10));
+      return;
+    }
+  }
+}
+
+}  // namespace refit::server

@@ -1,0 +1,318 @@
+// refitd's own listening sockets (server/grpc_listeners.h), with an acceptor
+// that records what it is handed in place of gRPC's; real sockets on
+// loopback and in a temporary directory.
+#include "server/grpc_listeners.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server/server_test_util.h"
+
+namespace refit::server {
+namespace {
+
+using ::refit::server::testing::MakeTempDir;
+using ::testing::HasSubstr;
+
+class RecordingAcceptor : public grpc::experimental::ExternalConnectionAcceptor {
+ public:
+  ~RecordingAcceptor() override {
+    for (int fd : fds_) ::close(fd);
+  }
+  void HandleNewConnection(NewConnectionParameters* p) override {
+    absl::MutexLock lock(&mu_);
+    fds_.push_back(p->fd);
+    listener_fds_.push_back(p->listener_fd);
+  }
+  // Waits until `n` connections arrived (false after 10 s).
+  bool AwaitCount(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&] { return fds_.size() >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), absl::Seconds(10));
+  }
+  std::vector<int> fds() {
+    absl::MutexLock lock(&mu_);
+    return fds_;
+  }
+  std::vector<int> listener_fds() {
+    absl::MutexLock lock(&mu_);
+    return listener_fds_;
+  }
+  void CloseAll() {
+    absl::MutexLock lock(&mu_);
+    for (int fd : fds_) ::close(fd);
+    fds_.clear();
+    listener_fds_.clear();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> listener_fds_ ABSL_GUARDED_BY(mu_);
+};
+
+// Starts `listeners` with a recording acceptor, which it owns.
+RecordingAcceptor* StartRecording(GrpcListeners& listeners) {
+  auto acceptor = std::make_unique<RecordingAcceptor>();
+  RecordingAcceptor* raw = acceptor.get();
+  listeners.Start(std::move(acceptor));
+  return raw;
+}
+
+int ConnectUnix(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+int ConnectTcp(int family, int port) {
+  sockaddr_storage ss{};
+  socklen_t len;
+  if (family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    a->sin6_family = AF_INET6;
+    a->sin6_addr = in6addr_loopback;
+    a->sin6_port = htons(port);
+    len = sizeof(*a);
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    a->sin_family = AF_INET;
+    a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a->sin_port = htons(port);
+    len = sizeof(*a);
+  }
+  const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether this host can listen on ::1 (containers without IPv6 cannot).
+bool HasIpv6Loopback() {
+  const int fd = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+bool ResolvesToIpv6(const char* host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host, nullptr, &hints, &found) != 0) return false;
+  bool v6 = false;
+  for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) v6 |= ai->ai_family == AF_INET6;
+  ::freeaddrinfo(found);
+  return v6;
+}
+
+int PortOf(const std::string& bound) {
+  int port = 0;
+  EXPECT_TRUE(absl::SimpleAtoi(bound.substr(bound.rfind(':') + 1), &port)) << bound;
+  return port;
+}
+
+TEST(GrpcListenersTest, EachConnectionGoesToTheAcceptorNonBlockingAndCloseOnExec) {
+  const std::string dir = MakeTempDir();
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> listeners =
+      GrpcListeners::Bind({absl::StrCat("unix:", dir, "/a.sock"), "127.0.0.1:0"});
+  ASSERT_TRUE(listeners.ok()) << listeners.status();
+  ASSERT_EQ((*listeners)->bound().size(), 2u);
+  EXPECT_EQ((*listeners)->bound()[0], absl::StrCat("unix:", dir, "/a.sock"));
+  const int port = PortOf((*listeners)->bound()[1]);
+  ASSERT_GT(port, 0);
+  EXPECT_EQ((*listeners)->bound()[1], absl::StrCat("127.0.0.1:", port));
+  RecordingAcceptor* acceptor = StartRecording(**listeners);
+  const int a = ConnectUnix(dir + "/a.sock");
+  const int b = ConnectTcp(AF_INET, port);
+  ASSERT_GE(a, 0);
+  ASSERT_GE(b, 0);
+  ASSERT_TRUE(acceptor->AwaitCount(2));
+  for (int fd : acceptor->fds()) {
+    EXPECT_NE(::fcntl(fd, F_GETFL) & O_NONBLOCK, 0);
+    EXPECT_NE(::fcntl(fd, F_GETFD) & FD_CLOEXEC, 0);
+  }
+  const std::vector<int> from = acceptor->listener_fds();
+  EXPECT_NE(from[0], from[1]);  // each names the socket it came from
+  ::close(a);
+  ::close(b);
+  (*listeners)->Stop();
+  EXPECT_LT(ConnectTcp(AF_INET, port), 0);  // refused once stopped
+  EXPECT_LT(ConnectUnix(dir + "/a.sock"), 0);
+}
+
+TEST(GrpcListenersTest, AWildcardAndANameListenOnEveryAddressWithOnePort) {
+  for (const char* host : {"0.0.0.0", "[::]", "localhost"}) {
+    SCOPED_TRACE(host);
+    absl::StatusOr<std::unique_ptr<GrpcListeners>> listeners =
+        GrpcListeners::Bind({absl::StrCat(host, ":0")});
+    ASSERT_TRUE(listeners.ok()) << listeners.status();
+    const int port = PortOf((*listeners)->bound()[0]);
+    RecordingAcceptor* acceptor = StartRecording(**listeners);
+    size_t expected = 0;
+    const int v4 = ConnectTcp(AF_INET, port);
+    EXPECT_GE(v4, 0);
+    expected += v4 >= 0;
+    int v6 = -1;
+    // A name: on IPv6 where it resolves to an IPv6 address (not every
+    // /etc/hosts gives localhost ::1).
+    if (HasIpv6Loopback() && (std::string(host) != "localhost" || ResolvesToIpv6(host))) {
+      v6 = ConnectTcp(AF_INET6, port);
+      EXPECT_GE(v6, 0);
+      expected += v6 >= 0;
+    }
+    EXPECT_TRUE(acceptor->AwaitCount(expected));
+    if (v4 >= 0) ::close(v4);
+    if (v6 >= 0) ::close(v6);
+  }
+}
+
+TEST(GrpcListenersTest, BadAddressesAreRefusedNamingTheAddressAndWhy) {
+  const std::string dir = MakeTempDir();
+  const std::string long_path = dir + "/" + std::string(120, 'x');
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> listeners =
+      GrpcListeners::Bind({"unix:" + long_path});
+  EXPECT_EQ(listeners.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(listeners.status().message(), HasSubstr("1 to 107 fit a Unix socket"));
+  EXPECT_THAT(listeners.status().message(), HasSubstr(long_path));
+
+  listeners = GrpcListeners::Bind({"no-such-host.invalid:0"});
+  EXPECT_EQ(listeners.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(listeners.status().message(),
+              HasSubstr("cannot listen on no-such-host.invalid:0: cannot resolve"));
+
+  // A port another socket listens on. A unix: socket bound before it is
+  // removed again: nothing is left half-listening.
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> first = GrpcListeners::Bind({"127.0.0.1:0"});
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string taken = (*first)->bound()[0];
+  listeners = GrpcListeners::Bind({absl::StrCat("unix:", dir, "/b.sock"), taken});
+  EXPECT_EQ(listeners.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(
+      listeners.status().message(),
+      HasSubstr(absl::StrCat("cannot listen on ", taken, ": bind: Address already in use")));
+  struct stat st;
+  EXPECT_NE(::stat((dir + "/b.sock").c_str(), &st), 0);
+}
+
+TEST(GrpcListenersTest, ALiveSocketIsRefusedAStaleOneReplacedAndOnlyItsOwnFileRemoved) {
+  const std::string dir = MakeTempDir();
+  const std::string path = dir + "/c.sock";
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> live = GrpcListeners::Bind({"unix:" + path});
+  ASSERT_TRUE(live.ok()) << live.status();
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> second = GrpcListeners::Bind({"unix:" + path});
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(second.status().message(), HasSubstr("another process listens on " + path));
+  (*live)->Stop();
+  struct stat st;
+  EXPECT_NE(::stat(path.c_str(), &st), 0) << "Stop leaves its socket file";
+
+  // A socket file nobody listens on (its process died): replaced.
+  const int stale = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(stale, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::close(stale);
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> replacing = GrpcListeners::Bind({"unix:" + path});
+  ASSERT_TRUE(replacing.ok()) << replacing.status();
+  RecordingAcceptor* acceptor = StartRecording(**replacing);
+  const int fd = ConnectUnix(path);
+  EXPECT_GE(fd, 0);
+  EXPECT_TRUE(acceptor->AwaitCount(1));
+  ::close(fd);
+
+  // Someone else's file at the path by the time it stops: left alone.
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  {
+    std::ofstream other(path);
+    other << "not ours";
+  }
+  (*replacing)->Stop();
+  EXPECT_EQ(::stat(path.c_str(), &st), 0);
+}
+
+// Out of descriptors, a waiting connection is taken off the backlog and
+// closed (its client sees end-of-file), and the listener accepts again as
+// soon as descriptors are free.
+TEST(GrpcListenersTest, OutOfDescriptorsConnectionsAreClosedAndAcceptingResumes) {
+  const std::string dir = MakeTempDir();
+  const std::string path = dir + "/d.sock";
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> listeners = GrpcListeners::Bind({"unix:" + path});
+  ASSERT_TRUE(listeners.ok()) << listeners.status();
+  RecordingAcceptor* acceptor = StartRecording(**listeners);
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  // Connect until the process (clients and accepted ends together) runs out.
+  rlimit low = saved;
+  low.rlim_cur = 256;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> clients;
+  for (int i = 0; i < 400; ++i) {
+    const int fd = ConnectUnix(path);
+    if (fd < 0) break;
+    clients.push_back(fd);
+  }
+  ASSERT_FALSE(clients.empty());
+  // Make room for exactly one more client: the accept side has none.
+  ::close(clients.back());
+  clients.pop_back();
+  const int extra = ConnectUnix(path);
+  ASSERT_GE(extra, 0);
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while ((*listeners)->refused_for_descriptors() == 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_GT((*listeners)->refused_for_descriptors(), 0);
+  char byte;
+  // One of the clients the listener had no room for: closed, not hanging.
+  bool saw_close = false;
+  for (int fd : clients) saw_close |= ::recv(fd, &byte, 1, MSG_DONTWAIT) == 0;
+  saw_close |= ::recv(extra, &byte, 1, MSG_DONTWAIT) == 0;
+  EXPECT_TRUE(saw_close);
+  // Descriptors free again: the next connection is handed over.
+  for (int fd : clients) ::close(fd);
+  ::close(extra);
+  acceptor->CloseAll();
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  const int after = ConnectUnix(path);
+  ASSERT_GE(after, 0);
+  EXPECT_TRUE(acceptor->AwaitCount(1));
+  ::close(after);
+}
+
+}  // namespace
+}  // namespace refit::server

@@ -155,7 +155,10 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
       ::freeaddrinfo(found);
     }
     int port = 0;
-    (void)absl::SimpleAtoi(port_text, &port);  // validated with the flags
+    if (!absl::SimpleAtoi(port_text, &port) || port < 0 || port > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot listen on ", address, ": port \"",
+                                                     port_text, "\" is not in 0..65535"));
+    }
     int listening = 0, last_err = 0;
     std::string last_what;
     for (sockaddr_storage& ss : candidates) {
@@ -175,9 +178,15 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
       ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
       // Accepted connections inherit it: gRPC's frames go out unbatched.
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      // The IPv6 wildcard takes IPv4 too; a named IPv6 address only itself,
-      // so that the name's IPv4 address can be bound beside it.
-      if (v6) ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, wildcard ? &zero : &one, sizeof(int));
+      // The IPv6 wildcard takes IPv4 too (unless the host forbids it: then
+      // the IPv4 wildcard is bound beside it); a named IPv6 address only
+      // itself, so that the name's IPv4 address can be bound beside it.
+      bool dual_stack = false;
+      if (v6) {
+        dual_stack =
+            wildcard && ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero)) == 0;
+        if (!wildcard) ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+      }
       const socklen_t len = v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
       if (const int err = ListenOn(fd, reinterpret_cast<sockaddr*>(&ss), len); err != 0) {
         ::close(fd);
@@ -195,7 +204,7 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
                                            : ntohs(reinterpret_cast<sockaddr_in*>(&got)->sin_port);
         }
       }
-      if (wildcard) break;  // the dual-stack socket took IPv4 as well
+      if (wildcard && (dual_stack || !v6)) break;
     }
     if (listening == 0) return ListenError(address, last_what, last_err);
     if (last_err != 0 && !wildcard) {
@@ -262,7 +271,9 @@ void GrpcListeners::Run() {
 }
 
 void GrpcListeners::AcceptAll(int fd) {
-  for (;;) {
+  // Bounded, so that a stream of connections on one socket does not keep
+  // the others (or Stop) waiting.
+  for (int round = 0; round < 64; ++round) {
     const int conn = ::accept4(fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (conn >= 0) {
       if (out_of_descriptors_) {

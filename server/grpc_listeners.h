@@ -70,7 +70,7 @@ class GrpcListeners {
 
   GrpcListeners() = default;
   void Run();
-  // Accepts what waits on `fd` until none does.
+  // Accepts what waits on `fd`, up to a bound (poll comes back for more).
   void AcceptAll(int fd);
 
   std::vector<Socket> sockets_;

@@ -209,6 +209,11 @@ TEST(GrpcListenersTest, BadAddressesAreRefusedNamingTheAddressAndWhy) {
   EXPECT_THAT(listeners.status().message(), HasSubstr("1 to 107 fit a Unix socket"));
   EXPECT_THAT(listeners.status().message(), HasSubstr(long_path));
 
+  listeners = GrpcListeners::Bind({"127.0.0.1:65536"});
+  EXPECT_EQ(listeners.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(listeners.status().message(),
+              HasSubstr("cannot listen on 127.0.0.1:65536: port \"65536\" is not in 0..65535"));
+
   listeners = GrpcListeners::Bind({"no-such-host.invalid:0"});
   EXPECT_EQ(listeners.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(listeners.status().message(),

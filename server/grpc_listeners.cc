@@ -90,17 +90,37 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
       absl::StatusOr<UnixAddress> a = ParseUnix(address);
       if (!a.ok()) return a.status();
       const sockaddr* sa = reinterpret_cast<const sockaddr*>(&a->sun);
+      for (const Socket& earlier : self->sockets_) {
+        if (!a->path.empty() && earlier.unix_path == a->path) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("cannot listen on ", address, ": listed twice"));
+        }
+      }
       if (!a->path.empty()) {
-        // A socket file left by a process that is gone is replaced; one that
-        // a live process still accepts on is not taken from it.
+        // A socket file left by a process that is gone (connecting to it is
+        // refused) is replaced. Anything else is not taken from its owner: a
+        // live listener, a socket of another kind (a datagram socket answers
+        // EPROTOTYPE), one this process may not connect to, a file that is
+        // not a socket.
         struct stat st;
-        if (::lstat(a->path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+        if (::lstat(a->path.c_str(), &st) == 0) {
+          if (!S_ISSOCK(st.st_mode)) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "cannot listen on ", address, ": ", a->path, " exists and is not a socket"));
+          }
           const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-          const bool live = probe >= 0 && (::connect(probe, sa, a->len) == 0 || errno == EAGAIN);
-          if (probe >= 0) ::close(probe);
-          if (live) {
+          if (probe < 0) return ListenError(address, "socket", errno);
+          const int err = ::connect(probe, sa, a->len) == 0 ? 0 : errno;
+          ::close(probe);
+          if (err == 0 || err == EAGAIN) {
             return absl::FailedPreconditionError(absl::StrCat(
                 "cannot listen on ", address, ": another process listens on ", a->path));
+          }
+          if (err != ECONNREFUSED && err != ENOENT) {
+            return absl::FailedPreconditionError(
+                absl::StrCat("cannot listen on ", address, ": ", a->path,
+                             " is a socket in use or not ours to replace (connecting to it: ",
+                             std::strerror(err), ")"));
           }
           ::unlink(a->path.c_str());
         }
@@ -159,6 +179,7 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
       return absl::InvalidArgumentError(absl::StrCat("cannot listen on ", address, ": port \"",
                                                      port_text, "\" is not in 0..65535"));
     }
+    const int requested_port = port;
     int listening = 0, last_err = 0;
     std::string last_what;
     for (sockaddr_storage& ss : candidates) {
@@ -190,6 +211,11 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
       const socklen_t len = v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
       if (const int err = ListenOn(fd, reinterpret_cast<sockaddr*>(&ss), len); err != 0) {
         ::close(fd);
+        // The IPv6 wildcard gives way to the IPv4 one only where the host
+        // has no IPv6, not where the port is taken.
+        if (wildcard && v6 && err != EADDRNOTAVAIL && err != EAFNOSUPPORT) {
+          return ListenError(address, "bind", err);
+        }
         last_err = err;
         last_what = "bind";
         continue;
@@ -212,8 +238,11 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
           << "listening on some of the addresses \"" << host << "\" resolves to; " << last_what
           << ": " << std::strerror(last_err);
     }
+    // Port 0 (however written) is replaced by the port chosen.
     self->bound_.push_back(
-        port_text == "0" ? absl::StrCat(address.substr(0, address.size() - 1), port) : address);
+        requested_port == 0
+            ? absl::StrCat(address.substr(0, address.size() - port_text.size()), port)
+            : address);
   }
   self->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (self->wake_fd_ < 0) return ListenError("the gRPC addresses", "eventfd", errno);
@@ -274,8 +303,18 @@ void GrpcListeners::AcceptAll(int fd) {
   // Bounded, so that a stream of connections on one socket does not keep
   // the others (or Stop) waiting.
   for (int round = 0; round < 64; ++round) {
+    // Lost when another thread took the descriptor it freed: taken back as
+    // soon as one is free, or the next flood would find none to give up.
+    if (spare_fd_ < 0) spare_fd_ = ::eventfd(0, EFD_CLOEXEC);
     const int conn = ::accept4(fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (conn >= 0) {
+      // Reset by its client already: gRPC would log its getpeername failing.
+      sockaddr_storage peer;
+      socklen_t peer_len = sizeof(peer);
+      if (::getpeername(conn, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) {
+        ::close(conn);
+        continue;
+      }
       if (out_of_descriptors_) {
         out_of_descriptors_ = false;
         REFIT_LOG(INFO) << "descriptors free again: accepting connections";
@@ -304,6 +343,12 @@ void GrpcListeners::AcceptAll(int fd) {
                             "(a local peer holding many connections open?)";
     }
     if (spare_fd_ >= 0) ::close(spare_fd_);
+    spare_fd_ = -1;
+    if (drop_spare_for_testing_.exchange(false)) {
+      // The test's stand-in for another thread taking the freed descriptor.
+      absl::SleepFor(absl::Milliseconds(10));
+      return;
+    }
     const int refused = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC);
     if (refused >= 0) {
       ::close(refused);

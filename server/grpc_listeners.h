@@ -61,6 +61,11 @@ class GrpcListeners {
     return refused_for_descriptors_.load(std::memory_order_relaxed);
   }
 
+  // Tests: the next time it is out of descriptors, the accept thread gives
+  // up its spare descriptor and does not get it back there (as when another
+  // thread takes the descriptor it freed).
+  void LoseSpareNextTimeForTesting() { drop_spare_for_testing_.store(true); }
+
  private:
   struct Socket {
     int fd = -1;
@@ -81,6 +86,7 @@ class GrpcListeners {
   std::thread thread_;
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> refused_for_descriptors_{0};
+  std::atomic<bool> drop_spare_for_testing_{false};
   bool out_of_descriptors_ = false;  // logged once per streak (accept thread only)
 };
 

@@ -7,10 +7,13 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -270,6 +273,84 @@ TEST(GrpcListenersTest, ALiveSocketIsRefusedAStaleOneReplacedAndOnlyItsOwnFileRe
   EXPECT_EQ(::stat(path.c_str(), &st), 0);
 }
 
+// A child process holding `n` connections to a unix socket, so that in this
+// process only the accepted ends take descriptors, and nothing but the
+// accept thread takes them. This process's open-file limit is lowered to
+// `limit` for the child's lifetime; the child keeps the old one.
+class FloodChild {
+ public:
+  FloodChild(const std::string& path, int n, rlim_t limit) {
+    EXPECT_EQ(::getrlimit(RLIMIT_NOFILE, &saved_), 0);
+    int to_child[2], from_child[2];
+    EXPECT_EQ(::pipe2(to_child, O_CLOEXEC), 0);
+    EXPECT_EQ(::pipe2(from_child, O_CLOEXEC), 0);
+    // Lowered before the fork, so that the accept thread is never past it.
+    rlimit low = saved_;
+    low.rlim_cur = limit;
+    EXPECT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::setrlimit(RLIMIT_NOFILE, &saved_);
+      std::vector<int> held;
+      for (int i = 0; i < n; ++i) held.push_back(ConnectUnix(path));
+      // On each byte from the parent: how many of the connections the
+      // server closed (end-of-file), as one byte (capped at 255).
+      char command;
+      while (::read(to_child[0], &command, 1) == 1) {
+        int closed = 0;
+        for (int fd : held) {
+          char byte;
+          closed += fd >= 0 && ::recv(fd, &byte, 1, MSG_DONTWAIT) == 0;
+        }
+        const unsigned char answer = static_cast<unsigned char>(closed > 255 ? 255 : closed);
+        (void)!::write(from_child[1], &answer, 1);
+      }
+      ::_exit(0);
+    }
+    ::close(to_child[0]);
+    ::close(from_child[1]);
+    to_child_ = to_child[1];
+    from_child_ = from_child[0];
+  }
+  ~FloodChild() { Release(); }
+
+  // How many of the child's connections the server closed.
+  int ClosedByServer() {
+    // Asked once it has made every connection (the server closes or
+    // accepts them all, so it gets there).
+    unsigned char answer = 0;
+    if (::write(to_child_, "?", 1) != 1) return -1;
+    pollfd answered{from_child_, POLLIN, 0};
+    if (::poll(&answered, 1, 20000) != 1 || ::read(from_child_, &answer, 1) != 1) return -1;
+    return answer;
+  }
+  // Ends the child (its connections close) and restores the limit.
+  void Release() {
+    if (pid_ <= 0) return;
+    ::close(to_child_);
+    ::close(from_child_);
+    ::kill(pid_, SIGKILL);  // it may still be connecting
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    ::setrlimit(RLIMIT_NOFILE, &saved_);
+  }
+
+ private:
+  rlimit saved_{};
+  pid_t pid_ = -1;
+  int to_child_ = -1;
+  int from_child_ = -1;
+};
+
+bool AwaitRefused(const GrpcListeners& listeners) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (listeners.refused_for_descriptors() == 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return listeners.refused_for_descriptors() > 0;
+}
+
 // Out of descriptors, a waiting connection is taken off the backlog and
 // closed (its client sees end-of-file), and the listener accepts again as
 // soon as descriptors are free.
@@ -282,44 +363,96 @@ TEST(GrpcListenersTest, OutOfDescriptorsConnectionsAreClosedAndAcceptingResumes)
   absl::StatusOr<std::unique_ptr<GrpcListeners>> listeners = GrpcListeners::Bind({"unix:" + path});
   ASSERT_TRUE(listeners.ok()) << listeners.status();
   RecordingAcceptor* acceptor = StartRecording(**listeners);
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  // Connect until the process (clients and accepted ends together) runs out.
-  rlimit low = saved;
-  low.rlim_cur = 256;
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
-  std::vector<int> clients;
-  for (int i = 0; i < 400; ++i) {
-    const int fd = ConnectUnix(path);
-    if (fd < 0) break;
-    clients.push_back(fd);
+  {
+    FloodChild flood(path, 400, 256);
+    EXPECT_TRUE(AwaitRefused(**listeners));
+    // The connections it had no room for were closed, not left hanging.
+    EXPECT_GT(flood.ClosedByServer(), 0);
   }
-  ASSERT_FALSE(clients.empty());
-  // Make room for exactly one more client: the accept side has none.
-  ::close(clients.back());
-  clients.pop_back();
-  const int extra = ConnectUnix(path);
-  ASSERT_GE(extra, 0);
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while ((*listeners)->refused_for_descriptors() == 0 && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  EXPECT_GT((*listeners)->refused_for_descriptors(), 0);
-  char byte;
-  // One of the clients the listener had no room for: closed, not hanging.
-  bool saw_close = false;
-  for (int fd : clients) saw_close |= ::recv(fd, &byte, 1, MSG_DONTWAIT) == 0;
-  saw_close |= ::recv(extra, &byte, 1, MSG_DONTWAIT) == 0;
-  EXPECT_TRUE(saw_close);
   // Descriptors free again: the next connection is handed over.
-  for (int fd : clients) ::close(fd);
-  ::close(extra);
   acceptor->CloseAll();
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
   const int after = ConnectUnix(path);
   ASSERT_GE(after, 0);
   EXPECT_TRUE(acceptor->AwaitCount(1));
   ::close(after);
+}
+
+// The spare descriptor given up when out of descriptors can be lost (another
+// thread takes the descriptor freed): it is taken back as soon as one is
+// free, so connections keep being closed rather than left hanging.
+TEST(GrpcListenersTest, ASpareDescriptorLostToAnotherThreadIsTakenBack) {
+  if (testing::kUnderSanitizer) {
+    GTEST_SKIP() << "leaves the process no descriptor (see kUnderSanitizer)";
+  }
+  const std::string dir = MakeTempDir();
+  const std::string path = dir + "/e.sock";
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> listeners = GrpcListeners::Bind({"unix:" + path});
+  ASSERT_TRUE(listeners.ok()) << listeners.status();
+  RecordingAcceptor* acceptor = StartRecording(**listeners);
+  (*listeners)->LoseSpareNextTimeForTesting();
+  {
+    // The spare is lost at the first EMFILE; the descriptor it freed is
+    // taken back before anything else can take it, and the connections
+    // still waiting are closed with it.
+    FloodChild flood(path, 400, 256);
+    EXPECT_TRUE(AwaitRefused(**listeners));
+  }
+  acceptor->CloseAll();
+}
+
+// What is at a unix: path and is not a stale socket of ours to replace is
+// left alone: a datagram socket (it answers a stream connect with
+// EPROTOTYPE), a file, the same path listed twice.
+TEST(GrpcListenersTest, AUnixPathHoldingSomethingElseIsRefusedAndLeftAlone) {
+  const std::string dir = MakeTempDir();
+  const std::string dgram_path = dir + "/dgram.sock";
+  const int dgram = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, dgram_path.c_str(), dgram_path.size() + 1);
+  ASSERT_EQ(::bind(dgram, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  struct stat before, after;
+  ASSERT_EQ(::stat(dgram_path.c_str(), &before), 0);
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> listeners =
+      GrpcListeners::Bind({"unix:" + dgram_path});
+  EXPECT_EQ(listeners.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(listeners.status().message(),
+              HasSubstr(dgram_path + " is a socket in use or not ours to replace"));
+  ASSERT_EQ(::stat(dgram_path.c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino);
+  ::close(dgram);
+
+  const std::string file = dir + "/file";
+  {
+    std::ofstream out(file);
+    out << "data";
+  }
+  listeners = GrpcListeners::Bind({"unix:" + file});
+  EXPECT_EQ(listeners.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(listeners.status().message(), HasSubstr(file + " exists and is not a socket"));
+
+  listeners = GrpcListeners::Bind({"unix:" + dir + "/twice.sock", "unix:" + dir + "/twice.sock"});
+  EXPECT_EQ(listeners.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(listeners.status().message(), HasSubstr("listed twice"));
+}
+
+// Port 0 however written is replaced in what is reported (the watchdog
+// probes those addresses); the IPv6 wildcard does not fall back to IPv4 alone
+// when its port is taken on IPv6.
+TEST(GrpcListenersTest, PortZeroIsReportedAsChosenAndATakenIpv6PortIsRefused) {
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> zeros = GrpcListeners::Bind({"127.0.0.1:000"});
+  ASSERT_TRUE(zeros.ok()) << zeros.status();
+  const int port = PortOf((*zeros)->bound()[0]);
+  EXPECT_GT(port, 0);
+  EXPECT_EQ((*zeros)->bound()[0], absl::StrCat("127.0.0.1:", port));
+  if (!HasIpv6Loopback()) GTEST_SKIP() << "no IPv6 loopback here";
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> v6 = GrpcListeners::Bind({"[::1]:0"});
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  const int taken = PortOf((*v6)->bound()[0]);
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> wildcard =
+      GrpcListeners::Bind({absl::StrCat("[::]:", taken)});
+  EXPECT_EQ(wildcard.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(wildcard.status().message(), HasSubstr("bind: Address already in use"));
 }
 
 }  // namespace

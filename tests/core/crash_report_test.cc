@@ -5,16 +5,9 @@
 
 #include <gtest/gtest.h>
 
-namespace {
+#include "tests/testing/sanitizers.h"
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define REFIT_TEST_SANITIZED 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define REFIT_TEST_SANITIZED 1
-#endif
+namespace {
 
 // Not inlined, so it is a frame of its own in the trace.
 [[gnu::noinline]] void CrashHereOnPurpose() {
@@ -23,9 +16,9 @@ namespace {
 }
 
 TEST(CrashReportTest, ATestThatDiesOfASignalPrintsWhereItDied) {
-#ifdef REFIT_TEST_SANITIZED
-  GTEST_SKIP() << "under a sanitizer, its own handler reports crashes";
-#endif
+  if (refit::testing::kSanitized) {
+    GTEST_SKIP() << "under a sanitizer, its own handler reports crashes";
+  }
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   // The signal's name, then the frames, this function's among them, and the
   // process still ends by the signal.

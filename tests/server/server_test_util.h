@@ -28,6 +28,7 @@
 #include "server/grpc_convert.h"
 #include "server/refit_server.h"
 #include "tests/testing/fake_clock.h"
+#include "tests/testing/sanitizers.h"
 
 namespace refit::server::testing {
 
@@ -35,12 +36,7 @@ namespace refit::server::testing {
 // the server does at its open-file limit) cannot run under the sanitizers:
 // their runtimes need descriptors of their own (UBSan's type checks then
 // report objects falsely).
-constexpr bool kUnderSanitizer =
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-    true;
-#else
-    false;
-#endif
+constexpr bool kUnderSanitizer = refit::testing::kSanitized;
 
 // While it lives, this process can open no descriptor: the soft open-file
 // limit sits at the lowest free descriptor number (every one below it is in

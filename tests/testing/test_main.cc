@@ -13,20 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/debugging/symbolize.h"
-
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define REFIT_TEST_SANITIZED 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define REFIT_TEST_SANITIZED 1
-#endif
-#ifdef REFIT_TEST_SANITIZED
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
+#include "tests/testing/sanitizers.h"
 
 namespace {
 
@@ -84,7 +71,7 @@ void OnCrash(int sig, siginfo_t* info, void*) {
 void InstallCrashHandler() {
   // Sanitizers report crashes from their own handlers; this one would replace
   // them.
-  if (kSanitized) return;
+  if (refit::testing::kSanitized) return;
   // backtrace() loads libgcc's unwinder on first use; do that now, not in a
   // signal handler.
   void* warm[1];

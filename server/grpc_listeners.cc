@@ -315,9 +315,13 @@ void GrpcListeners::AcceptAll(int fd) {
         ::close(conn);
         continue;
       }
-      if (out_of_descriptors_) {
+      // Over once a second passed without EMFILE: a connection accepted in
+      // between (with a descriptor freed for a moment) does not end it, so
+      // that a long flood logs one line, not two per accept.
+      if (out_of_descriptors_ && absl::Now() - last_out_of_descriptors_ >= absl::Seconds(1)) {
         out_of_descriptors_ = false;
-        REFIT_LOG(INFO) << "descriptors free again: accepting connections";
+        REFIT_LOG(INFO) << "descriptors free again: accepting connections ("
+                        << refused_for_descriptors() << " closed at once so far)";
       }
       grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
       p.listener_fd = fd;
@@ -336,6 +340,7 @@ void GrpcListeners::AcceptAll(int fd) {
     }
     // Out of descriptors: the spare one makes room to take the connection
     // off the backlog and close it, so that its client is told at once.
+    last_out_of_descriptors_ = absl::Now();
     if (!out_of_descriptors_) {
       out_of_descriptors_ = true;
       REFIT_LOG(WARNING) << "accept: " << std::strerror(err)

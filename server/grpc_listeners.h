@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace grpc::experimental {
 class ExternalConnectionAcceptor;
@@ -87,7 +88,9 @@ class GrpcListeners {
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> refused_for_descriptors_{0};
   std::atomic<bool> drop_spare_for_testing_{false};
-  bool out_of_descriptors_ = false;  // logged once per streak (accept thread only)
+  // Logged once per streak; the accept thread's alone.
+  bool out_of_descriptors_ = false;
+  absl::Time last_out_of_descriptors_;
 };
 
 }  // namespace refit::server

@@ -2,6 +2,7 @@
 
 #include <netdb.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -250,8 +251,23 @@ void ServiceWatchdog::Run() {
   // reasons carry errno texts and addresses.
   absl::flat_hash_set<std::string> logged;
   constexpr size_t kMaxLoggedReasons = 16;
+  // A descriptor kept for the probe and the ping, given up for each round: a
+  // process out of descriptors (a local peer holding connections open) can
+  // still probe its listeners, which close what they have no room for and so
+  // still answer, and still ping. Without it the pings would stop, and
+  // systemd restart refitd, only because the probe (or sd_notify) could not
+  // open its own socket.
+  struct Reserve {
+    int fd = ::eventfd(0, EFD_CLOEXEC);
+    ~Reserve() { Release(); }
+    void Release() {
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+    }
+  } reserve;
   for (;;) {
     const absl::Time round = absl::Now();
+    reserve.Release();  // for the probe, and for the ping's own socket
     const absl::Status alive = probe_(round + interval_);
     {
       absl::MutexLock lock(&mu_);
@@ -262,7 +278,9 @@ void ServiceWatchdog::Run() {
       failures = 0;
       logged.clear();
       notify_("WATCHDOG=1");
+      reserve.fd = ::eventfd(0, EFD_CLOEXEC);
     } else {
+      reserve.fd = ::eventfd(0, EFD_CLOEXEC);
       ++failures;
       if (logged.size() < kMaxLoggedReasons && logged.emplace(alive.message()).second) {
         REFIT_LOG(ERROR) << "watchdog: " << alive.message()

@@ -805,6 +805,12 @@ TEST_F(RefitdE2eTest, PushOfPartOfTheModelNeedsPartial) {
   EXPECT_EQ(StatusJson()["version"], v0 + 2);
 }
 
+int CountOf(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 // A local peer that holds more connections open than refitd has descriptors:
 // refitd closes the connections it has no room for at once (their clients see
 // the close instead of hanging) and accepts again the moment descriptors are
@@ -847,10 +853,17 @@ TEST_F(RefitdE2eTest, ConnectionsBeyondTheDescriptorLimitAreClosedAndTheListener
   }
   EXPECT_GT(closed, 0);
   for (int fd : flood) ::close(fd);
-  // Descriptors free again: a new client is served.
+  // Descriptors free again: a new client is served, and once a second
+  // passed without running out, the next connection says so in the log.
   auto client = Client();
   EXPECT_TRUE(client->GetStatus().ok());
+  absl::SleepFor(absl::Milliseconds(1100));
+  // (A raw connection: gRPC's channels would share the client's.)
+  const int late = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_EQ(::connect(late, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
   EXPECT_TRUE(daemon_->AwaitStderr("descriptors free again")) << daemon_->Stderr();
+  ::close(late);
+  EXPECT_EQ(CountOf(daemon_->Stderr(), "closing new connections at once"), 1) << daemon_->Stderr();
   ASSERT_TRUE(daemon_->running());
   const std::string scraped = HttpGet(metrics, "/metrics");
   EXPECT_THAT(scraped, HasSubstr("\nrefitd_connections_closed_for_descriptors_total "));

@@ -30,6 +30,7 @@ namespace refit::server {
 namespace {
 
 using ::refit::server::testing::MakeTempDir;
+using ::refit::server::testing::NoFreeDescriptors;
 using ::testing::HasSubstr;
 
 // A listening Unix socket at `path`; accepts (and then closes each
@@ -276,6 +277,47 @@ TEST(ServiceWatchdogTest, LogsEachReasonOfAFailureOnceUntilEveryListenerAnswersA
   EXPECT_THAT(errors[2], HasSubstr("listener x: stuck; not pinging"));  // after a pass
   EXPECT_THAT(log, HasSubstr("every listener answers again"));
   EXPECT_GE(pings.load(), 1);
+}
+
+// A process out of descriptors still probes: the watchdog keeps one for its
+// probe (refitd's listeners close what they have no room for, so they still
+// answer a probe then).
+TEST(ServiceWatchdogTest, AProcessOutOfDescriptorsStillProbesWithTheDescriptorItKept) {
+  if (testing::kUnderSanitizer) {
+    GTEST_SKIP() << "leaves the process no descriptor (see kUnderSanitizer)";
+  }
+  std::atomic<int> opened{0}, refused{0}, pings{0};
+  ServiceWatchdog watchdog(
+      absl::Milliseconds(60),
+      [&](absl::Time) {
+        const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) {
+          refused.fetch_add(1);
+          return absl::UnavailableError("socket: no descriptor");
+        }
+        ::close(fd);
+        opened.fetch_add(1);
+        return absl::OkStatus();
+      },
+      [&](absl::string_view) { pings.fetch_add(1); });
+  watchdog.Start();
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (pings.load() < 1 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(pings.load(), 1);
+  int pinged = 0, outside = 0;
+  {
+    NoFreeDescriptors none;
+    ASSERT_TRUE(none.ok());
+    outside = ::dup(0);  // this process has none
+    const int before = pings.load();
+    while (pings.load() < before + 4 && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    pinged = pings.load() - before;
+  }
+  watchdog.Stop();
+  EXPECT_LT(outside, 0);
+  EXPECT_GE(pinged, 4) << refused.load() << " probes found no descriptor";
 }
 
 TEST(ServiceWatchdogTest, TheTimeoutComesFromTheEnvironmentForThisProcessOnly) {

@@ -39,37 +39,6 @@ absl::Status ListenError(absl::string_view address, absl::string_view what, int 
       absl::StrCat("cannot listen on ", address, ": ", what, ": ", std::strerror(err)));
 }
 
-// unix:PATH, unix:///ABS (the authority is empty), unix-abstract:NAME.
-struct UnixAddress {
-  sockaddr_un sun{};
-  socklen_t len = 0;
-  std::string path;  // empty for an abstract socket
-};
-
-absl::StatusOr<UnixAddress> ParseUnix(absl::string_view address) {
-  UnixAddress a;
-  a.sun.sun_family = AF_UNIX;
-  const bool abstract = absl::StartsWith(address, "unix-abstract:");
-  absl::string_view name = address.substr(abstract ? 14 : 5);
-  if (!abstract && absl::StartsWith(name, "//")) name.remove_prefix(2);
-  // An abstract name goes after a NUL byte; a path needs its terminating one.
-  const size_t room = sizeof(a.sun.sun_path) - 1;
-  if (name.empty() || name.size() > room) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot listen on ", address, ": the ",
-                                                   abstract ? "name" : "path", " is ", name.size(),
-                                                   " bytes; 1 to ", room, " fit a Unix socket"));
-  }
-  if (abstract) {
-    std::memcpy(a.sun.sun_path + 1, name.data(), name.size());
-    a.len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-  } else {
-    std::memcpy(a.sun.sun_path, name.data(), name.size());
-    a.len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size() + 1);
-    a.path = std::string(name);
-  }
-  return a;
-}
-
 int ListenOn(int fd, const sockaddr* addr, socklen_t len) {
   if (::bind(fd, addr, len) != 0 || ::listen(fd, kBacklog) != 0) return errno;
   return 0;
@@ -87,8 +56,11 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
   };
   for (const std::string& address : addresses) {
     if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
-      absl::StatusOr<UnixAddress> a = ParseUnix(address);
-      if (!a.ok()) return a.status();
+      absl::StatusOr<UnixSocketAddress> a = ParseUnixSocketAddress(address);
+      if (!a.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("cannot listen on ", address, ": ", a.status().message()));
+      }
       const sockaddr* sa = reinterpret_cast<const sockaddr*>(&a->sun);
       for (const Socket& earlier : self->sockets_) {
         if (!a->path.empty() && earlier.unix_path == a->path) {

@@ -325,8 +325,8 @@ absl::Status RefitServer::StartGrpc() {
   // regions' descriptors to the same socket.
   for (const std::string& address : options_.listen) {
     if (!absl::StartsWith(address, "unix:")) continue;
-    std::string path = address.substr(5);
-    if (absl::StartsWith(path, "//")) path = path.substr(2);
+    // Bound already, so it parses.
+    const std::string path = ParseUnixSocketAddress(address)->path;
     RegionService* regions = regions_.get();
     if (absl::Status s = attach_->StartFdSocket(
             path + ".fd",

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstddef>
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/ascii.h"
@@ -137,6 +139,30 @@ bool SplitHostPort(absl::string_view address, absl::string_view* host, absl::str
   *host = address.substr(0, colon);
   *port = address.substr(colon + 1);
   return true;
+}
+
+absl::StatusOr<UnixSocketAddress> ParseUnixSocketAddress(absl::string_view address) {
+  UnixSocketAddress a;
+  a.sun.sun_family = AF_UNIX;
+  const bool abstract = absl::StartsWith(address, "unix-abstract:");
+  absl::string_view name = address.substr(abstract ? 14 : 5);
+  if (!abstract && absl::StartsWith(name, "//")) name.remove_prefix(2);
+  // An abstract name goes after a NUL byte; a path needs its terminating one.
+  const size_t room = sizeof(a.sun.sun_path) - 1;
+  if (name.empty() || name.size() > room) {
+    return absl::InvalidArgumentError(absl::StrCat("the ", abstract ? "name" : "path", " is ",
+                                                   name.size(), " bytes; 1 to ", room,
+                                                   " fit a Unix socket"));
+  }
+  if (abstract) {
+    std::memcpy(a.sun.sun_path + 1, name.data(), name.size());
+    a.len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  } else {
+    std::memcpy(a.sun.sun_path, name.data(), name.size());
+    a.len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size() + 1);
+    a.path = std::string(name);
+  }
+  return a;
 }
 
 bool IsLoopbackAddress(absl::string_view address) {

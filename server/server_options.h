@@ -4,6 +4,9 @@
 #ifndef REFIT_SERVER_SERVER_OPTIONS_H_
 #define REFIT_SERVER_SERVER_OPTIONS_H_
 
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -158,6 +161,16 @@ absl::Status ValidateListenAddress(absl::string_view address, absl::string_view 
 // Splits "host:port" or "[v6]:port" (host without the brackets); false for
 // any other shape (no port separator, an unbracketed host with colons).
 bool SplitHostPort(absl::string_view address, absl::string_view* host, absl::string_view* port);
+
+// The socket address of "unix:PATH" ("unix:///ABS" too: its authority is
+// empty) or "unix-abstract:NAME" (`path` empty); INVALID_ARGUMENT with the
+// reason, not the address, when the path or name is empty or does not fit.
+struct UnixSocketAddress {
+  sockaddr_un sun{};
+  socklen_t len = 0;
+  std::string path;
+};
+absl::StatusOr<UnixSocketAddress> ParseUnixSocketAddress(absl::string_view address);
 
 // True for unix: sockets and 127.0.0.0/8, ::1, localhost.
 bool IsLoopbackAddress(absl::string_view address);

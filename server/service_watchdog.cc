@@ -153,26 +153,19 @@ absl::Status ProbeListener(absl::string_view address, absl::Time deadline, bool 
     greeting = *std::move(hello);
   }
   if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
-    const bool abstract = absl::StartsWith(address, "unix-abstract:");
-    absl::string_view path = address.substr(abstract ? 14 : 5);
-    if (!abstract && absl::StartsWith(path, "//")) path.remove_prefix(2);
-    sockaddr_un un{};
-    un.sun_family = AF_UNIX;
-    const size_t offset = abstract ? 1 : 0;
-    if (path.empty() || path.size() + offset >= sizeof(un.sun_path)) {
-      return absl::InvalidArgumentError(absl::StrCat("listener ", address, ": bad socket path"));
+    absl::StatusOr<UnixSocketAddress> un = ParseUnixSocketAddress(address);
+    if (!un.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("listener ", address, ": ", un.status().message()));
     }
-    std::memcpy(un.sun_path + offset, path.data(), path.size());
-    const socklen_t length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + offset +
-                                                    path.size() + (abstract ? 0 : 1));
     Socket s{::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
     if (s.fd < 0) {
       return absl::UnavailableError(
           absl::StrCat("listener ", address, ": socket: ", std::strerror(errno)));
     }
     bool connected = false;
-    return ConnectAndHear(s, reinterpret_cast<const sockaddr*>(&un), length, address, greeting,
-                          deadline, &connected);
+    return ConnectAndHear(s, reinterpret_cast<const sockaddr*>(&un->sun), un->len, address,
+                          greeting, deadline, &connected);
   }
   // The hosts to try, in order: an IPv6 wildcard listener serves IPv4 too
   // (dual stack), and a host may have no IPv6 loopback.
@@ -245,7 +238,6 @@ ServiceWatchdog::Probe ServiceWatchdog::ProbeAll(std::vector<std::string> addres
 }
 
 void ServiceWatchdog::Run() {
-  int failures = 0;
   // The reasons logged since every listener last answered: each once, so
   // two listeners failing in turn do not log every round. Bounded, as the
   // reasons carry errno texts and addresses.
@@ -274,20 +266,15 @@ void ServiceWatchdog::Run() {
       if (stopping_) return;
     }
     if (alive.ok()) {
-      if (failures > 0) REFIT_LOG(INFO) << "watchdog: every listener answers again";
-      failures = 0;
+      if (!logged.empty()) REFIT_LOG(INFO) << "watchdog: every listener answers again";
       logged.clear();
       notify_("WATCHDOG=1");
-      reserve.fd = ::eventfd(0, EFD_CLOEXEC);
-    } else {
-      reserve.fd = ::eventfd(0, EFD_CLOEXEC);
-      ++failures;
-      if (logged.size() < kMaxLoggedReasons && logged.emplace(alive.message()).second) {
-        REFIT_LOG(ERROR) << "watchdog: " << alive.message()
-                         << "; not pinging the service manager, which restarts refitd once "
-                            "WatchdogSec passes without a ping";
-      }
+    } else if (logged.size() < kMaxLoggedReasons && logged.emplace(alive.message()).second) {
+      REFIT_LOG(ERROR) << "watchdog: " << alive.message()
+                       << "; not pinging the service manager, which restarts refitd once "
+                          "WatchdogSec passes without a ping";
     }
+    reserve.fd = ::eventfd(0, EFD_CLOEXEC);
     absl::MutexLock lock(&mu_);
     mu_.AwaitWithDeadline(absl::Condition(&stopping_), round + interval_);
     if (stopping_) return;

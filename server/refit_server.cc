@@ -73,9 +73,7 @@ absl::StatusOr<std::unique_ptr<RefitServer>> RefitServer::Start(ServerOptions op
 absl::Status RefitServer::Init() {
   options_.listen = SplitListenAddresses(options_.listen);
   if (options_.listen.empty()) return absl::InvalidArgumentError("no listen address");
-  for (const std::string& address : options_.listen) {
-    if (absl::Status s = ValidateListenAddress(address, "--listen"); !s.ok()) return s;
-  }
+  if (absl::Status s = ValidateListenAddresses(options_.listen); !s.ok()) return s;
   if (!options_.metrics_listen.empty()) {
     absl::Status s = ValidateListenAddress(options_.metrics_listen, "--metrics-listen");
     if (!s.ok()) return s;
@@ -323,13 +321,10 @@ absl::Status RefitServer::StartGrpc() {
   // Engine attach hands descriptors over a Unix socket beside the first
   // unix: listen address (server/attach_fd_server.h); trainers hand their
   // regions' descriptors to the same socket.
-  for (const std::string& address : options_.listen) {
-    if (!absl::StartsWith(address, "unix:")) continue;
-    // Bound already, so it parses.
-    const std::string path = ParseUnixSocketAddress(address)->path;
+  if (const std::string fd_path = DescriptorSocketPath(options_.listen); !fd_path.empty()) {
     RegionService* regions = regions_.get();
     if (absl::Status s = attach_->StartFdSocket(
-            path + ".fd",
+            fd_path,
             [regions](absl::string_view ticket, absl::StatusOr<int> fd, int pid, uint32_t uid) {
               return regions->Deposit(ticket, std::move(fd), pid, uid);
             });
@@ -338,8 +333,7 @@ absl::Status RefitServer::StartGrpc() {
       server_->Shutdown();
       return s;
     }
-    regions_->SetFdSocket(path + ".fd");
-    break;
+    regions_->SetFdSocket(fd_path);
   }
 
   if (!options_.metrics_listen.empty()) {

@@ -126,6 +126,37 @@ absl::Status ValidateListenAddress(absl::string_view address, absl::string_view 
   return absl::OkStatus();
 }
 
+absl::Status ValidateListenAddresses(const std::vector<std::string>& addresses) {
+  for (const std::string& address : addresses) {
+    if (absl::Status s = ValidateListenAddress(address, "--listen"); !s.ok()) return s;
+    if (!absl::StartsWith(address, "unix:") && !absl::StartsWith(address, "unix-abstract:")) {
+      continue;
+    }
+    if (absl::Status s = ParseUnixSocketAddress(address).status(); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--listen address \"", address, "\": ", s.message()));
+    }
+  }
+  const std::string fd_path = DescriptorSocketPath(addresses);
+  if (!fd_path.empty()) {
+    if (absl::Status s = ParseUnixSocketAddress(absl::StrCat("unix:", fd_path)).status(); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--listen: the descriptor socket for engine attach and trainer regions, ", fd_path,
+          ", goes beside the first unix: path; ", s.message(), ": use a shorter path"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string DescriptorSocketPath(const std::vector<std::string>& addresses) {
+  for (const std::string& address : addresses) {
+    if (!absl::StartsWith(address, "unix:")) continue;
+    absl::StatusOr<UnixSocketAddress> a = ParseUnixSocketAddress(address);
+    return a.ok() ? a->path + ".fd" : std::string();
+  }
+  return std::string();
+}
+
 bool SplitHostPort(absl::string_view address, absl::string_view* host, absl::string_view* port) {
   if (absl::StartsWith(address, "[")) {
     const size_t close = address.find(']');

@@ -158,6 +158,16 @@ std::vector<std::string> SplitListenAddresses(const std::vector<std::string>& va
 // 500510 mod 65536).
 absl::Status ValidateListenAddress(absl::string_view address, absl::string_view flag);
 
+// ValidateListenAddress for each of --listen's addresses, and the Unix
+// socket paths checked before anything binds: each fits a socket address,
+// and beside the first one the descriptor socket (DescriptorSocketPath)
+// fits too.
+absl::Status ValidateListenAddresses(const std::vector<std::string>& addresses);
+
+// Where engines and trainers hand over descriptors: "PATH.fd" beside the
+// first "unix:PATH" of `addresses`; empty when there is none.
+std::string DescriptorSocketPath(const std::vector<std::string>& addresses);
+
 // Splits "host:port" or "[v6]:port" (host without the brackets); false for
 // any other shape (no port separator, an unbracketed host with colons).
 bool SplitHostPort(absl::string_view address, absl::string_view* host, absl::string_view* port);

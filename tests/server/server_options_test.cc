@@ -90,6 +90,38 @@ TEST(ServerOptionsTest, ListenAddressesNeedAPortInRange) {
               HasSubstr("port \"500510\" is not a number in 0..65535"));
 }
 
+TEST(ServerOptionsTest, UnixPathsAndTheDescriptorSocketBesideThemMustFit) {
+  // sun_path holds 108 bytes with the terminating NUL: 107 for the path,
+  // 104 for a path that also needs its ".fd" sibling.
+  const std::string fits = "/" + std::string(103, 'a');
+  const std::string no_room_for_fd = "/" + std::string(104, 'a');
+  const std::string too_long = "/" + std::string(107, 'a');
+  EXPECT_TRUE(ValidateListenAddresses({"unix:" + fits}).ok());
+  EXPECT_EQ(DescriptorSocketPath({"127.0.0.1:0", "unix-abstract:x", "unix:" + fits, "unix:/b"}),
+            fits + ".fd");
+  EXPECT_EQ(DescriptorSocketPath({"127.0.0.1:0", "unix-abstract:x"}), "");
+  EXPECT_EQ(DescriptorSocketPath({"unix:///run/r.sock"}), "/run/r.sock.fd");
+
+  absl::Status status = ValidateListenAddresses({"unix:" + no_room_for_fd});
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("the descriptor socket for engine attach "
+                                                       "and trainer regions, ",
+                                                       no_room_for_fd, ".fd")));
+  EXPECT_THAT(status.message(), HasSubstr("the path is 108 bytes; 1 to 107 fit a Unix socket"));
+  // Only the first unix: path has a descriptor socket beside it.
+  EXPECT_TRUE(ValidateListenAddresses({"unix:/r.sock", "unix:" + no_room_for_fd}).ok());
+
+  status = ValidateListenAddresses({"127.0.0.1:0", "unix:" + too_long});
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("--listen address \"unix:", too_long,
+                                                       "\": the path is 108 bytes")));
+  status = ValidateListenAddresses({"unix-abstract:" + std::string(108, 'n')});
+  EXPECT_THAT(status.message(), HasSubstr("the name is 108 bytes"));
+  EXPECT_THAT(ValidateListenAddresses({"unix:"}).message(), HasSubstr("the path is 0 bytes"));
+  EXPECT_THAT(ValidateListenAddresses({"127.0.0.1:65536"}).message(),
+              HasSubstr("--listen address \"127.0.0.1:65536\""));
+}
+
 TEST(ServerOptionsTest, LoopbackAddresses) {
   EXPECT_TRUE(IsLoopbackAddress("127.0.0.1:50051"));
   EXPECT_TRUE(IsLoopbackAddress("127.1.2.3:0"));

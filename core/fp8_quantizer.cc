@@ -280,14 +280,19 @@ REFIT_FP8_INLINE typename S::I32 QuantizeLanes(typename S::I32 x, typename S::F3
   using I32 = typename S::I32;
   const I32 abs = x & static_cast<int32_t>(T::kAbsMask);
   // |x| * inv == |x * inv| in IEEE arithmetic, so the sign can ride apart.
-  // No clamp to 448 here: |x| <= amax and inv = 1/(amax/448), each rounded
-  // once (and 1/s < 2^128, so s has >= 21 significant bits), give
-  // |x| * inv <= 448 * (1 + 2^-19), far below 464, the first value that would
-  // round past 448. So the clamp of the formula never changes a code.
-  // (QuantizeWithInfiniteInverse handles inv = inf; non-finite products
-  // only come from non-finite x, which kReject excludes and kVllmCompatible
-  // overrides below.)
-  const I32 a = reinterpret_cast<I32>(T::template AbsToFloat<S>(abs) * inv);
+  // With |x| <= amax, inv = 1/(amax/448), each rounded once (and 1/s < 2^128,
+  // so s has >= 21 significant bits), give |x| * inv <= 448 * (1 + 2^-19),
+  // far below 464, the first value that would round past 448: the clamp of
+  // the formula changes no code. It is still done, on the bits (a NaN's are
+  // above 448's), because the source may change between the amax pass and
+  // this one (a trainer writing into the region a push reads in place): a
+  // value above the amax, Inf or NaN then saturates to +-448 (NaN to +448)
+  // instead of giving the NaN code, or a code that spills into the next
+  // byte. (QuantizeWithInfiniteInverse handles inv = inf; kVllmCompatible
+  // overrides non-finite sources below.)
+  I32 a = reinterpret_cast<I32>(T::template AbsToFloat<S>(abs) * inv);
+  const I32 max = S::Splat(kF32Bits448);
+  a = a < max ? a : max;
   I32 code = EncodeAbs<S>(a);
   I32 sign = T::template SignByte<S>(x);
   if constexpr (kVllm) {
@@ -592,6 +597,8 @@ constexpr Kernels kKernels[3][3] = {
 using internal::Fp8Isa;
 
 std::atomic<int> g_isa{-1};
+std::atomic<void (*)(void*)> g_between_passes_hook{nullptr};
+std::atomic<void*> g_between_passes_arg{nullptr};
 
 bool CpuSupports(Fp8Isa isa) {
 #if !REFIT_FP8_X86
@@ -1048,6 +1055,9 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
     std::memset(job.out_q, kFp8Max, total);
     FeedHash(job, job.out_q, total);
     return absl::OkStatus();
+  }
+  if (auto hook = g_between_passes_hook.load(std::memory_order_acquire); hook != nullptr) {
+    hook(g_between_passes_arg.load(std::memory_order_relaxed));
   }
   if (hashing) {
     HashFeed feed(job.hash, job.out_q, total, kHashUnitBytes);
@@ -1506,6 +1516,11 @@ Fp8Isa SetFp8IsaForTesting(Fp8Isa isa) {
   const Fp8Isa previous = CurrentIsa();
   if (CpuSupports(isa)) g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
   return previous;
+}
+
+void SetBetweenPassesHookForTesting(void (*hook)(void* arg), void* arg) {
+  g_between_passes_arg.store(arg, std::memory_order_relaxed);
+  g_between_passes_hook.store(hook, std::memory_order_release);
 }
 
 }  // namespace internal

@@ -1,5 +1,6 @@
 // Internals of the CPU FP8 quantizer that tests and benchmarks need to see:
-// which instruction-set variant of the kernels runs. Not for production code.
+// which instruction-set variant of the kernels runs, and a hook between the
+// passes. Not for production code.
 //
 // QuantizeFp8 picks the widest variant the CPU supports on first use. Every
 // variant produces identical bytes; tests force each in turn to prove it.
@@ -22,6 +23,10 @@ Fp8Isa ActiveFp8Isa();
 // Forces `isa` (if supported; otherwise keeps the current one) and returns the
 // variant that was active before.
 Fp8Isa SetFp8IsaForTesting(Fp8Isa isa);
+// Runs hook(arg) in the per-tensor scheme's two-pass path, after the amax
+// pass and before the convert pass (nullptr: none). A test writes into the
+// source there, as a trainer writing into the region a push reads in place.
+void SetBetweenPassesHookForTesting(void (*hook)(void* arg), void* arg);
 
 }  // namespace refit::core::internal
 

@@ -907,6 +907,64 @@ TEST(Fp8QuantizerTest, RejectsInfNamingTheFirstBadElementWhateverTheSplit) {
   }
 }
 
+// A source written between the amax pass and the convert (a trainer writing
+// into the region a push reads in place) gets no NaN code and no code that
+// spills into the next byte: values above the amax, Inf and NaN saturate.
+struct Overwrite {
+  at::Tensor x;
+  std::vector<std::pair<int64_t, float>> values;  // (element, value)
+};
+void OverwriteBetweenPasses(void* arg) {
+  auto* o = static_cast<Overwrite*>(arg);
+  for (const auto& [at, value] : o->values) o->x.view(-1)[at] = value;
+}
+
+TEST(Fp8QuantizerTest, ASourceThatGrowsBetweenThePassesSaturatesInsteadOfGivingNan) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (at::ScalarType type : kTypes) {
+    const at::Tensor original = RandomWeights(64, 1000, type, 41);
+    const std::vector<std::pair<int64_t, float>> writes = {
+        {0, 1e30f},  {1, -1e30f}, {2, 3.0e38f},          {777, inf},
+        {778, -inf}, {999, nan},  {64 * 1000 - 1, -5e4f}};
+    for (Fp8Isa isa : SupportedIsas()) {
+      ScopedIsa scoped(isa);
+      for (int threads : {1, 3}) {
+        for (bool hash : {false, true}) {
+          SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " type ", static_cast<int>(type),
+                                    " threads ", threads, " hash ", hash));
+          Overwrite o{original.clone(), writes};
+          std::vector<uint8_t> q(o.x.numel(), 0xAB);
+          float scale = -1.0f;
+          uint64_t digest = 0;
+          Fp8QuantizeOptions options;
+          options.num_threads = threads;
+          if (hash) options.out_hash = &digest;
+          internal::SetBetweenPassesHookForTesting(&OverwriteBetweenPasses, &o);
+          const absl::Status status =
+              QuantizeFp8(o.x.data_ptr(), OurType(type), 64, 1000, options, q.data(), &scale, "w");
+          internal::SetBetweenPassesHookForTesting(nullptr, nullptr);
+          ASSERT_TRUE(status.ok()) << status;
+          // The scale is the one of the bytes before the writes.
+          EXPECT_EQ(scale, RunOurs(original, QuantScheme::kPerTensor).scales[0]);
+          const uint8_t expected_at[] = {0x7E, 0xFE, 0x7E, 0x7E, 0xFE, 0x7E};
+          for (size_t k = 0; k < 6; ++k) {
+            EXPECT_EQ(q[writes[k].first], expected_at[k]) << "element " << writes[k].first;
+          }
+          EXPECT_EQ(q.back(), 0xFE);
+          // Every other byte is what the untouched source gives.
+          const std::vector<uint8_t> untouched = RunOurs(original, QuantScheme::kPerTensor).q;
+          for (int64_t i = 0; i < o.x.numel(); ++i) {
+            if (i < 3 || i == 777 || i == 778 || i == 999 || i == o.x.numel() - 1) continue;
+            ASSERT_EQ(q[i], untouched[i]) << "element " << i;
+          }
+          for (uint8_t b : q) ASSERT_NE(b & 0x7F, 0x7F) << "a NaN code";
+        }
+      }
+    }
+  }
+}
+
 // vLLM: NaN is ignored by the max and becomes +448; the rest is quantized with
 // the scale of the finite values.
 TEST(Fp8QuantizerTest, VllmPolicyIgnoresNanInMaxAndSaturatesIt) {

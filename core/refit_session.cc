@@ -180,6 +180,11 @@ absl::StatusOr<RefitResult> RefitSession::Commit() {
 }
 
 void RefitSession::Abort(absl::string_view reason) {
+  // A Commit waiting for attached engines to quiesce holds call_mu_ until
+  // they answer or --engine-quiesce-timeout passes. The wait ends first, so
+  // that the refit aborts with nothing copied (instead of committing after
+  // its abort, with this call blocked meanwhile).
+  store_->CancelCommitWait(options_.refit_id, reason);
   Outbox out;
   {
     absl::MutexLock lock(&call_mu_);

@@ -591,6 +591,11 @@ void ShardStore::SetCommitCoordinator(CommitCoordinator* coordinator) {
   coordinator_.store(coordinator, std::memory_order_release);
 }
 
+void ShardStore::CancelCommitWait(absl::string_view refit_id, absl::string_view reason) {
+  CommitCoordinator* coordinator = coordinator_.load(std::memory_order_acquire);
+  if (coordinator != nullptr) coordinator->CancelWait(refit_id, reason);
+}
+
 absl::Status ShardStore::ReadKernel(absl::string_view name, std::string* out,
                                     uint64_t* version) const {
   auto it = impl_->kernel_index.find(std::string(name));

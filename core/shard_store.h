@@ -123,6 +123,11 @@ class CommitCoordinator {
   // version is visible, or the error that stopped it (nothing copied).
   virtual void AfterCommit(absl::string_view refit_id,
                            const absl::StatusOr<CommitStats>& result) = 0;
+  // Ends a BeforeCommit of `refit_id` (empty: of whichever refit) that is
+  // waiting, or makes the next one of the store's active refit `refit_id`
+  // return at once: it returns ABORTED "refit "ID" aborted: <reason>" and
+  // nothing is copied. No effect on a copy under way or done.
+  virtual void CancelWait(absl::string_view refit_id, absl::string_view reason) {}
 };
 
 // DEADLINE_EXCEEDED marked as "engines did not quiesce": RefitSession keeps
@@ -287,6 +292,10 @@ class ShardStore {
   // Set before refits run or while none commits; the coordinator must
   // outlive the store or be reset first.
   void SetCommitCoordinator(CommitCoordinator* coordinator);
+  // CommitCoordinator::CancelWait through the store's coordinator, if any:
+  // a refit aborted while its commit waits for attached engines ends with
+  // nothing copied instead of committing once they answer.
+  void CancelCommitWait(absl::string_view refit_id, absl::string_view reason);
   // Copies kernel `name` to host memory under the reader lock, so the bytes
   // and *version belong to one version.
   // Errors: NOT_FOUND for unknown names; INTERNAL if copying a GPU kernel

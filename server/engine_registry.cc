@@ -122,6 +122,14 @@ int EngineRegistry::size() const {
 
 absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t next_version) {
   absl::MutexLock lock(&mu_);
+  abort_sent_refit_.clear();
+  abort_sent_to_.clear();
+  if (cancelled_refit_ != refit_id) cancelled_refit_.clear();
+  if (!cancelled_refit_.empty()) {
+    // Aborted on its way here: no engine has been told anything.
+    cancelled_refit_.clear();
+    return absl::AbortedError(cancel_message_);
+  }
   pending_refit_ = std::string(refit_id);
   pending_version_ = next_version;
   ++attempt_;
@@ -133,7 +141,21 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   }
   if (!waiting_.empty()) {
     const absl::Time deadline = absl::Now() + quiesce_timeout_;
-    mu_.AwaitWithDeadline(absl::Condition(this, &EngineRegistry::NoneWaitingLocked), deadline);
+    mu_.AwaitWithDeadline(absl::Condition(this, &EngineRegistry::NoneWaitingOrCancelledLocked),
+                          deadline);
+  }
+  if (cancelled_refit_ == refit_id) {
+    // Aborted (its client went away, an operator, shutdown) while engines
+    // were quiescing: nothing is copied, and they resume.
+    cancelled_refit_.clear();
+    const std::string message = cancel_message_;
+    REFIT_LOG(INFO)
+            .Field("refit_id", refit_id)
+            .Field("group", store_->group())
+            .Field("version", absl::StrCat(next_version))
+        << "refit aborted while attached engines quiesced; not committing";
+    EndPendingLocked(message);
+    return absl::AbortedError(message);
   }
   if (waiting_.empty()) {
     copying_ = true;
@@ -160,13 +182,30 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
           .Field("group", store_->group())
           .Field("version", absl::StrCat(next_version))
       << reason << "; not committing";
-  SendAbortedLocked(refit_id, reason, /*told_only=*/true);
+  EndPendingLocked(reason);
+  return core::NotQuiescedError(reason);
+}
+
+void EngineRegistry::EndPendingLocked(absl::string_view reason) {
+  SendAbortedLocked(pending_refit_, reason, /*told_only=*/true);
+  abort_sent_refit_ = pending_refit_;
+  abort_sent_to_ = told_;
   pending_refit_.clear();
   pending_version_ = 0;
   copying_ = false;
   told_.clear();
   waiting_.clear();
-  return core::NotQuiescedError(reason);
+}
+
+void EngineRegistry::CancelWait(absl::string_view refit_id, absl::string_view reason) {
+  // The store's active refit (or the pending one) only: a refit id a client
+  // chose may come again later, and must not find this record.
+  const bool active = !refit_id.empty() && store_->active_session() == refit_id;
+  absl::MutexLock lock(&mu_);
+  const bool pending = !pending_refit_.empty() && (refit_id.empty() || pending_refit_ == refit_id);
+  if ((!pending && !active) || (pending && copying_)) return;
+  cancelled_refit_ = pending ? pending_refit_ : std::string(refit_id);
+  cancel_message_ = absl::StrCat("refit \"", cancelled_refit_, "\" aborted: ", reason);
 }
 
 void EngineRegistry::AfterCommit(absl::string_view refit_id,
@@ -185,6 +224,8 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
     }
   } else {
     SendAbortedLocked(refit_id, result.status().message(), /*told_only=*/true);
+    abort_sent_refit_ = std::string(refit_id);
+    abort_sent_to_ = told_;
   }
   pending_refit_.clear();
   pending_version_ = 0;
@@ -196,7 +237,10 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
 void EngineRegistry::OnStoreEvent(const core::StoreEvent& event) {
   if (event.type != core::StoreEventType::kAborted) return;
   absl::MutexLock lock(&mu_);
-  SendAbortedLocked(event.refit_id, event.message, /*told_only=*/false);
+  if (cancelled_refit_ == event.refit_id) cancelled_refit_.clear();
+  // Engines told of this refit's end by BeforeCommit are not told twice.
+  SendAbortedLocked(event.refit_id, event.message, /*told_only=*/false,
+                    event.refit_id == abort_sent_refit_ ? &abort_sent_to_ : nullptr);
 }
 
 void EngineRegistry::EndPauseLocked(const std::string& id, Engine& engine, absl::Time now,
@@ -209,11 +253,12 @@ void EngineRegistry::EndPauseLocked(const std::string& id, Engine& engine, absl:
 }
 
 void EngineRegistry::SendAbortedLocked(absl::string_view refit_id, absl::string_view reason,
-                                       bool told_only) {
+                                       bool told_only, const std::set<std::string>* skip) {
   const uint64_t live = store_->version();
   const absl::Time now = absl::Now();
   for (auto& [id, engine] : engines_) {
     if (told_only && told_.count(id) == 0) continue;
+    if (skip != nullptr && skip->count(id) > 0) continue;
     v1::DaemonMessage message;
     message.mutable_aborted()->set_refit_id(std::string(refit_id));
     message.mutable_aborted()->set_version(live);

@@ -95,6 +95,7 @@ class EngineRegistry final : public core::CommitCoordinator {
   absl::Status BeforeCommit(absl::string_view refit_id, uint64_t next_version) override;
   void AfterCommit(absl::string_view refit_id,
                    const absl::StatusOr<core::CommitStats>& result) override;
+  void CancelWait(absl::string_view refit_id, absl::string_view reason) override;
 
  private:
   struct Engine {
@@ -104,13 +105,18 @@ class EngineRegistry final : public core::CommitCoordinator {
   };
   void OnStoreEvent(const core::StoreEvent& event);
   void SendPendingLocked(const std::string& id, Engine& engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SendAbortedLocked(absl::string_view refit_id, absl::string_view reason, bool told_only)
+  void SendAbortedLocked(absl::string_view refit_id, absl::string_view reason, bool told_only,
+                         const std::set<std::string>* skip = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine is released from a commit (`committed`, or aborted): its
   // pause, if it quiesced for it, is observed.
   void EndPauseLocked(const std::string& id, Engine& engine, absl::Time now, bool committed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool NoneWaitingLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return waiting_.empty(); }
+  bool NoneWaitingOrCancelledLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return waiting_.empty() || (!pending_refit_.empty() && cancelled_refit_ == pending_refit_);
+  }
+  // Ends the pending commit: its told engines are sent Aborted.
+  void EndPendingLocked(absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   core::ShardStore* const store_;
   const absl::Duration quiesce_timeout_;
@@ -129,6 +135,13 @@ class EngineRegistry final : public core::CommitCoordinator {
   bool copying_ ABSL_GUARDED_BY(mu_) = false;        // BeforeCommit returned OK, no AfterCommit yet
   std::set<std::string> told_ ABSL_GUARDED_BY(mu_);  // sent CommitPending
   std::set<std::string> waiting_ ABSL_GUARDED_BY(mu_);  // told, not yet quiesced
+  // A refit aborted before or during its BeforeCommit (CancelWait), and why.
+  std::string cancelled_refit_ ABSL_GUARDED_BY(mu_);
+  std::string cancel_message_ ABSL_GUARDED_BY(mu_);
+  // The refit whose abort was sent from BeforeCommit, and to which engines:
+  // the store's kAborted event that follows is not sent to them again.
+  std::string abort_sent_refit_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> abort_sent_to_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::server

@@ -535,6 +535,12 @@ void RefitServer::Shutdown() {
     }
   }
   REFIT_LOG(INFO) << "shutting down: readiness NOT_SERVING, refusing new refits";
+  // A commit waiting for attached engines (a two-phase Commit too, which no
+  // registry of refits holds any more) ends now, not after the quiesce
+  // timeout.
+  for (const auto& [name, group] : groups_) {
+    group->store()->CancelCommitWait("", "refitd is shutting down");
+  }
   if (service_ != nullptr) service_->BeginShutdown();
   if (attach_ != nullptr) attach_->Shutdown();
   if (regions_ != nullptr) regions_->Shutdown();

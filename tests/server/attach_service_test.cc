@@ -333,6 +333,113 @@ TEST_F(AttachTest, AnEngineAttachingWhileACommitWaitsIsAskedAndWaitedForToo) {
   }
 }
 
+// Waits (up to 20 s) until the default group has no active refit.
+void AwaitNoActiveRefit(v1::RefitService::Stub* stub) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (Status(stub).has_active_refit() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+TEST_F(AttachTest, APushCancelledWhileEnginesQuiesceIsAbortedThenAndALateAckCopiesNothing) {
+  // The client goes away while the commit waits for an engine: the refit
+  // aborts at once (not when the engine acks, or after the quiesce timeout,
+  // with the commit made behind the client's back), and the engine is told
+  // once.
+  ServerOptions options = TestOptions(dir_);
+  options.engine_quiesce_timeout = absl::Seconds(60);
+  StartServer(std::move(options));
+  engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
+  Engine engine(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(engine);
+  grpc::ClientContext push_context;
+  grpc::Status pushed;
+  std::thread pusher([&] {
+    v1::PushResponse response;
+    std::unique_ptr<grpc::ClientWriter<v1::PushRequest>> writer =
+        stub_->Push(&push_context, &response);
+    for (const v1::PushRequest& message : FullPush(2)) {
+      if (!writer->Write(message)) break;
+    }
+    writer->WritesDone();
+    pushed = writer->Finish();
+  });
+  v1::DaemonMessage message;
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_commit_pending());
+  const v1::CommitPending pending = message.commit_pending();
+  const absl::Time cancelled = absl::Now();
+  push_context.TryCancel();
+  pusher.join();
+  EXPECT_EQ(pushed.error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_aborted()) << message.DebugString();
+  EXPECT_LT(absl::Now() - cancelled, absl::Seconds(20));
+  EXPECT_EQ(message.aborted().refit_id(), pending.refit_id());
+  EXPECT_THAT(message.aborted().reason(), HasSubstr("the client cancelled the Push"));
+  engine.Quiesced(pending);  // late: lets nothing through
+  AwaitNoActiveRefit(stub_.get());
+  EXPECT_EQ(Version(), 1u);
+
+  // What the engine reads next is the next refit's CommitPending, not a
+  // second Aborted for this one.
+  std::thread next([&] {
+    const PushOutcome outcome = PushMessages(stub_.get(), FullPush(3));
+    EXPECT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  });
+  ASSERT_TRUE(engine.Read(&message));
+  ASSERT_TRUE(message.has_commit_pending()) << message.DebugString();
+  engine.Quiesced(message.commit_pending());
+  ASSERT_TRUE(engine.Read(&message));
+  EXPECT_TRUE(message.has_committed()) << message.DebugString();
+  next.join();
+  EXPECT_EQ(Version(), 2u);
+}
+
+TEST_F(AttachTest, ShutdownEndsACommitWaitingForEnginesWithoutCopying) {
+  // Both kinds of commit: a one-phase Push, and a two-phase Commit (whose
+  // refit is no longer among the group's refits while it commits).
+  for (bool two_phase : {false, true}) {
+    SCOPED_TRACE(two_phase ? "Commit" : "Push");
+    ServerOptions options = TestOptions(dir_);
+    options.engine_quiesce_timeout = absl::Seconds(60);
+    StartServer(std::move(options));
+    engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
+    auto engine = std::make_unique<Engine>(engine_stub_.get(), /*coordinate=*/true);
+    AttachOne(*engine);
+    std::string refit_id;
+    if (two_phase) {
+      const PushOutcome prepared =
+          PushMessages(stub_.get(), FullPush(2, v1::COMPLETION_MODE_PREPARE));
+      ASSERT_TRUE(prepared.status.ok()) << prepared.status.error_message();
+      refit_id = prepared.response.result().refit_id();
+    }
+    grpc::Status committed;
+    std::thread committer([&] {
+      if (two_phase) {
+        grpc::ClientContext context;
+        v1::CommitRequest request;
+        request.set_refit_id(refit_id);
+        v1::CommitResponse response;
+        committed = stub_->Commit(&context, request, &response);
+      } else {
+        committed = PushMessages(stub_.get(), FullPush(2)).status;
+      }
+    });
+    v1::DaemonMessage message;
+    ASSERT_TRUE(engine->Read(&message));
+    ASSERT_TRUE(message.has_commit_pending());
+    const absl::Time start = absl::Now();
+    server_->Shutdown();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+    committer.join();
+    EXPECT_FALSE(committed.ok());
+    EXPECT_THAT(committed.error_message(), HasSubstr("shutting down"));
+    EXPECT_EQ(server_->default_group()->store()->version(), 1u);
+    engine.reset();
+  }
+}
+
 TEST_F(AttachTest, AnAckForAnEarlierAttemptDoesNotCountForTheRetry) {
   Engine engine(engine_stub_.get(), /*coordinate=*/true);
   AttachOne(engine);

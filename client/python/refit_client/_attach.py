@@ -786,7 +786,9 @@ class AttachedEngine:
                             "aborted", b.refit_id, b.version, reason=b.reason, time=now
                         )
                         with self._cv:
-                            self._pending = None
+                            # (Another refit's end leaves this one pending.)
+                            if self._pending is not None and self._pending[0] == b.refit_id:
+                                self._pending = None
                             self._cv.notify_all()
                         self._wake_safe_point()
                     else:

@@ -405,6 +405,35 @@ def test_a_safe_point_sleeping_for_a_commit_that_is_aborted_resumes(start_daemon
         assert ready.version == 1
 
 
+def test_a_push_whose_trainer_dies_during_the_engine_wait_is_aborted_then(start_daemon, weights):
+    """The trainer process dies while the commit waits for an engine's ack:
+    the refit aborts then (not after the quiesce timeout, committed with no
+    one to hear of it), the engine hears of it once, and the next push
+    commits."""
+    d = start_daemon("--engine-quiesce-timeout=60s")
+    example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "push_checkpoint.py"
+    with attach(d.address, name="slow") as engine:
+        trainer = subprocess.Popen([sys.executable, str(example), d.address, str(weights(2))],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert [ev.kind for ev in first_events(engine, 1)] == ["commit_pending"]
+            killed = time.monotonic()
+            trainer.kill()
+        finally:
+            trainer.kill()
+            trainer.wait(LIMIT)
+        aborted = first_events(engine, 1)
+        assert [ev.kind for ev in aborted] == ["aborted"]
+        assert time.monotonic() - killed < 30
+        assert "cancelled" in aborted[0].reason
+        assert engine.safe_point() is False  # nothing pending any more
+        with RefitClient(d.address, timeout=LIMIT) as client:
+            assert client.status().version == 1
+            engine.on_event(lambda ev: ev.kind == "commit_pending" and engine.safe_point())
+            assert client.push(load_state_dict(weights(3))).version == 2
+        assert [ev.kind for ev in first_events(engine, 2)] == ["commit_pending", "committed"]
+
+
 def test_tiny_engine_follows_a_refit_bit_for_bit_without_reattaching(start_daemon, weights):
     shape = tiny_engine.Shape(2, 4, 2, 32, 1000)
     prompt = [1, 2, 3, 4]

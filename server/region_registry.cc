@@ -67,7 +67,9 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
         absl::StrCat("region \"", region->id_, "\": the descriptor is not open for reading"));
   }
   struct statfs fs {};
-  if (::fstatfs(fd, &fs) == 0 && static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC) {
+  const bool have_fs = ::fstatfs(fd, &fs) == 0;
+  region->shmem_ = have_fs && static_cast<uint64_t>(fs.f_type) == TMPFS_MAGIC;
+  if (have_fs && static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC) {
     // A hole punched in a hugetlbfs file (allowed unless it is sealed
     // against writes, which a trainer's region cannot be) faults the mapping
     // once the huge page pool is empty, and its mappings only unmap in
@@ -162,6 +164,10 @@ absl::StatusOr<std::unique_ptr<Region>> Region::OpenCudaIpc(std::string id,
 }
 
 Region::~Region() {
+  {
+    absl::MutexLock lock(&written_mu_);
+    if (seek_fd_ >= 0) ::close(seek_fd_);
+  }
   pinned_.reset();
   SigbusGuard::Unregister(guard_slot_);
   if (access_ == Access::kMapped) ::munmap(const_cast<uint8_t*>(map_), size_);
@@ -177,6 +183,7 @@ absl::StatusOr<absl::Span<const uint8_t>> Region::Read(absl::string_view tensor,
                                               " reaches past its size ", size_));
   }
   if (absl::Status intact = CheckIntact(tensor); !intact.ok()) return intact;
+  if (absl::Status written = CheckWritten(tensor, offset, length); !written.ok()) return written;
   if (access_ != Access::kPread) return absl::MakeConstSpan(map_ + offset, length);
   scratch->resize(length);
   uint64_t done = 0;
@@ -198,6 +205,51 @@ absl::StatusOr<absl::Span<const uint8_t>> Region::Read(absl::string_view tensor,
     done += static_cast<uint64_t>(n);
   }
   return absl::MakeConstSpan(scratch->data(), length);
+}
+
+absl::Status Region::CheckWritten(absl::string_view tensor, uint64_t offset,
+                                  uint64_t length) const {
+  if (!shmem_ || fd_ < 0 || length == 0) return absl::OkStatus();
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) return absl::OkStatus();  // the size checks report a bad file
+  const uint64_t file = static_cast<uint64_t>(st.st_size);
+  if (static_cast<uint64_t>(st.st_blocks) * 512 >= (file + page - 1) / page * page) {
+    return absl::OkStatus();  // every page is there
+  }
+  const uint64_t end = offset + length;
+  absl::MutexLock lock(&written_mu_);
+  if (offset >= written_lo_ && end <= written_hi_) return absl::OkStatus();
+  if (seek_fd_ == -1) {
+    // Reopened, not dup'ed: a dup shares the trainer's file offset, which
+    // lseek moves.
+    seek_fd_ = ::open(absl::StrCat("/proc/self/fd/", fd_).c_str(), O_RDONLY | O_CLOEXEC);
+    if (seek_fd_ < 0) seek_fd_ = -2;
+  }
+  const int fd = seek_fd_ >= 0 ? seek_fd_ : fd_;
+  const uint64_t from = offset / page * page;
+  const off_t hole = ::lseek(fd, static_cast<off_t>(from), SEEK_HOLE);
+  // (ENXIO: the range starts past the file's end, which the shrink checks
+  // report.)
+  if (hole < 0) return absl::OkStatus();
+  const uint64_t at = std::max(static_cast<uint64_t>(hole), offset);
+  if (at < end) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor ", core::QuoteText(tensor), ": region \"", id_, "\" offset ", offset, " length ",
+        length, ": its byte ", at,
+        " lies in a page the trainer never wrote (a hole in its shared memory); refitd reads "
+        "only written memory, because reading a hole would allocate the page on refitd's "
+        "account: write every byte of a tensor before pushing it"));
+  }
+  const uint64_t hi = static_cast<uint64_t>(hole);
+  if (written_hi_ > written_lo_ && from <= written_hi_ && hi >= written_lo_) {
+    written_lo_ = std::min(written_lo_, from);
+    written_hi_ = std::max(written_hi_, hi);
+  } else {
+    written_lo_ = from;
+    written_hi_ = hi;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> RegionRegistry::Reserve(const std::string& owner, uint64_t size) {

@@ -127,13 +127,26 @@ class Region {
   // into *scratch (kPread; resized as needed). OUT_OF_RANGE past size()
   // (naming `tensor`, the region, offset, length and size);
   // FAILED_PRECONDITION when a kPread region ends early (truncated while in
-  // use) or cannot be read, or a guarded one faulted before.
+  // use) or cannot be read, or a guarded one faulted before;
+  // INVALID_ARGUMENT when the range of a shared-memory (tmpfs, memfd)
+  // region has a page the trainer never wrote (CheckWritten).
   absl::StatusOr<absl::Span<const uint8_t>> Read(absl::string_view tensor, uint64_t offset,
                                                  uint64_t length,
                                                  std::vector<uint8_t>* scratch) const;
 
  private:
   Region(std::string id, int fd, uint64_t size) : id_(std::move(id)), fd_(fd), size_(size) {}
+
+  // A page of shared memory that was never written (a hole) is allocated by
+  // the first read of it, through a mapping or not, and charged to the
+  // reader: to refitd's memory cgroup, for as long as the trainer keeps the
+  // file, however little the trainer itself spent. So a range of a tmpfs
+  // or memfd region must be written before refitd reads it. One fstat when
+  // every page of the file is there (st_blocks); otherwise lseek(SEEK_HOLE)
+  // from the range, on a descriptor of refitd's own (the file offset is
+  // shared with the trainer's), remembering the span found written so that
+  // the next chunks in it cost nothing.
+  absl::Status CheckWritten(absl::string_view tensor, uint64_t offset, uint64_t length) const;
 
   const std::string id_;
   const int fd_;
@@ -145,6 +158,12 @@ class Region {
   std::unique_ptr<core::PinnedHostRange> pinned_;  // released before the unmap
   bool pin_requested_ = false;
   mutable std::atomic<bool> shrunk_{false};  // CheckFileSize found the file short
+  bool shmem_ = false;                       // a tmpfs file or a memfd
+  mutable absl::Mutex written_mu_;
+  mutable int seek_fd_ ABSL_GUARDED_BY(written_mu_) = -1;  // -2: could not reopen
+  // A span of the file CheckWritten found written, [lo, hi).
+  mutable uint64_t written_lo_ ABSL_GUARDED_BY(written_mu_) = 0;
+  mutable uint64_t written_hi_ ABSL_GUARDED_BY(written_mu_) = 0;
 };
 
 // The guarded regions one refit read from, and the first tensor read from

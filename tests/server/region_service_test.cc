@@ -407,6 +407,51 @@ TEST_F(RegionTest, OffsetPastTheRegionIsOutOfRangeNamingTensorRegionOffsetLength
   EXPECT_EQ(status.fingerprint(), before);
 }
 
+TEST_F(RegionTest, ATensorOverPagesTheTrainerNeverWroteFailsThePushAndTheDaemonAllocatesNone) {
+  const std::vector<core::OwnedTensor> tensors = FixtureWeights(5);
+  auto file = MakeRegionFile(tensors, /*seal=*/true);
+  size_t largest = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].bytes.size() > tensors[largest].bytes.size()) largest = i;
+  }
+  ASSERT_GE(tensors[largest].bytes.size(), 3u * 4096);
+  // Unwritten pages inside it (as if the trainer never wrote them).
+  const uint64_t hole = (file->offsets[largest] + 4095) / 4096 * 4096;
+  ASSERT_EQ(::fallocate(file->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        static_cast<off_t>(hole), 4096),
+            0);
+  Lease lease(region_stub_.get(), file->size);
+  const std::string id = lease.Register(file->fd);
+  ASSERT_FALSE(id.empty());
+  const v1::GetStatusResponse before = Status(stub_.get());
+  struct stat st {};
+  ASSERT_EQ(::fstat(file->fd, &st), 0);
+  const blkcnt_t blocks = st.st_blocks;
+
+  const PushOutcome outcome = PushRegion(tensors, *file, id);
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(outcome.status.error_message(),
+              HasSubstr(absl::StrCat("tensor \"", tensors[largest].name, "\": region \"", id,
+                                     "\" offset ", file->offsets[largest])));
+  EXPECT_THAT(
+      outcome.status.error_message(),
+      HasSubstr(absl::StrCat("its byte ", hole, " lies in a page the trainer never wrote")));
+  const v1::GetStatusResponse after = Status(stub_.get());
+  EXPECT_EQ(after.version(), before.version());
+  EXPECT_EQ(after.fingerprint(), before.fingerprint());
+  ASSERT_EQ(::fstat(file->fd, &st), 0);
+  EXPECT_EQ(st.st_blocks, blocks) << "refitd allocated the trainer's unwritten pages";
+
+  // Written, the same region pushes.
+  const uint64_t in_tensor = hole - file->offsets[largest];
+  ASSERT_EQ(
+      ::pwrite(file->fd, tensors[largest].bytes.data() + in_tensor, 4096, static_cast<off_t>(hole)),
+      4096);
+  const PushOutcome again = PushRegion(tensors, *file, id);
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(Status(stub_.get()).version(), before.version() + 1);
+}
+
 TEST_F(RegionTest, UnknownRegionIsNotFound) {
   const std::vector<core::OwnedTensor> tensors = FixtureWeights(3);
   auto file = MakeRegionFile(tensors, true);
@@ -471,6 +516,67 @@ TEST(RegionOpenTest, AMemfdShrunkAndSealedDuringTheChecksIsNeverMappedPastItsEnd
   EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(region.status().message(), HasSubstr("is 4096 bytes, smaller than its declared"));
   ::close(fd);
+}
+
+// A memfd the trainer wrote only in part: reading its never-written pages
+// would allocate them on the daemon's account, so a range that has one is
+// refused (naming the first such byte) and the check allocates nothing;
+// written ranges read as before, sealed (mapped) or not, and the trainer's
+// file offset stays where it was.
+TEST(RegionOpenTest, ARangeWithPagesTheTrainerNeverWroteIsInvalidArgumentAndAllocatesNothing) {
+  for (bool seal : {true, false}) {
+    SCOPED_TRACE(seal ? "sealed" : "unsealed");
+    constexpr uint64_t kSize = 4 << 20;
+    const int fd = ::memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, kSize), 0);
+    if (seal) {
+      ASSERT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    }
+    // Written: the first MiB and the third.
+    const std::string ones(1 << 20, '\x01');
+    ASSERT_EQ(::pwrite(fd, ones.data(), ones.size(), 0), static_cast<ssize_t>(ones.size()));
+    ASSERT_EQ(::pwrite(fd, ones.data(), ones.size(), 2 << 20), static_cast<ssize_t>(ones.size()));
+    ASSERT_EQ(::lseek(fd, 12345, SEEK_SET), 12345);
+    absl::StatusOr<std::unique_ptr<Region>> region = Region::Open("rg-sparse", ::dup(fd), kSize);
+    ASSERT_TRUE(region.ok()) << region.status();
+    struct stat before {};
+    ASSERT_EQ(::fstat(fd, &before), 0);
+
+    std::vector<uint8_t> scratch;
+    for (uint64_t offset : {uint64_t{0}, uint64_t{4096}, uint64_t{2 << 20}}) {
+      absl::StatusOr<absl::Span<const uint8_t>> bytes =
+          (*region)->Read("w", offset, 1 << 19, &scratch);
+      ASSERT_TRUE(bytes.ok()) << bytes.status();
+      EXPECT_EQ((*bytes)[0], 1);
+    }
+    struct Case {
+      uint64_t offset, length, first_hole;
+    };
+    for (const Case& c :
+         {Case{0, (1 << 20) + 1, 1 << 20}, Case{(1 << 20) + 100, 8, (1 << 20) + 100},
+          Case{(2 << 20) + 5, 1 << 20, 3 << 20}, Case{kSize - 4, 4, kSize - 4}}) {
+      absl::StatusOr<absl::Span<const uint8_t>> bytes =
+          (*region)->Read("model.layers.0.mlp.down_proj.weight", c.offset, c.length, &scratch);
+      ASSERT_FALSE(bytes.ok()) << c.offset;
+      EXPECT_EQ(bytes.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(bytes.status().message(),
+                  HasSubstr(absl::StrCat("tensor \"model.layers.0.mlp.down_proj.weight\": region "
+                                         "\"rg-sparse\" offset ",
+                                         c.offset, " length ", c.length, ": its byte ",
+                                         c.first_hole, " lies in a page the trainer never wrote")));
+    }
+    struct stat after {};
+    ASSERT_EQ(::fstat(fd, &after), 0);
+    EXPECT_EQ(after.st_blocks, before.st_blocks) << "the check allocated pages";
+    EXPECT_EQ(::lseek(fd, 0, SEEK_CUR), 12345);
+
+    // Once written, the same range reads.
+    ASSERT_EQ(::pwrite(fd, ones.data(), ones.size(), 1 << 20), static_cast<ssize_t>(ones.size()));
+    EXPECT_TRUE((*region)->Read("w", 0, (1 << 20) + 1, &scratch).ok());
+    region->reset();
+    ::close(fd);
+  }
 }
 
 // Descriptors that pass for readable regular files but are not mappable

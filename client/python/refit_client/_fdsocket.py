@@ -5,8 +5,9 @@ with its registration ticket.
 
 The daemon serves a bounded number of these connections at once and answers
 one more with a "busy" refusal at once (or, when the refusal crosses the
-ticket, resets the connection or closes it under the ticket); all are retried here, until the caller's
-timeout, and then raise Unavailable.
+ticket, resets the connection or closes it under the ticket), and a connect
+to a socket whose backlog is full fails with EAGAIN; all are retried here,
+until the caller's timeout, and then raise Unavailable.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def exchange(path: str, ticket: str, timeout: float, fd: Optional[int] = None) -
             reply, fds = _exchange_once(path, ticket, max(deadline - time.monotonic(), 0.001), fd)
         except (ConnectionResetError, BrokenPipeError):
             reply, fds = _BUSY[0] + b" (the connection was reset)", []
+        except BlockingIOError:
+            # connect() with the socket's backlog full: EAGAIN at once,
+            # whatever the timeout.
+            reply, fds = _BUSY[0] + b" (its backlog is full)", []
         if not reply.startswith(_BUSY):
             return reply, fds
         for received in fds:

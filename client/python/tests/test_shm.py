@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -141,6 +144,50 @@ def test_a_descriptor_socket_that_stays_busy_is_unavailable(monkeypatch):
     with pytest.raises(Unavailable) as e:
         _fdsocket.exchange("/run/refitd/x.sock.fd", "t", 0.05)
     assert "the connection was reset" in str(e.value)
+
+
+def test_a_descriptor_socket_with_a_full_backlog_is_retried_until_it_answers(tmp_path):
+    """Peers that connect and wait fill the socket's backlog; a connect then
+    fails with EAGAIN at once. The client tries again, and is served once
+    the backlog drains (Unavailable only after its timeout)."""
+    from refit_client import _fdsocket
+
+    path = str(tmp_path / "r.sock.fd")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    fillers = []
+    while True:  # fill the backlog
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        fillers.append(c)
+    assert fillers
+    with pytest.raises(Unavailable) as e:
+        _fdsocket.exchange(path, "t", 0.2)
+    assert "backlog is full" in str(e.value)
+
+    def serve() -> None:
+        time.sleep(0.3)
+        for c in fillers:
+            c.close()
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                if conn.recv(64) == b"t\n":
+                    conn.sendall(b"K")
+                    return
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    reply, fds = _fdsocket.exchange(path, "t", 10.0)
+    thread.join(10)
+    server.close()
+    assert (reply, fds) == (b"K", [])
 
 
 def test_a_descriptor_the_socket_refused_fails_the_push_promptly_and_nothing_changes(

@@ -115,8 +115,12 @@ absl::Status IngestRegionChunk(const RegionRegistry* regions, const std::string&
   return ingested;
 }
 
-// One RegisterRegion stream: the region's lease.
-class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionEvent> {
+// One RegisterRegion stream: the region's lease. Watched (IdleWatchdog)
+// from its ticket until its descriptor arrives: a registration whose
+// descriptor does not come within --push-idle-timeout ends, and its
+// reservation (counted against the caller's limits) with it.
+class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionEvent>,
+                                     public IdleWatchdog::Target {
  public:
   Reactor(RegionService* service, grpc::CallbackServerContext* context,
           const v1::RegisterRegionRequest& request)
@@ -177,11 +181,35 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
     t->set_region_id(*id);
     t->set_ticket(ticket);
     t->set_fd_socket(service_->fd_socket_);
+    deposit_deadline_ns_.store(absl::ToUnixNanos(service_->refit_->clock()->Now() +
+                                                 service_->refit_->options().push_idle_timeout));
+    Ref();  // the watchdog's, until End
+    watched_.store(true);
+    service_->refit_->watchdog()->Add(this);
     Send(std::move(event));
+  }
+
+  // IdleWatchdog::Target
+  absl::Time IdleDeadline() const override {
+    return absl::FromUnixNanos(deposit_deadline_ns_.load(std::memory_order_relaxed));
+  }
+  void OnIdle() override {
+    deposit_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
+    const std::string why =
+        absl::StrCat("no descriptor arrived at the descriptor socket within ",
+                     absl::FormatDuration(service_->refit_->options().push_idle_timeout),
+                     " of the ticket (--push-idle-timeout)");
+    {
+      absl::MutexLock lock(&mu_);
+      if (active_) return;
+    }
+    REFIT_LOG(WARNING).Field("region", RegionId()) << "RegisterRegion ended: " << why;
+    End(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, why), why);
   }
 
   // The descriptor was checked and mapped.
   void Registered(const Region& region, int pid, uint32_t uid) {
+    deposit_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
     const Region::Access access = region.access();
     std::string id;
     std::string owner;
@@ -232,6 +260,11 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
             << "region released";
       }
     }
+    deposit_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
+    if (watched_.exchange(false)) {
+      service_->refit_->watchdog()->Remove(this);
+      Unref();
+    }
     MaybeFinish();
   }
 
@@ -259,8 +292,8 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
     Unref();
   }
 
-  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
-  void Unref() {
+  void Ref() override { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() override {
     if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
 
@@ -285,8 +318,15 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
     if (finish.has_value()) Finish(*finish);
   }
 
+  std::string RegionId() {
+    absl::MutexLock lock(&mu_);
+    return region_id_;
+  }
+
   RegionService* const service_;
   std::atomic<int> refs_{1};  // gRPC's, until OnDone
+  std::atomic<int64_t> deposit_deadline_ns_{absl::ToUnixNanos(absl::InfiniteFuture())};
+  std::atomic<bool> watched_{false};
   absl::Mutex mu_;
   std::string region_id_ ABSL_GUARDED_BY(mu_);
   std::string owner_ ABSL_GUARDED_BY(mu_);

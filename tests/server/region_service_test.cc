@@ -717,6 +717,30 @@ TEST_F(RegionTest, LimitsPerCallerAreResourceExhausted) {
   EXPECT_THAT(status.error_message(), HasSubstr("--max-regions-per-caller 1"));
 }
 
+TEST_F(RegionTest, ARegistrationWhoseDescriptorNeverComesEndsAndFreesItsPlace) {
+  // A client that takes tickets and never sends the descriptors would hold
+  // its caller's places (and with authentication off, everyone's) for good.
+  ServerOptions options = TestOptions(dir_);
+  options.max_regions_per_caller = 1;
+  options.push_idle_timeout = absl::Milliseconds(300);
+  Start(std::move(options));
+  Lease silent(region_stub_.get(), 4096);
+  v1::RegionTicket ticket;
+  ASSERT_TRUE(silent.ReadTicket(&ticket));
+  const grpc::Status status = silent.Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("no descriptor arrived at the descriptor socket within 300ms of the "
+                        "ticket (--push-idle-timeout)"));
+  EXPECT_THAT(SendFd(ticket.fd_socket(), ticket.ticket(), -1), HasSubstr("unknown region ticket"));
+  // Its place is free; a registration that completes in time is not ended.
+  auto file = MakeRegionFile(FixtureWeights(3), /*seal=*/true);
+  Lease next(region_stub_.get(), file->size);
+  ASSERT_FALSE(next.Register(file->fd).empty()) << next.Finish().error_message();
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_THAT(MetricsText(), HasSubstr("refitd_trainer_regions 1\n"));
+}
+
 // A region unregistered while a refit still reads it keeps its descriptor
 // and mapping until the refit lets go: until then it counts against its
 // owner, so register/push/unregister in a loop cannot pile up descriptors.

@@ -205,6 +205,13 @@ class AttachService::Reactor final
           absl::StrCat("engine_name is ", request.engine_name().size(), " bytes; at most ",
                        kMaxEngineNameBytes, " (it is shown in status and logs)"));
     }
+    // A coordinated engine holds up every commit until it acks (or the
+    // quiesce timeout passes): more than reading.
+    if (request.coordinate()) {
+      absl::StatusOr<Principal> caller =
+          service_->refit()->Authorize(context_, Action::kCoordinate, "Attach");
+      if (!caller.ok()) return caller.status();
+    }
     absl::StatusOr<ModelGroup*> group = service_->refit()->FindGroup(request.model_group());
     if (!group.ok()) return group.status();
     core::ShardStore* store = (*group)->store();

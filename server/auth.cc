@@ -20,6 +20,8 @@ absl::string_view RoleName(Role role) {
       return "operator";
     case Role::kReader:
       return "reader";
+    case Role::kEngine:
+      return "engine";
   }
   return "unknown";
 }
@@ -28,8 +30,9 @@ absl::StatusOr<Role> ParseRole(absl::string_view name) {
   if (name == "trainer") return Role::kTrainer;
   if (name == "operator") return Role::kOperator;
   if (name == "reader") return Role::kReader;
+  if (name == "engine") return Role::kEngine;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown role \"", name, "\" (use trainer, operator or reader)"));
+      absl::StrCat("unknown role \"", name, "\" (use trainer, operator, reader or engine)"));
 }
 
 namespace {
@@ -44,6 +47,9 @@ absl::string_view ActionName(Action action) {
       return "reload";
     case Action::kRead:
       return "read";
+    case Action::kCoordinate:
+      return "hold up commits (Attach with coordinate): attach without it, or with an engine or "
+             "operator token";
   }
   return "?";
 }
@@ -56,6 +62,8 @@ bool RoleMay(Role role, Action action) {
       return action == Action::kPush || action == Action::kFinish;
     case Role::kReader:
       return action == Action::kRead;
+    case Role::kEngine:
+      return action == Action::kRead || action == Action::kCoordinate;
   }
   return false;
 }

@@ -4,7 +4,10 @@
 // starts a comment; blank lines are ignored. Roles:
 //   trainer   Push; Commit and Abort of the refits it started itself
 //   operator  everything: Reload, Commit/Abort of any refit, all reads
-//   reader    GetStatus, ListTensors, ReadTensor, Watch
+//   reader    GetStatus, ListTensors, ReadTensor, Watch; Attach without
+//             coordination
+//   engine    what a reader may, and Attach with coordination (which holds
+//             up every commit until the engine acks or the quiesce timeout)
 // Clients send "authorization: Bearer TOKEN" metadata. The grpc.health.v1
 // service is not behind this check (Kubernetes probes carry no token).
 //
@@ -28,15 +31,16 @@
 
 namespace refit::server {
 
-enum class Role { kTrainer, kOperator, kReader };
+enum class Role { kTrainer, kOperator, kReader, kEngine };
 absl::string_view RoleName(Role role);
 absl::StatusOr<Role> ParseRole(absl::string_view name);
 
 enum class Action {
-  kPush,    // Push
-  kFinish,  // Commit / Abort (trainers: their own refits only)
-  kReload,  // Reload
-  kRead,    // GetStatus, ListTensors, ReadTensor, Watch
+  kPush,        // Push
+  kFinish,      // Commit / Abort (trainers: their own refits only)
+  kReload,      // Reload
+  kRead,        // GetStatus, ListTensors, ReadTensor, Watch
+  kCoordinate,  // Attach with coordination
 };
 
 struct Principal {

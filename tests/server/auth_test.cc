@@ -12,6 +12,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "refit/v1/engine.grpc.pb.h"
 #include "tests/server/server_test_util.h"
 
 namespace refit::server {
@@ -43,7 +44,8 @@ class AuthTest : public ::testing::Test {
               "alice-token trainer alice\n"
               "bob-token trainer bob\n"
               "ops-token operator ops\n"
-              "reader-token reader\n");
+              "reader-token reader\n"
+              "engine-token engine vllm-0\n");
     ServerOptions options = TestOptions(dir_);
     options.auth_tokens_file = dir_ + "/tokens";
     absl::StatusOr<std::unique_ptr<RefitServer>> server = RefitServer::Start(options);
@@ -173,6 +175,52 @@ TEST_F(AuthTest, ReaderReadsButMayNotChangeAnything) {
   EXPECT_EQ(Reload(reader).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(Commit(reader, "r-1").error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(Abort(reader, "").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+}
+
+// Attach's first message and the stream's status: OK once the manifest
+// came, else the refusal.
+grpc::Status AttachWith(v1::EngineService::Stub* stub, const std::string& token, bool coordinate) {
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  auto stream = stub->Attach(&context);
+  v1::EngineMessage first;
+  first.mutable_attach()->set_coordinate(coordinate);
+  stream->Write(first);
+  v1::DaemonMessage message;
+  const bool attached = stream->Read(&message) && message.has_attached();
+  stream->WritesDone();
+  while (stream->Read(&message)) {
+  }
+  const grpc::Status status = stream->Finish();
+  if (attached && status.ok()) return grpc::Status::OK;
+  return status.ok() ? grpc::Status(grpc::StatusCode::UNKNOWN, "no manifest") : status;
+}
+
+TEST_F(AuthTest, OnlyEngineAndOperatorTokensAttachWithCoordination) {
+  // A coordinated engine holds up every commit until it acks: a reader may
+  // map the weights, not veto refits.
+  auto engines = v1::EngineService::NewStub(channel_);
+  EXPECT_TRUE(AttachWith(engines.get(), "reader-token", false).ok());
+  const grpc::Status refused = AttachWith(engines.get(), "reader-token", true);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(refused.error_message(),
+              HasSubstr("Attach: role reader may not hold up commits (Attach with coordinate): "
+                        "attach without it, or with an engine or operator token"));
+  for (const char* token : {"engine-token", "ops-token"}) {
+    EXPECT_TRUE(AttachWith(engines.get(), token, true).ok()) << token;
+    EXPECT_TRUE(AttachWith(engines.get(), token, false).ok()) << token;
+  }
+  EXPECT_EQ(AttachWith(engines.get(), "alice-token", false).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  // An engine token reads as a reader does, and changes nothing.
+  const std::string engine = "engine-token";
+  EXPECT_TRUE(GetStatus(engine).ok());
+  EXPECT_TRUE(ReadTensor(engine).ok());
+  EXPECT_TRUE(WatchFirstEvent(engine).ok());
+  EXPECT_EQ(PushMessages(stub_.get(), FullPush(1), engine).status.error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(Reload(engine).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(Abort(engine, "").error_code(), grpc::StatusCode::PERMISSION_DENIED);
 }
 
 TEST_F(AuthTest, TrainerPushesAndFinishesOnlyItsOwnRefits) {

@@ -82,6 +82,10 @@ std::string RandomTicket() {
   return out;
 }
 
+// In the refusal of an attach before the first version; the Python client
+// retries on it until its timeout.
+constexpr absl::string_view kNoVersionYet = "serves no version yet";
+
 }  // namespace
 
 // One Attach stream: the engine's lease.
@@ -215,6 +219,13 @@ class AttachService::Reactor final
     absl::StatusOr<ModelGroup*> group = service_->refit()->FindGroup(request.model_group());
     if (!group.ok()) return group.status();
     core::ShardStore* store = (*group)->store();
+    if (store->version() == 0) {
+      // Its arena holds no weights before the first load ends (zeros; an
+      // engine that does not check the version would serve them).
+      return absl::UnavailableError(absl::StrCat(
+          "model group ", core::QuoteText((*group)->name()), " ", kNoVersionYet,
+          " (its first load is under way): attach once refitd is ready (refitctl health --wait)"));
+    }
     const v1::EngineLayout layout = ToProtoLayout(store->layout());
     if (absl::Status s = CompareLayouts(request.expect(), layout); !s.ok()) return s;
     if (service_->fd_socket().empty()) {

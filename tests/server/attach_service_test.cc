@@ -152,6 +152,28 @@ TEST_F(AttachTest, ManifestDescribesEveryKernelAndTheTicketGivesAReadOnlyMemfdOn
   EXPECT_TRUE(engine.Close().ok());
 }
 
+TEST_F(AttachTest, AttachBeforeTheFirstVersionIsUnavailableAndWorksOnceItIsServed) {
+  // Listening, first load not done: the arena holds zeros, not weights.
+  server_.reset();
+  absl::StatusOr<std::unique_ptr<RefitServer>> loading = RefitServer::Create(TestOptions(dir_));
+  ASSERT_TRUE(loading.ok()) << loading.status();
+  server_ = std::move(*loading);
+  engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
+  for (bool coordinate : {false, true}) {
+    Engine early(engine_stub_.get(), coordinate);
+    v1::DaemonMessage message;
+    EXPECT_FALSE(early.Read(&message)) << message.DebugString();
+    const grpc::Status status = early.Close();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_THAT(status.error_message(),
+                HasSubstr("model group \"target\" serves no version yet (its first load is "
+                          "under way): attach once refitd is ready"));
+  }
+  ASSERT_TRUE(server_->LoadInitialModel().ok());
+  Engine engine(engine_stub_.get(), /*coordinate=*/true);
+  EXPECT_EQ(AttachOne(engine).version(), 1u);
+}
+
 TEST_F(AttachTest, AttachOverTcpIsFailedPrecondition) {
   ServerOptions options = TestOptions(dir_);
   options.listen.push_back("127.0.0.1:0");

@@ -64,6 +64,7 @@ from .errors import (
     InvalidArgument,
     PermissionDenied,
     RefitError,
+    Unavailable,
     from_rpc_error,
 )
 
@@ -129,6 +130,9 @@ class _Futex:
             ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0),
         )
 
+
+# The daemon's refusal of an attach before its first version is served.
+_NO_VERSION_YET = "serves no version yet"
 
 LAYOUT_FIELDS = (
     "architecture",
@@ -1059,7 +1063,8 @@ def attach(
     """Attaches to `group` (None: the daemon's default) of the refitd at
     `address` (a unix: address). `expect` holds layout fields the engine
     requires (LAYOUT_FIELDS); a difference is FailedPrecondition naming
-    them. `timeout` bounds attaching: reaching the daemon and its answer
+    them. `timeout` bounds attaching: reaching the daemon, its first version
+    (a daemon still loading it is waited for) and its answer
     (DeadlineExceeded), then the descriptor handover; the lease itself has
     no deadline. Raises the typed errors of refit_client.errors."""
     if token is not None and token_file is not None:
@@ -1081,8 +1086,17 @@ def attach(
     # process with torch loaded) in the middle of attach. It runs later.
     collecting = gc.isenabled()
     gc.disable()
+    deadline = time.monotonic() + timeout
     try:
-        return AttachedEngine(address, group, coordinate, name, expect, token, timeout)
+        while True:
+            try:
+                return AttachedEngine(address, group, coordinate, name, expect, token,
+                                      max(deadline - time.monotonic(), 0.001))
+            except Unavailable as e:
+                # A daemon still loading its first version: wait for it.
+                if _NO_VERSION_YET not in str(e) or time.monotonic() + 0.05 >= deadline:
+                    raise
+                time.sleep(0.05)
     finally:
         if collecting:
             gc.enable()

@@ -299,6 +299,43 @@ def test_an_engine_attaching_mid_commit_holds_at_its_first_safe_point(start_daem
             assert second.version == 2 and second.pauses[-1][0] == 2
 
 
+def test_attach_waits_for_a_daemon_still_loading_its_first_version(monkeypatch):
+    """Before its first version the daemon refuses attach (UNAVAILABLE,
+    "serves no version yet": the arena holds no weights yet); attach() asks
+    again until its timeout. Other refusals are raised at once."""
+    from refit_client import Unavailable
+
+    calls = []
+    loading = Unavailable('UNAVAILABLE: model group "target" serves no version yet (its first '
+                          "load is under way): attach once refitd is ready")
+
+    def engine(*args):
+        calls.append(args[-1])  # the timeout left
+        if len(calls) < 3:
+            raise loading
+        return "attached"
+
+    monkeypatch.setattr(_attach_module, "AttachedEngine", engine)
+    assert attach("unix:/nowhere.sock", timeout=5.0) == "attached"
+    assert len(calls) == 3 and calls[0] > calls[1] > calls[2] > 0
+
+    calls.clear()
+    monkeypatch.setattr(_attach_module, "AttachedEngine",
+                        lambda *args: (calls.append(1), (_ for _ in ()).throw(loading))[1])
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="serves no version yet"):
+        attach("unix:/nowhere.sock", timeout=0.3)
+    assert 0.25 <= time.monotonic() - start < 5 and len(calls) > 1
+
+    calls.clear()
+    stopping = Unavailable("UNAVAILABLE: refitd is shutting down")
+    monkeypatch.setattr(_attach_module, "AttachedEngine",
+                        lambda *args: (calls.append(1), (_ for _ in ()).throw(stopping))[1])
+    with pytest.raises(Unavailable, match="shutting down"):
+        attach("unix:/nowhere.sock", timeout=5.0)
+    assert len(calls) == 1
+
+
 def test_attach_to_no_daemon_gives_up_after_its_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded) as e:

@@ -885,9 +885,11 @@ absl::Status NonFiniteError(absl::Span<const absl::Span<const uint8_t>> pieces, 
   }
   const float value = LoadAsFloat(at, dtype, 0);
   const char* text = std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
-  return absl::InvalidArgumentError(
+  absl::Status status = absl::InvalidArgumentError(
       absl::StrCat("tensor '", tensor_name, "': element ", index, " (row ", index / cols, ", col ",
                    index % cols, ") is ", text, "; FP8 quantization rejects non-finite weights"));
+  SetNonFiniteElement(status, index / cols, index % cols);
+  return status;
 }
 
 absl::Status NonFiniteError(const void* src, DType dtype, int64_t rows, int64_t cols,

@@ -28,8 +28,14 @@
 #define REFIT_CORE_FP8_QUANTIZER_H_
 
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/dtype.h"
@@ -78,6 +84,27 @@ struct Fp8QuantizeOptions {
 
 // Number of float32 scales a [rows, cols] weight gets under `scheme`.
 int64_t Fp8NumScales(QuantScheme scheme, int64_t rows, int64_t cols);
+
+// Where a refusal of a non-finite value (INVALID_ARGUMENT under kReject)
+// found it: (row, col) of the matrix that was quantized, carried as a
+// payload of the status, so that a caller can name the element in terms of
+// the tensors it was made from (the CPU and the CUDA quantizer set it).
+inline constexpr absl::string_view kNonFiniteElementPayload = "refit/non-finite-element";
+inline void SetNonFiniteElement(absl::Status& status, int64_t row, int64_t col) {
+  status.SetPayload(kNonFiniteElementPayload, absl::Cord(absl::StrCat(row, ",", col)));
+}
+inline std::optional<std::pair<int64_t, int64_t>> NonFiniteElement(const absl::Status& status) {
+  const auto payload = status.GetPayload(kNonFiniteElementPayload);
+  if (!payload.has_value()) return std::nullopt;
+  const std::string text(*payload);
+  const size_t comma = text.find(',');
+  int64_t row = 0, col = 0;
+  if (comma == std::string::npos || !absl::SimpleAtoi(text.substr(0, comma), &row) ||
+      !absl::SimpleAtoi(text.substr(comma + 1), &col)) {
+    return std::nullopt;
+  }
+  return std::make_pair(row, col);
+}
 
 // Quantizes a row-major [rows, cols] matrix of fp32/fp16/bf16 into
 // `out_q` (rows * cols bytes, row-major [rows, cols]) and `out_scales`

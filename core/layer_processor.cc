@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -53,10 +55,42 @@ absl::Status NonFiniteError(absl::string_view kernel_name, const ParamSpec& para
     const float value = LoadAsFloat(at, param.dtype, 0);
     text = std::isinf(value) ? (value > 0 ? "inf" : "-inf") : "nan";
   }
-  return absl::InvalidArgumentError(
+  absl::Status status = absl::InvalidArgumentError(
       absl::StrCat("tensor '", kernel_name, "': element ", index, " is ", text,
                    "; the non-finite policy REJECT refuses non-finite values in every float tensor "
                    "(NON_FINITE_POLICY_VLLM_COMPATIBLE accepts them)"));
+  const int64_t cols = param.shape.size() == 2 && param.shape[1] > 0 ? param.shape[1] : 1;
+  SetNonFiniteElement(status, index / cols, index % cols);
+  return status;
+}
+
+// A NaN/Inf a check found at (row, col) (NonFiniteElement) of what was made
+// from param `p` of layer `l`, rows counted from the param's row `row0`
+// (an expert's part), named `made`: prefixed with the checkpoint tensor that
+// filled that row and where the element lies in it. That is what the
+// trainer sent; a fused (q/k/v, gate/up) or tensor-parallel kernel's
+// coordinates are not.
+absl::Status NameCheckpointElement(const ModelLayout& layout, int l, int p, int64_t row0,
+                                   absl::string_view made, absl::Status status) {
+  const std::optional<std::pair<int64_t, int64_t>> at = NonFiniteElement(status);
+  if (!at.has_value()) return status;
+  const int64_t row = row0 + at->first;
+  for (const CheckpointTensor& t : layout.checkpoint_tensors()) {
+    if (t.use != CheckpointTensor::Use::kTarget || t.layer != l || t.param != p) continue;
+    const SliceSpec& s = t.slice;
+    if (row < s.dst_row || row >= s.dst_row + s.num_rows) continue;
+    const int64_t src_row = s.src_row + (row - s.dst_row);
+    const int64_t src_col = s.src_col + at->second;
+    if (t.name == made && src_row == at->first && src_col == at->second) return status;
+    const std::string where = t.shape.size() == 2 ? absl::StrCat("row ", src_row, ", col ", src_col)
+                                                  : absl::StrCat("element ", src_row);
+    absl::Status named = absl::Status(
+        status.code(),
+        absl::StrCat("checkpoint tensor '", t.name, "' ", where, ": ", status.message()));
+    SetNonFiniteElement(named, at->first, at->second);
+    return named;
+  }
+  return status;
 }
 
 // INVALID_ARGUMENT naming the tensor and its first NaN/Inf element.
@@ -165,7 +199,10 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
         absl::StatusOr<uint64_t> hash =
             OwnCheckAndHash(spec.kernels[k].name, param,
                             options_.non_finite == NonFinitePolicy::kReject, params[plan.param]);
-        if (!hash.ok()) return hash.status();
+        if (!hash.ok()) {
+          return NameCheckpointElement(layout_, l, plan.param, 0, spec.kernels[k].name,
+                                       hash.status());
+        }
         absl::Status kept =
             (*build)->KeepHashed(static_cast<int>(k), std::move(params[plan.param]), *hash);
         if (!kept.ok()) return kept;
@@ -185,7 +222,9 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
       }
       absl::Status quantized = (*build)->Quantize(std::move(params[plan.param]), param.dtype, rows,
                                                   cols, static_cast<int>(k), plan.scale);
-      if (!quantized.ok()) return quantized;
+      if (!quantized.ok()) {
+        return NameCheckpointElement(layout_, l, plan.param, 0, weight.name, std::move(quantized));
+      }
     }
   }
   params.clear();
@@ -274,7 +313,7 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::ProcessPart(int l, int p, Staging
   }
   if (!made.ok()) {
     open_.erase(l);
-    return made;
+    return NameCheckpointElement(layout_, l, part.param, part.row0, part.name, std::move(made));
   }
   (*open)->done[p] = true;
   ++(*open)->count;

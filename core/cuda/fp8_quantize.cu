@@ -330,10 +330,12 @@ absl::Status Fp8CudaQuantizer::Sync(void* stream) {
   // Worded as core::QuantizeFp8 words it, so callers see one message.
   const float value = BitsToFloat(host.value_bits);
   const char* text = IsNanBits(host.value_bits) ? "nan" : (value > 0 ? "inf" : "-inf");
-  return absl::InvalidArgumentError(absl::StrFormat(
+  absl::Status refused = absl::InvalidArgumentError(absl::StrFormat(
       "tensor '%s': element %d (row %d, col %d) is %s; FP8 quantization rejects non-finite "
       "weights",
       job.tensor_name, index, row, col, text));
+  SetNonFiniteElement(refused, row, col);
+  return refused;
 }
 
 absl::Status Fp8CudaQuantizer::Quantize(const Fp8CudaJob& job, const Fp8QuantizeOptions& options,

@@ -586,6 +586,31 @@ TEST(MoeRefitTest, PartialRefitKeepsUntouchedExpertsAndListsThem) {
   }
 }
 
+TEST(MoeRefitTest, ANonFiniteExpertWeightIsNamedByItsCheckpointTensor) {
+  // An expert's w13 is its gate rows, then its up rows: the error names the
+  // up_proj the trainer sent and the element's row and column there.
+  const ModelConfig c = FixtureConfig(Architecture::kQwen3Moe);
+  std::unique_ptr<ShardStore> store = MakeStore(c);
+  ASSERT_NE(store, nullptr);
+  std::vector<OwnedTensor> w = Weights(c, 1);
+  const std::string name = "model.layers.1.mlp.experts.2.up_proj.weight";
+  bool found = false;
+  for (OwnedTensor& t : w) {
+    if (t.name != name) continue;
+    const int64_t at = 2 * (3 * t.shape[1] + 5);  // bf16 [3][5]
+    t.bytes[at] = 0xC0;
+    t.bytes[at + 1] = 0x7F;
+    found = true;
+  }
+  ASSERT_TRUE(found);
+  absl::StatusOr<RefitResult> r = PushAll(*store, w);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(r.status()),
+              HasSubstr(absl::StrCat("checkpoint tensor '", name, "' row 3, col 5: tensor '")));
+  EXPECT_THAT(Message(r.status()),
+              HasSubstr(absl::StrCat("(row ", c.moe_intermediate_size + 3, ", col 5) is nan")));
+}
+
 TEST(MoeRefitTest, ExpertMissingATensorFailsNamingIt) {
   const ModelConfig c = FixtureConfig(Architecture::kQwen3Moe);
   std::unique_ptr<ShardStore> store = MakeStore(c);

@@ -667,6 +667,72 @@ TEST_F(RefitSessionTest, NonFiniteWeightsAreRejectedByDefault) {
   EXPECT_TRUE(PushAll(*store_, w, vllm).ok());
 }
 
+TEST_F(RefitSessionTest, ANonFiniteWeightIsNamedByTheCheckpointTensorAndItsPlaceThere) {
+  // The quantizer sees fused kernels (q/k/v, gate/up) and this rank's slice:
+  // the error names the tensor the trainer sent and the element's row and
+  // column in it, before the kernel's own coordinates.
+  auto set_nan = [](std::vector<OwnedTensor>& w, const std::string& name, int64_t row,
+                    int64_t col) {
+    for (OwnedTensor& t : w) {
+      if (t.name != name) continue;
+      const int64_t at = 2 * (row * t.shape[1] + col);  // bf16
+      t.bytes[at] = 0xC0;
+      t.bytes[at + 1] = 0x7F;
+      return true;
+    }
+    return false;
+  };
+  const std::string layer = "model.layers.0.";
+  struct Case {
+    std::string tensor;
+    int64_t row, col;
+    int64_t tp_size, tp_rank;
+    std::string kernel_at;  // the kernel's own words, after the prefix
+  };
+  const int64_t q_rows = config_.num_heads * config_.head_dim;
+  const int64_t kv_rows = config_.num_kv_heads * config_.head_dim;
+  const int64_t i2 = config_.intermediate_size / 2;
+  const std::vector<Case> cases = {
+      {layer + "self_attn.v_proj.weight", 5, 3, 1, 0,
+       absl::StrCat("tensor '", layer, "self_attn.qkv_proj.weight': element ",
+                    (q_rows + kv_rows + 5) * config_.hidden_size + 3, " (row ",
+                    q_rows + kv_rows + 5, ", col 3) is nan")},
+      {layer + "mlp.up_proj.weight", 2, 7, 1, 0,
+       absl::StrCat("tensor '", layer, "mlp.gate_up_proj.weight': element ",
+                    (config_.intermediate_size + 2) * config_.hidden_size + 7, " (row ",
+                    config_.intermediate_size + 2, ", col 7) is nan")},
+      // Rank 1 of 2: the second half of q's rows, of down's columns.
+      {layer + "self_attn.q_proj.weight", q_rows / 2 + 4, 9, 2, 1,
+       absl::StrCat("tensor '", layer, "self_attn.qkv_proj.weight': element ",
+                    4 * config_.hidden_size + 9, " (row 4, col 9) is nan")},
+      {layer + "mlp.down_proj.weight", 3, i2 + 7, 2, 1,
+       absl::StrCat("tensor '", layer, "mlp.down_proj.weight': element ", 3 * i2 + 7,
+                    " (row 3, col 7) is nan")},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.tensor);
+    std::unique_ptr<ShardStore> store = MakeStore(config_, ParallelConfig{c.tp_rank, c.tp_size});
+    ASSERT_NE(store, nullptr);
+    std::vector<OwnedTensor> w = v2_;
+    ASSERT_TRUE(set_nan(w, c.tensor, c.row, c.col));
+    absl::StatusOr<RefitResult> result = PushAll(*store, w);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(result.status().message(),
+                HasSubstr(absl::StrCat("checkpoint tensor '", c.tensor, "' row ", c.row, ", col ",
+                                       c.col, ": ", c.kernel_at)));
+  }
+  // A tensor that is its own kernel, whole: no prefix repeating it.
+  std::vector<OwnedTensor> w = v2_;
+  ASSERT_TRUE(set_nan(w, layer + "mlp.down_proj.weight", 1, 1));
+  absl::StatusOr<RefitResult> result = PushAll(*store_, w);
+  EXPECT_THAT(std::string(result.status().message()),
+              ::testing::Not(HasSubstr("checkpoint tensor")));
+  EXPECT_THAT(result.status().message(),
+              HasSubstr(absl::StrCat("tensor '", layer, "mlp.down_proj.weight': element ",
+                                     config_.intermediate_size + 1, " (row 1, col 1) is nan")));
+  ExpectUnchanged();
+}
+
 TEST_F(RefitSessionTest, NonFiniteValuesInKeptTensorsAreRejectedByDefault) {
   // Tensors kept in the checkpoint dtype never reach the FP8 quantizer, so
   // the reject policy needs its own check for them.

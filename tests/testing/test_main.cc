@@ -8,6 +8,7 @@
 #include <execinfo.h>
 #include <signal.h>
 #include <string.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -42,7 +43,23 @@ void WriteHex(uintptr_t value) {
   Write(p);
 }
 
-void OnCrash(int sig, siginfo_t* info, void*) {
+// "    @ ADDRESS  SYMBOL" for a code address (`past_call`: a return address,
+// which points past its call, so the byte before it is looked up). False,
+// and nothing written, when `only_known` and no symbol covers it.
+bool WriteFrame(uintptr_t address, bool past_call, bool only_known = false) {
+  char name[512];
+  const bool known = address > 1 && absl::Symbolize(reinterpret_cast<void*>(address - past_call),
+                                                    name, sizeof(name));
+  if (!known && only_known) return false;
+  Write("    @ ");
+  WriteHex(address);
+  Write("  ");
+  Write(known ? name : "(unknown)");
+  Write("\n");
+  return true;
+}
+
+void OnCrash(int sig, siginfo_t* info, void* context) {
   Write("*** test process received SIG");
   Write(sigabbrev_np(sig) != nullptr ? sigabbrev_np(sig) : "(unknown)");
   Write(", fault address ");
@@ -50,16 +67,31 @@ void OnCrash(int sig, siginfo_t* info, void*) {
   Write(" ***\n");
   void* frames[64];
   const int n = ::backtrace(frames, 64);
-  for (int i = 0; i < n; ++i) {
-    char name[512];
-    Write("    @ ");
-    WriteHex(reinterpret_cast<uintptr_t>(frames[i]));
-    Write("  ");
-    // A return address points past its call: look up the byte before it.
-    const uintptr_t pc = reinterpret_cast<uintptr_t>(frames[i]) - (i > 0 ? 1 : 0);
-    Write(absl::Symbolize(reinterpret_cast<void*>(pc), name, sizeof(name)) ? name : "(unknown)");
-    Write("\n");
+  for (int i = 0; i < n; ++i) WriteFrame(reinterpret_cast<uintptr_t>(frames[i]), i > 0);
+#if defined(__x86_64__)
+  // The unwinder stops at a frame it has no unwind information for: a call
+  // through a null or stale function pointer (pc 0) leaves nothing past the
+  // signal frame. The crashed context's pc, and the words on its stack
+  // that are code addresses (return addresses among them, the caller of a
+  // bad call first), still say where it came from.
+  if (context != nullptr) {
+    const auto* uc = static_cast<const ucontext_t*>(context);
+    const uintptr_t pc = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RIP]);
+    const auto* sp = reinterpret_cast<const uintptr_t*>(uc->uc_mcontext.gregs[REG_RSP]);
+    Write("*** crashed at pc ");
+    WriteHex(pc);
+    Write(", sp ");
+    WriteHex(reinterpret_cast<uintptr_t>(sp));
+    Write("; code addresses on its stack:\n");
+    WriteFrame(pc, false);
+    int shown = 0;
+    for (int i = 0; i < 256 && shown < 24 && sp != nullptr; ++i) {
+      if (WriteFrame(sp[i], true, /*only_known=*/true)) ++shown;
+    }
   }
+#else
+  (void)context;
+#endif
   // End the way the process would have ended without this handler.
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;

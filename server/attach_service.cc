@@ -184,8 +184,9 @@ class AttachService::Reactor final
     Unref();
   }
 
-  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
-  void Unref() {
+  void EndLease(const absl::Status& status) override { End(ToGrpcStatus(status)); }
+  void Ref() override { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() override {
     if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
 

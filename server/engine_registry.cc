@@ -1,5 +1,9 @@
 #include "server/engine_registry.h"
 
+#include <signal.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +18,10 @@ namespace {
 // A commit that engines hold up names this many of them; the error goes to
 // the trainer (in a gRPC status, whose size is bounded) and to every engine.
 constexpr size_t kEnginesNamed = 8;
+
+// How often a commit waiting for engines looks for engines whose process
+// is gone.
+constexpr absl::Duration kGoneCheckInterval = absl::Milliseconds(100);
 
 }  // namespace
 
@@ -122,6 +130,11 @@ int EngineRegistry::size() const {
 
 absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t next_version) {
   absl::MutexLock lock(&mu_);
+  if (std::vector<EngineSink*> gone = TakeGoneLocked(); !gone.empty()) {
+    mu_.Unlock();
+    EndGone(gone);
+    mu_.Lock();
+  }
   abort_sent_refit_.clear();
   abort_sent_to_.clear();
   if (cancelled_refit_ != refit_id) cancelled_refit_.clear();
@@ -139,10 +152,19 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   for (auto& [id, engine] : engines_) {
     if (engine.info.coordinated) SendPendingLocked(id, engine);
   }
-  if (!waiting_.empty()) {
-    const absl::Time deadline = absl::Now() + quiesce_timeout_;
+  const absl::Time deadline = absl::Now() + quiesce_timeout_;
+  while (!NoneWaitingOrCancelledLocked()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) break;
     mu_.AwaitWithDeadline(absl::Condition(this, &EngineRegistry::NoneWaitingOrCancelledLocked),
-                          deadline);
+                          std::min(deadline, now + kGoneCheckInterval));
+    // An engine whose process is gone while its stream stays open (a child
+    // inherited it) is released, not waited for.
+    if (std::vector<EngineSink*> gone = TakeGoneLocked(); !gone.empty()) {
+      mu_.Unlock();
+      EndGone(gone);
+      mu_.Lock();
+    }
   }
   if (cancelled_refit_ == refit_id) {
     // Aborted (its client went away, an operator, shutdown) while engines
@@ -184,6 +206,38 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
       << reason << "; not committing";
   EndPendingLocked(reason);
   return core::NotQuiescedError(reason);
+}
+
+std::vector<EngineSink*> EngineRegistry::TakeGoneLocked() {
+  std::vector<EngineSink*> gone;
+  for (auto it = engines_.begin(); it != engines_.end();) {
+    const int pid = it->second.info.pid;
+    if (pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH) {
+      ++it;
+      continue;
+    }
+    REFIT_LOG(WARNING)
+            .Field("engine", it->first)
+            .Field("group", store_->group())
+            .Field("pid", absl::StrCat(pid))
+        << "engine process gone, its stream still open (inherited by another process); "
+           "its lease ends";
+    it->second.sink->Ref();
+    gone.push_back(it->second.sink);
+    told_.erase(it->first);
+    waiting_.erase(it->first);
+    it = engines_.erase(it);
+  }
+  return gone;
+}
+
+void EngineRegistry::EndGone(const std::vector<EngineSink*>& gone) {
+  for (EngineSink* sink : gone) {
+    sink->EndLease(absl::AbortedError(
+        "the engine's process (the one that took its descriptors) has exited; another process "
+        "holds its stream, which is not coordinated: attach again from the serving process"));
+    sink->Unref();
+  }
 }
 
 void EngineRegistry::EndPendingLocked(absl::string_view reason) {

@@ -45,6 +45,11 @@ class EngineSink {
  public:
   virtual ~EngineSink() = default;
   virtual void Send(v1::DaemonMessage message) = 0;
+  // Ends the engine's lease with `status` (from outside the registry's
+  // lock); the sink then removes itself. Ref/Unref keep it alive meanwhile.
+  virtual void EndLease(const absl::Status& status) = 0;
+  virtual void Ref() = 0;
+  virtual void Unref() = 0;
 };
 
 struct EngineInfo {
@@ -112,6 +117,11 @@ class EngineRegistry final : public core::CommitCoordinator {
   // pause, if it quiesced for it, is observed.
   void EndPauseLocked(const std::string& id, Engine& engine, absl::Time now, bool committed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the engines whose process is gone (their recorded pid exits no
+  // more, while something else, a child that inherited the stream, keeps
+  // it open) out of the registry; their sinks, referenced, for EndGone.
+  std::vector<EngineSink*> TakeGoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static void EndGone(const std::vector<EngineSink*>& gone);
   bool NoneWaitingOrCancelledLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return waiting_.empty() || (!pending_refit_.empty() && cancelled_refit_ == pending_refit_);
   }

@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -460,6 +461,42 @@ TEST_F(AttachTest, ShutdownEndsACommitWaitingForEnginesWithoutCopying) {
     EXPECT_EQ(server_->default_group()->store()->version(), 1u);
     engine.reset();
   }
+}
+
+TEST_F(AttachTest, AnEngineWhoseProcessIsGoneIsReleasedThoughItsStreamStaysOpen) {
+  // The process that took the engine's descriptors exits while another (a
+  // child that inherited the stream, here this test) keeps the stream open:
+  // no one is left to ack, so a commit does not wait for it, and its lease
+  // ends.
+  ServerOptions options = TestOptions(dir_);
+  options.engine_quiesce_timeout = absl::Seconds(60);
+  StartServer(std::move(options));
+  engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
+  Engine engine(engine_stub_.get(), /*coordinate=*/true);
+  const v1::Attached a = AttachOne(engine);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::string error;
+    ::_exit(ReceiveFd(a.fd_socket(), a.ticket(), &error) >= 0 ? 0 : 1);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
+  ASSERT_EQ(Status(stub_.get()).engines(0).pid(), child);
+
+  const absl::Time start = absl::Now();
+  const PushOutcome pushed = PushMessages(stub_.get(), FullPush(2));
+  ASSERT_TRUE(pushed.status.ok()) << pushed.status.error_message();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  EXPECT_EQ(Version(), 2u);
+  EXPECT_EQ(Status(stub_.get()).engines_size(), 0);
+  v1::DaemonMessage message;
+  while (engine.Read(&message)) {
+  }
+  const grpc::Status ended = engine.Close();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_THAT(ended.error_message(), HasSubstr("the engine's process"));
 }
 
 TEST_F(AttachTest, AnAckForAnEarlierAttemptDoesNotCountForTheRetry) {

@@ -16,6 +16,7 @@
 #include "core/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::core {
 namespace {
@@ -23,14 +24,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-// POSIX instead of std::filesystem: libtorch.so exports copies of some
-// std::filesystem functions, and remove_all crashes when it binds to them.
-void RemoveTree(const std::string& dir) {
-  ::nftw(
-      dir.c_str(),
-      [](const char* path, const struct stat*, int, struct FTW*) { return std::remove(path); }, 16,
-      FTW_DEPTH | FTW_PHYS);
-}
+using ::refit::testing::RemoveTree;
 
 bool Exists(const std::string& path) {
   struct stat st;

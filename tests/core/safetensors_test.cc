@@ -19,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/safetensors_corpus.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::core {
 namespace {
@@ -33,12 +34,11 @@ using ::testing::HasSubstr;
 // A fresh directory per test, so tests never see each other's files.
 std::string MakeTempDir() {
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
-                              (std::string("safetensors_test.") + std::to_string(::getpid())) /
-                              (std::string(info->test_suite_name()) + "." + info->name());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
+  const std::string dir = ::testing::TempDir() + "safetensors_test." + std::to_string(::getpid()) +
+                          "/" + info->test_suite_name() + "." + info->name();
+  refit::testing::RemoveTree(dir);
+  EXPECT_TRUE(refit::testing::MakeDirs(dir)) << dir;
+  return dir;
 }
 
 std::string ReadFile(const std::string& path) {

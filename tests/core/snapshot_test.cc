@@ -26,6 +26,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/refit_helpers.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::core {
 namespace {
@@ -81,12 +82,7 @@ void WriteAll(const std::string& path, const std::string& bytes) {
   out << bytes;
 }
 
-void RemoveTree(const std::string& dir) {
-  ::nftw(
-      dir.c_str(),
-      [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
-      FTW_DEPTH | FTW_PHYS);
-}
+using ::refit::testing::RemoveTree;
 
 void FlipByte(const std::string& path, int64_t offset_from_end) {
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::e2e {
 
@@ -46,7 +47,7 @@ class DaemonDirTest : public ::testing::Test {
 
   void TearDown() override {
     daemon_.reset();
-    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
+    if (!dir_.empty() && !HasFailure()) refit::testing::RemoveTree(dir_);
     if (HasFailure()) std::cerr << "e2e: files kept in " << dir_ << "\n";
   }
 

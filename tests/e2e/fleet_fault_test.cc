@@ -31,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/testing/etcd_process.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::e2e {
 namespace {
@@ -73,7 +74,7 @@ class FleetFaultTest : public ::testing::Test {
     delete etcd_;
     etcd_ = nullptr;
     if (dir_ != nullptr) {
-      std::filesystem::remove_all(*dir_);
+      refit::testing::RemoveTree(*dir_);
       delete dir_;
       dir_ = nullptr;
     }
@@ -569,7 +570,7 @@ class FleetTlsTest : public ::testing::Test {
   void TearDown() override {
     members_.clear();
     etcd_.reset();
-    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
+    if (!dir_.empty() && !HasFailure()) refit::testing::RemoveTree(dir_);
   }
 
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }

@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "refit/v1/refit.grpc.pb.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::e2e {
 namespace {
@@ -44,7 +45,7 @@ class InputSafetyE2eTest : public ::testing::Test {
 
   void TearDown() override {
     daemon_.reset();  // SIGKILLs it if still running
-    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
+    if (!dir_.empty() && !HasFailure()) refit::testing::RemoveTree(dir_);
     if (HasFailure()) std::cerr << "e2e: files kept in " << dir_ << "\n";
   }
 

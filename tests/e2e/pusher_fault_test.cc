@@ -27,6 +27,7 @@
 #include "client/safetensors_view.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::e2e {
 namespace {
@@ -60,7 +61,7 @@ class PusherFaultTest : public ::testing::Test {
   void TearDown() override {
     client_.reset();
     daemon_.reset();  // SIGKILLs it if still running
-    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
+    if (!dir_.empty() && !HasFailure()) refit::testing::RemoveTree(dir_);
     if (HasFailure()) std::cerr << "e2e: files kept in " << dir_ << "\n";
   }
 

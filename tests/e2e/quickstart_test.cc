@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::e2e {
 namespace {
@@ -97,7 +98,7 @@ TEST(QuickstartTest, TheReadmeBlockRunsAsPasted) {
   // The daemon was stopped by the block itself, and cleanly.
   EXPECT_THAT(err, HasSubstr("refitd stopped"));
   if (!::testing::Test::HasFailure()) {
-    std::filesystem::remove_all(dir);
+    refit::testing::RemoveTree(dir);
   } else {
     std::cerr << "quickstart: files kept in " << dir << "\n";
   }

@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/e2e/e2e_util.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::e2e {
 namespace {
@@ -53,7 +54,7 @@ class RefitdE2eTest : public ::testing::Test {
     watch_.reset();
     children_.clear();  // SIGKILLs whatever still runs
     daemon_.reset();
-    if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
+    if (!dir_.empty() && !HasFailure()) refit::testing::RemoveTree(dir_);
     if (HasFailure()) std::cerr << "e2e: files kept in " << dir_ << "\n";
   }
 

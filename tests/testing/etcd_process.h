@@ -28,6 +28,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/etcd_client.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::testing {
 
@@ -38,15 +39,6 @@ inline std::string EtcdBinary() {
     if (::access(path, X_OK) == 0) return path;
   }
   return "";
-}
-
-// rm -rf `path` (std::filesystem is avoided: in test binaries that link
-// LibTorch its symbols can resolve into libtorch's copy, built with another
-// ABI).
-inline void RemoveTree(const std::string& path) {
-  ::nftw(
-      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
-      16, FTW_DEPTH | FTW_PHYS);
 }
 
 // A loopback port that was free a moment ago (bound to 0, then closed).

@@ -94,7 +94,8 @@ ABSL_FLAG(absl::Duration, staging_pool_idle, absl::Seconds(30),
           "the next refit and freed once unused for this long; 0 frees them after every refit "
           "(no pool)");
 ABSL_FLAG(absl::Duration, push_idle_timeout, absl::Seconds(60),
-          "A Push stream that sends nothing for this long is aborted (DEADLINE_EXCEEDED).");
+          "A Push stream that sends nothing for this long is aborted (DEADLINE_EXCEEDED), and so "
+          "is a RegisterRegion whose descriptor has not come by then.");
 ABSL_FLAG(absl::Duration, prepared_timeout, absl::Minutes(10),
           "A PREPARED refit not committed or aborted within this time is aborted (it holds the "
           "group's only refit slot).");

@@ -89,7 +89,10 @@ void EngineRegistry::SendPendingLocked(const std::string& id, Engine& engine) {
 
 void EngineRegistry::Remove(absl::string_view engine_id) {
   absl::MutexLock lock(&mu_);
-  const std::string id(engine_id);
+  ForgetLocked(std::string(engine_id));
+}
+
+void EngineRegistry::ForgetLocked(const std::string& id) {
   engines_.erase(id);
   told_.erase(id);
   waiting_.erase(id);
@@ -224,9 +227,9 @@ std::vector<EngineSink*> EngineRegistry::TakeGoneLocked() {
            "its lease ends";
     it->second.sink->Ref();
     gone.push_back(it->second.sink);
-    told_.erase(it->first);
-    waiting_.erase(it->first);
-    it = engines_.erase(it);
+    const std::string id = it->first;
+    ++it;  // before the engine it points to is erased
+    ForgetLocked(id);
   }
   return gone;
 }
@@ -240,10 +243,14 @@ void EngineRegistry::EndGone(const std::vector<EngineSink*>& gone) {
   }
 }
 
-void EngineRegistry::EndPendingLocked(absl::string_view reason) {
-  SendAbortedLocked(pending_refit_, reason, /*told_only=*/true);
-  abort_sent_refit_ = pending_refit_;
+void EngineRegistry::TellToldAbortedLocked(absl::string_view refit_id, absl::string_view reason) {
+  SendAbortedLocked(refit_id, reason, /*told_only=*/true);
+  abort_sent_refit_ = std::string(refit_id);
   abort_sent_to_ = told_;
+}
+
+void EngineRegistry::EndPendingLocked(absl::string_view reason) {
+  TellToldAbortedLocked(pending_refit_, reason);
   pending_refit_.clear();
   pending_version_ = 0;
   copying_ = false;
@@ -277,9 +284,7 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
       EndPauseLocked(id, engine, now, /*committed=*/true);
     }
   } else {
-    SendAbortedLocked(refit_id, result.status().message(), /*told_only=*/true);
-    abort_sent_refit_ = std::string(refit_id);
-    abort_sent_to_ = told_;
+    TellToldAbortedLocked(refit_id, result.status().message());
   }
   pending_refit_.clear();
   pending_version_ = 0;

@@ -125,6 +125,12 @@ class EngineRegistry final : public core::CommitCoordinator {
   bool NoneWaitingOrCancelledLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return waiting_.empty() || (!pending_refit_.empty() && cancelled_refit_ == pending_refit_);
   }
+  // Removes the engine from every set (engines_, told_, waiting_).
+  void ForgetLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends Aborted to the engines told of `refit_id`'s commit, and records
+  // them, so that the store's kAborted event that follows skips them.
+  void TellToldAbortedLocked(absl::string_view refit_id, absl::string_view reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the pending commit: its told engines are sent Aborted.
   void EndPendingLocked(absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -105,9 +105,11 @@ def test_many_rounds_of_local_clients_leave_nothing_behind_in_the_daemon(start_d
     while True:
         after = held(pid)
         settled = (
-            after["descriptors"] <= before["descriptors"] + 1
-            and after["mappings"] <= before["mappings"] + 6
-            and after["threads"] <= before["threads"] + 3
+            # gRPC's thread pool may grow under load (each thread a stack
+            # and its guard page); one leak per round would be 30 or more.
+            after["descriptors"] <= before["descriptors"] + 4
+            and after["mappings"] <= before["mappings"] + 20
+            and after["threads"] <= before["threads"] + 8
         )
         if settled or time.monotonic() > deadline:
             break

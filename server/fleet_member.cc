@@ -294,14 +294,25 @@ absl::StatusOr<FleetMember::Decision> FleetMember::ReadDecision(const std::strin
 void FleetMember::Apply(const std::string& fleet_refit_id, const Decision& decision) {
   if (decision.decision.empty()) return;
   std::string refit_id;
+  Prepared prepared;
   {
     absl::MutexLock lock(&mu_);
     auto it = prepared_.find(fleet_refit_id);
     if (it == prepared_.end()) return;
-    refit_id = it->second.refit_id;
+    prepared = it->second;
+    refit_id = prepared.refit_id;
     prepared_.erase(it);
     applying_.insert(refit_id);
   }
+  // A commit that could not happen yet (a Commit RPC holds the refit, or
+  // the attached engines did not quiesce and the refit stays PREPARED) is
+  // tried again from the loop's next tick, until the refit commits or its
+  // own --prepared-timeout ends it.
+  auto try_again = [&] {
+    absl::MutexLock lock(&mu_);
+    prepared.check = true;
+    prepared_.emplace(fleet_refit_id, prepared);
+  };
   // A Commit RPC that arrives meanwhile waits for this (RecentCommit).
   struct Done {
     FleetMember* self;
@@ -312,9 +323,22 @@ void FleetMember::Apply(const std::string& fleet_refit_id, const Decision& decis
     }
   } done{this, refit_id};
   // The Commit or Abort RPC may have taken it first.
-  absl::StatusOr<RefitEntry> entry = group_->TakePrepared(refit_id);
-  if (!entry.ok()) return;
-  if (decision.decision == "abort") {
+  const bool commit = decision.decision != "abort";
+  absl::StatusOr<RefitEntry> entry =
+      commit ? group_->TakePreparedToCommit(refit_id) : group_->TakePrepared(refit_id);
+  if (!entry.ok()) {
+    if (commit && absl::IsFailedPrecondition(entry.status())) try_again();
+    return;
+  }
+  struct EndCommit {
+    ModelGroup* group;
+    const std::string& id;
+    bool commit;
+    ~EndCommit() {
+      if (commit) group->EndCommit(id);
+    }
+  } end_commit{group_, refit_id, commit};
+  if (!commit) {
     entry->session->Abort(absl::StrCat("fleet refit \"", fleet_refit_id, "\" was decided: abort"));
     metrics_->RecordOutcome("aborted");
     REFIT_LOG(INFO).Field("refit_id", refit_id).Field("fleet_refit_id", fleet_refit_id)
@@ -322,6 +346,14 @@ void FleetMember::Apply(const std::string& fleet_refit_id, const Decision& decis
     return;
   }
   absl::StatusOr<core::RefitResult> result = entry->session->Commit();
+  if (!result.ok() && entry->session->state() == core::SessionState::kPrepared) {
+    REFIT_LOG(WARNING).Field("refit_id", refit_id).Field("fleet_refit_id", fleet_refit_id)
+        << "fleet decision commit: not done yet, still prepared, trying again: "
+        << std::string(result.status().message());
+    group_->Add(*std::move(entry), nullptr);
+    try_again();
+    return;
+  }
   if (!result.ok()) {
     metrics_->RecordOutcome("failed");
     REFIT_LOG(ERROR).Field("refit_id", refit_id).Field("fleet_refit_id", fleet_refit_id)

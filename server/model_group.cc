@@ -111,10 +111,7 @@ absl::StatusOr<ModelGroup::Found> ModelGroup::Find(absl::string_view refit_id) c
   }
   absl::MutexLock lock(&mu_);
   auto it = refits_.find(id);
-  if (it == refits_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("model group \"", name(), "\" has no refit ", core::QuoteText(id)));
-  }
+  if (it == refits_.end()) return MissingLocked(id);
   Found found;
   found.entry = it->second.entry;
   if (it->second.driver != nullptr) {
@@ -132,13 +129,21 @@ absl::StatusOr<ModelGroup::Found> ModelGroup::FindActive(absl::string_view owner
       " (the active refit \"", found->entry.refit_id, "\" was started by another client)"));
 }
 
-absl::StatusOr<RefitEntry> ModelGroup::TakePrepared(absl::string_view refit_id) {
-  absl::MutexLock lock(&mu_);
-  auto it = refits_.find(refit_id);
-  if (it == refits_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("model group \"", name(), "\" has no refit ", core::QuoteText(refit_id)));
+absl::Status ModelGroup::MissingLocked(absl::string_view refit_id) const {
+  if (committing_.contains(refit_id)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "refit ", core::QuoteText(refit_id),
+        " is being committed: a Commit holds it (waiting for the attached engines to quiesce, "
+        "or copying); it can be neither aborted nor committed again until that Commit returns, "
+        "and is PREPARED again if the engines did not answer in time"));
   }
+  return absl::NotFoundError(
+      absl::StrCat("model group \"", name(), "\" has no refit ", core::QuoteText(refit_id)));
+}
+
+absl::StatusOr<RefitEntry> ModelGroup::TakePreparedLocked(absl::string_view refit_id) {
+  auto it = refits_.find(refit_id);
+  if (it == refits_.end()) return MissingLocked(refit_id);
   if (!it->second.entry.prepared) {
     return absl::FailedPreconditionError(absl::StrCat(
         "refit \"", refit_id, "\" is still receiving; it can be committed once it is PREPARED"));
@@ -146,6 +151,23 @@ absl::StatusOr<RefitEntry> ModelGroup::TakePrepared(absl::string_view refit_id) 
   RefitEntry entry = std::move(it->second.entry);
   refits_.erase(it);
   return entry;
+}
+
+absl::StatusOr<RefitEntry> ModelGroup::TakePrepared(absl::string_view refit_id) {
+  absl::MutexLock lock(&mu_);
+  return TakePreparedLocked(refit_id);
+}
+
+absl::StatusOr<RefitEntry> ModelGroup::TakePreparedToCommit(absl::string_view refit_id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<RefitEntry> entry = TakePreparedLocked(refit_id);
+  if (entry.ok()) committing_.insert(std::string(refit_id));
+  return entry;
+}
+
+void ModelGroup::EndCommit(absl::string_view refit_id) {
+  absl::MutexLock lock(&mu_);
+  committing_.erase(refit_id);
 }
 
 std::vector<ModelGroup::Found> ModelGroup::TakeAll() {

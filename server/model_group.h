@@ -26,6 +26,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -127,8 +128,16 @@ class ModelGroup {
   // owner is not).
   absl::StatusOr<Found> FindActive(absl::string_view owner) const;
   // Removes a prepared refit and returns it. NOT_FOUND if unknown;
-  // FAILED_PRECONDITION if it is still receiving.
+  // FAILED_PRECONDITION if it is still receiving or a Commit holds it.
   absl::StatusOr<RefitEntry> TakePrepared(absl::string_view refit_id);
+  // TakePrepared for a commit: until EndCommit(refit_id), Find and
+  // TakePrepared answer FAILED_PRECONDITION ("a Commit holds it") for the
+  // refit instead of NOT_FOUND, so that an Abort or a second Commit arriving
+  // while the commit waits for attached engines says what is going on.
+  absl::StatusOr<RefitEntry> TakePreparedToCommit(absl::string_view refit_id);
+  // The commit of `refit_id` returned (a refit that stays PREPARED is Add-ed
+  // back first).
+  void EndCommit(absl::string_view refit_id);
   // Removes everything (shutdown): prepared entries and drivers.
   std::vector<Found> TakeAll();
   // The earliest deadline of a refit not yet expired (InfiniteFuture if none).
@@ -150,6 +159,11 @@ class ModelGroup {
 
  private:
   void Fanout(const core::StoreEvent& event);
+  // NOT_FOUND for an unknown refit; FAILED_PRECONDITION for one a Commit
+  // holds.
+  absl::Status MissingLocked(absl::string_view refit_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<RefitEntry> TakePreparedLocked(absl::string_view refit_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct Slot {
     RefitEntry entry;
@@ -158,6 +172,8 @@ class ModelGroup {
   std::unique_ptr<core::ShardStore> store_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Slot> refits_ ABSL_GUARDED_BY(mu_);
+  // Refits a Commit took out of refits_ and is still committing.
+  absl::flat_hash_set<std::string> committing_ ABSL_GUARDED_BY(mu_);
 
   int listener_id_ = -1;
   mutable absl::Mutex subscribers_mu_;

@@ -408,7 +408,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
     if (!decided.ok()) return Reply(context, decided.status());
     fleet_version = *decided;
   }
-  absl::StatusOr<RefitEntry> entry = (*group)->TakePrepared(id);
+  absl::StatusOr<RefitEntry> entry = (*group)->TakePreparedToCommit(id);
   if (!entry.ok()) {
     if (auto* reply = fleet_committed(id); reply != nullptr) return reply;
     return Reply(context, entry.status());
@@ -420,8 +420,10 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
     REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
         << "commit not done, still prepared: " << std::string(result.status().message());
     (*group)->Add(*std::move(entry), nullptr);
+    (*group)->EndCommit(id);
     return Reply(context, result.status());
   }
+  (*group)->EndCommit(id);
   if (!result.ok()) {
     metrics_->RecordOutcome("failed");
     REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
@@ -493,10 +495,14 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
     }
     watchdog_.Wake();
   };
+  auto end_commits = [&] {
+    for (size_t i = 0; i < entries.size(); ++i) parts[i].group->EndCommit(parts[i].id);
+  };
   for (const Part& p : parts) {
-    absl::StatusOr<RefitEntry> entry = p.group->TakePrepared(p.id);
+    absl::StatusOr<RefitEntry> entry = p.group->TakePreparedToCommit(p.id);
     if (!entry.ok()) {
       put_back();
+      end_commits();
       return Reply(context, absl::Status(entry.status().code(),
                                          absl::StrCat("model group \"", p.group->name(),
                                                       "\": ", entry.status().message())));
@@ -514,11 +520,13 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
     } else {
       put_back();
     }
+    end_commits();
     REFIT_LOG(WARNING).Field("refit_id", entries.front().refit_id).Field("caller", caller.name)
         << "linked commit " << (aborted ? "failed, all aborted: " : "refused: ")
         << std::string(results.status().message());
     return Reply(context, results.status());
   }
+  end_commits();
   for (size_t i = 0; i < entries.size(); ++i) {
     const core::RefitResult& result = (*results)[i];
     metrics_->RecordOutcome("committed");

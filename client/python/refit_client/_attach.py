@@ -550,7 +550,10 @@ class AttachedEngine:
         expect: Optional[Dict[str, Any]],
         token: Optional[str],
         timeout: float,
+        stated_timeout: Optional[float] = None,
     ) -> None:
+        # `timeout` is what is left of the caller's `stated_timeout` (the
+        # one an error names) after waiting for a first version.
         if not address.startswith("unix:"):
             raise FailedPrecondition(f"attach needs a local Unix socket; {address!r} is not unix:")
         self.address = address
@@ -569,7 +572,8 @@ class AttachedEngine:
         # answering) by cancelling the call.
         self._call = stub.Attach(self._request_iter(), metadata=metadata, wait_for_ready=True)
         expiry = CallExpiry(self._call)
-        expiry.after(timeout, f"no answer from {address} within {timeout:g} s")
+        stated = timeout if stated_timeout is None else stated_timeout
+        expiry.after(timeout, f"no answer from {address} within {stated:g} s")
 
         def give_up() -> None:
             self._requests.put(None)  # ends the request iterator
@@ -1091,7 +1095,7 @@ def attach(
         while True:
             try:
                 return AttachedEngine(address, group, coordinate, name, expect, token,
-                                      max(deadline - time.monotonic(), 0.001))
+                                      max(deadline - time.monotonic(), 0.001), timeout)
             except Unavailable as e:
                 # A daemon still loading its first version: wait for it.
                 if _NO_VERSION_YET not in str(e) or time.monotonic() + 0.05 >= deadline:

@@ -23,9 +23,11 @@ import torch
 from refit_client import (
     DeadlineExceeded,
     FailedPrecondition,
+    NotFound,
     PermissionDenied,
     RefitClient,
     RefitConflict,
+    RefitError,
     attach,
 )
 from refit_client import _attach as _attach_module
@@ -310,7 +312,8 @@ def test_attach_waits_for_a_daemon_still_loading_its_first_version(monkeypatch):
                           "load is under way): attach once refitd is ready")
 
     def engine(*args):
-        calls.append(args[-1])  # the timeout left
+        assert args[-1] == 5.0  # the caller's timeout, for the error to name
+        calls.append(args[-2])  # the timeout left
         if len(calls) < 3:
             raise loading
         return "attached"
@@ -363,6 +366,39 @@ def test_prepared_refit_stays_prepared_until_the_engine_goes(start_daemon, weigh
         committed = client.commit(prepared.refit_id)
         assert committed.version == 2
         assert engines_of(d.address) == []
+
+
+def test_an_abort_while_a_commit_waits_for_engines_says_a_commit_holds_the_refit(
+        start_daemon, weights):
+    d = start_daemon("--engine-quiesce-timeout=3s")
+    with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address, name="slow") as engine:
+        prepared = client.push(load_state_dict(weights(2)), prepare=True)
+        outcome: list = []
+
+        def commit() -> None:
+            try:
+                outcome.append(client.commit(prepared.refit_id))
+            except RefitError as e:
+                outcome.append(e)
+
+        committer = threading.Thread(target=commit)
+        committer.start()
+        # The engine is asked: the Commit holds the refit and waits.
+        assert [ev.kind for ev in first_events(engine, 1)] == ["commit_pending"]
+        with RefitClient(d.address, timeout=LIMIT) as operator:
+            for attempt in (lambda: operator.abort(prepared.refit_id),
+                            lambda: operator.commit(prepared.refit_id)):
+                with pytest.raises(FailedPrecondition) as e:
+                    attempt()
+                assert f'refit "{prepared.refit_id}" is being committed' in str(e.value)
+                assert "until that Commit returns" in str(e.value)
+        committer.join(LIMIT)
+        assert isinstance(outcome[0], DeadlineExceeded), outcome
+        # PREPARED again once that Commit returned: an Abort now ends it.
+        client.abort(prepared.refit_id)
+        assert client.status().version == 1
+        with pytest.raises(NotFound):
+            client.abort(prepared.refit_id)
 
 
 @pytest.mark.parametrize("futex", [True, False], ids=["futex", "event"])

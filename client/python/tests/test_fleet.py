@@ -3,12 +3,13 @@
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
 import pytest
 
-from refit_client import FleetClient, RefitClient, RefitConflict
+from refit_client import FleetClient, RefitClient, RefitConflict, attach
 
 
 def _free_port() -> int:
@@ -99,6 +100,53 @@ def test_every_etcd_endpoint_dead_is_unavailable_naming_each():
         fleet.status()
     for endpoint in dead:
         assert f"etcd http://{endpoint}/v3/kv/range" in str(e.value)
+
+
+def test_a_member_whose_engine_quiesces_late_commits_the_decided_refit_when_it_does(
+        etcd, start_daemon, weights):
+    # The fleet decides commit while member m0's coordinated engine is busy
+    # past --engine-quiesce-timeout: m0's refit stays PREPARED and m0 tries
+    # the decided commit again until the engine answers, instead of dropping
+    # the refit and staying behind the fleet.
+    slow = start_daemon("--fleet=pyslow", f"--etcd={etcd}", "--fleet-member=m0",
+                        "--engine-quiesce-timeout=300ms", "--prepared-timeout=60s",
+                        "--fleet-prepared-timeout=60s")
+    other = start_daemon("--fleet=pyslow", f"--etcd={etcd}", "--fleet-member=m1")
+    for d in (slow, other):
+        d.wait_for_line("joined the fleet")
+    with attach(slow.address, name="busy") as engine:
+        result = FleetClient(etcd=etcd, fleet="pyslow").push(str(weights(3)))
+        by_member = {m.member_id: m for m in result.members}
+        assert by_member["m1"].committed and not by_member["m0"].committed, result.members
+        slow.wait_for_line("still prepared, trying again")
+        with RefitClient(slow.address, timeout=30) as c:
+            assert c.status().version == 1
+            # Behind the fleet meanwhile: out of its Service.
+            deadline = time.monotonic() + 10
+            while c.health().ready != "NOT_SERVING":
+                assert time.monotonic() < deadline, c.health()
+                time.sleep(0.05)  # bounded poll of the member's readiness
+        # The engine reaches its safe points again: the next try commits.
+        stop = threading.Event()
+
+        def steps() -> None:
+            while not stop.is_set():
+                engine.safe_point(timeout=0.05)
+
+        stepper = threading.Thread(target=steps)
+        stepper.start()
+        try:
+            slow.wait_for_line("fleet decision commit: prepared refit committed")
+        finally:
+            stop.set()
+            stepper.join()
+    with RefitClient(slow.address, timeout=30) as c, RefitClient(other.address, timeout=30) as o:
+        assert c.status().version == 2
+        assert c.status().fingerprint == o.status().fingerprint
+        deadline = time.monotonic() + 10
+        while c.health().ready != "SERVING":
+            assert time.monotonic() < deadline, c.health()
+            time.sleep(0.05)  # bounded poll of the member's readiness
 
 
 def test_fleet_push_while_the_lock_is_held_is_a_conflict(etcd, start_daemon, weights):

@@ -596,6 +596,11 @@ void ShardStore::CancelCommitWait(absl::string_view refit_id, absl::string_view 
   if (coordinator != nullptr) coordinator->CancelWait(refit_id, reason);
 }
 
+void ShardStore::CloseCommits(absl::string_view reason) {
+  CommitCoordinator* coordinator = coordinator_.load(std::memory_order_acquire);
+  if (coordinator != nullptr) coordinator->Close(reason);
+}
+
 absl::Status ShardStore::ReadKernel(absl::string_view name, std::string* out,
                                     uint64_t* version) const {
   auto it = impl_->kernel_index.find(std::string(name));
@@ -828,10 +833,15 @@ absl::StatusOr<std::vector<CommitStats>> RefitSlot::CommitLinked(
     }
     absl::Status s = coordinator->BeforeCommit(parts[i].slot->refit_id(), next);
     if (!s.ok()) {
-      for (size_t j : coordinated) coordinator_of(j)->AfterCommit(parts[j].slot->refit_id(), s);
+      // Engine ids are per group: the reason names the group whose engines
+      // held the commit up, for the trainer and for the other groups'
+      // engines, which are told it as their Aborted.
       const std::string message =
           absl::StrCat("model group \"", store_of(i)->group(), "\": ", s.message());
-      return IsNotQuiesced(s) ? NotQuiescedError(message) : absl::Status(s.code(), message);
+      const absl::Status named =
+          IsNotQuiesced(s) ? NotQuiescedError(message) : absl::Status(s.code(), message);
+      for (size_t j : coordinated) coordinator_of(j)->AfterCommit(parts[j].slot->refit_id(), named);
+      return named;
     }
     coordinated.push_back(i);
   }

@@ -128,6 +128,12 @@ class CommitCoordinator {
   // return at once: it returns ABORTED "refit "ID" aborted: <reason>" and
   // nothing is copied. No effect on a copy under way or done.
   virtual void CancelWait(absl::string_view refit_id, absl::string_view reason) {}
+  // Refuses every commit from now on (the daemon shuts down and ends the
+  // engines' leases while their processes may still map the kernels): a
+  // BeforeCommit waiting ends, and every later one returns ABORTED "refit
+  // "ID" aborted: <reason>" at once, so that no commit copies without the
+  // coordinated engines' ack. No effect on a copy under way or done.
+  virtual void Close(absl::string_view reason) {}
 };
 
 // DEADLINE_EXCEEDED marked as "engines did not quiesce": RefitSession keeps
@@ -296,6 +302,9 @@ class ShardStore {
   // a refit aborted while its commit waits for attached engines ends with
   // nothing copied instead of committing once they answer.
   void CancelCommitWait(absl::string_view refit_id, absl::string_view reason);
+  // CommitCoordinator::Close through the store's coordinator, if any: no
+  // commit copies from now on (shutdown).
+  void CloseCommits(absl::string_view reason);
   // Copies kernel `name` to host memory under the reader lock, so the bytes
   // and *version belong to one version.
   // Errors: NOT_FOUND for unknown names; INTERNAL if copying a GPU kernel

@@ -140,6 +140,12 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   }
   abort_sent_refit_.clear();
   abort_sent_to_.clear();
+  if (closed_.has_value()) {
+    // Engines' leases are ending (shutdown): no engine is asked, nothing
+    // is copied.
+    cancelled_refit_.clear();
+    return absl::AbortedError(absl::StrCat("refit \"", refit_id, "\" aborted: ", *closed_));
+  }
   if (cancelled_refit_ != refit_id) cancelled_refit_.clear();
   if (!cancelled_refit_.empty()) {
     // Aborted on its way here: no engine has been told anything.
@@ -267,6 +273,15 @@ void EngineRegistry::CancelWait(absl::string_view refit_id, absl::string_view re
   if ((!pending && !active) || (pending && copying_)) return;
   cancelled_refit_ = pending ? pending_refit_ : std::string(refit_id);
   cancel_message_ = absl::StrCat("refit \"", cancelled_refit_, "\" aborted: ", reason);
+}
+
+void EngineRegistry::Close(absl::string_view reason) {
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = std::string(reason);
+  }
+  // The commit waiting now, if any, ends as a cancelled one does.
+  CancelWait("", reason);
 }
 
 void EngineRegistry::AfterCommit(absl::string_view refit_id,

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -101,6 +102,7 @@ class EngineRegistry final : public core::CommitCoordinator {
   void AfterCommit(absl::string_view refit_id,
                    const absl::StatusOr<core::CommitStats>& result) override;
   void CancelWait(absl::string_view refit_id, absl::string_view reason) override;
+  void Close(absl::string_view reason) override;
 
  private:
   struct Engine {
@@ -154,6 +156,8 @@ class EngineRegistry final : public core::CommitCoordinator {
   // A refit aborted before or during its BeforeCommit (CancelWait), and why.
   std::string cancelled_refit_ ABSL_GUARDED_BY(mu_);
   std::string cancel_message_ ABSL_GUARDED_BY(mu_);
+  // Close's reason: set, every BeforeCommit from then on is refused.
+  std::optional<std::string> closed_ ABSL_GUARDED_BY(mu_);
   // The refit whose abort was sent from BeforeCommit, and to which engines:
   // the store's kAborted event that follows is not sent to them again.
   std::string abort_sent_refit_ ABSL_GUARDED_BY(mu_);

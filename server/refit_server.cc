@@ -537,9 +537,12 @@ void RefitServer::Shutdown() {
   REFIT_LOG(INFO) << "shutting down: readiness NOT_SERVING, refusing new refits";
   // A commit waiting for attached engines (a two-phase Commit too, which no
   // registry of refits holds any more) ends now, not after the quiesce
-  // timeout.
+  // timeout, and a commit on its way to that wait (a Commit between taking
+  // its refit and asking the engines) is refused when it gets there: the
+  // engines' leases end below while their processes may still read the
+  // kernels, so nothing may copy without their ack.
   for (const auto& [name, group] : groups_) {
-    group->store()->CancelCommitWait("", "refitd is shutting down");
+    group->store()->CloseCommits("refitd is shutting down");
   }
   if (service_ != nullptr) service_->BeginShutdown();
   if (attach_ != nullptr) attach_->Shutdown();

@@ -521,7 +521,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
       put_back();
     }
     end_commits();
-    REFIT_LOG(WARNING).Field("refit_id", entries.front().refit_id).Field("caller", caller.name)
+    REFIT_LOG(WARNING).Field("refit_id", parts.front().id).Field("caller", caller.name)
         << "linked commit " << (aborted ? "failed, all aborted: " : "refused: ")
         << std::string(results.status().message());
     return Reply(context, results.status());

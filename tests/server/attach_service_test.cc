@@ -463,6 +463,38 @@ TEST_F(AttachTest, ShutdownEndsACommitWaitingForEnginesWithoutCopying) {
   }
 }
 
+// A Commit that took its refit but had not asked the engines yet when
+// shutdown began (shutdown then ends the engines' leases, though their
+// processes may still read the kernels) is refused when it gets there: it
+// must not copy without their ack. Shutdown's first step, CloseCommits, is
+// taken here on its own, so the Commit reliably comes after it.
+TEST_F(AttachTest, ACommitThatReachesTheEnginesAfterShutdownBeganCopiesNothing) {
+  Engine engine(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(engine);
+  const PushOutcome prepared = PushMessages(stub_.get(), FullPush(2, v1::COMPLETION_MODE_PREPARE));
+  ASSERT_TRUE(prepared.status.ok()) << prepared.status.error_message();
+  core::ShardStore* store = server_->default_group()->store();
+  const std::string fingerprint = store->fingerprint();
+  store->CloseCommits("refitd is shutting down");
+  grpc::ClientContext context;
+  v1::CommitRequest request;
+  request.set_refit_id(prepared.response.result().refit_id());
+  v1::CommitResponse response;
+  const grpc::Status committed = stub_->Commit(&context, request, &response);
+  EXPECT_EQ(committed.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_THAT(committed.error_message(),
+              HasSubstr(absl::StrCat("refit \"", prepared.response.result().refit_id(),
+                                     "\" aborted: refitd is shutting down")));
+  EXPECT_EQ(store->version(), 1u);
+  EXPECT_EQ(store->fingerprint(), fingerprint);
+  // The engine was never asked to quiesce: what it hears of the refit is
+  // its end.
+  v1::DaemonMessage message;
+  ASSERT_TRUE(engine.Read(&message));
+  EXPECT_FALSE(message.has_commit_pending());
+  EXPECT_TRUE(message.has_aborted());
+}
+
 TEST_F(AttachTest, AnEngineWhoseProcessIsGoneIsReleasedThoughItsStreamStaysOpen) {
   // The process that took the engine's descriptors exits while another (a
   // child that inherited the stream, here this test) keeps the stream open:

@@ -123,3 +123,35 @@ def test_refitctl_push_link_with_a_bad_draft_aborts_the_target_too(two_groups, w
     after = json.loads(refitctl(addr, "status", "--json").stdout)["groups"]
     assert [g["version"] for g in after] == [1, 1]
     assert all(g["active_refit"] is None for g in after)
+
+
+def test_a_linked_commit_held_up_by_one_groups_engine_names_that_group_to_every_engine(
+        start_daemon, weights):
+    # Engine ids are per group ("e-1" in both): the engines of the group that
+    # did quiesce are told which group's engine held the commit up.
+    from refit_client import RefitError, attach
+
+    daemon = start_daemon("--group=a=demo", "--group=b=demo,seed=7",
+                          "--engine-quiesce-timeout=500ms")
+    daemon.wait_for_line(READY_LINE, also="group=b")
+    new = load_state_dict(weights(2))
+    with RefitClient(daemon.address, timeout=30) as c, \
+            attach(daemon.address, group="a", name="ready") as ready, \
+            attach(daemon.address, group="b", name="stuck") as stuck:
+        assert ready.engine_id == stuck.engine_id  # ids are per group
+        events = []
+
+        def on_event(ev) -> None:
+            events.append(ev)
+            if ev.kind == "commit_pending":
+                ready.safe_point()
+
+        ready.on_event(on_event)
+        with pytest.raises(RefitError) as e:
+            c.push_linked({"a": new, "b": new})
+        assert f'model group "b": engine "{stuck.engine_id}" ("stuck")' in str(e.value)
+        assert "did not quiesce" in str(e.value)
+        assert versions(c) == {"a": 1, "b": 1}
+        aborted = [ev for ev in events if ev.kind == "aborted"]
+        assert aborted, events
+        assert f'model group "b": engine "{stuck.engine_id}" ("stuck")' in aborted[0].reason

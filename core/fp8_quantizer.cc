@@ -878,10 +878,13 @@ absl::Status NonFiniteError(absl::Span<const absl::Span<const uint8_t>> pieces, 
     base += n;
   }
   if (index < 0) {
-    // Unreachable unless the source changed under us.
-    return absl::InternalError(absl::StrCat("tensor '", tensor_name,
-                                            "': non-finite value seen but not found again; was "
-                                            "the source modified during quantization?"));
+    // Only a source that changed while it was read (a trainer writing into
+    // the shared memory a push reads in place): the caller's doing, so not
+    // INTERNAL.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tensor '", tensor_name,
+        "': a non-finite value was read, then was not there when looked for again: the source "
+        "changed while refitd read it (written by the trainer during the push?)"));
   }
   const float value = LoadAsFloat(at, dtype, 0);
   const char* text = std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
@@ -1031,6 +1034,9 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
     });
   }
   const uint32_t amax_bits = *std::max_element(partial.begin(), partial.end());
+  if (auto hook = g_between_passes_hook.load(std::memory_order_acquire); hook != nullptr) {
+    hook(g_between_passes_arg.load(std::memory_order_relaxed));
+  }
   // (Either way the amax says, for free, whether anything is Inf/NaN.)
   if (!job.vllm && amax_bits >= InfBits(job.dtype)) {
     return NonFiniteError(pieces, job.dtype, job.cols, job.name);
@@ -1057,9 +1063,6 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
     std::memset(job.out_q, kFp8Max, total);
     FeedHash(job, job.out_q, total);
     return absl::OkStatus();
-  }
-  if (auto hook = g_between_passes_hook.load(std::memory_order_acquire); hook != nullptr) {
-    hook(g_between_passes_arg.load(std::memory_order_relaxed));
   }
   if (hashing) {
     HashFeed feed(job.hash, job.out_q, total, kHashUnitBytes);

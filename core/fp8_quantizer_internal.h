@@ -23,9 +23,10 @@ Fp8Isa ActiveFp8Isa();
 // Forces `isa` (if supported; otherwise keeps the current one) and returns the
 // variant that was active before.
 Fp8Isa SetFp8IsaForTesting(Fp8Isa isa);
-// Runs hook(arg) in the per-tensor scheme's two-pass path, after the amax
-// pass and before the convert pass (nullptr: none). A test writes into the
-// source there, as a trainer writing into the region a push reads in place.
+// Runs hook(arg) in the per-tensor scheme, right after the amax pass (before
+// its non-finite check and the convert pass; nullptr: none). A test writes
+// into the source there, as a trainer writing into the region a push reads
+// in place.
 void SetBetweenPassesHookForTesting(void (*hook)(void* arg), void* arg);
 
 }  // namespace refit::core::internal

@@ -965,6 +965,36 @@ TEST(Fp8QuantizerTest, ASourceThatGrowsBetweenThePassesSaturatesInsteadOfGivingN
   }
 }
 
+// A NaN the amax pass saw that is gone when the quantizer looks for it to
+// name it: the source changed while it was read (the trainer's doing), which
+// is FAILED_PRECONDITION saying so, not INTERNAL.
+TEST(Fp8QuantizerTest, ANonFiniteValueThatGoesAwayBeforeItIsNamedIsFailedPrecondition) {
+  for (at::ScalarType type : kTypes) {
+    at::Tensor x = RandomWeights(64, 1000, type, 43);
+    x.view(-1)[4321] = std::numeric_limits<float>::quiet_NaN();
+    for (Fp8Isa isa : SupportedIsas()) {
+      ScopedIsa scoped(isa);
+      for (int threads : {1, 3}) {
+        SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " threads ", threads));
+        Overwrite o{x.clone(), {{4321, 0.0f}}};
+        std::vector<uint8_t> q(o.x.numel(), 0);
+        float scale = -1.0f;
+        Fp8QuantizeOptions options;
+        options.num_threads = threads;
+        internal::SetBetweenPassesHookForTesting(&OverwriteBetweenPasses, &o);
+        const absl::Status status =
+            QuantizeFp8(o.x.data_ptr(), OurType(type), 64, 1000, options, q.data(), &scale, "w");
+        internal::SetBetweenPassesHookForTesting(nullptr, nullptr);
+        EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+        EXPECT_THAT(std::string(status.message()),
+                    HasSubstr("tensor 'w': a non-finite value was read, then was not there"));
+        EXPECT_THAT(std::string(status.message()),
+                    HasSubstr("the source changed while refitd read it"));
+      }
+    }
+  }
+}
+
 // vLLM: NaN is ignored by the max and becomes +448; the rest is quantized with
 // the scale of the finite values.
 TEST(Fp8QuantizerTest, VllmPolicyIgnoresNanInMaxAndSaturatesIt) {

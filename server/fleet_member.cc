@@ -85,6 +85,7 @@ absl::StatusOr<std::unique_ptr<FleetMember>> FleetMember::Start(
       new FleetMember(std::move(options), group, metrics, std::move(set_ready), std::move(*etcd)));
   if (absl::Status s = member->Join(); !s.ok()) return s;
   member->loop_ = std::thread([m = member.get()] { m->Loop(); });
+  member->keeper_ = std::thread([m = member.get()] { m->KeepLease(); });
   return member;
 }
 
@@ -104,16 +105,20 @@ FleetMember::FleetMember(FleetOptions options, ModelGroup* group, Metrics* metri
 FleetMember::~FleetMember() { Stop(); }
 
 void FleetMember::Stop() {
-  int64_t lease = 0;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
     wake_ = true;
-    lease = lease_;
   }
   if (loop_.joinable()) loop_.join();
+  if (keeper_.joinable()) keeper_.join();
   watch_.reset();
+  int64_t lease = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    lease = lease_;  // the keeper may have registered again
+  }
   // The registration goes now, not at the lease's expiry.
   if (lease != 0) (void)etcd_->RevokeLease(lease);
 }
@@ -690,8 +695,33 @@ void FleetMember::Recompute() {
   }
 }
 
+// The lease has a thread of its own: the loop may wait on engines for a
+// decided commit (up to --engine-quiesce-timeout per try, tick after tick),
+// and a keep-alive behind that could let the registration expire.
+void FleetMember::KeepLease() {
+  absl::Time next = absl::Now() + options_.lease_ttl / 3;
+  for (;;) {
+    int64_t lease;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithDeadline(absl::Condition(&stopping_), next);
+      if (stopping_) return;
+      lease = lease_;
+    }
+    absl::StatusOr<absl::Duration> ttl = etcd_->KeepAlive(lease);
+    if (ttl.ok()) {
+      next = absl::Now() + options_.lease_ttl / 3;
+    } else if (ttl.status().code() == absl::StatusCode::kNotFound) {
+      REFIT_LOG(WARNING).Field("fleet", options_.fleet)
+          << "the fleet registration's lease expired; registering again";
+      next = Register().ok() ? absl::Now() + options_.lease_ttl / 3 : absl::Now() + kTick * 4;
+    } else {
+      next = absl::Now() + kTick * 4;  // etcd away: try again soon
+    }
+  }
+}
+
 void FleetMember::Loop() {
-  absl::Time next_keepalive = absl::Now() + options_.lease_ttl / 3;
   absl::Time next_recompute = absl::Now();
   std::string last_registration = RegistrationJson();
   for (;;) {
@@ -729,26 +759,6 @@ void FleetMember::Loop() {
     if (watch_ == nullptr || watch_->done()) {
       watch_.reset();
       StartWatch();
-    }
-    if (absl::Now() >= next_keepalive) {
-      int64_t lease;
-      {
-        absl::MutexLock lock(&mu_);
-        lease = lease_;
-      }
-      absl::StatusOr<absl::Duration> ttl = etcd_->KeepAlive(lease);
-      if (ttl.ok()) {
-        next_keepalive = absl::Now() + options_.lease_ttl / 3;
-      } else if (ttl.status().code() == absl::StatusCode::kNotFound) {
-        REFIT_LOG(WARNING).Field("fleet", options_.fleet)
-            << "the fleet registration's lease expired; registering again";
-        if (Register().ok()) {
-          last_registration = RegistrationJson();
-          next_keepalive = absl::Now() + options_.lease_ttl / 3;
-        }
-      } else {
-        next_keepalive = absl::Now() + kTick * 4;  // etcd away: try again soon
-      }
     }
     if (recompute) {
       Recompute();

@@ -151,6 +151,7 @@ class FleetMember {
   std::string RegistrationJson() const;
   std::string LayoutJson() const;
   void Loop();
+  void KeepLease();
   void StartWatch();
   void OnWatchEvents(const std::vector<EtcdClient::WatchEvent>& events, int64_t revision);
   static Decision ParseDecision(const std::string& value);
@@ -202,6 +203,7 @@ class FleetMember {
 
   std::unique_ptr<EtcdClient::Watch> watch_;  // loop thread only
   std::thread loop_;
+  std::thread keeper_;  // KeepLease
 };
 
 class RefitServer;

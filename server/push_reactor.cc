@@ -105,9 +105,24 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
 
   void OnIdle() override {
     idle_deadline_ns_.store(absl::ToUnixNanos(absl::InfiniteFuture()));
-    const std::string reason =
-        absl::StrCat("no message for ", absl::FormatDuration(service_->options().push_idle_timeout),
-                     " (--push-idle-timeout)");
+    const absl::Duration timeout = service_->options().push_idle_timeout;
+    std::string reason =
+        absl::StrCat("no message for ", absl::FormatDuration(timeout), " (--push-idle-timeout)");
+    if (awaiting_joiners_.load()) {
+      // This stream ended cleanly; its refit's other streams had not all
+      // joined. Once they have, each has an idle deadline of its own.
+      std::shared_ptr<PushRefit> refit;
+      {
+        absl::MutexLock lock(&mu_);
+        refit = shared_refit_;
+      }
+      if (refit == nullptr || refit->closed()) return;
+      const int joined = refit->Joined();
+      if (joined >= refit->streams()) return;
+      reason =
+          absl::StrCat("only ", joined, " of its ", refit->streams(), " streams joined within ",
+                       absl::FormatDuration(timeout), " (--push-idle-timeout) of a stream's End");
+    }
     AbortAll(reason,
              grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, Described(reason, "Push idle")),
              std::nullopt);
@@ -493,6 +508,15 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
               .Field("refit_id", refit_->id())
               .Field("outstanding", absl::StrCat(refit_->Outstanding()))
           << "Push stream ended; waiting for the refit's other streams";
+      if (refit_->Joined() < refit_->streams()) {
+        // Streams that never join would hold the group's refit slot until
+        // --refit-timeout: they get --push-idle-timeout from here, as a
+        // stream gets it for its next message (OnIdle).
+        awaiting_joiners_.store(true);
+        idle_deadline_ns_.store(
+            absl::ToUnixNanos(service_->clock()->Now() + service_->options().push_idle_timeout));
+        service_->watchdog()->Wake();
+      }
       return absl::OkStatus();
     }
     ModelGroup* group = refit_->group();
@@ -635,6 +659,9 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
 
   std::atomic<int> refs_{1};
   std::atomic<int64_t> idle_deadline_ns_{absl::ToUnixNanos(absl::InfiniteFuture())};
+  // Ended cleanly while its refit's other streams had not all joined: the
+  // idle deadline is theirs to join by.
+  std::atomic<bool> awaiting_joiners_{false};
   absl::Mutex mu_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   // Operations (a read, the initial metadata) being started outside a

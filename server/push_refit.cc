@@ -50,6 +50,11 @@ int PushRefit::Outstanding() const {
   return streams_ - ended_;
 }
 
+int PushRefit::Joined() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(members_.size());
+}
+
 std::vector<PushMember*> PushRefit::Close() {
   std::vector<PushMember*> members;
   {

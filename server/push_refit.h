@@ -83,6 +83,8 @@ class PushRefit {
   bool EndClean();
   // How many streams are still to join or to end (for logs).
   int Outstanding() const;
+  // How many streams have joined (the opener included).
+  int Joined() const;
   // The first call closes the refit and returns its members (references
   // adopted) so that the caller ends their RPCs; later calls return nothing.
   std::vector<PushMember*> Close();

@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "tests/server/server_test_util.h"
@@ -18,6 +19,7 @@ using testing::AddChunk;
 using testing::BeginMessage;
 using testing::EndMessage;
 using testing::FixtureWeights;
+using ::testing::HasSubstr;
 using testing::PushMessages;
 using testing::ServerTest;
 using testing::WatchStream;
@@ -261,6 +263,65 @@ TEST_F(MultiStreamPushTest, FailingJoinerAbortsTheWholeRefit) {
   EXPECT_NE(aborted.error_message().find("no.such.tensor"), std::string::npos)
       << aborted.error_message();
   EXPECT_EQ(Version(), before);
+}
+
+// Streams that never join would hold the group's refit slot until
+// --refit-timeout: after a stream's End, the others have --push-idle-timeout
+// to join (on the fake clock: the test moves the time, nothing sleeps).
+TEST_F(MultiStreamPushTest, StreamsThatNeverJoinEndTheRefitAfterTheIdleTimeout) {
+  ServerOptions options = FakeClockOptions();
+  options.push_idle_timeout = absl::Seconds(60);
+  StartServer(std::move(options));
+  const uint64_t before = Version();
+  const absl::Time opened = clock_.Now();
+  std::unique_ptr<Stream> opener = Open("lonely", 2);
+  // The read after Begin is armed for opened + 60 s; step past "now" so
+  // that the deadline armed at End is one of its own.
+  ASSERT_TRUE(clock_.AwaitWaiter(opened + absl::Seconds(60)));
+  clock_.AdvanceTime(absl::Seconds(1));
+  ASSERT_TRUE(opener->Write(EndMessage()));
+  ASSERT_TRUE(clock_.AwaitWaiter(opened + absl::Seconds(61)));
+  clock_.AdvanceTime(absl::Seconds(60));
+  const grpc::Status status = opener->Close();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("refit \"lonely\" aborted: only 1 of its 2 streams joined within 1m "
+                        "(--push-idle-timeout) of a stream's End"));
+  EXPECT_EQ(Version(), before);
+  // The slot is free again.
+  EXPECT_TRUE(PushMessages(stub_.get(), testing::FullPush(4)).status.ok());
+}
+
+TEST_F(MultiStreamPushTest, AStreamThatJoinsWithinTheIdleTimeoutOfAnEndCompletesTheRefit) {
+  ServerOptions options = FakeClockOptions();
+  options.push_idle_timeout = absl::Seconds(60);
+  StartServer(std::move(options));
+  const std::string expected = PushSingle(7);
+  PushSingle(8);
+  const uint64_t before = Version();
+  const std::vector<core::OwnedTensor> weights = FixtureWeights(7);
+  const absl::Time opened = clock_.Now();
+  std::unique_ptr<Stream> opener = Open("late-joiner", 2);
+  for (const v1::PushRequest& m : SplitChunks(weights, 0)) ASSERT_TRUE(opener->Write(m));
+  ASSERT_TRUE(clock_.AwaitWaiter(opened + absl::Seconds(60)));
+  clock_.AdvanceTime(absl::Seconds(1));
+  ASSERT_TRUE(opener->Write(EndMessage()));
+  ASSERT_TRUE(clock_.AwaitWaiter(opened + absl::Seconds(61)));
+  clock_.AdvanceTime(absl::Seconds(30));
+  Stream joiner(stub_.get());
+  ASSERT_TRUE(joiner.Write(JoinMessage("late-joiner")));
+  ASSERT_TRUE(joiner.Begun());
+  // The End's deadline passes with every stream joined: nothing ends.
+  ASSERT_TRUE(clock_.AwaitWaiter(opened + absl::Seconds(61)));
+  clock_.AdvanceTime(absl::Seconds(30));
+  for (const v1::PushRequest& m : SplitChunks(weights, 1)) ASSERT_TRUE(joiner.Write(m));
+  ASSERT_TRUE(joiner.Write(EndMessage()));
+  const grpc::Status joined = joiner.Close();
+  const grpc::Status opened_status = opener->Close();
+  ASSERT_TRUE(joined.ok()) << joined.error_message();
+  ASSERT_TRUE(opened_status.ok()) << opened_status.error_message();
+  EXPECT_EQ(opener->response().result().fingerprint(), expected);
+  EXPECT_EQ(Version(), before + 1);
 }
 
 TEST_F(MultiStreamPushTest, JoinerClosedWithoutEndAbortsTheOpener) {

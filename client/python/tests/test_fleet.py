@@ -149,6 +149,40 @@ def test_a_member_whose_engine_quiesces_late_commits_the_decided_refit_when_it_d
             time.sleep(0.05)  # bounded poll of the member's readiness
 
 
+def test_a_member_waiting_on_its_engine_keeps_its_fleet_registration(
+        etcd, start_daemon, weights):
+    # Each try of a decided commit waits up to --engine-quiesce-timeout for a
+    # busy engine, try after try. The lease's keep-alives do not wait behind
+    # them: the registration (lease TTL 2 s, shorter than one try) stays, on
+    # the lease it was granted, the whole time.
+    d = start_daemon("--fleet=pylease", f"--etcd={etcd}", "--fleet-member=m0",
+                     "--fleet-lease-ttl=2s", "--engine-quiesce-timeout=3s",
+                     "--prepared-timeout=60s", "--fleet-prepared-timeout=60s")
+    d.wait_for_line("joined the fleet")
+    fleet = FleetClient(etcd=etcd, fleet="pylease")
+    key = "/refitd/fleet/pylease/members/m0"
+    registered = fleet._etcd.get(key)
+    assert registered is not None and registered.get("lease", "0") != "0", registered
+    with attach(d.address, name="busy"):
+        pushed = threading.Thread(target=lambda: fleet.push(str(weights(3))))
+        pushed.start()
+        try:
+            d.wait_for_line("still prepared, trying again")
+            # Two more tries (6 s): three lease TTLs without an answer from
+            # the engine.
+            deadline = time.monotonic() + 30
+            while d.log.count("still prepared, trying again") < 3:
+                assert time.monotonic() < deadline, d.log
+                time.sleep(0.1)  # bounded poll of the daemon's log
+            now = fleet._etcd.get(key)
+            assert now is not None, "the member's registration expired"
+            assert now["lease"] == registered["lease"]
+            assert now["create_revision"] == registered["create_revision"]
+            assert "lease expired" not in d.log
+        finally:
+            pushed.join()
+
+
 def test_fleet_push_while_the_lock_is_held_is_a_conflict(etcd, start_daemon, weights):
     d = start_daemon("--fleet=py2", f"--etcd={etcd}", "--fleet-member=only")
     d.wait_for_line("joined the fleet")

@@ -9,7 +9,7 @@
 See docs/python.md in the refitd repository for the whole API.
 """
 
-from ._attach import AttachedEngine, EngineEvent, attach
+from ._attach import AttachedEngine, EngineEvent, attach, safe_point_all
 from ._client import DEFAULT_CHUNK_BYTES, EventStream, Refit, RefitClient, Tls
 from ._fleet import FleetClient, FleetMemberResult, FleetRefitResult
 from ._progress import TqdmProgress
@@ -51,6 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attach",
+    "safe_point_all",
     "AttachedEngine",
     "EngineEvent",
     "TqdmProgress",

@@ -50,7 +50,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -609,6 +609,8 @@ class AttachedEngine:
             # for it, whenever the stream's CommitPending is read.
             self._pending = (a.pending.refit_id, a.pending.version, a.pending.attempt)
         self._acked = False
+        # Events set whenever the pending commit changes (safe_point_all).
+        self._listeners: List[threading.Event] = []
         self._closed: Optional[BaseException] = None
         self._closing = False
         self._sleeping = False  # a safe point sleeps on the header's futex
@@ -761,7 +763,7 @@ class AttachedEngine:
                 self._fingerprint = fingerprint
                 if self._pending is not None and self._pending[1] <= version:
                     self._pending = None
-                self._cv.notify_all()
+                self._changed()
             event = EngineEvent(
                 "committed", refit_id, version, fingerprint, time=time.monotonic(), via=via
             )
@@ -787,7 +789,7 @@ class AttachedEngine:
                             if self._pending != asked and p.version > self._delivered:
                                 self._pending = asked
                                 self._acked = False
-                            self._cv.notify_all()
+                            self._changed()
                     elif kind == "aborted":
                         b = message.aborted
                         event = EngineEvent(
@@ -797,7 +799,7 @@ class AttachedEngine:
                             # (Another refit's end leaves this one pending.)
                             if self._pending is not None and self._pending[0] == b.refit_id:
                                 self._pending = None
-                            self._cv.notify_all()
+                            self._changed()
                         self._wake_safe_point()
                     else:
                         continue
@@ -809,7 +811,7 @@ class AttachedEngine:
             with self._cv:
                 self._closed = error
                 self._pending = None
-                self._cv.notify_all()
+                self._changed()
             self._wake_safe_point()
             self._events.put(None)
 
@@ -900,28 +902,9 @@ class AttachedEngine:
         may still read the tensors, and once acked the daemon's copy
         overwrites them."""
         _drain_deferred_unmaps()
-        while True:
-            with self._cv:
-                pending = self._pending
-                if pending is None:
-                    return False
-                if self._acked:
-                    break
-            # Outside the lock: the other threads' events go on meanwhile.
-            self._sync_devices()
-            with self._cv:
-                if self._pending == pending and not self._acked:
-                    self._acked = True
-                    refit_id, version, attempt = pending
-                    self._requests.put(
-                        epb.EngineMessage(
-                            quiesced=epb.Quiesced(
-                                refit_id=refit_id, version=version, attempt=attempt
-                            )
-                        )
-                    )
-                    break
-            # Aborted, or asked again, while the devices synchronized: look again.
+        pending = self._ack_pending()
+        if pending is None:
+            return False
         version = pending[1]
         if getattr(self._local, "delivering", False):
             # An on_event callback: this thread delivers the events, so it
@@ -952,6 +935,46 @@ class AttachedEngine:
                     self._cv.wait_for(lambda: self._pending != pending, remaining)
             self.pauses.append((version, time.monotonic() - start))
             return True
+
+    def _ack_pending(self) -> Optional[Tuple[str, int, int]]:
+        """Acks the pending commit unless it was; returns it (None: none)."""
+        while True:
+            with self._cv:
+                pending = self._pending
+                if pending is None or self._acked:
+                    return pending
+            # Outside the lock: the other threads' events go on meanwhile.
+            self._sync_devices()
+            with self._cv:
+                if self._pending == pending and not self._acked:
+                    self._acked = True
+                    refit_id, version, attempt = pending
+                    self._requests.put(
+                        epb.EngineMessage(
+                            quiesced=epb.Quiesced(
+                                refit_id=refit_id, version=version, attempt=attempt
+                            )
+                        )
+                    )
+                    return pending
+            # Aborted, or asked again, while the devices synchronized: look again.
+
+    def _pending_now(self) -> Optional[Tuple[str, int, int]]:
+        """The pending commit, None once none is or its copy has ended (the
+        arena header shows its version; the Committed is on the way)."""
+        with self._cv:
+            pending = self._pending
+            if pending is not None and self._copied(pending[1]):
+                self._pending = None
+                pending = None
+            return pending
+
+    def _changed(self) -> None:
+        # Under _cv: the pending commit changed (asked, committed, aborted,
+        # lease ended).
+        self._cv.notify_all()
+        for listener in self._listeners:
+            listener.set()
 
     def _sync_devices(self) -> None:
         """Waits until the work queued on the arena's devices has run. Nothing
@@ -1105,3 +1128,59 @@ def attach(
         if collecting:
             gc.enable()
 
+
+
+def safe_point_all(engines: Sequence[AttachedEngine], timeout: Optional[float] = None) -> bool:
+    """One safe point for an engine attached to several model groups (a
+    target and its draft): call it between forward steps instead of each
+    attachment's safe_point(). It acks every pending commit, keeps acking
+    the ones asked while it waits, and returns once none of them is pending
+    (every copy ended, or the daemon gave up) or `timeout` passed. True if
+    it paused.
+
+    A linked commit asks its groups' engines one group after another and
+    copies once all have acked, so `a.safe_point(); b.safe_point()` would
+    hold in a's safe point, waiting for a copy that waits for b's ack, until
+    --engine-quiesce-timeout fails the commit. From an on_event callback it
+    acks and returns False without waiting, as safe_point() does."""
+    engines = list(engines)
+    _drain_deferred_unmaps()
+    if any(getattr(e._local, "delivering", False) for e in engines):
+        for e in engines:
+            e._ack_pending()
+        return False
+    changed = threading.Event()
+    for e in engines:
+        with e._cv:
+            e._listeners.append(changed)
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    paused: Dict[int, int] = {}  # index in engines -> the version it paused for
+    try:
+        while True:
+            changed.clear()
+            waiting = False
+            for i, e in enumerate(engines):
+                pending = e._ack_pending()
+                if pending is None:
+                    continue
+                paused[i] = pending[1]
+                if e._pending_now() is not None:
+                    waiting = True
+            if not waiting:
+                break
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            # Woken by any attachment's change (its stream's CommitPending,
+            # Committed or Aborted, or the arena watcher's Committed as the
+            # copy ends); the slice bounds a wake missed for a closed one.
+            changed.wait(0.05 if deadline is None else min(0.05, deadline - now))
+    finally:
+        for e in engines:
+            with e._cv:
+                e._listeners.remove(changed)
+    elapsed = time.monotonic() - start
+    for i, version in paused.items():
+        engines[i].pauses.append((version, elapsed))
+    return bool(paused)

@@ -5,6 +5,7 @@ from refitctl, and a failure in one group leaving every group unchanged."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -155,3 +156,80 @@ def test_a_linked_commit_held_up_by_one_groups_engine_names_that_group_to_every_
         aborted = [ev for ev in events if ev.kind == "aborted"]
         assert aborted, events
         assert f'model group "b": engine "{stuck.engine_id}" ("stuck")' in aborted[0].reason
+
+
+def _engine_loop(step, stop):
+    """A one-thread engine: `step()` between forward steps until `stop`."""
+    import threading
+
+    def run() -> None:
+        while not stop.is_set():
+            step()
+            time.sleep(0.001)  # the forward step
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_one_engine_on_two_groups_follows_a_linked_commit_with_safe_point_all(
+        start_daemon, weights):
+    # A target and its draft served by one engine thread: safe_point_all acks
+    # both groups' CommitPending (asked one group after the other) and holds
+    # until the one copy has ended.
+    import threading
+
+    from refit_client import attach, safe_point_all
+
+    daemon = start_daemon("--group=a=demo", "--group=b=demo,seed=7",
+                          "--engine-quiesce-timeout=2s")
+    daemon.wait_for_line(READY_LINE, also="group=b")
+    new = load_state_dict(weights(2))
+    with RefitClient(daemon.address, timeout=30) as c, \
+            attach(daemon.address, group="a", name="target") as a, \
+            attach(daemon.address, group="b", name="draft") as b:
+        def ptrs():
+            return [{n: t.data_ptr() for n, t in e.tensors.items()} for e in (a, b)]
+
+        before = ptrs()
+        stop = threading.Event()
+        engine = _engine_loop(lambda: safe_point_all([a, b], timeout=10), stop)
+        try:
+            results = c.push_linked({"a": new, "b": new})
+        finally:
+            stop.set()
+            engine.join()
+        assert {g: r.version for g, r in results.items()} == {"a": 2, "b": 2}
+        assert versions(c) == {"a": 2, "b": 2}
+        # The engine paused for the commit in both attachments, once.
+        assert [v for v, _ in a.pauses] == [2] and [v for v, _ in b.pauses] == [2]
+        assert a.pauses[0][1] < 2.0
+        assert ptrs() == before
+        assert a.consistent(lambda: a.version) == 2 and b.consistent(lambda: b.version) == 2
+
+
+def test_one_engine_on_two_groups_calling_each_safe_point_holds_a_linked_commit_up(
+        start_daemon, weights):
+    # What safe_point_all is for: the first safe point acks and holds for a
+    # copy that waits for the second group's ack, which that thread cannot
+    # send; the commit fails at --engine-quiesce-timeout, changing nothing.
+    import threading
+
+    from refit_client import RefitError, attach
+
+    daemon = start_daemon("--group=a=demo", "--group=b=demo,seed=7",
+                          "--engine-quiesce-timeout=500ms")
+    daemon.wait_for_line(READY_LINE, also="group=b")
+    new = load_state_dict(weights(2))
+    with RefitClient(daemon.address, timeout=30) as c, \
+            attach(daemon.address, group="a", name="target") as a, \
+            attach(daemon.address, group="b", name="draft") as b:
+        stop = threading.Event()
+        engine = _engine_loop(lambda: (a.safe_point(timeout=10), b.safe_point(timeout=10)), stop)
+        try:
+            with pytest.raises(RefitError, match="did not quiesce"):
+                c.push_linked({"a": new, "b": new})
+        finally:
+            stop.set()
+            engine.join()
+        assert versions(c) == {"a": 1, "b": 1}

@@ -4,7 +4,9 @@ from refitctl, and a failure in one group leaving every group unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 
 import pytest
@@ -126,19 +128,29 @@ def test_refitctl_push_link_with_a_bad_draft_aborts_the_target_too(two_groups, w
     assert all(g["active_refit"] is None for g in after)
 
 
+@contextlib.contextmanager
+def _two_attached(start_daemon, quiesce_timeout, names):
+    """A daemon with groups a and b (same shapes, other weights), a client,
+    and one engine attached with coordination to each group."""
+    from refit_client import attach
+
+    daemon = start_daemon("--group=a=demo", "--group=b=demo,seed=7",
+                          f"--engine-quiesce-timeout={quiesce_timeout}")
+    daemon.wait_for_line(READY_LINE, also="group=b")
+    with RefitClient(daemon.address, timeout=30) as c, \
+            attach(daemon.address, group="a", name=names[0]) as a, \
+            attach(daemon.address, group="b", name=names[1]) as b:
+        yield c, a, b
+
+
 def test_a_linked_commit_held_up_by_one_groups_engine_names_that_group_to_every_engine(
         start_daemon, weights):
     # Engine ids are per group ("e-1" in both): the engines of the group that
     # did quiesce are told which group's engine held the commit up.
-    from refit_client import RefitError, attach
+    from refit_client import RefitError
 
-    daemon = start_daemon("--group=a=demo", "--group=b=demo,seed=7",
-                          "--engine-quiesce-timeout=500ms")
-    daemon.wait_for_line(READY_LINE, also="group=b")
     new = load_state_dict(weights(2))
-    with RefitClient(daemon.address, timeout=30) as c, \
-            attach(daemon.address, group="a", name="ready") as ready, \
-            attach(daemon.address, group="b", name="stuck") as stuck:
+    with _two_attached(start_daemon, "500ms", ("ready", "stuck")) as (c, ready, stuck):
         assert ready.engine_id == stuck.engine_id  # ids are per group
         events = []
 
@@ -160,8 +172,6 @@ def test_a_linked_commit_held_up_by_one_groups_engine_names_that_group_to_every_
 
 def _engine_loop(step, stop):
     """A one-thread engine: `step()` between forward steps until `stop`."""
-    import threading
-
     def run() -> None:
         while not stop.is_set():
             step()
@@ -177,17 +187,10 @@ def test_one_engine_on_two_groups_follows_a_linked_commit_with_safe_point_all(
     # A target and its draft served by one engine thread: safe_point_all acks
     # both groups' CommitPending (asked one group after the other) and holds
     # until the one copy has ended.
-    import threading
+    from refit_client import safe_point_all
 
-    from refit_client import attach, safe_point_all
-
-    daemon = start_daemon("--group=a=demo", "--group=b=demo,seed=7",
-                          "--engine-quiesce-timeout=2s")
-    daemon.wait_for_line(READY_LINE, also="group=b")
     new = load_state_dict(weights(2))
-    with RefitClient(daemon.address, timeout=30) as c, \
-            attach(daemon.address, group="a", name="target") as a, \
-            attach(daemon.address, group="b", name="draft") as b:
+    with _two_attached(start_daemon, "2s", ("target", "draft")) as (c, a, b):
         def ptrs():
             return [{n: t.data_ptr() for n, t in e.tensors.items()} for e in (a, b)]
 
@@ -213,17 +216,10 @@ def test_one_engine_on_two_groups_calling_each_safe_point_holds_a_linked_commit_
     # What safe_point_all is for: the first safe point acks and holds for a
     # copy that waits for the second group's ack, which that thread cannot
     # send; the commit fails at --engine-quiesce-timeout, changing nothing.
-    import threading
+    from refit_client import RefitError
 
-    from refit_client import RefitError, attach
-
-    daemon = start_daemon("--group=a=demo", "--group=b=demo,seed=7",
-                          "--engine-quiesce-timeout=500ms")
-    daemon.wait_for_line(READY_LINE, also="group=b")
     new = load_state_dict(weights(2))
-    with RefitClient(daemon.address, timeout=30) as c, \
-            attach(daemon.address, group="a", name="target") as a, \
-            attach(daemon.address, group="b", name="draft") as b:
+    with _two_attached(start_daemon, "500ms", ("target", "draft")) as (c, a, b):
         stop = threading.Event()
         engine = _engine_loop(lambda: (a.safe_point(timeout=10), b.safe_point(timeout=10)), stop)
         try:

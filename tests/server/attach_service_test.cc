@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/generic/generic_stub.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/arena.h"
@@ -648,6 +650,53 @@ TEST_F(AttachTest, FirstMessageThatIsNotAttachIsFailedPrecondition) {
   const grpc::Status status = stream->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(status.error_message(), HasSubstr("first message of Attach must be attach"));
+}
+
+TEST_F(AttachTest, FirstMessageThatIsNotAnEngineMessageIsInvalidArgument) {
+  grpc::GenericStub generic(Connect(*server_));
+  grpc::CompletionQueue cq;
+  grpc::ClientContext context;
+  int tags[4];
+  auto await = [&](void* tag) {
+    void* got = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&got, &ok));
+    EXPECT_EQ(got, tag);
+    return ok;
+  };
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      generic.PrepareCall(&context, "/refit.v1.EngineService/Attach", &cq);
+  call->StartCall(&tags[0]);
+  ASSERT_TRUE(await(&tags[0]));
+  // Field 0 does not exist: no protobuf parser accepts these bytes.
+  grpc::Slice junk_slice(std::string("\x02\xff\xff\xff", 4));
+  grpc::ByteBuffer junk(&junk_slice, 1);
+  call->Write(junk, &tags[1]);
+  await(&tags[1]);
+  call->WritesDone(&tags[2]);
+  await(&tags[2]);
+  grpc::Status status;
+  call->Finish(&status, &tags[3]);
+  await(&tags[3]);
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("not a valid EngineMessage"));
+  EXPECT_EQ(Status(stub_.get()).engines_size(), 0);
+}
+
+TEST_F(AttachTest, AStreamClosedBeforeAttachingIsInvalidArgument) {
+  grpc::ClientContext context;
+  auto stream = engine_stub_->Attach(&context);
+  stream->WritesDone();
+  v1::DaemonMessage message;
+  EXPECT_FALSE(stream->Read(&message));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("Attach ended before an attach message"));
 }
 
 TEST(CompareLayoutsTest, UnsetFieldsAreNotCompared) {

@@ -312,10 +312,11 @@ void FleetMember::Apply(const std::string& fleet_refit_id, const Decision& decis
   // A commit that could not happen yet (a Commit RPC holds the refit, or
   // the attached engines did not quiesce and the refit stays PREPARED) is
   // tried again from the loop's next tick, until the refit commits or its
-  // own --prepared-timeout ends it.
+  // own --prepared-timeout ends it: the decision is known, so the fleet's
+  // prepared deadline no longer applies and etcd is not asked again.
   auto try_again = [&] {
     absl::MutexLock lock(&mu_);
-    prepared.check = true;
+    prepared.decided = decision;
     prepared_.emplace(fleet_refit_id, prepared);
   };
   // A Commit RPC that arrives meanwhile waits for this (RecentCommit).
@@ -726,6 +727,7 @@ void FleetMember::Loop() {
   std::string last_registration = RegistrationJson();
   for (;;) {
     std::vector<std::string> check;
+    std::vector<std::pair<std::string, Decision>> retry;
     std::vector<std::pair<std::string, int64_t>> expired;
     bool recompute = false;
     {
@@ -735,7 +737,9 @@ void FleetMember::Loop() {
       if (stopping_) return;
       const absl::Time now = absl::Now();
       for (auto& [id, p] : prepared_) {
-        if (p.deadline <= now) {
+        if (p.decided.has_value()) {
+          retry.emplace_back(id, *p.decided);
+        } else if (p.deadline <= now) {
           expired.emplace_back(id, p.revision);
         } else if (p.check) {
           check.push_back(id);
@@ -755,6 +759,7 @@ void FleetMember::Loop() {
         if (it != prepared_.end()) it->second.check = true;
       }
     }
+    for (const auto& [id, decision] : retry) Apply(id, decision);
     for (const auto& [id, revision] : expired) PresumeAbort(id, revision);
     if (watch_ == nullptr || watch_->done()) {
       watch_.reset();

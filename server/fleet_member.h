@@ -131,6 +131,10 @@ class FleetMember {
   std::string RenderMetrics() const;
 
  private:
+  struct Decision {
+    std::string decision;  // "commit" | "abort" | "" (none)
+    uint64_t fleet_version = 0;
+  };
   struct Prepared {
     std::string refit_id;
     absl::Time deadline;
@@ -138,10 +142,10 @@ class FleetMember {
     // An etcd revision seen before this member answered PREPARED: a commit
     // of the refit moves the fleet's version key past it.
     int64_t revision = 0;
-  };
-  struct Decision {
-    std::string decision;  // "commit" | "abort" | "" (none)
-    uint64_t fleet_version = 0;
+    // A decided commit that could not happen yet (a Commit RPC held the
+    // refit, or its engines did not quiesce): the loop applies it again,
+    // past the fleet's prepared deadline too, without asking etcd.
+    std::optional<Decision> decided;
   };
 
   FleetMember(FleetOptions options, ModelGroup* group, Metrics* metrics,

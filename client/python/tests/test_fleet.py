@@ -107,10 +107,12 @@ def test_a_member_whose_engine_quiesces_late_commits_the_decided_refit_when_it_d
     # The fleet decides commit while member m0's coordinated engine is busy
     # past --engine-quiesce-timeout: m0's refit stays PREPARED and m0 tries
     # the decided commit again until the engine answers, instead of dropping
-    # the refit and staying behind the fleet.
+    # the refit and staying behind the fleet. Its tries go on past the
+    # fleet's prepared deadline (2 s) as they were, applying the decision it
+    # read: no presumed abort, no asking etcd again.
     slow = start_daemon("--fleet=pyslow", f"--etcd={etcd}", "--fleet-member=m0",
                         "--engine-quiesce-timeout=300ms", "--prepared-timeout=60s",
-                        "--fleet-prepared-timeout=60s")
+                        "--fleet-prepared-timeout=2s")
     other = start_daemon("--fleet=pyslow", f"--etcd={etcd}", "--fleet-member=m1")
     for d in (slow, other):
         d.wait_for_line("joined the fleet")
@@ -126,6 +128,10 @@ def test_a_member_whose_engine_quiesces_late_commits_the_decided_refit_when_it_d
             while c.health().ready != "NOT_SERVING":
                 assert time.monotonic() < deadline, c.health()
                 time.sleep(0.05)  # bounded poll of the member's readiness
+            # Past the fleet's prepared deadline (tries of 300 ms each).
+            while slow.log.count("still prepared, trying again") < 10:
+                assert time.monotonic() < deadline + 20, slow.log
+                time.sleep(0.1)  # bounded poll of the daemon's log
         # The engine reaches its safe points again: the next try commits.
         stop = threading.Event()
 
@@ -140,6 +146,7 @@ def test_a_member_whose_engine_quiesces_late_commits_the_decided_refit_when_it_d
         finally:
             stop.set()
             stepper.join()
+    assert "fleet prepared deadline passed" not in slow.log
     with RefitClient(slow.address, timeout=30) as c, RefitClient(other.address, timeout=30) as o:
         assert c.status().version == 2
         assert c.status().fingerprint == o.status().fingerprint

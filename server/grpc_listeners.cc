@@ -7,6 +7,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -44,6 +45,39 @@ int ListenOn(int fd, const sockaddr* addr, socklen_t len) {
   return 0;
 }
 
+// Takes the lock beside `path`; FAILED_PRECONDITION when another open
+// file holds it (another process, or another listener here, serves it).
+absl::Status LockSocketPath(absl::string_view address, const std::string& path, int* fd,
+                            uint64_t* inode) {
+  const std::string lock_path = path + ".lock";
+  // A holder that stops removes the file as it releases the lock: a lock
+  // taken on a file no longer at the path is taken again on the new one.
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    const int lock = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (lock < 0) return ListenError(address, absl::StrCat("open ", lock_path), errno);
+    if (::flock(lock, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      ::close(lock);
+      if (err == EWOULDBLOCK) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot listen on ", address, ": another process listens on ", path,
+                         " (it holds ", lock_path, ")"));
+      }
+      return ListenError(address, absl::StrCat("flock ", lock_path), err);
+    }
+    struct stat held, now;
+    if (::fstat(lock, &held) == 0 && ::stat(lock_path.c_str(), &now) == 0 &&
+        held.st_dev == now.st_dev && held.st_ino == now.st_ino) {
+      *fd = lock;
+      *inode = held.st_ino;
+      return absl::OkStatus();
+    }
+    ::close(lock);
+  }
+  return absl::UnavailableError(absl::StrCat("cannot listen on ", address, ": ", lock_path,
+                                             " kept being replaced while it was locked"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
@@ -69,8 +103,14 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
         }
       }
       if (!a->path.empty()) {
+        PathLock& lock = self->locks_.emplace_back();
+        lock.path = a->path + ".lock";
+        if (absl::Status s = LockSocketPath(address, a->path, &lock.fd, &lock.inode); !s.ok()) {
+          self->locks_.pop_back();
+          return s;
+        }
         // A socket file left by a process that is gone (connecting to it is
-        // refused) is replaced. Anything else is not taken from its owner: a
+        // refused) is replaced, under the lock. Anything else is not taken from its owner: a
         // live listener, a socket of another kind (a datagram socket answers
         // EPROTOTYPE), one this process may not connect to, a file that is
         // not a socket.
@@ -253,6 +293,16 @@ void GrpcListeners::Stop() {
     }
   }
   sockets_.clear();
+  // Removed while still held, so that no one takes a lock on a file that
+  // is no longer at the path (LockSocketPath checks).
+  for (PathLock& lock : locks_) {
+    struct stat st;
+    if (::stat(lock.path.c_str(), &st) == 0 && st.st_ino == lock.inode) {
+      ::unlink(lock.path.c_str());
+    }
+    ::close(lock.fd);
+  }
+  locks_.clear();
 }
 
 void GrpcListeners::Run() {

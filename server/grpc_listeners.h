@@ -73,6 +73,14 @@ class GrpcListeners {
     std::string unix_path;  // a unix: socket file, removed by Stop
     uint64_t unix_inode = 0;
   };
+  // The advisory lock (flock) on "<socket path>.lock", held while the
+  // socket listens: of two processes that find the same stale socket file,
+  // only the holder replaces it. Removed and released by Stop.
+  struct PathLock {
+    int fd = -1;
+    std::string path;
+    uint64_t inode = 0;
+  };
 
   GrpcListeners() = default;
   void Run();
@@ -80,6 +88,7 @@ class GrpcListeners {
   void AcceptAll(int fd);
 
   std::vector<Socket> sockets_;
+  std::vector<PathLock> locks_;
   std::vector<std::string> bound_;
   int wake_fd_ = -1;   // an eventfd: Stop wakes the accept thread with it
   int spare_fd_ = -1;  // given up to accept (and close) when out of descriptors

@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -20,6 +21,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/server_builder.h>
@@ -271,6 +273,75 @@ TEST(GrpcListenersTest, ALiveSocketIsRefusedAStaleOneReplacedAndOnlyItsOwnFileRe
   }
   (*replacing)->Stop();
   EXPECT_EQ(::stat(path.c_str(), &st), 0);
+}
+
+TEST(GrpcListenersTest, TheLockBesideTheSocketDecidesWhoReplacesAStaleOne) {
+  const std::string dir = MakeTempDir();
+  const std::string path = dir + "/d.sock";
+  const std::string lock_path = path + ".lock";
+  // A stale socket file (its process died)...
+  const int stale = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(stale, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::close(stale);
+  // ...that another process is replacing right now (it holds the lock).
+  const int held = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> refused = GrpcListeners::Bind({"unix:" + path});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("another process listens on " + path + " (it holds " + lock_path + ")"));
+  struct stat st;
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << "the holder's socket file was removed";
+  ::close(held);  // the holder died: its lock went with it
+  absl::StatusOr<std::unique_ptr<GrpcListeners>> taken = GrpcListeners::Bind({"unix:" + path});
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  (*taken)->Stop();
+  EXPECT_NE(::stat(lock_path.c_str(), &st), 0) << "Stop leaves its lock file";
+  EXPECT_NE(::stat(path.c_str(), &st), 0);
+}
+
+TEST(GrpcListenersTest, OfListenersRacingForOneStaleSocketExactlyOneWins) {
+  const std::string dir = MakeTempDir();
+  const std::string path = dir + "/e.sock";
+  for (int round = 0; round < 50; ++round) {
+    const int stale = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    ASSERT_EQ(::bind(stale, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    ::close(stale);
+    constexpr int kRacers = 4;
+    std::vector<absl::StatusOr<std::unique_ptr<GrpcListeners>>> bound;
+    for (int i = 0; i < kRacers; ++i) bound.emplace_back(absl::UnknownError("not run"));
+    std::vector<std::thread> racers;
+    for (int i = 0; i < kRacers; ++i) {
+      racers.emplace_back([&, i] { bound[i] = GrpcListeners::Bind({"unix:" + path}); });
+    }
+    for (std::thread& t : racers) t.join();
+    int winners = 0;
+    for (const auto& b : bound) {
+      if (b.ok()) {
+        ++winners;
+      } else {
+        EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition) << b.status();
+      }
+    }
+    ASSERT_EQ(winners, 1) << "round " << round;
+    // The socket file at the path is the winner's: it accepts.
+    for (auto& b : bound) {
+      if (!b.ok()) continue;
+      RecordingAcceptor* acceptor = StartRecording(**b);
+      const int fd = ConnectUnix(path);
+      EXPECT_GE(fd, 0);
+      EXPECT_TRUE(acceptor->AwaitCount(1));
+      ::close(fd);
+      (*b)->Stop();
+    }
+  }
 }
 
 // A child process holding `n` connections to a unix socket, so that in this

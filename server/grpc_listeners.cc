@@ -59,9 +59,9 @@ absl::Status LockSocketPath(absl::string_view address, const std::string& path, 
       const int err = errno;
       ::close(lock);
       if (err == EWOULDBLOCK) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("cannot listen on ", address, ": another process listens on ", path,
-                         " (it holds ", lock_path, ")"));
+        return absl::FailedPreconditionError(absl::StrCat("cannot listen on ", address,
+                                                          ": another process listens on ", path,
+                                                          " (it holds ", lock_path, ")"));
       }
       return ListenError(address, absl::StrCat("flock ", lock_path), err);
     }

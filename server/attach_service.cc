@@ -149,10 +149,11 @@ class AttachService::Reactor final
       // The engine closed the stream or went away: the lease ends. Before
       // an attach message it never began: an engine that half-closed, or
       // whose first message did not parse, is told so.
-      End(attached_ ? grpc::Status::OK
-                    : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                   "Attach ended before an attach message: the stream was "
-                                   "closed, or its first message is not a valid EngineMessage"));
+      End(attached_ || context_->IsCancelled()
+              ? grpc::Status::OK
+              : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                             "Attach ended before an attach message: the stream was "
+                             "closed, or its first message is not a valid EngineMessage"));
       return;
     }
     absl::Status handled = attached_ ? HandleAck() : HandleAttach();

@@ -227,9 +227,29 @@ absl::Status FleetMember::Register() {
     absl::MutexLock lock(&mu_);
     lease_ = *lease;
   }
+  return WriteRegistration(/*only_if_changed=*/false);
+}
+
+absl::Status FleetMember::WriteRegistration(bool only_if_changed) {
+  // One writer at a time, each writing what is current once it writes: the
+  // loop's update and the keeper's re-registration never leave an older
+  // registration in etcd after a newer one.
+  absl::MutexLock lock(&registration_mu_);
+  const std::string registration = RegistrationJson();
+  if (only_if_changed && registration == last_registration_) return absl::OkStatus();
+  int64_t lease;
+  {
+    absl::MutexLock state(&mu_);
+    lease = lease_;
+  }
   absl::StatusOr<int64_t> put =
-      etcd_->Put(prefix_ + "members/" + options_.member_id, RegistrationJson(), *lease);
-  return put.status();
+      etcd_->Put(prefix_ + "members/" + options_.member_id, registration, lease);
+  if (!put.ok()) {
+    last_registration_.clear();  // written again at the next chance
+    return put.status();
+  }
+  last_registration_ = registration;
+  return absl::OkStatus();
 }
 
 void FleetMember::Wake() {
@@ -515,6 +535,13 @@ void FleetMember::WriteServed(uint64_t fleet_version, uint64_t version,
 }
 
 void FleetMember::PresumeAbort(const std::string& fleet_refit_id, int64_t revision) {
+  {
+    // Its commit decision was read meanwhile (the watch applied it and the
+    // commit is being tried again): nothing to presume.
+    absl::MutexLock lock(&mu_);
+    auto it = prepared_.find(fleet_refit_id);
+    if (it == prepared_.end() || it->second.decided.has_value()) return;
+  }
   bool written = false;
   absl::StatusOr<Decision> cas =
       RecordAbortIfUndecided(fleet_refit_id, revision, /*presumed=*/true, &written);
@@ -711,8 +738,15 @@ void FleetMember::KeepLease() {
     }
     absl::StatusOr<absl::Duration> ttl = etcd_->KeepAlive(lease);
     if (ttl.ok()) {
-      next = absl::Now() + options_.lease_ttl / 3;
+      // A registration whose write failed (or that changed while the loop
+      // waits on engines) is written from here too.
+      next = WriteRegistration(/*only_if_changed=*/true).ok() ? absl::Now() + options_.lease_ttl / 3
+                                                              : absl::Now() + kTick * 4;
     } else if (ttl.status().code() == absl::StatusCode::kNotFound) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) return;  // Stop revokes the lease: no new one
+      }
       REFIT_LOG(WARNING).Field("fleet", options_.fleet)
           << "the fleet registration's lease expired; registering again";
       next = Register().ok() ? absl::Now() + options_.lease_ttl / 3 : absl::Now() + kTick * 4;
@@ -724,7 +758,6 @@ void FleetMember::KeepLease() {
 
 void FleetMember::Loop() {
   absl::Time next_recompute = absl::Now();
-  std::string last_registration = RegistrationJson();
   for (;;) {
     std::vector<std::string> check;
     std::vector<std::pair<std::string, Decision>> retry;
@@ -769,17 +802,7 @@ void FleetMember::Loop() {
       Recompute();
       next_recompute = absl::Now() + kRecomputeEvery;
     }
-    const std::string registration = RegistrationJson();
-    if (registration != last_registration) {
-      int64_t lease;
-      {
-        absl::MutexLock lock(&mu_);
-        lease = lease_;
-      }
-      if (etcd_->Put(prefix_ + "members/" + options_.member_id, registration, lease).ok()) {
-        last_registration = registration;
-      }
-    }
+    (void)WriteRegistration(/*only_if_changed=*/true);
   }
 }
 

@@ -152,6 +152,9 @@ class FleetMember {
               std::function<void(bool)> set_ready, std::unique_ptr<EtcdClient> etcd);
   absl::Status Join();
   absl::Status Register();
+  // Writes the member key (its current registration, on the current lease);
+  // with only_if_changed, nothing when it is what was last written.
+  absl::Status WriteRegistration(bool only_if_changed);
   std::string RegistrationJson() const;
   std::string LayoutJson() const;
   void Loop();
@@ -185,6 +188,8 @@ class FleetMember {
   const std::function<void(bool)> set_ready_;
   const std::unique_ptr<EtcdClient> etcd_;
 
+  absl::Mutex registration_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::string last_registration_ ABSL_GUARDED_BY(registration_mu_);
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;

@@ -48,7 +48,7 @@ int ListenOn(int fd, const sockaddr* addr, socklen_t len) {
 // Takes the lock beside `path`; FAILED_PRECONDITION when another open
 // file holds it (another process, or another listener here, serves it).
 absl::Status LockSocketPath(absl::string_view address, const std::string& path, int* fd,
-                            uint64_t* inode) {
+                            uint64_t* dev, uint64_t* inode) {
   const std::string lock_path = path + ".lock";
   // A holder that stops removes the file as it releases the lock: a lock
   // taken on a file no longer at the path is taken again on the new one.
@@ -69,6 +69,7 @@ absl::Status LockSocketPath(absl::string_view address, const std::string& path, 
     if (::fstat(lock, &held) == 0 && ::stat(lock_path.c_str(), &now) == 0 &&
         held.st_dev == now.st_dev && held.st_ino == now.st_ino) {
       *fd = lock;
+      *dev = held.st_dev;
       *inode = held.st_ino;
       return absl::OkStatus();
     }
@@ -105,7 +106,8 @@ absl::StatusOr<std::unique_ptr<GrpcListeners>> GrpcListeners::Bind(
       if (!a->path.empty()) {
         PathLock& lock = self->locks_.emplace_back();
         lock.path = a->path + ".lock";
-        if (absl::Status s = LockSocketPath(address, a->path, &lock.fd, &lock.inode); !s.ok()) {
+        if (absl::Status s = LockSocketPath(address, a->path, &lock.fd, &lock.dev, &lock.inode);
+            !s.ok()) {
           self->locks_.pop_back();
           return s;
         }
@@ -297,7 +299,7 @@ void GrpcListeners::Stop() {
   // is no longer at the path (LockSocketPath checks).
   for (PathLock& lock : locks_) {
     struct stat st;
-    if (::stat(lock.path.c_str(), &st) == 0 && st.st_ino == lock.inode) {
+    if (::stat(lock.path.c_str(), &st) == 0 && st.st_dev == lock.dev && st.st_ino == lock.inode) {
       ::unlink(lock.path.c_str());
     }
     ::close(lock.fd);

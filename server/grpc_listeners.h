@@ -79,6 +79,7 @@ class GrpcListeners {
   struct PathLock {
     int fd = -1;
     std::string path;
+    uint64_t dev = 0;
     uint64_t inode = 0;
   };
 

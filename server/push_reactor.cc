@@ -110,18 +110,25 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
         absl::StrCat("no message for ", absl::FormatDuration(timeout), " (--push-idle-timeout)");
     if (awaiting_joiners_.load()) {
       // This stream ended cleanly; its refit's other streams had not all
-      // joined. Once they have, each has an idle deadline of its own.
-      std::shared_ptr<PushRefit> refit;
-      {
-        absl::MutexLock lock(&mu_);
-        refit = shared_refit_;
-      }
-      if (refit == nullptr || refit->closed()) return;
-      const int joined = refit->Joined();
-      if (joined >= refit->streams()) return;
+      // joined. Once they have, each has an idle deadline of its own. Closed
+      // first, in the same look as the count: no stream joins (or completes
+      // the refit) after it, and every stream ends with the deadline.
+      std::shared_ptr<PushRefit> refit = SharedRefit();
+      std::vector<PushMember*> members;
+      int joined = 0;
+      if (refit == nullptr || !refit->CloseWhileWaiting(&members, &joined)) return;
       reason =
           absl::StrCat("only ", joined, " of its ", refit->streams(), " streams joined within ",
                        absl::FormatDuration(timeout), " (--push-idle-timeout) of a stream's End");
+      refit->session()->Abort(reason);
+      const grpc::Status status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                absl::StrCat("refit \"", refit->id(), "\" aborted: ", reason));
+      for (PushMember* member : members) {
+        static_cast<PushReactor*>(member)->EndStream(status, "aborted");
+        member->Unref();
+      }
+      EndStream(status, "aborted");
+      return;
     }
     AbortAll(reason,
              grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, Described(reason, "Push idle")),
@@ -508,7 +515,7 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
               .Field("refit_id", refit_->id())
               .Field("outstanding", absl::StrCat(refit_->Outstanding()))
           << "Push stream ended; waiting for the refit's other streams";
-      if (refit_->Joined() < refit_->streams()) {
+      if (refit_->JoinedWhileWaiting().has_value()) {
         // Streams that never join would hold the group's refit slot until
         // --refit-timeout: they get --push-idle-timeout from here, as a
         // stream gets it for its next message (OnIdle).

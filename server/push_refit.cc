@@ -50,9 +50,23 @@ int PushRefit::Outstanding() const {
   return streams_ - ended_;
 }
 
-int PushRefit::Joined() const {
+std::optional<int> PushRefit::JoinedWhileWaiting() const {
   absl::MutexLock lock(&mu_);
-  return static_cast<int>(members_.size());
+  const int joined = static_cast<int>(members_.size());
+  if (closed_ || joined >= streams_) return std::nullopt;
+  return joined;
+}
+
+bool PushRefit::CloseWhileWaiting(std::vector<PushMember*>* members, int* joined) {
+  {
+    absl::MutexLock lock(&mu_);
+    *joined = static_cast<int>(members_.size());
+    if (closed_ || *joined >= streams_) return false;
+    closed_ = true;
+    members->swap(members_);
+  }
+  if (registry_ != nullptr) registry_->Finished(this);
+  return true;
 }
 
 std::vector<PushMember*> PushRefit::Close() {

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,8 +84,14 @@ class PushRefit {
   bool EndClean();
   // How many streams are still to join or to end (for logs).
   int Outstanding() const;
-  // How many streams have joined (the opener included).
-  int Joined() const;
+  // How many streams have joined (the opener included) while some are still
+  // to join; nullopt once all have joined or the refit is closed.
+  std::optional<int> JoinedWhileWaiting() const;
+  // Close() if, in the same look, some stream is still to join: then
+  // `*members` are its members (references adopted) and `*joined` their
+  // number. False (nothing changed) once all have joined or it is closed,
+  // so a refit that is completing is never ended as one that waits.
+  bool CloseWhileWaiting(std::vector<PushMember*>* members, int* joined);
   // The first call closes the refit and returns its members (references
   // adopted) so that the caller ends their RPCs; later calls return nothing.
   std::vector<PushMember*> Close();

@@ -1150,13 +1150,15 @@ def safe_point_all(engines: Sequence[AttachedEngine], timeout: Optional[float] =
             e._ack_pending()
         return False
     changed = threading.Event()
-    for e in engines:
-        with e._cv:
-            e._listeners.append(changed)
+    registered: List[AttachedEngine] = []
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     paused: Dict[int, int] = {}  # index in engines -> the version it paused for
     try:
+        for e in engines:
+            with e._cv:
+                e._listeners.append(changed)
+            registered.append(e)
         while True:
             changed.clear()
             waiting = False
@@ -1177,9 +1179,14 @@ def safe_point_all(engines: Sequence[AttachedEngine], timeout: Optional[float] =
             # copy ends); the slice bounds a wake missed for a closed one.
             changed.wait(0.05 if deadline is None else min(0.05, deadline - now))
     finally:
-        for e in engines:
+        for e in registered:
             with e._cv:
                 e._listeners.remove(changed)
+    for i in paused:
+        # A copy seen ended in the header: its Committed (version,
+        # fingerprint, the event) is delivered before this returns, as a
+        # safe_point() does.
+        engines[i]._deliver_from_arena()
     elapsed = time.monotonic() - start
     for i, version in paused.items():
         engines[i].pauses.append((version, elapsed))

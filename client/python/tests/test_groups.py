@@ -196,7 +196,13 @@ def test_one_engine_on_two_groups_follows_a_linked_commit_with_safe_point_all(
 
         before = ptrs()
         stop = threading.Event()
-        engine = _engine_loop(lambda: safe_point_all([a, b], timeout=10), stop)
+        seen = []  # the versions the engine's next step serves, after each pause
+
+        def step() -> None:
+            if safe_point_all([a, b], timeout=10):
+                seen.append((a.version, b.version))
+
+        engine = _engine_loop(step, stop)
         try:
             results = c.push_linked({"a": new, "b": new})
         finally:
@@ -207,6 +213,8 @@ def test_one_engine_on_two_groups_follows_a_linked_commit_with_safe_point_all(
         # The engine paused for the commit in both attachments, once.
         assert [v for v, _ in a.pauses] == [2] and [v for v, _ in b.pauses] == [2]
         assert a.pauses[0][1] < 2.0
+        # Its Committed was delivered before safe_point_all returned.
+        assert seen == [(2, 2)]
         assert ptrs() == before
         assert a.consistent(lambda: a.version) == 2 and b.consistent(lambda: b.version) == 2
 

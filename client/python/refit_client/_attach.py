@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import gc
+import logging
 import mmap
 import os
 import platform
@@ -68,7 +69,9 @@ from .errors import (
     from_rpc_error,
 )
 
-__all__ = ["attach", "AttachedEngine", "EngineEvent", "LAYOUT_FIELDS"]
+_log = logging.getLogger("refit_client")
+
+__all__ = ["attach", "safe_point_all", "AttachedEngine", "EngineEvent", "LAYOUT_FIELDS"]
 
 # Offsets of the arena header (core/arena.h): magic, then seq and version;
 # the fingerprint and refit id of the version (NUL-padded ASCII; all zero
@@ -748,7 +751,13 @@ class AttachedEngine:
         self._local.delivering = True
         try:
             for callback in list(self._callbacks):
-                callback(event)
+                try:
+                    callback(event)
+                except Exception:
+                    # The lease and the other callbacks go on: a reader
+                    # thread that died here would leave safe points waiting
+                    # for events no one delivers.
+                    _log.exception("attach: an on_event callback raised on %s", event.kind)
         finally:
             self._local.delivering = False
 
@@ -874,7 +883,8 @@ class AttachedEngine:
         callback delays the next event, and a safe point's return. A callback
         may call safe_point() (an idle engine acking a commit_pending): that
         acks and returns False at once, and the next safe_point() on another
-        thread holds until the copy has ended."""
+        thread holds until the copy has ended. An exception the callback
+        raises is logged (logger "refit_client") and the events go on."""
         self._callbacks.append(callback)
 
     def events(self, timeout: Optional[float] = None) -> Iterator[EngineEvent]:

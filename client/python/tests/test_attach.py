@@ -275,6 +275,37 @@ def test_an_idle_engine_acks_from_its_callback_and_follows_every_commit(daemon, 
         assert engine.safe_point() is False
 
 
+def test_a_callback_that_raises_is_logged_and_the_events_go_on(daemon, client, weights, caplog):
+    # The exception would end the thread that reads the stream: later
+    # commits would go unnoticed and a safe point would wait for an event
+    # no one delivers.
+    with attach(daemon.address, name="raises") as engine:
+        def on_event(event) -> None:
+            raise RuntimeError(f"bad callback on {event.kind}")
+
+        engine.on_event(on_event)
+        stop = threading.Event()
+
+        def steps() -> None:
+            while not stop.is_set():
+                engine.safe_point(timeout=10)
+                time.sleep(0.001)  # the forward step
+
+        stepper = threading.Thread(target=steps)
+        stepper.start()
+        try:
+            results = [client.push(load_state_dict(weights(seed))) for seed in (2, 3)]
+        finally:
+            stop.set()
+            stepper.join()
+        assert [r.version for r in results] == [2, 3]
+        assert engine.closed is None
+        assert [v for v, _ in engine.pauses] == [2, 3]
+        assert engine.consistent(lambda: engine.version) == 3
+    assert "an on_event callback raised on commit_pending" in caplog.text
+    assert "bad callback on commit_pending" in caplog.text
+
+
 def test_an_engine_attaching_mid_commit_holds_at_its_first_safe_point(start_daemon, weights):
     """A coordinated engine that attaches while a commit waits for another
     engine's ack comes back from attach() with that commit pending: its

@@ -316,7 +316,8 @@ absl::StatusOr<FleetMember::Decision> FleetMember::ReadDecision(const std::strin
   return ParseDecision((*kv)->value);
 }
 
-void FleetMember::Apply(const std::string& fleet_refit_id, const Decision& decision) {
+void FleetMember::Apply(const std::string& fleet_refit_id, const Decision& decision,
+                        bool only_if_undecided) {
   if (decision.decision.empty()) return;
   std::string refit_id;
   Prepared prepared;
@@ -324,6 +325,7 @@ void FleetMember::Apply(const std::string& fleet_refit_id, const Decision& decis
     absl::MutexLock lock(&mu_);
     auto it = prepared_.find(fleet_refit_id);
     if (it == prepared_.end()) return;
+    if (only_if_undecided && it->second.decided.has_value()) return;
     prepared = it->second;
     refit_id = prepared.refit_id;
     prepared_.erase(it);
@@ -564,7 +566,8 @@ void FleetMember::PresumeAbort(const std::string& fleet_refit_id, int64_t revisi
               .Field("written_here", written ? "yes" : "no")
           << "fleet prepared deadline passed with no decision; following the recorded decision";
     }
-    Apply(fleet_refit_id, d);
+    // A presumed abort yields to a commit decision read meanwhile.
+    Apply(fleet_refit_id, d, /*only_if_undecided=*/d.decision == "abort");
     return;
   }
   // etcd cannot take the abort: abort here anyway (nothing may stay
@@ -576,12 +579,14 @@ void FleetMember::PresumeAbort(const std::string& fleet_refit_id, int64_t revisi
       << "); aborting here, NOT_SERVING until etcd records the decision";
   {
     absl::MutexLock lock(&mu_);
+    auto it = prepared_.find(fleet_refit_id);
+    if (it != prepared_.end() && it->second.decided.has_value()) return;  // a commit, read
     unresolved_[fleet_refit_id] = revision;
     recompute_ = true;
   }
   Decision d;
   d.decision = "abort";
-  Apply(fleet_refit_id, d);
+  Apply(fleet_refit_id, d, /*only_if_undecided=*/true);
 }
 
 void FleetMember::Recompute() {
@@ -738,10 +743,9 @@ void FleetMember::KeepLease() {
     }
     absl::StatusOr<absl::Duration> ttl = etcd_->KeepAlive(lease);
     if (ttl.ok()) {
-      // A registration whose write failed (or that changed while the loop
-      // waits on engines) is written from here too.
-      next = WriteRegistration(/*only_if_changed=*/true).ok() ? absl::Now() + options_.lease_ttl / 3
-                                                              : absl::Now() + kTick * 4;
+      // Nothing else here: the loop writes the registration's changes (a
+      // write could wait behind a commit's copy, and the lease with it).
+      next = absl::Now() + options_.lease_ttl / 3;
     } else if (ttl.status().code() == absl::StatusCode::kNotFound) {
       {
         absl::MutexLock lock(&mu_);

@@ -173,7 +173,10 @@ class FleetMember {
                                                   int64_t revision, bool presumed, bool* written);
   // Commits or aborts the prepared refit of `fleet_refit_id` as decided;
   // nothing if it is not (or no longer) prepared here.
-  void Apply(const std::string& fleet_refit_id, const Decision& decision);
+  // only_if_undecided (a presumed abort): nothing if a commit decision was
+  // read for it meanwhile and is being tried again.
+  void Apply(const std::string& fleet_refit_id, const Decision& decision,
+             bool only_if_undecided = false);
   void PresumeAbort(const std::string& fleet_refit_id, int64_t revision);
   // Re-reads the fleet version and this member's served entry; updates
   // readiness and the registration.

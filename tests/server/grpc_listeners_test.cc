@@ -238,6 +238,17 @@ TEST(GrpcListenersTest, BadAddressesAreRefusedNamingTheAddressAndWhy) {
   EXPECT_NE(::stat((dir + "/b.sock").c_str(), &st), 0);
 }
 
+// A socket file at `path` that nobody listens on (as its process died).
+bool MakeStaleSocket(const std::string& path) {
+  const int stale = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const bool bound = ::bind(stale, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(stale);
+  return bound;
+}
+
 TEST(GrpcListenersTest, ALiveSocketIsRefusedAStaleOneReplacedAndOnlyItsOwnFileRemoved) {
   const std::string dir = MakeTempDir();
   const std::string path = dir + "/c.sock";
@@ -251,12 +262,7 @@ TEST(GrpcListenersTest, ALiveSocketIsRefusedAStaleOneReplacedAndOnlyItsOwnFileRe
   EXPECT_NE(::stat(path.c_str(), &st), 0) << "Stop leaves its socket file";
 
   // A socket file nobody listens on (its process died): replaced.
-  const int stale = ::socket(AF_UNIX, SOCK_STREAM, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  ASSERT_EQ(::bind(stale, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ::close(stale);
+  ASSERT_TRUE(MakeStaleSocket(path));
   absl::StatusOr<std::unique_ptr<GrpcListeners>> replacing = GrpcListeners::Bind({"unix:" + path});
   ASSERT_TRUE(replacing.ok()) << replacing.status();
   RecordingAcceptor* acceptor = StartRecording(**replacing);
@@ -280,12 +286,7 @@ TEST(GrpcListenersTest, TheLockBesideTheSocketDecidesWhoReplacesAStaleOne) {
   const std::string path = dir + "/d.sock";
   const std::string lock_path = path + ".lock";
   // A stale socket file (its process died)...
-  const int stale = ::socket(AF_UNIX, SOCK_STREAM, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  ASSERT_EQ(::bind(stale, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ::close(stale);
+  ASSERT_TRUE(MakeStaleSocket(path));
   // ...that another process is replacing right now (it holds the lock).
   const int held = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   ASSERT_GE(held, 0);
@@ -308,12 +309,7 @@ TEST(GrpcListenersTest, OfListenersRacingForOneStaleSocketExactlyOneWins) {
   const std::string dir = MakeTempDir();
   const std::string path = dir + "/e.sock";
   for (int round = 0; round < 50; ++round) {
-    const int stale = ::socket(AF_UNIX, SOCK_STREAM, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-    ASSERT_EQ(::bind(stale, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    ::close(stale);
+    ASSERT_TRUE(MakeStaleSocket(path));
     constexpr int kRacers = 4;
     std::vector<absl::StatusOr<std::unique_ptr<GrpcListeners>>> bound;
     for (int i = 0; i < kRacers; ++i) bound.emplace_back(absl::UnknownError("not run"));

@@ -8,6 +8,7 @@ repository). A daemon listens on a Unix socket in a short temp dir (or on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from typing import Dict, List, Optional, Sequence
 
 import pytest
@@ -182,6 +184,27 @@ def load_state_dict(directory: pathlib.Path):
     for f in sorted(directory.glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+@contextlib.contextmanager
+def stepping(step, pause: float = 0.0):
+    """An engine's one thread calling `step()` between its forward steps
+    (each `pause` seconds) until the block ends."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            step()
+            if pause:
+                time.sleep(pause)  # the forward step
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def refitctl(address: str, *args: str) -> subprocess.CompletedProcess:

@@ -36,7 +36,7 @@ from refit_client._proto import engine_pb2_grpc as epb_grpc
 from refit_client._proto import refit_pb2 as pb
 from refit_client._proto import refit_pb2_grpc as pb_grpc
 
-from conftest import load_state_dict
+from conftest import load_state_dict, stepping
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import tiny_engine  # noqa: E402
@@ -284,20 +284,8 @@ def test_a_callback_that_raises_is_logged_and_the_events_go_on(daemon, client, w
             raise RuntimeError(f"bad callback on {event.kind}")
 
         engine.on_event(on_event)
-        stop = threading.Event()
-
-        def steps() -> None:
-            while not stop.is_set():
-                engine.safe_point(timeout=10)
-                time.sleep(0.001)  # the forward step
-
-        stepper = threading.Thread(target=steps)
-        stepper.start()
-        try:
+        with stepping(lambda: engine.safe_point(timeout=10), pause=0.001):
             results = [client.push(load_state_dict(weights(seed))) for seed in (2, 3)]
-        finally:
-            stop.set()
-            stepper.join()
         assert [r.version for r in results] == [2, 3]
         assert engine.closed is None
         assert [v for v, _ in engine.pauses] == [2, 3]

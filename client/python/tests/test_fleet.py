@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from conftest import stepping
 from refit_client import FleetClient, RefitClient, RefitConflict, attach
 
 
@@ -133,19 +134,8 @@ def test_a_member_whose_engine_quiesces_late_commits_the_decided_refit_when_it_d
                 assert time.monotonic() < deadline + 20, slow.log
                 time.sleep(0.1)  # bounded poll of the daemon's log
         # The engine reaches its safe points again: the next try commits.
-        stop = threading.Event()
-
-        def steps() -> None:
-            while not stop.is_set():
-                engine.safe_point(timeout=0.05)
-
-        stepper = threading.Thread(target=steps)
-        stepper.start()
-        try:
+        with stepping(lambda: engine.safe_point(timeout=0.05)):
             slow.wait_for_line("fleet decision commit: prepared refit committed")
-        finally:
-            stop.set()
-            stepper.join()
     assert "fleet prepared deadline passed" not in slow.log
     with RefitClient(slow.address, timeout=30) as c, RefitClient(other.address, timeout=30) as o:
         assert c.status().version == 2

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-import time
 
 import pytest
 import torch
 
-from conftest import READY_LINE, load_state_dict, refitctl
+from conftest import READY_LINE, load_state_dict, refitctl, stepping
 from refit_client import InvalidArgument, NotFound, RefitClient
 
 GROUPS = ("--group=target=demo", "--group=draft=demo,tp=2,quant=block,seed=5")
@@ -170,18 +168,6 @@ def test_a_linked_commit_held_up_by_one_groups_engine_names_that_group_to_every_
         assert f'model group "b": engine "{stuck.engine_id}" ("stuck")' in aborted[0].reason
 
 
-def _engine_loop(step, stop):
-    """A one-thread engine: `step()` between forward steps until `stop`."""
-    def run() -> None:
-        while not stop.is_set():
-            step()
-            time.sleep(0.001)  # the forward step
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
 def test_one_engine_on_two_groups_follows_a_linked_commit_with_safe_point_all(
         start_daemon, weights):
     # A target and its draft served by one engine thread: safe_point_all acks
@@ -195,19 +181,14 @@ def test_one_engine_on_two_groups_follows_a_linked_commit_with_safe_point_all(
             return [{n: t.data_ptr() for n, t in e.tensors.items()} for e in (a, b)]
 
         before = ptrs()
-        stop = threading.Event()
         seen = []  # the versions the engine's next step serves, after each pause
 
         def step() -> None:
             if safe_point_all([a, b], timeout=10):
                 seen.append((a.version, b.version))
 
-        engine = _engine_loop(step, stop)
-        try:
+        with stepping(step, pause=0.001):
             results = c.push_linked({"a": new, "b": new})
-        finally:
-            stop.set()
-            engine.join()
         assert {g: r.version for g, r in results.items()} == {"a": 2, "b": 2}
         assert versions(c) == {"a": 2, "b": 2}
         # The engine paused for the commit in both attachments, once.
@@ -228,12 +209,7 @@ def test_one_engine_on_two_groups_calling_each_safe_point_holds_a_linked_commit_
 
     new = load_state_dict(weights(2))
     with _two_attached(start_daemon, "500ms", ("target", "draft")) as (c, a, b):
-        stop = threading.Event()
-        engine = _engine_loop(lambda: (a.safe_point(timeout=10), b.safe_point(timeout=10)), stop)
-        try:
+        with stepping(lambda: (a.safe_point(timeout=10), b.safe_point(timeout=10)), pause=0.001):
             with pytest.raises(RefitError, match="did not quiesce"):
                 c.push_linked({"a": new, "b": new})
-        finally:
-            stop.set()
-            engine.join()
         assert versions(c) == {"a": 1, "b": 1}

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 
 from refit_client import OutOfRange, RefitClient, attach, shared_tensors
 from refit_client import _shm
 
-from conftest import load_state_dict
+from conftest import load_state_dict, stepping
 
 ROUNDS = 30
 
@@ -46,20 +45,11 @@ def one_round(address: str, seed: int, weights) -> None:
             c.read_raw(info.name, version=version)
     # A coordinated engine at its safe points while a push commits.
     engine = attach(address, coordinate=True, name="soak")
-    stop = threading.Event()
-
-    def steps() -> None:
-        while not stop.is_set():
-            engine.safe_point(timeout=0.05)
-
-    stepper = threading.Thread(target=steps)
-    stepper.start()
     try:
-        with RefitClient(address, timeout=30) as c:
+        with stepping(lambda: engine.safe_point(timeout=0.05)), \
+                RefitClient(address, timeout=30) as c:
             c.push(sd, lane="grpc")
     finally:
-        stop.set()
-        stepper.join()
         engine.close()
     with attach(address, coordinate=False):
         pass

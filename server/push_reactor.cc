@@ -123,11 +123,7 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
       refit->session()->Abort(reason);
       const grpc::Status status(grpc::StatusCode::DEADLINE_EXCEEDED,
                                 absl::StrCat("refit \"", refit->id(), "\" aborted: ", reason));
-      for (PushMember* member : members) {
-        static_cast<PushReactor*>(member)->EndStream(status, "aborted");
-        member->Unref();
-      }
-      EndStream(status, "aborted");
+      EndMembers(std::move(members), status, status, "aborted");
       return;
     }
     AbortAll(reason,
@@ -603,9 +599,16 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
                                                        "\" aborted: another of its Push streams "
                                                        "failed: ",
                                                        reason));
-    for (PushMember* member : refit->Close()) {
+    EndMembers(refit->Close(), mine, other_status, outcome);
+  }
+
+  // Ends the RPCs of a closed refit's `members` (references adopted): this
+  // stream with `mine`, the others with `others`.
+  void EndMembers(std::vector<PushMember*> members, const grpc::Status& mine,
+                  const grpc::Status& others, absl::string_view outcome) {
+    for (PushMember* member : members) {
       auto* stream = static_cast<PushReactor*>(member);
-      stream->EndStream(stream == this ? mine : other_status, outcome);
+      stream->EndStream(stream == this ? mine : others, outcome);
       member->Unref();
     }
     EndStream(mine, outcome);  // if this stream was no (longer a) member

@@ -58,10 +58,14 @@ std::optional<int> PushRefit::JoinedWhileWaiting() const {
 }
 
 bool PushRefit::CloseWhileWaiting(std::vector<PushMember*>* members, int* joined) {
+  return CloseIf(/*only_while_waiting=*/true, members, joined);
+}
+
+bool PushRefit::CloseIf(bool only_while_waiting, std::vector<PushMember*>* members, int* joined) {
   {
     absl::MutexLock lock(&mu_);
     *joined = static_cast<int>(members_.size());
-    if (closed_ || *joined >= streams_) return false;
+    if (closed_ || (only_while_waiting && *joined >= streams_)) return false;
     closed_ = true;
     members->swap(members_);
   }
@@ -71,13 +75,8 @@ bool PushRefit::CloseWhileWaiting(std::vector<PushMember*>* members, int* joined
 
 std::vector<PushMember*> PushRefit::Close() {
   std::vector<PushMember*> members;
-  {
-    absl::MutexLock lock(&mu_);
-    if (closed_) return members;
-    closed_ = true;
-    members.swap(members_);
-  }
-  if (registry_ != nullptr) registry_->Finished(this);
+  int joined = 0;
+  CloseIf(/*only_while_waiting=*/false, &members, &joined);
   return members;
 }
 

@@ -98,6 +98,10 @@ class PushRefit {
   bool closed() const;
 
  private:
+  // Closes the refit unless it is closed (or, only_while_waiting, has all
+  // its streams); true if this call closed it.
+  bool CloseIf(bool only_while_waiting, std::vector<PushMember*>* members, int* joined);
+
   PushRefits* const registry_;
   const std::string owner_;
   ModelGroup* const group_;

@@ -818,35 +818,47 @@ absl::StatusOr<std::vector<CommitStats>> RefitSlot::CommitLinked(
                           absl::StrCat("model group \"", store->group(), "\": ", s.message()));
     }
   }
-  // Engines attached to any of the stores quiesce before the one copy.
-  std::vector<size_t> coordinated;
+  // Engines attached to any of the stores quiesce before the one copy: the
+  // engines of every store are asked first, then each store's wait ends
+  // (one --engine-quiesce-timeout in all), so that no store's engines stay
+  // paused while another's are only being asked.
   auto coordinator_of = [&](size_t i) {
     return store_of(i)->coordinator_.load(std::memory_order_acquire);
+  };
+  std::vector<uint64_t> next(parts.size(), 0);
+  std::vector<size_t> owed;  // asked: owed an AfterCommit
+  // Ends the linked commit before its copy: the reason names the store whose
+  // coordinator refused (engine ids are per group), for the trainer and for
+  // the other groups' engines, which are told it as their Aborted.
+  auto refuse = [&](size_t i, const absl::Status& s) {
+    const std::string message =
+        absl::StrCat("model group \"", store_of(i)->group(), "\": ", s.message());
+    const absl::Status named =
+        IsNotQuiesced(s) ? NotQuiescedError(message) : absl::Status(s.code(), message);
+    for (size_t j : owed) {
+      if (j != i) coordinator_of(j)->AfterCommit(parts[j].slot->refit_id(), named);
+    }
+    return named;
   };
   for (size_t i : order) {
     CommitCoordinator* coordinator = coordinator_of(i);
     if (coordinator == nullptr) continue;
-    uint64_t next = 0;
     {
       absl::ReaderMutexLock lock(&store_of(i)->impl_->mu);
-      next = store_of(i)->impl_->NextVersionLocked();
+      next[i] = store_of(i)->impl_->NextVersionLocked();
     }
-    absl::Status s = coordinator->BeforeCommit(parts[i].slot->refit_id(), next);
-    if (!s.ok()) {
-      // Engine ids are per group: the reason names the group whose engines
-      // held the commit up, for the trainer and for the other groups'
-      // engines, which are told it as their Aborted.
-      const std::string message =
-          absl::StrCat("model group \"", store_of(i)->group(), "\": ", s.message());
-      const absl::Status named =
-          IsNotQuiesced(s) ? NotQuiescedError(message) : absl::Status(s.code(), message);
-      for (size_t j : coordinated) coordinator_of(j)->AfterCommit(parts[j].slot->refit_id(), named);
-      return named;
+    if (absl::Status s = coordinator->AskCommit(parts[i].slot->refit_id(), next[i]); !s.ok()) {
+      return refuse(i, s);
     }
-    coordinated.push_back(i);
+    owed.push_back(i);
+  }
+  // A BeforeCommit that fails has ended its own store's ask.
+  for (size_t i : owed) {
+    absl::Status s = coordinator_of(i)->BeforeCommit(parts[i].slot->refit_id(), next[i]);
+    if (!s.ok()) return refuse(i, s);
   }
   absl::StatusOr<std::vector<CommitStats>> stats = CommitLinkedLocked(parts, order);
-  for (size_t j : coordinated) {
+  for (size_t j : owed) {
     coordinator_of(j)->AfterCommit(
         parts[j].slot->refit_id(),
         stats.ok() ? absl::StatusOr<CommitStats>((*stats)[j]) : stats.status());

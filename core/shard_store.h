@@ -119,6 +119,17 @@ class CommitCoordinator {
   // is copied and the version stays. Use NotQuiescedError for engines that
   // did not reach their safe point, so that a PREPARED refit stays PREPARED.
   virtual absl::Status BeforeCommit(absl::string_view refit_id, uint64_t next_version) = 0;
+  // The asking half of BeforeCommit, for a commit of several stores at one
+  // commit point (a linked commit): every store's coordinator is asked
+  // first, and then each one's BeforeCommit of the same refit and version
+  // only waits, so that the engines of all the stores are asked at once
+  // and the wait is one timeout, not one per store. An error is as
+  // BeforeCommit's, with nothing asked. After an AskCommit that returned OK
+  // comes that BeforeCommit, or AfterCommit with an error. Default: nothing
+  // to ask ahead.
+  virtual absl::Status AskCommit(absl::string_view refit_id, uint64_t next_version) {
+    return absl::OkStatus();
+  }
   // After a commit that BeforeCommit let through: its stats once the new
   // version is visible, or the error that stopped it (nothing copied).
   virtual void AfterCommit(absl::string_view refit_id,

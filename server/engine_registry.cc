@@ -131,8 +131,14 @@ int EngineRegistry::size() const {
   return static_cast<int>(engines_.size());
 }
 
-absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t next_version) {
+absl::Status EngineRegistry::AskCommit(absl::string_view refit_id, uint64_t next_version) {
   absl::MutexLock lock(&mu_);
+  absl::Status asked = AskLocked(refit_id, next_version);
+  asked_ = asked.ok();
+  return asked;
+}
+
+absl::Status EngineRegistry::AskLocked(absl::string_view refit_id, uint64_t next_version) {
   if (std::vector<EngineSink*> gone = TakeGoneLocked(); !gone.empty()) {
     mu_.Unlock();
     EndGone(gone);
@@ -161,7 +167,20 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   for (auto& [id, engine] : engines_) {
     if (engine.info.coordinated) SendPendingLocked(id, engine);
   }
-  const absl::Time deadline = absl::Now() + quiesce_timeout_;
+  ask_deadline_ = absl::Now() + quiesce_timeout_;
+  return absl::OkStatus();
+}
+
+absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t next_version) {
+  absl::MutexLock lock(&mu_);
+  // Asked already by AskCommit (a linked commit): only the wait is left.
+  const bool asked =
+      asked_ && pending_refit_ == refit_id && pending_version_ == next_version && !copying_;
+  asked_ = false;
+  if (!asked) {
+    if (absl::Status s = AskLocked(refit_id, next_version); !s.ok()) return s;
+  }
+  const absl::Time deadline = ask_deadline_;
   while (!NoneWaitingOrCancelledLocked()) {
     const absl::Time now = absl::Now();
     if (now >= deadline) break;
@@ -260,6 +279,7 @@ void EngineRegistry::EndPendingLocked(absl::string_view reason) {
   pending_refit_.clear();
   pending_version_ = 0;
   copying_ = false;
+  asked_ = false;
   told_.clear();
   waiting_.clear();
 }
@@ -304,6 +324,7 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
   pending_refit_.clear();
   pending_version_ = 0;
   copying_ = false;
+  asked_ = false;
   told_.clear();
   waiting_.clear();
 }

@@ -10,8 +10,9 @@
 // engines: RefitSession keeps a PREPARED refit PREPARED, aborts a one-phase
 // one with ABORTED) and the engines that were told are sent Aborted so they
 // resume. An engine that detaches is released at once and never blocks a
-// commit. The pause of each coordinated engine (its Quiesced to its
-// Committed) is observed in Metrics.
+// commit. A linked commit asks the engines of all its groups at once
+// (AskCommit), then waits for each group's. The pause of each coordinated
+// engine (its Quiesced to its Committed) is observed in Metrics.
 //
 // Lifecycle: created per group by the AttachService, registered as the
 // store's coordinator and listener; the destructor unregisters both.
@@ -98,6 +99,7 @@ class EngineRegistry final : public core::CommitCoordinator {
   int size() const;
 
   // core::CommitCoordinator
+  absl::Status AskCommit(absl::string_view refit_id, uint64_t next_version) override;
   absl::Status BeforeCommit(absl::string_view refit_id, uint64_t next_version) override;
   void AfterCommit(absl::string_view refit_id,
                    const absl::StatusOr<core::CommitStats>& result) override;
@@ -111,6 +113,11 @@ class EngineRegistry final : public core::CommitCoordinator {
     absl::Time quiesced_at = absl::InfinitePast();  // during a pending commit
   };
   void OnStoreEvent(const core::StoreEvent& event);
+  // Makes `refit_id`'s commit of `next_version` the pending one and sends
+  // every coordinated engine its CommitPending; the wait for their acks
+  // ends at ask_deadline_. An error: nothing pending, no engine asked.
+  absl::Status AskLocked(absl::string_view refit_id, uint64_t next_version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendPendingLocked(const std::string& id, Engine& engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAbortedLocked(absl::string_view refit_id, absl::string_view reason, bool told_only,
                          const std::set<std::string>* skip = nullptr)
@@ -151,6 +158,8 @@ class EngineRegistry final : public core::CommitCoordinator {
   uint64_t pending_version_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;        // of the pending commit, counted per registry
   bool copying_ ABSL_GUARDED_BY(mu_) = false;        // BeforeCommit returned OK, no AfterCommit yet
+  bool asked_ ABSL_GUARDED_BY(mu_) = false;          // AskCommit returned OK, no BeforeCommit yet
+  absl::Time ask_deadline_ ABSL_GUARDED_BY(mu_);     // the pending commit's wait ends here
   std::set<std::string> told_ ABSL_GUARDED_BY(mu_);  // sent CommitPending
   std::set<std::string> waiting_ ABSL_GUARDED_BY(mu_);  // told, not yet quiesced
   // A refit aborted before or during its BeforeCommit (CancelWait), and why.

@@ -7,10 +7,13 @@
 #include <thread>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "core/fixture_model.h"
 #include "core/model_layout.h"
 #include "core/refit_session.h"
@@ -77,6 +80,101 @@ class LinkedCommitTest : public ::testing::Test {
   std::unique_ptr<ShardStore> target_;
   std::unique_ptr<ShardStore> draft_;
 };
+
+// Records every call of every store's coordinator, in the order they came,
+// in one shared log; AskCommit and BeforeCommit answer as set.
+class RecordingCoordinator : public CommitCoordinator {
+ public:
+  RecordingCoordinator(std::string group, std::vector<std::string>* log)
+      : group_(std::move(group)), log_(log) {}
+  absl::Status AskCommit(absl::string_view refit_id, uint64_t next_version) override {
+    log_->push_back(absl::StrCat("ask ", group_, "@", next_version));
+    return ask_answer;
+  }
+  absl::Status BeforeCommit(absl::string_view refit_id, uint64_t next_version) override {
+    log_->push_back(absl::StrCat("wait ", group_, "@", next_version));
+    return before_answer;
+  }
+  void AfterCommit(absl::string_view refit_id, const absl::StatusOr<CommitStats>& result) override {
+    log_->push_back(absl::StrCat(
+        "after ", group_, " ",
+        result.ok() ? absl::StrCat("v", result->version) : std::string(result.status().message())));
+  }
+  absl::Status ask_answer = absl::OkStatus();
+  absl::Status before_answer = absl::OkStatus();
+
+ private:
+  std::string group_;
+  std::vector<std::string>* log_;
+};
+
+class LinkedCommitCoordinationTest : public LinkedCommitTest {
+ protected:
+  void SetUp() override {
+    LinkedCommitTest::SetUp();
+    target_->SetCommitCoordinator(&target_coordinator_);
+    draft_->SetCommitCoordinator(&draft_coordinator_);
+  }
+  void TearDown() override {
+    target_->SetCommitCoordinator(nullptr);
+    draft_->SetCommitCoordinator(nullptr);
+  }
+  absl::StatusOr<std::vector<RefitResult>> CommitBoth(RefitSession* t, RefitSession* d) {
+    std::vector<RefitSession*> sessions = {t, d};
+    return RefitSession::CommitLinked(sessions);
+  }
+
+  std::vector<std::string> log_;
+  RecordingCoordinator target_coordinator_{"target", &log_};
+  RecordingCoordinator draft_coordinator_{"draft", &log_};
+};
+
+TEST_F(LinkedCommitCoordinationTest, EveryGroupsEnginesAreAskedBeforeAnyWaitIsAwaited) {
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 3);
+  ASSERT_TRUE(CommitBoth(t.get(), d.get()).ok());
+  // In group-name order: both asked, then both waited for, then both told.
+  EXPECT_THAT(log_, ::testing::ElementsAre("ask draft@2", "ask target@2", "wait draft@2",
+                                           "wait target@2", "after draft v2", "after target v2"));
+}
+
+TEST_F(LinkedCommitCoordinationTest,
+       AGroupWhoseEnginesDoNotQuiesceEndsTheOthersAskLeavingAllPrepared) {
+  draft_coordinator_.before_answer = NotQuiescedError("engine \"e-1\" did not quiesce within 1s");
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 3);
+  absl::StatusOr<std::vector<RefitResult>> results = CommitBoth(t.get(), d.get());
+  ASSERT_EQ(results.status().code(), absl::StatusCode::kDeadlineExceeded) << results.status();
+  EXPECT_THAT(results.status().message(), ::testing::HasSubstr("model group \"draft\": engine"));
+  // The draft's wait ended its own ask; the target, asked and not waited
+  // for, is told the commit ended, naming the group that held it up.
+  EXPECT_THAT(log_, ::testing::ElementsAre(
+                        "ask draft@2", "ask target@2", "wait draft@2",
+                        "after target model group \"draft\": engine \"e-1\" did not quiesce "
+                        "within 1s"));
+  EXPECT_EQ(t->state(), SessionState::kPrepared);
+  EXPECT_EQ(d->state(), SessionState::kPrepared);
+  EXPECT_EQ(target_->version(), 1u);
+  EXPECT_EQ(draft_->version(), 1u);
+  // Once the engines let it through, the same refits commit.
+  draft_coordinator_.before_answer = absl::OkStatus();
+  ASSERT_TRUE(CommitBoth(t.get(), d.get()).ok());
+  EXPECT_EQ(target_->version(), 2u);
+  EXPECT_EQ(draft_->version(), 2u);
+}
+
+TEST_F(LinkedCommitCoordinationTest, AnAskRefusedEndsTheAsksBeforeItAndWaitsForNone) {
+  target_coordinator_.ask_answer = absl::AbortedError("refit \"r\" aborted: shutting down");
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 3);
+  absl::StatusOr<std::vector<RefitResult>> results = CommitBoth(t.get(), d.get());
+  ASSERT_EQ(results.status().code(), absl::StatusCode::kAborted) << results.status();
+  EXPECT_THAT(log_, ::testing::ElementsAre(
+                        "ask draft@2", "ask target@2",
+                        "after draft model group \"target\": refit \"r\" aborted: shutting down"));
+  EXPECT_EQ(target_->version(), 1u);
+  EXPECT_EQ(draft_->version(), 1u);
+}
 
 TEST_F(LinkedCommitTest, CommitsBothStoresWithTheBytesOfSeparateCommits) {
   std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);

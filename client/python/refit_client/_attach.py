@@ -1148,9 +1148,9 @@ def safe_point_all(engines: Sequence[AttachedEngine], timeout: Optional[float] =
     (every copy ended, or the daemon gave up) or `timeout` passed. True if
     it paused.
 
-    A linked commit asks its groups' engines one group after another and
-    copies once all have acked, so `a.safe_point(); b.safe_point()` would
-    hold in a's safe point, waiting for a copy that waits for b's ack, until
+    A linked commit copies once the engines of all its groups have acked,
+    so `a.safe_point(); b.safe_point()` would hold in a's safe point,
+    waiting for a copy that waits for b's ack, until
     --engine-quiesce-timeout fails the commit. From an on_event callback it
     acks and returns False without waiting, as safe_point() does."""
     engines = list(engines)

@@ -171,7 +171,7 @@ def test_a_linked_commit_held_up_by_one_groups_engine_names_that_group_to_every_
 def test_one_engine_on_two_groups_follows_a_linked_commit_with_safe_point_all(
         start_daemon, weights):
     # A target and its draft served by one engine thread: safe_point_all acks
-    # both groups' CommitPending (asked one group after the other) and holds
+    # both groups' CommitPending and holds
     # until the one copy has ended.
     from refit_client import safe_point_all
 
@@ -213,3 +213,29 @@ def test_one_engine_on_two_groups_calling_each_safe_point_holds_a_linked_commit_
             with pytest.raises(RefitError, match="did not quiesce"):
                 c.push_linked({"a": new, "b": new})
         assert versions(c) == {"a": 1, "b": 1}
+
+
+def test_a_linked_commit_asks_the_engines_of_every_group_at_once(start_daemon, weights):
+    # Both groups' engines are asked before either's ack is awaited: an engine
+    # of group a that reaches its safe point only once group b's engine has
+    # been asked (engines stepping in lockstep) lets the commit through; were
+    # the groups asked one after the other, a's ack would wait for b's ask and
+    # b's ask for a's ack until --engine-quiesce-timeout.
+    import threading
+
+    new = load_state_dict(weights(2))
+    with _two_attached(start_daemon, "3s", ("target", "draft")) as (c, a, b):
+        b_asked = threading.Event()
+        b.on_event(lambda ev: b_asked.set() if ev.kind == "commit_pending" else None)
+
+        def step_a() -> None:
+            if b_asked.wait(0.01):
+                a.safe_point(timeout=10)
+
+        with stepping(step_a, pause=0.001), \
+                stepping(lambda: b.safe_point(timeout=10), pause=0.001):
+            results = c.push_linked({"a": new, "b": new})
+        assert {g: r.version for g, r in results.items()} == {"a": 2, "b": 2}
+        assert versions(c) == {"a": 2, "b": 2}
+        assert [v for v, _ in a.pauses] == [2] and [v for v, _ in b.pauses] == [2]
+        assert a.pauses[0][1] < 2.0 and b.pauses[0][1] < 2.0

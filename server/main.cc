@@ -133,7 +133,8 @@ ABSL_FLAG(std::string, reload_root, "",
 ABSL_FLAG(std::string, auth_tokens, "",
           "File of bearer tokens, lines \"TOKEN ROLE [NAME]\" ('#' comments); roles: trainer "
           "(Push, Commit/Abort of its own refits), operator (everything), reader (GetStatus, "
-          "ListTensors, ReadTensor, Watch). Empty: no authentication. Health needs no token.");
+          "ListTensors, ReadTensor, Watch, Attach without coordination), engine (what a reader "
+          "may, and Attach with coordination). Empty: no authentication. Health needs no token.");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (enables TLS with --tls-key).");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -142,7 +143,11 @@ ABSL_FLAG(bool, allow_insecure_remote, false,
           "Allow listening beyond loopback without authentication (prints a warning).");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port for Prometheus metrics at /metrics over HTTP (e.g. 127.0.0.1:9464); empty: "
-          "off.");
+          "off. Beyond loopback it needs --metrics-allow-remote.");
+ABSL_FLAG(bool, metrics_allow_remote, false,
+          "Allow --metrics-listen beyond loopback (for a scraper on another host or pod). "
+          "/metrics has no authentication: it carries counters and gauges per model group, never "
+          "a token; restrict who reaches the port (a NetworkPolicy, a firewall).");
 ABSL_FLAG(std::string, state_dir, "",
           "Directory for durable versions: each committed version is snapshotted there (kernel "
           "bytes as served + manifest, written crash-safely in the background) and at start the "
@@ -387,6 +392,7 @@ int main(int argc, char** argv) {
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
+  options.metrics_allow_remote = absl::GetFlag(FLAGS_metrics_allow_remote);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.state_recovery = absl::GetFlag(FLAGS_state_recovery);

@@ -77,18 +77,22 @@ absl::Status RefitServer::Init() {
   if (!options_.metrics_listen.empty()) {
     absl::Status s = ValidateListenAddress(options_.metrics_listen, "--metrics-listen");
     if (!s.ok()) return s;
-    // /metrics has no authentication: beyond loopback only when asked for,
-    // as for gRPC without authentication.
+    // /metrics has no authentication: beyond loopback only when asked for.
     if (!IsLoopbackAddress(options_.metrics_listen)) {
-      if (!options_.allow_insecure_remote) {
+      if (options_.metrics_allow_remote) {
+        REFIT_LOG(INFO).Field("address", options_.metrics_listen)
+            << "/metrics beyond loopback, without authentication (--metrics-allow-remote)";
+      } else if (options_.allow_insecure_remote) {
+        REFIT_LOG(WARNING).Field("address", options_.metrics_listen)
+            << "INSECURE: /metrics beyond loopback without authentication "
+               "(--allow-insecure-remote)";
+      } else {
         return absl::FailedPreconditionError(absl::StrCat(
             "--metrics-listen ", options_.metrics_listen,
-            " is beyond loopback and /metrics has no authentication; listen on 127.0.0.1 "
-            "(scrape through a local agent or a tunnel), or pass --allow-insecure-remote"));
+            " is beyond loopback and /metrics has no authentication; pass "
+            "--metrics-allow-remote to serve it there (and restrict who reaches the port), or "
+            "listen on 127.0.0.1 and scrape through a local agent or a tunnel"));
       }
-      REFIT_LOG(WARNING).Field("address", options_.metrics_listen)
-          << "INSECURE: /metrics beyond loopback without authentication "
-             "(--allow-insecure-remote)";
     }
   }
   if (options_.max_chunk_bytes <= 0) {

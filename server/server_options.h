@@ -108,6 +108,8 @@ struct ServerOptions {
   bool allow_insecure_remote = false;
   // "host:port" for the Prometheus /metrics endpoint; "" disables it.
   std::string metrics_listen;
+  // metrics_listen may be beyond loopback (so may allow_insecure_remote).
+  bool metrics_allow_remote = false;
   // Durable versions (core/snapshot.h): every committed version is
   // snapshotted here and the newest verified snapshot is served at start.
   // "" disables it.
@@ -165,7 +167,8 @@ absl::Status ValidateListenAddress(absl::string_view address, absl::string_view 
 absl::Status ValidateListenAddresses(const std::vector<std::string>& addresses);
 
 // Where engines and trainers hand over descriptors: "PATH.fd" beside the
-// first "unix:PATH" of `addresses`; empty when there is none.
+// first "unix:PATH" of `addresses`, made absolute against the working
+// directory (clients are told it); empty when there is none.
 std::string DescriptorSocketPath(const std::vector<std::string>& addresses);
 
 // Splits "host:port" or "[v6]:port" (host without the brackets); false for

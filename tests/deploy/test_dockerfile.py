@@ -8,6 +8,7 @@ or owned by a Debian package the stage's apt-get installs (or that debian:12
 has, or that those depend on). The lists come from the Dockerfile itself.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -310,3 +311,51 @@ def test_dockerignore_keeps_every_tracked_source():
     assert tracked
     dropped = [p for p in tracked if excluded(p, patterns)]
     assert not dropped, f".dockerignore leaves tracked files out of the build: {dropped[:10]}"
+
+
+def test_the_images_default_arguments_start_refitd(build_dir, tmp_path):
+    """refitd started with the image's CMD (its token file under a temp dir,
+    free ports, gRPC and /metrics still on 0.0.0.0) loads the demo model and
+    serves /metrics: the defaults pass refitd's own checks at start."""
+    import queue
+    import socket
+    import threading
+    import urllib.request
+
+    cmd = [rest for keyword, rest in instructions(DOCKERFILE.read_text()) if keyword == "CMD"]
+    assert len(cmd) == 1, cmd
+    args = json.loads(cmd[0])
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t operator ops\n")
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    grpc_port, metrics_port = free_port(), free_port()
+    local = [a.replace("/etc/refitd/tokens", str(tokens))
+             .replace("0.0.0.0:50051", f"0.0.0.0:{grpc_port}")
+             .replace("0.0.0.0:9464", f"0.0.0.0:{metrics_port}") for a in args]
+    assert "0.0.0.0:9464" in args and f"0.0.0.0:{metrics_port}" in local
+    proc = subprocess.Popen([str(build_dir / "bin" / "refitd"), *local, "--device=cpu"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stderr] + [lines.put(None)],
+                     daemon=True).start()
+    try:
+        log = []
+        while not any("first version loaded; ready" in l for l in log):
+            try:
+                line = lines.get(timeout=120)
+            except queue.Empty:
+                line = None
+            if line is None:
+                pytest.fail("refitd did not serve version 1 with the image's arguments:\n"
+                            + "".join(log))
+            log.append(line)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            assert b"refitd_version" in r.read()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

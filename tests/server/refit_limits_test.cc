@@ -373,7 +373,7 @@ TEST_F(RefitLimitsTest, ReadTensorAcrossACommitIsAborted) {
   }
 }
 
-TEST_F(RefitLimitsTest, MetricsBeyondLoopbackNeedAllowInsecureRemote) {
+TEST_F(RefitLimitsTest, MetricsBeyondLoopbackNeedMetricsAllowRemote) {
   ServerOptions options = TestOptions(dir_);
   // Beside the fixture's server, which listens on refitd.sock.
   options.listen = {absl::StrCat("unix:", dir_, "/second.sock")};
@@ -381,10 +381,17 @@ TEST_F(RefitLimitsTest, MetricsBeyondLoopbackNeedAllowInsecureRemote) {
   absl::StatusOr<std::unique_ptr<RefitServer>> refused = RefitServer::Create(options);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(refused.status().message(), HasSubstr("--allow-insecure-remote"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--metrics-allow-remote"));
   EXPECT_THAT(refused.status().message(), HasSubstr("0.0.0.0:0"));
-  options.allow_insecure_remote = true;
+  options.metrics_allow_remote = true;
   absl::StatusOr<std::unique_ptr<RefitServer>> allowed = RefitServer::Create(options);
+  ASSERT_TRUE(allowed.ok()) << allowed.status();
+  EXPECT_GT((*allowed)->metrics_port(), 0);
+  allowed->reset();
+  // --allow-insecure-remote allows it too.
+  options.metrics_allow_remote = false;
+  options.allow_insecure_remote = true;
+  allowed = RefitServer::Create(options);
   ASSERT_TRUE(allowed.ok()) << allowed.status();
   EXPECT_GT((*allowed)->metrics_port(), 0);
 }

@@ -79,6 +79,17 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
         "\": the descriptor is on hugetlbfs (MFD_HUGETLB), which refitd does not map; send a "
         "plain memfd or a file in /dev/shm"));
   }
+  if (!region->shmem_) {
+    // Reads of a file elsewhere can wait without end (a FUSE server or a
+    // network filesystem that does not answer) while they hold the refit,
+    // or read what is not a trainer's memory at all (sysfs); shared memory
+    // is read at memory speed.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "region \"", region->id_, "\": the descriptor is not shared memory (",
+        have_fs ? absl::StrFormat("a file on a filesystem of type 0x%x, not tmpfs", fs.f_type)
+                : absl::StrCat("fstatfs: ", std::strerror(errno)),
+        "); send a memfd or a file in /dev/shm"));
+  }
   if (static_cast<uint64_t>(st.st_size) < size) {
     return absl::InvalidArgumentError(absl::StrCat("region \"", region->id_, "\" is ", st.st_size,
                                                    " bytes, smaller than its declared size ",
@@ -86,7 +97,7 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
   }
   void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
-    if (!sealed) return region;  // pread
+    if (!sealed) return region;  // pread (out of address space or mappings)
     return absl::InternalError(
         absl::StrCat("region \"", region->id_, "\": cannot map it: ", std::strerror(errno)));
   }

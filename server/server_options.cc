@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <climits>
 #include <cstddef>
 #include <cstring>
 #include <limits>
+
+#include <unistd.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -152,7 +155,15 @@ std::string DescriptorSocketPath(const std::vector<std::string>& addresses) {
   for (const std::string& address : addresses) {
     if (!absl::StartsWith(address, "unix:")) continue;
     absl::StatusOr<UnixSocketAddress> a = ParseUnixSocketAddress(address);
-    return a.ok() ? a->path + ".fd" : std::string();
+    if (!a.ok()) return std::string();
+    // Clients are told this path: relative, it would name a file beside
+    // their working directory, not the daemon's.
+    if (!absl::StartsWith(a->path, "/")) {
+      char cwd[PATH_MAX];
+      if (::getcwd(cwd, sizeof(cwd)) == nullptr) return a->path + ".fd";
+      return absl::StrCat(cwd, "/", a->path, ".fd");
+    }
+    return a->path + ".fd";
   }
   return std::string();
 }

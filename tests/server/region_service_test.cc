@@ -9,10 +9,12 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/statfs.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -581,8 +583,33 @@ TEST(RegionOpenTest, ARangeWithPagesTheTrainerNeverWroteIsInvalidArgumentAndAllo
 
 // Descriptors that pass for readable regular files but are not mappable
 // memory: O_PATH (O_ACCMODE reads as O_RDONLY) and hugetlbfs memfds.
+TEST(RegionOpenTest, ADescriptorOfAFileThatIsNotSharedMemoryIsInvalidArgument) {
+  // procfs: a regular file whose reads are the kernel's, not a trainer's.
+  const int proc = ::open("/proc/self/status", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(proc, 0);
+  absl::StatusOr<std::unique_ptr<Region>> region = Region::Open("rg-proc", proc, 1);
+  EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(region.status().message(),
+              HasSubstr("region \"rg-proc\": the descriptor is not shared memory (a file on a "
+                        "filesystem of type 0x9fa0, not tmpfs); send a memfd or a file in "
+                        "/dev/shm"));
+  // A file on the disk the tests run from (where that is not tmpfs).
+  char path[] = "refit-region-XXXXXX";
+  const int file = ::mkstemp(path);
+  ASSERT_GE(file, 0);
+  ::unlink(path);
+  ASSERT_EQ(::ftruncate(file, 8192), 0);
+  struct statfs fs {};
+  ASSERT_EQ(::fstatfs(file, &fs), 0);
+  region = Region::Open("rg-disk", file, 8192);
+  if (static_cast<uint64_t>(fs.f_type) != TMPFS_MAGIC) {
+    EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(region.status().message(), HasSubstr("not shared memory"));
+  }
+}
+
 TEST(RegionOpenTest, OPathAndHugetlbfsDescriptorsAreInvalidArgument) {
-  char path[] = "/tmp/refit-region-XXXXXX";
+  char path[] = "/dev/shm/refit-region-XXXXXX";
   const int file = ::mkstemp(path);
   ASSERT_GE(file, 0);
   ASSERT_EQ(::ftruncate(file, 8192), 0);
@@ -591,7 +618,7 @@ TEST(RegionOpenTest, OPathAndHugetlbfsDescriptorsAreInvalidArgument) {
   absl::StatusOr<std::unique_ptr<Region>> region = Region::Open("rg-opath", opath, 8192);
   EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(region.status().message(), HasSubstr("not open for reading"));
-  // The same file opened for reading is a region (read or mapped).
+  // The same file opened for reading is a region (mapped).
   EXPECT_TRUE(Region::Open("rg-file", ::dup(file), 8192).ok());
   ::close(file);
   ::unlink(path);

@@ -1,4 +1,8 @@
 // Option parsing helpers and the tokens-file parser: no server needed.
+#include <unistd.h>
+
+#include <climits>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -88,6 +92,14 @@ TEST(ServerOptionsTest, ListenAddressesNeedAPortInRange) {
   }
   EXPECT_THAT(ValidateListenAddress("127.0.0.1:500510", "--listen").message(),
               HasSubstr("port \"500510\" is not a number in 0..65535"));
+}
+
+TEST(ServerOptionsTest, TheDescriptorSocketOfARelativeUnixPathIsToldAbsolute) {
+  // Clients in another working directory are told where it is.
+  char cwd[PATH_MAX];
+  ASSERT_NE(::getcwd(cwd, sizeof(cwd)), nullptr);
+  EXPECT_EQ(DescriptorSocketPath({"unix:r.sock"}), absl::StrCat(cwd, "/r.sock.fd"));
+  EXPECT_EQ(DescriptorSocketPath({"unix:run/r.sock"}), absl::StrCat(cwd, "/run/r.sock.fd"));
 }
 
 TEST(ServerOptionsTest, UnixPathsAndTheDescriptorSocketBesideThemMustFit) {

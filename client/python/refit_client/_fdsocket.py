@@ -63,7 +63,10 @@ def _exchange_once(path: str, ticket: str, timeout: float,
     line = (ticket + "\n").encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
-        s.connect(path)
+        try:
+            s.connect(path)
+        except (FileNotFoundError, PermissionError, ConnectionRefusedError) as e:
+            raise type(e)(e.errno, f"{e.strerror}: the daemon's descriptor socket {path}") from None
         if fd is None:
             s.sendall(line)
         else:

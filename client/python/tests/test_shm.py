@@ -483,6 +483,30 @@ def test_offset_past_the_region_is_out_of_range_and_nothing_changes(client, daem
     assert (after.version, after.fingerprint) == (before.version, before.fingerprint)
 
 
+def test_a_region_that_is_not_shared_memory_is_refused_and_nothing_changes(client, daemon):
+    """A descriptor of a file that is not on tmpfs (here procfs; a FUSE or
+    network file could make the daemon's reads wait without end) is
+    INVALID_ARGUMENT at RegisterRegion, saying what to send."""
+    before = client.status()
+    lane = client._shm_lane()
+    fd = os.open("/proc/self/status", os.O_RDONLY)
+    try:
+        with pytest.raises(InvalidArgument) as info:
+            _shm.register(lane._stub, (), fd, 1, "procfs file", daemon.address)
+    finally:
+        os.close(fd)
+    assert "the descriptor is not shared memory" in info.value.message
+    assert "send a memfd or a file in /dev/shm" in info.value.message
+    after = client.status()
+    assert (after.version, after.fingerprint) == (before.version, before.fingerprint)
+    # The daemon goes on registering shared memory.
+    staging = _shm.Staging(4096)
+    try:
+        _shm.register(lane._stub, (), staging.fd, 4096, "small", daemon.address).release()
+    finally:
+        staging.close()
+
+
 def test_region_of_another_caller_is_permission_denied(start_daemon, tmp_path, seed2):
     tokens = tmp_path / "tokens"
     tokens.write_text("alice-token trainer alice\nbob-token trainer bob\n")

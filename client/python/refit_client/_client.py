@@ -1047,15 +1047,19 @@ class RefitClient:
                     _refit_id=refit_id,
                 )
                 copied = 0
-                with r:
-                    for src, lease, offset, copy in plan:
-                        if copy:
-                            # What is queued goes first: the daemon ingests
-                            # it while this tensor is copied.
-                            r._flush()
-                            lane.copy(src, offset)
-                            copied += src.nbytes
-                        r._send_region(src, lease, offset)
+                try:
+                    with r:
+                        for src, lease, offset, copy in plan:
+                            if copy:
+                                # What is queued goes first: the daemon
+                                # ingests it while this tensor is copied.
+                                r._flush()
+                                lane.copy(src, offset)
+                                copied += src.nbytes
+                            r._send_region(src, lease, offset)
+                except RefitError as e:
+                    lane.drop_truncated(e.message)
+                    raise
             finally:
                 # The push's CUDA allocations: released once it has ended.
                 lane.end_push()

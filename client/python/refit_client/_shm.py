@@ -48,6 +48,7 @@ import collections
 import fcntl
 import mmap
 import os
+import re
 import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
@@ -74,6 +75,10 @@ _FD_SOCKET_TIMEOUT = 10.0
 # how long a refused descriptor's lease may take to end with its reason.
 _REGISTER_TIMEOUT = _FD_SOCKET_TIMEOUT + 20.0
 _REFUSED_GRACE = 2.0
+
+
+# The daemon's error for a region whose file shrank while it read it.
+_TRUNCATED = re.compile(r'region "([^"]+)" was truncated while in use')
 
 
 def _aligned(n: int) -> int:
@@ -727,6 +732,20 @@ class ShmLane:
                 _release_ipc_counter(counter)
             except RuntimeError:
                 pass  # torch already gave up on its counters file (it warned)
+
+    def drop_truncated(self, message: str) -> None:
+        """Ends the registrations a daemon's error says were truncated while
+        it read them: it refuses every later chunk that names such a region
+        ("register it again"), so the next push registers the memory anew."""
+        ids = set(_TRUNCATED.findall(message))
+        if not ids:
+            return
+        for key in [k for k, (lease, _) in self._shared.items() if lease.region_id in ids]:
+            lease, held = self._shared.pop(key)
+            self._forget(held)
+            lease.release()
+        if self._staging_lease is not None and self._staging_lease.region_id in ids:
+            self.drop_staging()
 
     def _ensure_staging(self, size: int) -> None:
         if (

@@ -222,6 +222,28 @@ def test_a_lease_that_ended_is_registered_again(client, daemon, seed2):
     assert client._shm.regions()[0].region_id != lease.region_id
 
 
+def test_a_region_truncated_under_a_push_is_registered_anew_by_the_next(client, daemon, seed2):
+    """A shared storage whose file shrank while the daemon read it fails that
+    push, and the daemon refuses the region from then on; once the trainer
+    has its memory back, the next push registers it again and goes through."""
+    expected = client.push(seed2, lane="grpc").fingerprint
+    shared = {k: v.clone().share_memory_() for k, v in seed2.items()}
+    assert client.push(shared, lane="shm").fingerprint == expected
+    name = max(shared, key=lambda k: shared[k].numel())
+    storage = shared[name].untyped_storage()
+    fd, size = storage._get_shared_fd(), storage.nbytes()
+    before = {r.region_id for r in client._shm.regions()}
+    # Nothing here touches the storage's memory while its file is short.
+    os.ftruncate(fd, 0)
+    with pytest.raises(FailedPrecondition, match="was truncated while in use"):
+        client.push(shared, lane="shm")
+    os.ftruncate(fd, size)
+    shared[name].copy_(seed2[name])
+    assert client.push(shared, lane="shm").fingerprint == expected
+    # Only the truncated storage's region was registered anew.
+    assert len({r.region_id for r in client._shm.regions()} - before) == 1
+
+
 def test_tensors_in_shared_memory_go_without_a_client_copy(client, daemon, seed2):
     expected = client.push(seed2, lane="grpc").fingerprint
     shared = {k: v.clone().share_memory_() for k, v in seed2.items()}

@@ -175,10 +175,6 @@ absl::StatusOr<std::unique_ptr<Region>> Region::OpenCudaIpc(std::string id,
 }
 
 Region::~Region() {
-  {
-    absl::MutexLock lock(&written_mu_);
-    if (seek_fd_ >= 0) ::close(seek_fd_);
-  }
   pinned_.reset();
   SigbusGuard::Unregister(guard_slot_);
   if (access_ == Access::kMapped) ::munmap(const_cast<uint8_t*>(map_), size_);
@@ -231,15 +227,13 @@ absl::Status Region::CheckWritten(absl::string_view tensor, uint64_t offset,
   const uint64_t end = offset + length;
   absl::MutexLock lock(&written_mu_);
   if (offset >= written_lo_ && end <= written_hi_) return absl::OkStatus();
-  if (seek_fd_ == -1) {
-    // Reopened, not dup'ed: a dup shares the trainer's file offset, which
-    // lseek moves.
-    seek_fd_ = ::open(absl::StrCat("/proc/self/fd/", fd_).c_str(), O_RDONLY | O_CLOEXEC);
-    if (seek_fd_ < 0) seek_fd_ = -2;
-  }
-  const int fd = seek_fd_ >= 0 ? seek_fd_ : fd_;
+  // Reopened, not dup'ed: a dup shares the trainer's file offset, which
+  // lseek moves. Closed at once: a region holds one descriptor, as the
+  // registry's cap on regions (half the open-file limit) counts.
+  const int reopened = ::open(absl::StrCat("/proc/self/fd/", fd_).c_str(), O_RDONLY | O_CLOEXEC);
   const uint64_t from = offset / page * page;
-  const off_t hole = ::lseek(fd, static_cast<off_t>(from), SEEK_HOLE);
+  const off_t hole = ::lseek(reopened >= 0 ? reopened : fd_, static_cast<off_t>(from), SEEK_HOLE);
+  if (reopened >= 0) ::close(reopened);
   // (ENXIO: the range starts past the file's end, which the shrink checks
   // report.)
   if (hole < 0) return absl::OkStatus();

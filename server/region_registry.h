@@ -160,7 +160,6 @@ class Region {
   mutable std::atomic<bool> shrunk_{false};  // CheckFileSize found the file short
   bool shmem_ = false;                       // a tmpfs file or a memfd
   mutable absl::Mutex written_mu_;
-  mutable int seek_fd_ ABSL_GUARDED_BY(written_mu_) = -1;  // -2: could not reopen
   // A span of the file CheckWritten found written, [lo, hi).
   mutable uint64_t written_lo_ ABSL_GUARDED_BY(written_mu_) = 0;
   mutable uint64_t written_hi_ ABSL_GUARDED_BY(written_mu_) = 0;

@@ -183,16 +183,20 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   const absl::Time deadline = ask_deadline_;
   while (!NoneWaitingOrCancelledLocked()) {
     const absl::Time now = absl::Now();
-    if (now >= deadline) break;
-    mu_.AwaitWithDeadline(absl::Condition(this, &EngineRegistry::NoneWaitingOrCancelledLocked),
-                          std::min(deadline, now + kGoneCheckInterval));
+    if (now < deadline) {
+      mu_.AwaitWithDeadline(absl::Condition(this, &EngineRegistry::NoneWaitingOrCancelledLocked),
+                            std::min(deadline, now + kGoneCheckInterval));
+    }
     // An engine whose process is gone while its stream stays open (a child
-    // inherited it) is released, not waited for.
+    // inherited it) is released, not waited for: looked for once more at the
+    // deadline too (a linked commit's later group may come to its wait
+    // with its deadline passed).
     if (std::vector<EngineSink*> gone = TakeGoneLocked(); !gone.empty()) {
       mu_.Unlock();
       EndGone(gone);
       mu_.Lock();
     }
+    if (now >= deadline) break;
   }
   if (cancelled_refit_ == refit_id) {
     // Aborted (its client went away, an operator, shutdown) while engines

@@ -152,8 +152,8 @@ class EngineRegistry final : public core::CommitCoordinator {
   mutable absl::Mutex mu_;
   std::map<std::string, Engine> engines_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  // The commit in BeforeCommit..AfterCommit, if any (one at a time: the
-  // store's refit slot).
+  // The commit in AskCommit (or BeforeCommit)..AfterCommit, if any (one at
+  // a time: the store's refit slot).
   std::string pending_refit_ ABSL_GUARDED_BY(mu_);
   uint64_t pending_version_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;        // of the pending commit, counted per registry
@@ -165,7 +165,8 @@ class EngineRegistry final : public core::CommitCoordinator {
   // A refit aborted before or during its BeforeCommit (CancelWait), and why.
   std::string cancelled_refit_ ABSL_GUARDED_BY(mu_);
   std::string cancel_message_ ABSL_GUARDED_BY(mu_);
-  // Close's reason: set, every BeforeCommit from then on is refused.
+  // Close's reason: set, every AskCommit and BeforeCommit from then on is
+  // refused.
   std::optional<std::string> closed_ ABSL_GUARDED_BY(mu_);
   // The refit whose abort was sent from BeforeCommit, and to which engines:
   // the store's kAborted event that follows is not sent to them again.

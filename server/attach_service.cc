@@ -115,13 +115,15 @@ class AttachService::Reactor final
   }
 
   // Called by the registry with its lock held: queue only.
-  void Send(v1::DaemonMessage message) override {
+  bool Send(v1::DaemonMessage message) override {
     v1::DaemonMessage* start = nullptr;
     {
       absl::MutexLock lock(&mu_);
+      if (out_.queued() >= static_cast<size_t>(kMaxQueuedMessages)) return false;
       start = out_.Push(std::move(message));
     }
     if (start != nullptr) StartWrite(start);
+    return true;
   }
 
   // Ends the lease with `status` (first call wins).

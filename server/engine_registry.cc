@@ -1,6 +1,9 @@
 #include "server/engine_registry.h"
 
+#include <poll.h>
 #include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -35,6 +38,10 @@ EngineRegistry::EngineRegistry(core::ShardStore* store, absl::Duration quiesce_t
   store_->SetCommitCoordinator(this);
 }
 
+EngineRegistry::ProcessFd::~ProcessFd() {
+  if (fd >= 0) ::close(fd);
+}
+
 EngineRegistry::~EngineRegistry() {
   store_->SetCommitCoordinator(nullptr);
   store_->RemoveListener(listener_);
@@ -43,6 +50,7 @@ EngineRegistry::~EngineRegistry() {
 absl::StatusOr<std::string> EngineRegistry::Add(
     absl::string_view name, bool coordinated, EngineSink* sink,
     absl::FunctionRef<uint64_t(const std::string&, const v1::CommitPending*)> attached) {
+  const EndOverflowedOnReturn end_overflowed(this);
   absl::MutexLock lock(&mu_);
   if (static_cast<int>(engines_.size()) >= max_engines_) {
     return absl::ResourceExhaustedError(
@@ -82,9 +90,37 @@ void EngineRegistry::SendPendingLocked(const std::string& id, Engine& engine) {
   message.mutable_commit_pending()->set_version(pending_version_);
   message.mutable_commit_pending()->set_attempt(attempt_);
   engine.quiesced_at = absl::InfinitePast();
-  engine.sink->Send(std::move(message));
+  SendLocked(engine, std::move(message));
   told_.insert(id);
-  waiting_.insert(id);
+  if (!engine.overflowed) waiting_.insert(id);
+}
+
+void EngineRegistry::SendLocked(Engine& engine, v1::DaemonMessage message) {
+  if (engine.sink->Send(std::move(message)) || engine.overflowed) return;
+  // The engine has stopped reading its stream: it is no longer waited for,
+  // and its lease ends once the lock is released (EndOverflowed).
+  engine.overflowed = true;
+  waiting_.erase(engine.info.engine_id);
+  engine.sink->Ref();
+  overflowed_.push_back(engine.sink);
+  REFIT_LOG(WARNING).Field("engine", engine.info.engine_id).Field("group", store_->group())
+      << "engine does not read its stream (" << EngineSink::kMaxQueuedMessages
+      << " messages wait for it); its lease ends";
+}
+
+void EngineRegistry::EndOverflowed() {
+  std::vector<EngineSink*> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    ended.swap(overflowed_);
+  }
+  for (EngineSink* sink : ended) {
+    sink->EndLease(absl::ResourceExhaustedError(absl::StrCat(
+        "the engine did not read its stream: ", EngineSink::kMaxQueuedMessages,
+        " messages waited to be sent to it; its lease ends (read the stream's events, or "
+        "attach again)")));
+    sink->Unref();
+  }
 }
 
 void EngineRegistry::Remove(absl::string_view engine_id) {
@@ -104,6 +140,21 @@ void EngineRegistry::SetPeer(absl::string_view engine_id, int pid, uint32_t uid)
   if (it == engines_.end()) return;
   it->second.info.pid = pid;
   it->second.info.uid = uid;
+  // A process descriptor tells an exited process (a zombie too) from a
+  // live one, and cannot be fooled by the pid's reuse; without one (an old
+  // kernel, no descriptor left) the pid is probed instead.
+  if (it->second.pidfd.fd < 0 && pid > 0) {
+    it->second.pidfd.fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  }
+}
+
+bool EngineRegistry::ProcessGone(const Engine& engine) {
+  if (engine.pidfd.fd >= 0) {
+    pollfd p{engine.pidfd.fd, POLLIN, 0};
+    return ::poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0;
+  }
+  const int pid = engine.info.pid;
+  return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH;
 }
 
 void EngineRegistry::OnQuiesced(absl::string_view engine_id, absl::string_view refit_id,
@@ -132,6 +183,7 @@ int EngineRegistry::size() const {
 }
 
 absl::Status EngineRegistry::AskCommit(absl::string_view refit_id, uint64_t next_version) {
+  const EndOverflowedOnReturn end_overflowed(this);
   absl::MutexLock lock(&mu_);
   absl::Status asked = AskLocked(refit_id, next_version);
   asked_ = asked.ok();
@@ -172,6 +224,7 @@ absl::Status EngineRegistry::AskLocked(absl::string_view refit_id, uint64_t next
 }
 
 absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t next_version) {
+  const EndOverflowedOnReturn end_overflowed(this);
   absl::MutexLock lock(&mu_);
   // Asked already by AskCommit (a linked commit): only the wait is left.
   const bool asked =
@@ -244,7 +297,7 @@ std::vector<EngineSink*> EngineRegistry::TakeGoneLocked() {
   std::vector<EngineSink*> gone;
   for (auto it = engines_.begin(); it != engines_.end();) {
     const int pid = it->second.info.pid;
-    if (pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH) {
+    if (!ProcessGone(it->second)) {
       ++it;
       continue;
     }
@@ -311,6 +364,7 @@ void EngineRegistry::Close(absl::string_view reason) {
 void EngineRegistry::AfterCommit(absl::string_view refit_id,
                                  const absl::StatusOr<core::CommitStats>& result) {
   const absl::Time now = absl::Now();
+  const EndOverflowedOnReturn end_overflowed(this);
   absl::MutexLock lock(&mu_);
   if (result.ok()) {
     for (auto& [id, engine] : engines_) {
@@ -318,7 +372,7 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
       message.mutable_committed()->set_refit_id(std::string(refit_id));
       message.mutable_committed()->set_version(result->version);
       message.mutable_committed()->set_fingerprint(result->fingerprint);
-      engine.sink->Send(std::move(message));
+      SendLocked(engine, std::move(message));
       engine.info.version = result->version;
       EndPauseLocked(id, engine, now, /*committed=*/true);
     }
@@ -335,6 +389,7 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
 
 void EngineRegistry::OnStoreEvent(const core::StoreEvent& event) {
   if (event.type != core::StoreEventType::kAborted) return;
+  const EndOverflowedOnReturn end_overflowed(this);
   absl::MutexLock lock(&mu_);
   if (cancelled_refit_ == event.refit_id) cancelled_refit_.clear();
   // Engines told of this refit's end by BeforeCommit are not told twice.
@@ -362,7 +417,7 @@ void EngineRegistry::SendAbortedLocked(absl::string_view refit_id, absl::string_
     message.mutable_aborted()->set_refit_id(std::string(refit_id));
     message.mutable_aborted()->set_version(live);
     message.mutable_aborted()->set_reason(std::string(reason));
-    engine.sink->Send(std::move(message));
+    SendLocked(engine, std::move(message));
     EndPauseLocked(id, engine, now, /*committed=*/false);
   }
 }

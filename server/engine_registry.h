@@ -45,8 +45,13 @@ namespace refit::server {
 // Where an engine's events go (its Attach stream). Send queues; never blocks.
 class EngineSink {
  public:
+  // Messages that may wait for the engine to read them: an engine that has
+  // stopped reading its stream must not grow the daemon's memory.
+  static constexpr int kMaxQueuedMessages = 256;
   virtual ~EngineSink() = default;
-  virtual void Send(v1::DaemonMessage message) = 0;
+  // Queues `message`; false, queuing nothing, once kMaxQueuedMessages wait
+  // (the registry then ends the lease).
+  virtual bool Send(v1::DaemonMessage message) = 0;
   // Ends the engine's lease with `status` (from outside the registry's
   // lock); the sink then removes itself. Ref/Unref keep it alive meanwhile.
   virtual void EndLease(const absl::Status& status) = 0;
@@ -107,11 +112,39 @@ class EngineRegistry final : public core::CommitCoordinator {
   void Close(absl::string_view reason) override;
 
  private:
+  // A process descriptor, closed with its engine.
+  struct ProcessFd {
+    ProcessFd() = default;
+    ProcessFd(const ProcessFd&) = delete;
+    ProcessFd& operator=(const ProcessFd&) = delete;
+    ~ProcessFd();
+    int fd = -1;
+  };
   struct Engine {
     EngineInfo info;
     EngineSink* sink = nullptr;
     absl::Time quiesced_at = absl::InfinitePast();  // during a pending commit
+    ProcessFd pidfd;          // the engine's process (pidfd_open), once its pid is known
+    bool overflowed = false;  // its sink refused a message: its lease is ending
   };
+  // Ends the leases of the engines in overflowed_ as a method returns, once
+  // the lock is released (declared before the method's MutexLock).
+  class EndOverflowedOnReturn {
+   public:
+    explicit EndOverflowedOnReturn(EngineRegistry* registry) : registry_(registry) {}
+    ~EndOverflowedOnReturn() { registry_->EndOverflowed(); }
+    EndOverflowedOnReturn(const EndOverflowedOnReturn&) = delete;
+    EndOverflowedOnReturn& operator=(const EndOverflowedOnReturn&) = delete;
+
+   private:
+    EngineRegistry* registry_;
+  };
+  // Sends through the engine's sink; a sink that refuses (its engine has
+  // stopped reading) is no longer waited for and goes to overflowed_.
+  void SendLocked(Engine& engine, v1::DaemonMessage message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndOverflowed() ABSL_LOCKS_EXCLUDED(mu_);
+  // The engine's process has exited (reaped or not).
+  static bool ProcessGone(const Engine& engine);
   void OnStoreEvent(const core::StoreEvent& event);
   // Makes `refit_id`'s commit of `next_version` the pending one and sends
   // every coordinated engine its CommitPending; the wait for their acks
@@ -172,6 +205,8 @@ class EngineRegistry final : public core::CommitCoordinator {
   // the store's kAborted event that follows is not sent to them again.
   std::string abort_sent_refit_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> abort_sent_to_ ABSL_GUARDED_BY(mu_);
+  // Sinks (referenced) whose engines stopped reading, to be ended.
+  std::vector<EngineSink*> overflowed_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::server

@@ -84,6 +84,8 @@ class WriteQueue {
     return true;
   }
   bool closed() const { return final_.has_value(); }
+  // Messages queued behind the one in flight.
+  size_t queued() const { return queue_.size(); }
 
   // The status to Finish with, once: after Close, when no write is in
   // flight.

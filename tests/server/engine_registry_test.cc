@@ -1,0 +1,178 @@
+// EngineRegistry against a real store and hand-made sinks: engines that
+// stop reading their stream, and engines whose process has exited but is
+// not yet reaped, never hold a coordinated commit up.
+#include "server/engine_registry.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "core/fixture_model.h"
+#include "server/metrics.h"
+#include "tests/testing/refit_helpers.h"
+
+namespace refit::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Queues up to `capacity` messages (never written), then refuses as the
+// Attach stream's sink does; EndLease records the status and detaches, as
+// the stream's end does.
+class FakeSink : public EngineSink {
+ public:
+  FakeSink(EngineRegistry* registry, size_t capacity) : registry_(registry), capacity_(capacity) {}
+  bool Send(v1::DaemonMessage message) override {
+    absl::MutexLock lock(&mu_);
+    if (queued_.size() >= capacity_) return false;
+    queued_.push_back(std::move(message));
+    return true;
+  }
+  void EndLease(const absl::Status& status) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (ended_.has_value()) return;
+      ended_ = status;
+    }
+    registry_->Remove(id);
+  }
+  void Ref() override {}
+  void Unref() override {}
+
+  std::optional<absl::Status> ended() const {
+    absl::MutexLock lock(&mu_);
+    return ended_;
+  }
+  // The last CommitPending queued, if any.
+  std::optional<v1::CommitPending> pending() const {
+    absl::MutexLock lock(&mu_);
+    for (auto it = queued_.rbegin(); it != queued_.rend(); ++it) {
+      if (it->has_commit_pending()) return it->commit_pending();
+    }
+    return std::nullopt;
+  }
+  std::string id;
+
+ private:
+  EngineRegistry* registry_;
+  const size_t capacity_;
+  mutable absl::Mutex mu_;
+  std::vector<v1::DaemonMessage> queued_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Status> ended_ ABSL_GUARDED_BY(mu_);
+};
+
+class EngineRegistryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    store_ = testing::MakeStore(core::FixtureConfig());
+    ASSERT_NE(store_, nullptr);
+    ASSERT_TRUE(testing::PushAll(*store_, Weights(1)).ok());
+    registry_ = std::make_unique<EngineRegistry>(store_.get(), absl::Seconds(20), &metrics_, 16);
+  }
+  void TearDown() override { registry_.reset(); }
+
+  static std::vector<core::OwnedTensor> Weights(uint64_t seed) {
+    absl::StatusOr<std::vector<core::OwnedTensor>> weights =
+        core::MakeFixtureWeights(core::FixtureConfig(), seed);
+    EXPECT_TRUE(weights.ok()) << weights.status();
+    return weights.ok() ? *std::move(weights) : std::vector<core::OwnedTensor>{};
+  }
+
+  // Attaches `sink` with coordination; its id goes into the sink.
+  void Attach(FakeSink& sink) {
+    absl::StatusOr<std::string> id = registry_->Add(
+        "engine", /*coordinated=*/true, &sink,
+        [&](const std::string&, const v1::CommitPending*) { return store_->version(); });
+    ASSERT_TRUE(id.ok()) << id.status();
+    sink.id = *id;
+  }
+
+  // A one-phase refit to the weights of `seed`, and how long it took.
+  absl::Duration Push(uint64_t seed) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<core::RefitResult> pushed = testing::PushAll(*store_, Weights(seed));
+    EXPECT_TRUE(pushed.ok()) << pushed.status();
+    return absl::Now() - start;
+  }
+
+  Metrics metrics_;
+  std::unique_ptr<core::ShardStore> store_;
+  std::unique_ptr<EngineRegistry> registry_;
+};
+
+TEST_F(EngineRegistryTest, AnEngineThatStopsReadingLosesItsLeaseAndHoldsNoCommitUp) {
+  // A full queue: the next message (its CommitPending) is refused.
+  FakeSink stuck(registry_.get(), 0);
+  Attach(stuck);
+  ASSERT_EQ(registry_->size(), 1);
+  EXPECT_LT(Push(2), absl::Seconds(10));  // not the 20 s quiesce timeout
+  EXPECT_EQ(store_->version(), 2u);
+  ASSERT_TRUE(stuck.ended().has_value());
+  EXPECT_EQ(stuck.ended()->code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(stuck.ended()->message(),
+              HasSubstr(absl::StrCat("the engine did not read its stream: ",
+                                     EngineSink::kMaxQueuedMessages,
+                                     " messages waited to be sent to it")));
+  EXPECT_EQ(registry_->size(), 0);
+}
+
+TEST_F(EngineRegistryTest, AnEngineWhoseProcessExitedUnreapedIsReleased) {
+  FakeSink engine(registry_.get(), 16);
+  Attach(engine);
+  // The process that took the engine's descriptors has exited and is not
+  // reaped yet (a zombie: its pid still answers kill(pid, 0)).
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT), 0);
+  ASSERT_EQ(::kill(child, 0), 0);
+  registry_->SetPeer(engine.id, child, ::getuid());
+  EXPECT_LT(Push(2), absl::Seconds(10));  // not the 20 s quiesce timeout
+  EXPECT_EQ(store_->version(), 2u);
+  ASSERT_TRUE(engine.ended().has_value());
+  EXPECT_EQ(engine.ended()->code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(engine.ended()->message(), HasSubstr("the engine's process"));
+  EXPECT_EQ(registry_->size(), 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+}
+
+TEST_F(EngineRegistryTest, AnEngineThatReadsAndAcksIsWaitedFor) {
+  // The control: a sink with room and an engine that acks lets the commit
+  // through, and its lease stays.
+  FakeSink engine(registry_.get(), 16);
+  Attach(engine);
+  registry_->SetPeer(engine.id, ::getpid(), ::getuid());
+  std::thread acker([&] {
+    // Acks the pending commit as it was asked, once it is.
+    for (int i = 0; i < 2000 && !engine.pending().has_value(); ++i) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    const std::optional<v1::CommitPending> pending = engine.pending();
+    if (!pending.has_value()) return;
+    registry_->OnQuiesced(engine.id, pending->refit_id(), pending->version(), pending->attempt());
+  });
+  core::RefitOptions options;
+  options.refit_id = "r-acked";
+  absl::StatusOr<core::RefitResult> pushed = testing::PushAll(*store_, Weights(2), options);
+  acker.join();
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(store_->version(), 2u);
+  EXPECT_FALSE(engine.ended().has_value());
+  EXPECT_EQ(registry_->size(), 1);
+}
+
+}  // namespace
+}  // namespace refit::server

@@ -68,6 +68,12 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(absl::string_view n
   arena->sealed_ =
       ::fcntl(arena->fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) == 0;
   if (!arena->sealed_) ::fcntl(arena->fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  arena->read_only_fd_ =
+      ::open(absl::StrCat("/proc/self/fd/", arena->fd_).c_str(), O_RDONLY | O_CLOEXEC);
+  if (arena->read_only_fd_ < 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot open the arena of ", name, " read-only: ", std::strerror(errno)));
+  }
   ArenaHeader* h = new (arena->base_) ArenaHeader();
   std::memcpy(h->magic, kArenaMagic, sizeof(kArenaMagic));
   h->format = kArenaFormat;
@@ -83,12 +89,12 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(absl::string_view n
 
 HostArena::~HostArena() {
   if (base_ != nullptr) ::munmap(base_, static_cast<size_t>(size()));
+  if (read_only_fd_ >= 0) ::close(read_only_fd_);
   if (fd_ >= 0) ::close(fd_);
 }
 
 absl::StatusOr<int> HostArena::OpenReadOnly() const {
-  const std::string path = absl::StrCat("/proc/self/fd/", fd_);
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::fcntl(read_only_fd_, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) {
     return absl::InternalError(
         absl::StrCat("cannot reopen the arena read-only: ", std::strerror(errno)));

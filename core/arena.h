@@ -133,7 +133,10 @@ class HostArena {
 
   // A new descriptor of the arena opened O_RDONLY: a process that receives
   // it can map it read-only only (PROT_WRITE with MAP_SHARED is EACCES).
-  // The caller owns it. INTERNAL with the errno text.
+  // The caller owns it. INTERNAL with the errno text. It duplicates one
+  // opened at creation: reopening the memfd by path each time would be
+  // refused once a process of the same uid that holds a descriptor of it
+  // took its permissions away (fchmod), and every later attach with it.
   absl::StatusOr<int> OpenReadOnly() const;
 
   // Seqlock: seq becomes odd before a commit writes into the data, and even
@@ -150,6 +153,7 @@ class HostArena {
   ArenaHeader* mutable_header() { return reinterpret_cast<ArenaHeader*>(base_); }
 
   int fd_ = -1;
+  int read_only_fd_ = -1;  // opened O_RDONLY once, at creation
   char* base_ = nullptr;
   int64_t data_bytes_ = 0;
   bool sealed_ = false;

@@ -7,6 +7,7 @@
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -101,6 +102,31 @@ TEST(HostArenaTest, ReadOnlyDescriptorMapsReadOnlyOnlyAndSeesWrites) {
   }
   ::munmap(p, length);
   ::close(*fd);
+}
+
+TEST(HostArenaTest, AnEngineThatTakesTheArenasPermissionsAwayDoesNotStopLaterAttaches) {
+  // An engine of the daemon's uid may fchmod the memfd through the
+  // descriptor it received. Run where that uid has no capability to open
+  // past the permissions: a child, as nobody when this test runs as root.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::geteuid() == 0 && ::setresuid(65534, 65534, 65534) != 0) ::_exit(2);
+    absl::StatusOr<std::unique_ptr<HostArena>> arena = HostArena::Create("test", 4096, 0, true);
+    if (!arena.ok()) ::_exit(3);
+    absl::StatusOr<int> engine = (*arena)->OpenReadOnly();
+    if (!engine.ok() || ::fchmod(*engine, 0) != 0) ::_exit(4);
+    absl::StatusOr<int> next = (*arena)->OpenReadOnly();
+    if (!next.ok()) ::_exit(5);
+    void* p =
+        ::mmap(nullptr, static_cast<size_t>((*arena)->size()), PROT_READ, MAP_SHARED, *next, 0);
+    ::_exit(p == MAP_FAILED ? 6 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  // 5: the second attach's descriptor was refused after the fchmod.
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 TEST(HostArenaTest, SeqIsOddWhileWritingAndEvenWithTheVersionAfter) {

@@ -121,10 +121,10 @@ TEST_F(EngineRegistryTest, AnEngineThatStopsReadingLosesItsLeaseAndHoldsNoCommit
   EXPECT_EQ(store_->version(), 2u);
   ASSERT_TRUE(stuck.ended().has_value());
   EXPECT_EQ(stuck.ended()->code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(stuck.ended()->message(),
-              HasSubstr(absl::StrCat("the engine did not read its stream: ",
-                                     EngineSink::kMaxQueuedMessages,
-                                     " messages waited to be sent to it")));
+  EXPECT_THAT(
+      stuck.ended()->message(),
+      HasSubstr(absl::StrCat("the engine did not read its stream: ", EngineSink::kMaxQueuedMessages,
+                             " messages waited to be sent to it")));
   EXPECT_EQ(registry_->size(), 0);
 }
 

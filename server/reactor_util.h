@@ -33,6 +33,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/clock.h"
@@ -117,15 +118,32 @@ class QueuedWriteReactor : public grpc::ServerWriteReactor<Msg> {
     if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
 
+  // Messages that may wait for the client to read them: a client that has
+  // stopped reading must not grow the daemon's memory.
+  static constexpr size_t kMaxQueuedMessages = 256;
+
   // Queues `msg`. With `coalesce`, replaces a queued (not yet written)
   // coalescable message instead of growing the queue (progress updates).
+  // With kMaxQueuedMessages waiting already, the stream ends at once with
+  // RESOURCE_EXHAUSTED instead.
   void Enqueue(Msg msg, bool coalesce = false) {
     Msg* start = nullptr;
+    bool overflowed = false;
     {
       absl::MutexLock lock(&mu_);
-      start = out_.Push(std::move(msg), coalesce);
+      if (!coalesce && !out_.closed() && out_.queued() >= kMaxQueuedMessages) {
+        overflowed = true;
+      } else {
+        start = out_.Push(std::move(msg), coalesce);
+      }
     }
     if (start != nullptr) this->StartWrite(start);
+    if (overflowed) {
+      FinishNow(
+          grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                       absl::StrCat("the client did not read its stream: ", kMaxQueuedMessages,
+                                    " messages waited to be sent to it; call again")));
+    }
   }
 
   // Writes what is queued, then finishes with `status`. First call wins.

@@ -2,6 +2,7 @@
 // their exact status codes, and the transaction semantics (nothing visible
 // before commit, aborts leave the live version unchanged).
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -600,6 +601,37 @@ TEST_F(RefitServiceTest, WatchStartsWithSnapshotThenReportsARefit) {
   while (reader->Read(&event)) {
   }
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+}
+
+TEST_F(RefitServiceTest, AWatchThatIsNotReadEndsResourceExhaustedInsteadOfQueueingWithoutEnd) {
+  // A small flow-control window: what the client does not read stays in the
+  // daemon's queue after a few events.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  std::unique_ptr<v1::RefitService::Stub> watcher =
+      v1::RefitService::NewStub(grpc::CreateCustomChannel(
+          server_->bound_addresses().front(), grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext context;
+  // Without the bound the stream would never end: DEADLINE_EXCEEDED then.
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = watcher->Watch(&context, v1::WatchRequest());
+  v1::WatchEvent event;
+  ASSERT_TRUE(reader->Read(&event));
+  ASSERT_EQ(event.type(), v1::WatchEvent::TYPE_SNAPSHOT);
+  // Refits that change nothing (no chunk), two events each, never read.
+  const int refits = 1000;
+  for (int i = 0; i < refits; ++i) {
+    PushMessages(stub_.get(), {BeginMessage(), EndMessage()});
+  }
+  int read = 0;
+  while (reader->Read(&event)) ++read;
+  const grpc::Status ended = reader->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << ended.error_message();
+  EXPECT_THAT(ended.error_message(), HasSubstr("the client did not read its stream"));
+  EXPECT_LT(read, 2 * refits);
+  // The daemon goes on serving.
+  EXPECT_EQ(Status(stub_.get()).version(), 1u);
 }
 
 TEST_F(RefitServiceTest, ReloadOutsideRootIsPermissionDenied) {

@@ -119,7 +119,7 @@ class AttachService::Reactor final
     v1::DaemonMessage* start = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      if (out_.queued() >= static_cast<size_t>(kMaxQueuedMessages)) return false;
+      if (out_.full()) return false;
       start = out_.Push(std::move(message));
     }
     if (start != nullptr) StartWrite(start);

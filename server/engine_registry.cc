@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "core/log.h"
 #include "core/text.h"
+#include "server/reactor_util.h"
 
 namespace refit::server {
 
@@ -50,7 +51,7 @@ EngineRegistry::~EngineRegistry() {
 absl::StatusOr<std::string> EngineRegistry::Add(
     absl::string_view name, bool coordinated, EngineSink* sink,
     absl::FunctionRef<uint64_t(const std::string&, const v1::CommitPending*)> attached) {
-  const EndOverflowedOnReturn end_overflowed(this);
+  const EndLeasesOnReturn end_leases(this);
   absl::MutexLock lock(&mu_);
   if (static_cast<int>(engines_.size()) >= max_engines_) {
     return absl::ResourceExhaustedError(
@@ -98,27 +99,29 @@ void EngineRegistry::SendPendingLocked(const std::string& id, Engine& engine) {
 void EngineRegistry::SendLocked(Engine& engine, v1::DaemonMessage message) {
   if (engine.sink->Send(std::move(message)) || engine.overflowed) return;
   // The engine has stopped reading its stream: it is no longer waited for,
-  // and its lease ends once the lock is released (EndOverflowed).
+  // and its lease ends once the lock is released (EndLeases).
   engine.overflowed = true;
   waiting_.erase(engine.info.engine_id);
   engine.sink->Ref();
-  overflowed_.push_back(engine.sink);
+  ending_.emplace_back(
+      engine.sink,
+      absl::ResourceExhaustedError(absl::StrCat(
+          "the engine did not read its stream: ", kMaxQueuedMessages,
+          " messages waited to be sent to it; its lease ends (read the stream's events, or "
+          "attach again)")));
   REFIT_LOG(WARNING).Field("engine", engine.info.engine_id).Field("group", store_->group())
-      << "engine does not read its stream (" << EngineSink::kMaxQueuedMessages
+      << "engine does not read its stream (" << kMaxQueuedMessages
       << " messages wait for it); its lease ends";
 }
 
-void EngineRegistry::EndOverflowed() {
-  std::vector<EngineSink*> ended;
+void EngineRegistry::EndLeases() {
+  std::vector<std::pair<EngineSink*, absl::Status>> ending;
   {
     absl::MutexLock lock(&mu_);
-    ended.swap(overflowed_);
+    ending.swap(ending_);
   }
-  for (EngineSink* sink : ended) {
-    sink->EndLease(absl::ResourceExhaustedError(absl::StrCat(
-        "the engine did not read its stream: ", EngineSink::kMaxQueuedMessages,
-        " messages waited to be sent to it; its lease ends (read the stream's events, or "
-        "attach again)")));
+  for (auto& [sink, status] : ending) {
+    sink->EndLease(status);
     sink->Unref();
   }
 }
@@ -183,7 +186,7 @@ int EngineRegistry::size() const {
 }
 
 absl::Status EngineRegistry::AskCommit(absl::string_view refit_id, uint64_t next_version) {
-  const EndOverflowedOnReturn end_overflowed(this);
+  const EndLeasesOnReturn end_leases(this);
   absl::MutexLock lock(&mu_);
   absl::Status asked = AskLocked(refit_id, next_version);
   asked_ = asked.ok();
@@ -191,11 +194,7 @@ absl::Status EngineRegistry::AskCommit(absl::string_view refit_id, uint64_t next
 }
 
 absl::Status EngineRegistry::AskLocked(absl::string_view refit_id, uint64_t next_version) {
-  if (std::vector<EngineSink*> gone = TakeGoneLocked(); !gone.empty()) {
-    mu_.Unlock();
-    EndGone(gone);
-    mu_.Lock();
-  }
+  if (TakeGoneLocked()) EndGoneNowLocked();
   abort_sent_refit_.clear();
   abort_sent_to_.clear();
   if (closed_.has_value()) {
@@ -224,7 +223,7 @@ absl::Status EngineRegistry::AskLocked(absl::string_view refit_id, uint64_t next
 }
 
 absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t next_version) {
-  const EndOverflowedOnReturn end_overflowed(this);
+  const EndLeasesOnReturn end_leases(this);
   absl::MutexLock lock(&mu_);
   // Asked already by AskCommit (a linked commit): only the wait is left.
   const bool asked =
@@ -244,11 +243,7 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
     // inherited it) is released, not waited for: looked for once more at the
     // deadline too (a linked commit's later group may come to its wait
     // with its deadline passed).
-    if (std::vector<EngineSink*> gone = TakeGoneLocked(); !gone.empty()) {
-      mu_.Unlock();
-      EndGone(gone);
-      mu_.Lock();
-    }
+    if (TakeGoneLocked()) EndGoneNowLocked();
     if (now >= deadline) break;
   }
   if (cancelled_refit_ == refit_id) {
@@ -293,8 +288,8 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   return core::NotQuiescedError(reason);
 }
 
-std::vector<EngineSink*> EngineRegistry::TakeGoneLocked() {
-  std::vector<EngineSink*> gone;
+bool EngineRegistry::TakeGoneLocked() {
+  bool took = false;
   for (auto it = engines_.begin(); it != engines_.end();) {
     const int pid = it->second.info.pid;
     if (!ProcessGone(it->second)) {
@@ -307,22 +302,28 @@ std::vector<EngineSink*> EngineRegistry::TakeGoneLocked() {
             .Field("pid", absl::StrCat(pid))
         << "engine process gone, its stream still open (inherited by another process); "
            "its lease ends";
-    it->second.sink->Ref();
-    gone.push_back(it->second.sink);
+    // An engine whose sink overflowed is queued already.
+    if (!it->second.overflowed) {
+      it->second.sink->Ref();
+      ending_.emplace_back(
+          it->second.sink,
+          absl::AbortedError(
+              "the engine's process (the one that took its descriptors) has exited; another "
+              "process holds its stream, which is not coordinated: attach again from the "
+              "serving process"));
+    }
+    took = true;
     const std::string id = it->first;
     ++it;  // before the engine it points to is erased
     ForgetLocked(id);
   }
-  return gone;
+  return took;
 }
 
-void EngineRegistry::EndGone(const std::vector<EngineSink*>& gone) {
-  for (EngineSink* sink : gone) {
-    sink->EndLease(absl::AbortedError(
-        "the engine's process (the one that took its descriptors) has exited; another process "
-        "holds its stream, which is not coordinated: attach again from the serving process"));
-    sink->Unref();
-  }
+void EngineRegistry::EndGoneNowLocked() {
+  mu_.Unlock();
+  EndLeases();
+  mu_.Lock();
 }
 
 void EngineRegistry::TellToldAbortedLocked(absl::string_view refit_id, absl::string_view reason) {
@@ -364,7 +365,7 @@ void EngineRegistry::Close(absl::string_view reason) {
 void EngineRegistry::AfterCommit(absl::string_view refit_id,
                                  const absl::StatusOr<core::CommitStats>& result) {
   const absl::Time now = absl::Now();
-  const EndOverflowedOnReturn end_overflowed(this);
+  const EndLeasesOnReturn end_leases(this);
   absl::MutexLock lock(&mu_);
   if (result.ok()) {
     for (auto& [id, engine] : engines_) {
@@ -389,7 +390,7 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
 
 void EngineRegistry::OnStoreEvent(const core::StoreEvent& event) {
   if (event.type != core::StoreEventType::kAborted) return;
-  const EndOverflowedOnReturn end_overflowed(this);
+  const EndLeasesOnReturn end_leases(this);
   absl::MutexLock lock(&mu_);
   if (cancelled_refit_ == event.refit_id) cancelled_refit_.clear();
   // Engines told of this refit's end by BeforeCommit are not told twice.

@@ -45,12 +45,10 @@ namespace refit::server {
 // Where an engine's events go (its Attach stream). Send queues; never blocks.
 class EngineSink {
  public:
-  // Messages that may wait for the engine to read them: an engine that has
-  // stopped reading its stream must not grow the daemon's memory.
-  static constexpr int kMaxQueuedMessages = 256;
   virtual ~EngineSink() = default;
-  // Queues `message`; false, queuing nothing, once kMaxQueuedMessages wait
-  // (the registry then ends the lease).
+  // Queues `message`; false, queuing nothing, once the engine's stream holds
+  // kMaxQueuedMessages (reactor_util.h) unread: the registry then ends the
+  // lease.
   virtual bool Send(v1::DaemonMessage message) = 0;
   // Ends the engine's lease with `status` (from outside the registry's
   // lock); the sink then removes itself. Ref/Unref keep it alive meanwhile.
@@ -127,22 +125,24 @@ class EngineRegistry final : public core::CommitCoordinator {
     ProcessFd pidfd;          // the engine's process (pidfd_open), once its pid is known
     bool overflowed = false;  // its sink refused a message: its lease is ending
   };
-  // Ends the leases of the engines in overflowed_ as a method returns, once
-  // the lock is released (declared before the method's MutexLock).
-  class EndOverflowedOnReturn {
+  // Ends the leases queued in ending_ as a method returns, once the lock is
+  // released (declared before the method's MutexLock).
+  class EndLeasesOnReturn {
    public:
-    explicit EndOverflowedOnReturn(EngineRegistry* registry) : registry_(registry) {}
-    ~EndOverflowedOnReturn() { registry_->EndOverflowed(); }
-    EndOverflowedOnReturn(const EndOverflowedOnReturn&) = delete;
-    EndOverflowedOnReturn& operator=(const EndOverflowedOnReturn&) = delete;
+    explicit EndLeasesOnReturn(EngineRegistry* registry) : registry_(registry) {}
+    ~EndLeasesOnReturn() { registry_->EndLeases(); }
+    EndLeasesOnReturn(const EndLeasesOnReturn&) = delete;
+    EndLeasesOnReturn& operator=(const EndLeasesOnReturn&) = delete;
 
    private:
     EngineRegistry* registry_;
   };
   // Sends through the engine's sink; a sink that refuses (its engine has
-  // stopped reading) is no longer waited for and goes to overflowed_.
+  // stopped reading) is no longer waited for, and its lease is queued to end.
   void SendLocked(Engine& engine, v1::DaemonMessage message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EndOverflowed() ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the leases in ending_ (a sink's EndLease takes its own lock and
+  // may call back into the registry: never under mu_).
+  void EndLeases() ABSL_LOCKS_EXCLUDED(mu_);
   // The engine's process has exited (reaped or not).
   static bool ProcessGone(const Engine& engine);
   void OnStoreEvent(const core::StoreEvent& event);
@@ -161,9 +161,12 @@ class EngineRegistry final : public core::CommitCoordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the engines whose process is gone (their recorded pid exits no
   // more, while something else, a child that inherited the stream, keeps
-  // it open) out of the registry; their sinks, referenced, for EndGone.
-  std::vector<EngineSink*> TakeGoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static void EndGone(const std::vector<EngineSink*>& gone);
+  // it open) out of the registry and queues their leases to end. True if
+  // it took any.
+  bool TakeGoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the leases taken by TakeGoneLocked now, releasing the lock
+  // meanwhile (a commit's wait, which holds it, must not delay them).
+  void EndGoneNowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool NoneWaitingOrCancelledLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return waiting_.empty() || (!pending_refit_.empty() && cancelled_refit_ == pending_refit_);
   }
@@ -205,8 +208,9 @@ class EngineRegistry final : public core::CommitCoordinator {
   // the store's kAborted event that follows is not sent to them again.
   std::string abort_sent_refit_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> abort_sent_to_ ABSL_GUARDED_BY(mu_);
-  // Sinks (referenced) whose engines stopped reading, to be ended.
-  std::vector<EngineSink*> overflowed_ ABSL_GUARDED_BY(mu_);
+  // Leases to end once the lock is released: the sink (referenced) and
+  // why (its engine stopped reading; its process is gone).
+  std::vector<std::pair<EngineSink*, absl::Status>> ending_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::server

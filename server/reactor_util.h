@@ -40,6 +40,11 @@
 
 namespace refit::server {
 
+// Messages a server stream may hold for a client that is slow to read them:
+// a client that has stopped reading must not grow the daemon's memory. A
+// stream past this ends RESOURCE_EXHAUSTED (engines: their lease ends).
+inline constexpr size_t kMaxQueuedMessages = 256;
+
 // The write side of a callback stream, held by a reactor under its own
 // mutex (it does not lock): gRPC allows one write in flight, the queue keeps
 // the rest, and the final status is handed out once, when no write is in
@@ -85,8 +90,9 @@ class WriteQueue {
     return true;
   }
   bool closed() const { return final_.has_value(); }
-  // Messages queued behind the one in flight.
-  size_t queued() const { return queue_.size(); }
+  // kMaxQueuedMessages wait behind the one in flight: the client is not
+  // reading, and the caller ends the stream instead of queuing more.
+  bool full() const { return queue_.size() >= kMaxQueuedMessages; }
 
   // The status to Finish with, once: after Close, when no write is in
   // flight.
@@ -118,10 +124,6 @@ class QueuedWriteReactor : public grpc::ServerWriteReactor<Msg> {
     if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
 
-  // Messages that may wait for the client to read them: a client that has
-  // stopped reading must not grow the daemon's memory.
-  static constexpr size_t kMaxQueuedMessages = 256;
-
   // Queues `msg`. With `coalesce`, replaces a queued (not yet written)
   // coalescable message instead of growing the queue (progress updates).
   // With kMaxQueuedMessages waiting already, the stream ends at once with
@@ -131,7 +133,7 @@ class QueuedWriteReactor : public grpc::ServerWriteReactor<Msg> {
     bool overflowed = false;
     {
       absl::MutexLock lock(&mu_);
-      if (!coalesce && !out_.closed() && out_.queued() >= kMaxQueuedMessages) {
+      if (!coalesce && !out_.closed() && out_.full()) {
         overflowed = true;
       } else {
         start = out_.Push(std::move(msg), coalesce);

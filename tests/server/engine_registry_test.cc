@@ -21,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "core/fixture_model.h"
 #include "server/metrics.h"
+#include "server/reactor_util.h"
 #include "tests/testing/refit_helpers.h"
 
 namespace refit::server {
@@ -121,10 +122,9 @@ TEST_F(EngineRegistryTest, AnEngineThatStopsReadingLosesItsLeaseAndHoldsNoCommit
   EXPECT_EQ(store_->version(), 2u);
   ASSERT_TRUE(stuck.ended().has_value());
   EXPECT_EQ(stuck.ended()->code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(
-      stuck.ended()->message(),
-      HasSubstr(absl::StrCat("the engine did not read its stream: ", EngineSink::kMaxQueuedMessages,
-                             " messages waited to be sent to it")));
+  EXPECT_THAT(stuck.ended()->message(),
+              HasSubstr(absl::StrCat("the engine did not read its stream: ", kMaxQueuedMessages,
+                                     " messages waited to be sent to it")));
   EXPECT_EQ(registry_->size(), 0);
 }
 

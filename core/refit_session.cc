@@ -185,6 +185,17 @@ void RefitSession::Abort(absl::string_view reason) {
   // that the refit aborts with nothing copied (instead of committing after
   // its abort, with this call blocked meanwhile).
   store_->CancelCommitWait(options_.refit_id, reason);
+  {
+    // Part of a linked commit: the other refits' waits end too (the engines
+    // of every group are asked at once, and this refit's own wait may come
+    // after theirs).
+    absl::MutexLock lock(&linked_mu_);
+    for (const auto& [store, refit_id] : linked_) {
+      store->CancelLinkedCommitWait(
+          refit_id, absl::StrCat("refit \"", options_.refit_id, "\" of model group \"",
+                                 store_->group(), "\", linked to it, was aborted: ", reason));
+    }
+  }
   Outbox out;
   {
     absl::MutexLock lock(&call_mu_);
@@ -564,8 +575,23 @@ absl::StatusOr<std::vector<RefitResult>> RefitSession::CommitLinked(
           "linked commit names model group \"", sessions[order[k]]->store_->group(), "\" twice"));
     }
   }
+  // Each session learns the others, for an Abort that comes while the
+  // commit waits for attached engines.
+  auto set_linked = [&](bool on) {
+    for (RefitSession* session : sessions) {
+      absl::MutexLock lock(&session->linked_mu_);
+      session->linked_.clear();
+      if (!on) continue;
+      for (RefitSession* other : sessions) {
+        if (other != session)
+          session->linked_.emplace_back(other->store_, other->options_.refit_id);
+      }
+    }
+  };
+  set_linked(true);
   std::vector<Outbox> outboxes(sessions.size());
   absl::StatusOr<std::vector<RefitResult>> results = CommitLinkedLocked(sessions, order, outboxes);
+  set_linked(false);
   for (size_t i : order) outboxes[i].Deliver();
   return results;
 }

@@ -295,6 +295,13 @@ class RefitSession {
   Outbox outbox_ ABSL_GUARDED_BY(call_mu_);
   bool announced_ ABSL_GUARDED_BY(call_mu_) = false;
 
+  // During a linked commit: the other refits of it (their stores and refit
+  // ids). An Abort of this refit ends their waits for attached engines too,
+  // so that it does not wait for them (the linked commit aborts as a
+  // whole). Taken before the coordinators' locks.
+  absl::Mutex linked_mu_;
+  std::vector<std::pair<ShardStore*, std::string>> linked_ ABSL_GUARDED_BY(linked_mu_);
+
   // What other threads read without waiting for a call.
   mutable absl::Mutex mu_;
   SessionState state_ ABSL_GUARDED_BY(mu_) = SessionState::kReceiving;

@@ -596,6 +596,11 @@ void ShardStore::CancelCommitWait(absl::string_view refit_id, absl::string_view 
   if (coordinator != nullptr) coordinator->CancelWait(refit_id, reason);
 }
 
+void ShardStore::CancelLinkedCommitWait(absl::string_view refit_id, absl::string_view reason) {
+  CommitCoordinator* coordinator = coordinator_.load(std::memory_order_acquire);
+  if (coordinator != nullptr) coordinator->CancelLinkedWait(refit_id, reason);
+}
+
 void ShardStore::CloseCommits(absl::string_view reason) {
   CommitCoordinator* coordinator = coordinator_.load(std::memory_order_acquire);
   if (coordinator != nullptr) coordinator->Close(reason);

@@ -139,6 +139,12 @@ class CommitCoordinator {
   // return at once: it returns ABORTED "refit "ID" aborted: <reason>" and
   // nothing is copied. No effect on a copy under way or done.
   virtual void CancelWait(absl::string_view refit_id, absl::string_view reason) {}
+  // Ends the wait of `refit_id`'s commit if one is under way and not yet
+  // copying (asked by AskCommit or waiting in BeforeCommit): its
+  // BeforeCommit returns ABORTED "refit "ID" aborted: <reason>". Otherwise
+  // no effect, and nothing is recorded. For a linked commit whose other
+  // refit was aborted: this store's engines are not waited for.
+  virtual void CancelLinkedWait(absl::string_view refit_id, absl::string_view reason) {}
   // Refuses every commit from now on (the daemon shuts down and ends the
   // engines' leases while their processes may still map the kernels): a
   // BeforeCommit waiting ends, and every later one returns ABORTED "refit
@@ -313,6 +319,8 @@ class ShardStore {
   // a refit aborted while its commit waits for attached engines ends with
   // nothing copied instead of committing once they answer.
   void CancelCommitWait(absl::string_view refit_id, absl::string_view reason);
+  // CommitCoordinator::CancelLinkedWait through the store's coordinator.
+  void CancelLinkedCommitWait(absl::string_view refit_id, absl::string_view reason);
   // CommitCoordinator::Close through the store's coordinator, if any: no
   // commit copies from now on (shutdown).
   void CloseCommits(absl::string_view reason);

@@ -353,6 +353,13 @@ void EngineRegistry::CancelWait(absl::string_view refit_id, absl::string_view re
   cancel_message_ = absl::StrCat("refit \"", cancelled_refit_, "\" aborted: ", reason);
 }
 
+void EngineRegistry::CancelLinkedWait(absl::string_view refit_id, absl::string_view reason) {
+  absl::MutexLock lock(&mu_);
+  if (pending_refit_.empty() || pending_refit_ != refit_id || copying_) return;
+  cancelled_refit_ = pending_refit_;
+  cancel_message_ = absl::StrCat("refit \"", cancelled_refit_, "\" aborted: ", reason);
+}
+
 void EngineRegistry::Close(absl::string_view reason) {
   {
     absl::MutexLock lock(&mu_);
@@ -380,6 +387,10 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
   } else {
     TellToldAbortedLocked(refit_id, result.status().message());
   }
+  // A cancel of this commit's wait that its BeforeCommit never saw (the
+  // commit ended before it: a linked commit another group stopped) is over
+  // with it: the refit, if it stays PREPARED, may commit again.
+  if (cancelled_refit_ == refit_id) cancelled_refit_.clear();
   pending_refit_.clear();
   pending_version_ = 0;
   copying_ = false;

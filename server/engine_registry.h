@@ -107,6 +107,7 @@ class EngineRegistry final : public core::CommitCoordinator {
   void AfterCommit(absl::string_view refit_id,
                    const absl::StatusOr<core::CommitStats>& result) override;
   void CancelWait(absl::string_view refit_id, absl::string_view reason) override;
+  void CancelLinkedWait(absl::string_view refit_id, absl::string_view reason) override;
   void Close(absl::string_view reason) override;
 
  private:

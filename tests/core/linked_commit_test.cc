@@ -14,6 +14,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "core/fixture_model.h"
 #include "core/model_layout.h"
 #include "core/refit_session.h"
@@ -172,6 +174,74 @@ TEST_F(LinkedCommitCoordinationTest, AnAskRefusedEndsTheAsksBeforeItAndWaitsForN
   EXPECT_THAT(log_, ::testing::ElementsAre(
                         "ask draft@2", "ask target@2",
                         "after draft model group \"target\": refit \"r\" aborted: shutting down"));
+  EXPECT_EQ(target_->version(), 1u);
+  EXPECT_EQ(draft_->version(), 1u);
+}
+
+// Waits in BeforeCommit until CancelLinkedWait (or 20 s, then answers "did
+// not quiesce"), as a store whose attached engine never reaches its safe
+// point does.
+class BlockingCoordinator : public RecordingCoordinator {
+ public:
+  using RecordingCoordinator::RecordingCoordinator;
+  absl::Status BeforeCommit(absl::string_view refit_id, uint64_t next_version) override {
+    RecordingCoordinator::BeforeCommit(refit_id, next_version).IgnoreError();  // logs the call
+    absl::MutexLock lock(&mu_);
+    waiting_ = true;
+    auto cancelled = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !cancel_.empty(); };
+    mu_.AwaitWithTimeout(absl::Condition(&cancelled), absl::Seconds(20));
+    waiting_ = false;
+    if (cancel_.empty()) return NotQuiescedError("engine \"e-1\" did not quiesce within 20s");
+    return absl::AbortedError(absl::StrCat("refit \"", refit_id, "\" aborted: ", cancel_));
+  }
+  void CancelLinkedWait(absl::string_view refit_id, absl::string_view reason) override {
+    absl::MutexLock lock(&mu_);
+    if (waiting_) cancel_ = std::string(reason);
+  }
+  bool waiting() {
+    absl::MutexLock lock(&mu_);
+    return waiting_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;
+  std::string cancel_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(LinkedCommitTest, AbortingOneRefitEndsTheWaitForTheOtherGroupsEngines) {
+  // The draft's engines are waited for first (group-name order); the
+  // target's refit is aborted meanwhile. The abort ends the draft's wait:
+  // nothing is copied, both refits abort, and the abort does not wait for
+  // the draft's engines.
+  std::vector<std::string> log;
+  BlockingCoordinator draft_coordinator("draft", &log);
+  draft_->SetCommitCoordinator(&draft_coordinator);
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 3);
+  ASSERT_NE(t, nullptr);
+  ASSERT_NE(d, nullptr);
+  absl::StatusOr<std::vector<RefitResult>> results;
+  std::thread committer([&] {
+    std::vector<RefitSession*> sessions = {t.get(), d.get()};
+    results = RefitSession::CommitLinked(sessions);
+  });
+  for (int i = 0; i < 2000 && !draft_coordinator.waiting(); ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(draft_coordinator.waiting());
+  const absl::Time start = absl::Now();
+  t->Abort("the operator aborted it");
+  const absl::Duration abort_took = absl::Now() - start;
+  committer.join();
+  draft_->SetCommitCoordinator(nullptr);
+  EXPECT_LT(abort_took, absl::Seconds(10));  // not the 20 s wait
+  ASSERT_EQ(results.status().code(), absl::StatusCode::kAborted) << results.status();
+  EXPECT_THAT(results.status().message(),
+              ::testing::HasSubstr("of model group \"target\", linked to it, was aborted: the "
+                                   "operator aborted it"));
+  EXPECT_EQ(t->state(), SessionState::kAborted);
+  EXPECT_EQ(d->state(), SessionState::kAborted);
   EXPECT_EQ(target_->version(), 1u);
   EXPECT_EQ(draft_->version(), 1u);
 }

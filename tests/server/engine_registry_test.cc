@@ -174,5 +174,42 @@ TEST_F(EngineRegistryTest, AnEngineThatReadsAndAcksIsWaitedFor) {
   EXPECT_EQ(registry_->size(), 1);
 }
 
+TEST_F(EngineRegistryTest, ALinkedCancelEndsTheWaitOfTheCommitUnderWay) {
+  // An engine that never acks: the wait ends only by the cancel (sent when
+  // another refit of the same linked commit is aborted), not at the 20 s
+  // quiesce timeout.
+  FakeSink engine(registry_.get(), 16);
+  Attach(engine);
+  ASSERT_TRUE(registry_->AskCommit("r-linked", 2).ok());
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    registry_->CancelLinkedWait("r-linked", "the draft's refit was aborted");
+  });
+  const absl::Time start = absl::Now();
+  const absl::Status waited = registry_->BeforeCommit("r-linked", 2);
+  canceller.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(waited.code(), absl::StatusCode::kAborted) << waited;
+  EXPECT_EQ(waited.message(), "refit \"r-linked\" aborted: the draft's refit was aborted");
+  EXPECT_EQ(store_->version(), 1u);
+  EXPECT_FALSE(engine.ended().has_value());  // the engine keeps its lease
+}
+
+TEST_F(EngineRegistryTest, ALinkedCancelOfNoCommitUnderWayLeavesNoRecord) {
+  // No engine: a commit that is not cancelled goes through at once.
+  registry_->CancelLinkedWait("r-later", "aborted before its commit");
+  ASSERT_TRUE(registry_->AskCommit("r-later", 2).ok());
+  EXPECT_TRUE(registry_->BeforeCommit("r-later", 2).ok());
+  registry_->AfterCommit("r-later", absl::AbortedError("the copy was not made"));
+  // Cancelled while asked, and the commit ended before its wait (another
+  // group of the linked commit refused): the refit may commit again.
+  ASSERT_TRUE(registry_->AskCommit("r-again", 2).ok());
+  registry_->CancelLinkedWait("r-again", "the draft's refit was aborted");
+  registry_->AfterCommit("r-again", core::NotQuiescedError("model group \"draft\": ..."));
+  ASSERT_TRUE(registry_->AskCommit("r-again", 2).ok());
+  EXPECT_TRUE(registry_->BeforeCommit("r-again", 2).ok());
+  registry_->AfterCommit("r-again", absl::AbortedError("the copy was not made"));
+}
+
 }  // namespace
 }  // namespace refit::server

@@ -661,14 +661,25 @@ absl::Status RefitClient::Watch(const std::string& model_group,
   std::unique_ptr<grpc::ClientReader<refit::v1::WatchEvent>> reader =
       stub_->Watch(&context, request);
   refit::v1::WatchEvent event;
+  bool got_event = false;
   while (reader->Read(&event)) {
+    got_event = true;
     if (!on_event(event)) {
       context.TryCancel();
       reader->Finish();
       return absl::OkStatus();
     }
   }
-  return FromGrpcStatus(reader->Finish());
+  absl::Status status = FromGrpcStatus(reader->Finish());
+  // A bounded watch that ends at its deadline is a watch that saw nothing
+  // more, if it ever reached the daemon: one that never connected (a
+  // read-only call waits for the daemon until its deadline) is unreachable.
+  if (absl::IsDeadlineExceeded(status) && !got_event &&
+      channel_->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
+    return absl::UnavailableError(
+        absl::StrCat("no refitd answered at ", options_.address, " before the watch's deadline"));
+  }
+  return status;
 }
 
 absl::StatusOr<HealthCheckResponse::ServingStatus> RefitClient::HealthCheck(

@@ -307,9 +307,10 @@ class RefitClient {
   // callback stopped it, otherwise the stream's status. Not retried;
   // options().timeout does not apply (a watch runs until stopped), the
   // deadline does.
-  // Errors: DEADLINE_EXCEEDED (`deadline` passed), NOT_FOUND (unknown model
-  // group), UNAVAILABLE (unreachable, or the daemon shut down while
-  // watching), UNAUTHENTICATED / PERMISSION_DENIED.
+  // Errors: DEADLINE_EXCEEDED (`deadline` passed after the watch reached the
+  // daemon), NOT_FOUND (unknown model group), UNAVAILABLE (unreachable until
+  // `deadline`, or the daemon shut down while watching),
+  // UNAUTHENTICATED / PERMISSION_DENIED.
   absl::Status Watch(const std::string& model_group,
                      const std::function<bool(const refit::v1::WatchEvent&)>& on_event,
                      absl::Time deadline = absl::InfiniteFuture());

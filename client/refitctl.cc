@@ -90,7 +90,8 @@ Commands:
       --quant S, --tp-rank N, --tp-size N   override the daemon's model summary
   watch [--count N]          print refit events (staging, prepared, committed, aborted);
                              with --timeout D the watch ends after D, exit 0 (a bounded
-                             watch); without it, it runs until --count or interrupted
+                             watch; exit 7 if no daemon answered); without it, it runs
+                             until --count or interrupted
 
 Global flags:
   --addr ADDR                daemon address: host:port or unix:/path (default 127.0.0.1:50051)

@@ -488,7 +488,8 @@ absl::Status RefitSession::CheckAllLayersLocked() const {
       "refit \"", options_.refit_id, "\" is incomplete (require_complete): ", count,
       " checkpoint tensor(s) got no bytes: ", absl::StrJoin(missing, ", "),
       count > missing.size() ? absl::StrCat(" and ", count - missing.size(), " more") : "",
-      "; send the whole model, or turn require_complete off for a partial refit"));
+      "; send the whole model, or turn require_complete off for a partial refit (refitctl push "
+      "--partial)"));
 }
 
 absl::StatusOr<RefitResult> RefitSession::CommitLocked() {

@@ -319,6 +319,16 @@ TEST(RefitctlTest, WatchEndsAtTheTimeoutWithExitZero) {
   EXPECT_EQ(lines.size(), 4u);
 }
 
+TEST(RefitctlTest, ABoundedWatchOfNoDaemonIsUnavailableNotAQuietWatch) {
+  // Waited for until the timeout, as every read-only call; a watch that
+  // never reached a daemon must not look like one that saw no events.
+  std::string err;
+  EXPECT_EQ(RunCtl({"--addr", "unix:/nonexistent/refitd.sock", "watch", "--timeout", "300ms"},
+                   nullptr, &err),
+            7);
+  EXPECT_THAT(err, HasSubstr("no refitd answered at unix:/nonexistent/refitd.sock"));
+}
+
 TEST(RefitctlTest, CommitAndAbortWithoutAnIdSendTheEmptyId) {
   FakeServer server;
   std::string out;

@@ -32,7 +32,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import grpc
 
@@ -180,13 +180,23 @@ def _safetensors_chunks(files: Sequence[str]) -> Iterator[pb.Chunk]:
 
 
 def _expand(paths: Union[str, Sequence[str]]) -> List[str]:
-    paths = [paths] if isinstance(paths, str) else list(paths)
+    # Every member reads the files itself: tensors cannot be handed over
+    # here, and a path that is not a file is refused before the fleet lock.
+    if isinstance(paths, Mapping):
+        raise TypeError("FleetClient.push takes checkpoint paths (a directory or .safetensors "
+                        "files), not tensors: save the state dict with safetensors first")
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     files: List[str] = []
     for p in paths:
+        if not isinstance(p, (str, os.PathLike)):
+            raise TypeError(f"FleetClient.push takes checkpoint paths; got a {type(p).__name__}")
+        p = os.fspath(p)
         if os.path.isdir(p):
             files += sorted(os.path.join(p, n) for n in os.listdir(p) if n.endswith(".safetensors"))
-        else:
+        elif os.path.isfile(p):
             files.append(p)
+        else:
+            raise RefitError(f"no such checkpoint file or directory: {p}")
     if not files:
         raise RefitError(f"no .safetensors files in {paths}")
     return files

@@ -103,6 +103,21 @@ def test_every_etcd_endpoint_dead_is_unavailable_naming_each():
         assert f"etcd http://{endpoint}/v3/kv/range" in str(e.value)
 
 
+def test_fleet_push_of_tensors_or_of_a_missing_path_is_refused_before_etcd(tmp_path):
+    import torch
+    from refit_client import RefitError
+
+    # No etcd listens: each refusal comes before any call to it.
+    fleet = FleetClient(etcd=f"127.0.0.1:{_free_port()}", fleet="nobody")
+    with pytest.raises(TypeError, match="takes checkpoint paths .* not tensors"):
+        fleet.push({"model.embed_tokens.weight": torch.zeros(4)})
+    with pytest.raises(TypeError, match="got a Tensor"):
+        fleet.push([torch.zeros(4)])
+    missing = tmp_path / "missing.safetensors"
+    with pytest.raises(RefitError, match=f"no such checkpoint file or directory: {missing}"):
+        fleet.push([str(missing)])
+
+
 def test_a_member_whose_engine_quiesces_late_commits_the_decided_refit_when_it_does(
         etcd, start_daemon, weights):
     # The fleet decides commit while member m0's coordinated engine is busy

@@ -857,11 +857,21 @@ absl::StatusOr<std::vector<CommitStats>> RefitSlot::CommitLinked(
     }
     owed.push_back(i);
   }
-  // A BeforeCommit that fails has ended its own store's ask.
-  for (size_t i : owed) {
-    absl::Status s = coordinator_of(i)->BeforeCommit(parts[i].slot->refit_id(), next[i]);
-    if (!s.ok()) return refuse(i, s);
+  // A BeforeCommit that fails has ended its own store's ask. Until every
+  // store's engines have quiesced at once, an engine that attached to a
+  // store already waited for (or a cancel) sends the waits round again,
+  // within the same deadline.
+  for (bool ready = false; !ready;) {
+    for (size_t i : owed) {
+      absl::Status s = coordinator_of(i)->BeforeCommit(parts[i].slot->refit_id(), next[i]);
+      if (!s.ok()) return refuse(i, s);
+    }
+    ready = true;
+    for (size_t i : owed) {
+      if (!coordinator_of(i)->ReadyToCopy(parts[i].slot->refit_id())) ready = false;
+    }
   }
+  for (size_t i : owed) coordinator_of(i)->StartCopy(parts[i].slot->refit_id());
   absl::StatusOr<std::vector<CommitStats>> stats = CommitLinkedLocked(parts, order);
   for (size_t j : owed) {
     coordinator_of(j)->AfterCommit(

@@ -130,6 +130,15 @@ class CommitCoordinator {
   virtual absl::Status AskCommit(absl::string_view refit_id, uint64_t next_version) {
     return absl::OkStatus();
   }
+  // After an AskCommit, BeforeCommit returns once this store's engines
+  // quiesced but the copy is not under way yet: the other stores' waits
+  // come first, and an engine that attaches meanwhile is asked and waited
+  // for too. ReadyToCopy: every engine asked has quiesced and no cancel
+  // came (else BeforeCommit again, which waits for the newcomers or
+  // returns the cancel). StartCopy: the copy begins; from here an engine
+  // that attaches holds until Committed, unwaited for.
+  virtual bool ReadyToCopy(absl::string_view refit_id) { return true; }
+  virtual void StartCopy(absl::string_view refit_id) {}
   // After a commit that BeforeCommit let through: its stats once the new
   // version is visible, or the error that stopped it (nothing copied).
   virtual void AfterCommit(absl::string_view refit_id,

@@ -225,10 +225,11 @@ absl::Status EngineRegistry::AskLocked(absl::string_view refit_id, uint64_t next
 absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t next_version) {
   const EndLeasesOnReturn end_leases(this);
   absl::MutexLock lock(&mu_);
-  // Asked already by AskCommit (a linked commit): only the wait is left.
+  // Asked already by AskCommit (a linked commit): only the wait is left,
+  // and the copy starts with StartCopy, once every store's wait is over.
   const bool asked =
       asked_ && pending_refit_ == refit_id && pending_version_ == next_version && !copying_;
-  asked_ = false;
+  asked_ = asked;
   if (!asked) {
     if (absl::Status s = AskLocked(refit_id, next_version); !s.ok()) return s;
   }
@@ -260,7 +261,9 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
     return absl::AbortedError(message);
   }
   if (waiting_.empty()) {
-    copying_ = true;
+    // A linked commit: engines that attach before StartCopy are still
+    // asked and waited for.
+    if (!asked) copying_ = true;
     return absl::OkStatus();
   }
   std::vector<std::string> names;
@@ -358,6 +361,18 @@ void EngineRegistry::CancelLinkedWait(absl::string_view refit_id, absl::string_v
   if (pending_refit_.empty() || pending_refit_ != refit_id || copying_) return;
   cancelled_refit_ = pending_refit_;
   cancel_message_ = absl::StrCat("refit \"", cancelled_refit_, "\" aborted: ", reason);
+}
+
+bool EngineRegistry::ReadyToCopy(absl::string_view refit_id) {
+  absl::MutexLock lock(&mu_);
+  return pending_refit_ == refit_id && waiting_.empty() && cancelled_refit_ != refit_id;
+}
+
+void EngineRegistry::StartCopy(absl::string_view refit_id) {
+  absl::MutexLock lock(&mu_);
+  if (pending_refit_ != refit_id) return;
+  copying_ = true;
+  asked_ = false;
 }
 
 void EngineRegistry::Close(absl::string_view reason) {

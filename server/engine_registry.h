@@ -11,7 +11,9 @@
 // one with ABORTED) and the engines that were told are sent Aborted so they
 // resume. An engine that detaches is released at once and never blocks a
 // commit. A linked commit asks the engines of all its groups at once
-// (AskCommit), then waits for each group's. The pause of each coordinated
+// (AskCommit), then waits for each group's; an engine that attaches to a
+// group whose wait is over, before the copy starts (StartCopy), is waited
+// for as well. The pause of each coordinated
 // engine (its Quiesced to its Committed) is observed in Metrics.
 //
 // Lifecycle: created per group by the AttachService, registered as the
@@ -108,6 +110,8 @@ class EngineRegistry final : public core::CommitCoordinator {
                    const absl::StatusOr<core::CommitStats>& result) override;
   void CancelWait(absl::string_view refit_id, absl::string_view reason) override;
   void CancelLinkedWait(absl::string_view refit_id, absl::string_view reason) override;
+  bool ReadyToCopy(absl::string_view refit_id) override;
+  void StartCopy(absl::string_view refit_id) override;
   void Close(absl::string_view reason) override;
 
  private:
@@ -193,11 +197,12 @@ class EngineRegistry final : public core::CommitCoordinator {
   // a time: the store's refit slot).
   std::string pending_refit_ ABSL_GUARDED_BY(mu_);
   uint64_t pending_version_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;        // of the pending commit, counted per registry
-  bool copying_ ABSL_GUARDED_BY(mu_) = false;        // BeforeCommit returned OK, no AfterCommit yet
-  bool asked_ ABSL_GUARDED_BY(mu_) = false;          // AskCommit returned OK, no BeforeCommit yet
-  absl::Time ask_deadline_ ABSL_GUARDED_BY(mu_);     // the pending commit's wait ends here
-  std::set<std::string> told_ ABSL_GUARDED_BY(mu_);  // sent CommitPending
+  uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;  // of the pending commit, counted per registry
+  bool copying_ ABSL_GUARDED_BY(mu_) =
+      false;  // the copy may run (BeforeCommit or StartCopy), no AfterCommit yet
+  bool asked_ ABSL_GUARDED_BY(mu_) = false;             // AskCommit returned OK, no StartCopy yet
+  absl::Time ask_deadline_ ABSL_GUARDED_BY(mu_);        // the pending commit's wait ends here
+  std::set<std::string> told_ ABSL_GUARDED_BY(mu_);     // sent CommitPending
   std::set<std::string> waiting_ ABSL_GUARDED_BY(mu_);  // told, not yet quiesced
   // A refit aborted before or during its BeforeCommit (CancelWait), and why.
   std::string cancelled_refit_ ABSL_GUARDED_BY(mu_);

@@ -97,6 +97,12 @@ class RecordingCoordinator : public CommitCoordinator {
     log_->push_back(absl::StrCat("wait ", group_, "@", next_version));
     return before_answer;
   }
+  bool ReadyToCopy(absl::string_view refit_id) override {
+    if (not_ready_rounds == 0) return true;
+    --not_ready_rounds;
+    return false;
+  }
+  void StartCopy(absl::string_view refit_id) override { log_->push_back("copy " + group_); }
   void AfterCommit(absl::string_view refit_id, const absl::StatusOr<CommitStats>& result) override {
     log_->push_back(absl::StrCat(
         "after ", group_, " ",
@@ -104,6 +110,9 @@ class RecordingCoordinator : public CommitCoordinator {
   }
   absl::Status ask_answer = absl::OkStatus();
   absl::Status before_answer = absl::OkStatus();
+  // ReadyToCopy answers false this many times (an engine attached after
+  // the wait), then true.
+  int not_ready_rounds = 0;
 
  private:
   std::string group_;
@@ -135,9 +144,27 @@ TEST_F(LinkedCommitCoordinationTest, EveryGroupsEnginesAreAskedBeforeAnyWaitIsAw
   std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
   std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 3);
   ASSERT_TRUE(CommitBoth(t.get(), d.get()).ok());
-  // In group-name order: both asked, then both waited for, then both told.
+  // In group-name order: both asked, then both waited for, the copy
+  // started in both, then both told.
   EXPECT_THAT(log_, ::testing::ElementsAre("ask draft@2", "ask target@2", "wait draft@2",
-                                           "wait target@2", "after draft v2", "after target v2"));
+                                           "wait target@2", "copy draft", "copy target",
+                                           "after draft v2", "after target v2"));
+}
+
+TEST_F(LinkedCommitCoordinationTest, AGroupNotReadyAfterTheWaitsSendsTheWaitsRoundAgain) {
+  // An engine attached to the draft while the target was waited for: the
+  // draft is waited for again (and the target, whose wait returns at once
+  // when nothing is left), and only then does the copy start.
+  draft_coordinator_.not_ready_rounds = 1;
+  std::unique_ptr<RefitSession> t = Prepared(target_.get(), 2);
+  std::unique_ptr<RefitSession> d = Prepared(draft_.get(), 3);
+  ASSERT_TRUE(CommitBoth(t.get(), d.get()).ok());
+  EXPECT_THAT(log_,
+              ::testing::ElementsAre("ask draft@2", "ask target@2", "wait draft@2", "wait target@2",
+                                     "wait draft@2", "wait target@2", "copy draft", "copy target",
+                                     "after draft v2", "after target v2"));
+  EXPECT_EQ(target_->version(), 2u);
+  EXPECT_EQ(draft_->version(), 2u);
 }
 
 TEST_F(LinkedCommitCoordinationTest,

@@ -211,5 +211,37 @@ TEST_F(EngineRegistryTest, ALinkedCancelOfNoCommitUnderWayLeavesNoRecord) {
   registry_->AfterCommit("r-again", absl::AbortedError("the copy was not made"));
 }
 
+TEST_F(EngineRegistryTest, AnEngineThatAttachesAfterALinkedWaitIsWaitedForBeforeTheCopy) {
+  // A linked commit: this group was asked and its wait is over (no engine),
+  // the copy has not started (the other groups are waited for). An engine
+  // that attaches now is asked, and the group is not ready to copy until it
+  // acks.
+  ASSERT_TRUE(registry_->AskCommit("r-linked", 2).ok());
+  ASSERT_TRUE(registry_->BeforeCommit("r-linked", 2).ok());
+  ASSERT_TRUE(registry_->ReadyToCopy("r-linked"));
+  FakeSink engine(registry_.get(), 16);
+  Attach(engine);
+  const std::optional<v1::CommitPending> pending = engine.pending();
+  ASSERT_TRUE(pending.has_value());
+  EXPECT_EQ(pending->refit_id(), "r-linked");
+  EXPECT_FALSE(registry_->ReadyToCopy("r-linked"));
+  std::thread acker([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    registry_->OnQuiesced(engine.id, pending->refit_id(), pending->version(), pending->attempt());
+  });
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(registry_->BeforeCommit("r-linked", 2).ok());  // waits for the newcomer
+  acker.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_TRUE(registry_->ReadyToCopy("r-linked"));
+  registry_->StartCopy("r-linked");
+  // From the copy on, an engine that attaches holds until Committed and is
+  // not waited for.
+  FakeSink during_copy(registry_.get(), 16);
+  Attach(during_copy);
+  EXPECT_TRUE(registry_->ReadyToCopy("r-linked"));
+  registry_->AfterCommit("r-linked", absl::AbortedError("the copy was not made"));
+}
+
 }  // namespace
 }  // namespace refit::server

@@ -168,6 +168,62 @@ def test_a_linked_commit_held_up_by_one_groups_engine_names_that_group_to_every_
         assert f'model group "b": engine "{stuck.engine_id}" ("stuck")' in aborted[0].reason
 
 
+def test_an_engine_that_attaches_to_a_group_already_quiesced_is_waited_for_too(
+        start_daemon, weights):
+    # Group a's engine acks at once; b's acks only once a third engine has
+    # attached to a while the commit waited for b. That engine is asked and
+    # never reaches its safe point: the linked commit must not copy under
+    # it (it could be reading the weights), and fails naming it.
+    import threading
+    import time
+
+    from refit_client import RefitError, attach
+
+    new = load_state_dict(weights(2))
+    daemon = start_daemon("--group=a=demo", "--group=b=demo,seed=7",
+                          "--engine-quiesce-timeout=3s")
+    daemon.wait_for_line(READY_LINE, also="group=b")
+    with RefitClient(daemon.address, timeout=30) as c, \
+            attach(daemon.address, group="a", name="fast") as a, \
+            attach(daemon.address, group="b", name="slow") as b:
+        b_asked, late_attached = threading.Event(), threading.Event()
+        b.on_event(lambda ev: b_asked.set() if ev.kind == "commit_pending" else None)
+
+        def step_b() -> None:
+            if late_attached.wait(0.01):
+                b.safe_point(timeout=10)
+
+        outcome = {}
+
+        def push() -> None:
+            try:
+                outcome["result"] = c.push_linked({"a": new, "b": new})
+            except RefitError as e:
+                outcome["error"] = e
+
+        with stepping(lambda: a.safe_point(timeout=10), pause=0.001), \
+                stepping(step_b, pause=0.001):
+            pusher = threading.Thread(target=push)
+            pusher.start()
+            assert b_asked.wait(30)
+            time.sleep(0.3)  # a has acked (it steps every millisecond): b alone is waited for
+            with attach(daemon.address, group="a", name="late") as late:
+                assert late.version == 1
+                late_attached.set()
+                pusher.join(30)
+        assert "result" not in outcome, "the linked commit copied under an engine not quiesced"
+        message = str(outcome["error"])
+        assert 'model group "a"' in message and '("late")' in message, message
+        assert "did not quiesce" in message
+        assert versions(c) == {"a": 1, "b": 1}
+        # Once every engine is at a safe point, the refits (still PREPARED)
+        # are not needed: a fresh linked push goes through.
+        with stepping(lambda: a.safe_point(timeout=10), pause=0.001), \
+                stepping(lambda: b.safe_point(timeout=10), pause=0.001):
+            results = c.push_linked({"a": new, "b": new})
+        assert {g: r.version for g, r in results.items()} == {"a": 2, "b": 2}
+
+
 def test_one_engine_on_two_groups_follows_a_linked_commit_with_safe_point_all(
         start_daemon, weights):
     # A target and its draft served by one engine thread: safe_point_all acks

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -83,8 +84,18 @@ absl::Status CheckHostPort(absl::string_view target, absl::string_view address) 
 
 // gRPC takes "host:500510" as port 500510 mod 65536; refuse it instead.
 absl::Status ValidateAddress(absl::string_view address) {
-  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:") ||
-      absl::StartsWith(address, "vsock:")) {
+  if (absl::string_view path = address; absl::ConsumePrefix(&path, "unix:")) {
+    // unix:PATH or unix:///ABSOLUTE (one "/" kept).
+    if (absl::StartsWith(path, "//")) path.remove_prefix(2);
+    if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "address \"", address, "\": its socket path is ", path.size(),
+          " bytes; a Unix socket path holds at most ", sizeof(sockaddr_un::sun_path) - 1,
+          " (connect from its directory with a relative unix: path)"));
+    }
+    return absl::OkStatus();
+  }
+  if (absl::StartsWith(address, "unix-abstract:") || absl::StartsWith(address, "vsock:")) {
     return absl::OkStatus();
   }
   absl::string_view rest = address;

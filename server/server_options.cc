@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "absl/strings/ascii.h"
@@ -157,11 +158,15 @@ std::string DescriptorSocketPath(const std::vector<std::string>& addresses) {
     absl::StatusOr<UnixSocketAddress> a = ParseUnixSocketAddress(address);
     if (!a.ok()) return std::string();
     // Clients are told this path: relative, it would name a file beside
-    // their working directory, not the daemon's.
+    // their working directory, not the daemon's. Made absolute where that
+    // still fits a socket address; in a working directory too deep for it,
+    // it stays relative (clients in the same directory reach it).
     if (!absl::StartsWith(a->path, "/")) {
       char cwd[PATH_MAX];
       if (::getcwd(cwd, sizeof(cwd)) == nullptr) return a->path + ".fd";
-      return absl::StrCat(cwd, "/", a->path, ".fd");
+      std::string absolute = absl::StrCat(cwd, "/", a->path, ".fd");
+      if (absolute.size() >= sizeof(sockaddr_un::sun_path)) return a->path + ".fd";
+      return absolute;
     }
     return a->path + ".fd";
   }

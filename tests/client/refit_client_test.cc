@@ -377,8 +377,19 @@ TEST(RefitClientTest, CreateRejectsPortsOutsideTheRange) {
     EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(client.status().message(), HasSubstr(absl::StrCat("\"", bad, "\""))) << bad;
   }
-  for (const char* ok : {"127.0.0.1:0", "127.0.0.1:65535", "localhost", "dns:///localhost:50051",
-                         "[::1]:50051", "unix:/tmp/x.sock", "unix-abstract:x"}) {
+  // A Unix socket path longer than a socket address holds (107 bytes).
+  const std::string long_unix = "unix:/" + std::string(107, 'd');
+  for (const std::string& bad : {long_unix, "unix:///" + std::string(107, 'd')}) {
+    ClientOptions options;
+    options.address = bad;
+    absl::StatusOr<std::unique_ptr<RefitClient>> client = RefitClient::Create(options);
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(client.status().message(), HasSubstr("its socket path is 108 bytes")) << bad;
+  }
+  for (const std::string& ok : std::vector<std::string>{
+           "127.0.0.1:0", "127.0.0.1:65535", "localhost", "dns:///localhost:50051", "[::1]:50051",
+           "unix:/tmp/x.sock", "unix-abstract:x", "unix:/" + std::string(106, 'd'),
+           "unix:r.sock"}) {
     ClientOptions options;
     options.address = ok;
     EXPECT_TRUE(RefitClient::Create(options).ok()) << ok;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/auth.h"
 #include "server/server_options.h"
+#include "tests/testing/temp_dir.h"
 
 namespace refit::server {
 namespace {
@@ -100,6 +101,23 @@ TEST(ServerOptionsTest, TheDescriptorSocketOfARelativeUnixPathIsToldAbsolute) {
   ASSERT_NE(::getcwd(cwd, sizeof(cwd)), nullptr);
   EXPECT_EQ(DescriptorSocketPath({"unix:r.sock"}), absl::StrCat(cwd, "/r.sock.fd"));
   EXPECT_EQ(DescriptorSocketPath({"unix:run/r.sock"}), absl::StrCat(cwd, "/run/r.sock.fd"));
+}
+
+TEST(ServerOptionsTest, TheDescriptorSocketOfARelativePathInADeepDirectoryStaysRelative) {
+  // Absolute, it would not fit a socket address; relative, it does, and
+  // clients in the same directory reach it (the daemon starts).
+  char cwd[PATH_MAX];
+  ASSERT_NE(::getcwd(cwd, sizeof(cwd)), nullptr);
+  const std::string deep =
+      absl::StrCat(::testing::TempDir(), "/refit-deep-", ::getpid(), "/", std::string(100, 'd'));
+  ASSERT_TRUE(testing::MakeDirs(deep));
+  ASSERT_EQ(::chdir(deep.c_str()), 0);
+  const std::string fd_path = DescriptorSocketPath({"unix:r.sock"});
+  const absl::Status valid = ValidateListenAddresses({"unix:r.sock"});
+  ASSERT_EQ(::chdir(cwd), 0);
+  testing::RemoveTree(deep.substr(0, deep.rfind('/')));
+  EXPECT_EQ(fd_path, "r.sock.fd");
+  EXPECT_TRUE(valid.ok()) << valid;
 }
 
 TEST(ServerOptionsTest, UnixPathsAndTheDescriptorSocketBesideThemMustFit) {

@@ -642,6 +642,10 @@ class _ShmRefused(Exception):
         self.error = error
 
 
+# sockaddr_un.sun_path holds 108 bytes with its terminating NUL.
+_MAX_UNIX_PATH = 107
+
+
 class RefitClient:
     """Client of one refitd daemon.
 
@@ -682,6 +686,14 @@ class RefitClient:
     ) -> None:
         if not address:
             raise InvalidArgument("empty daemon address")
+        if address.startswith("unix:"):
+            path = address[len("unix:"):]
+            path = path[2:] if path.startswith("//") else path
+            if len(path.encode()) > _MAX_UNIX_PATH:
+                raise InvalidArgument(
+                    f'address "{address}": its socket path is {len(path.encode())} bytes; a Unix '
+                    f"socket path holds at most {_MAX_UNIX_PATH} (connect from its directory with "
+                    "a relative unix: path)")
         if token is not None and token_file is not None:
             raise InvalidArgument("give token or token_file, not both")
         if token_file is not None:

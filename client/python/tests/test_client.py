@@ -224,3 +224,12 @@ def test_mutual_tls_needs_a_client_certificate(start_daemon, tmp_path):
     )
     with RefitClient(daemon.address, tls=tls) as c:
         assert c.status().version == 1
+
+
+def test_a_unix_path_too_long_for_a_socket_address_is_refused_naming_it():
+    # 108 bytes: one more than sockaddr_un holds; gRPC's own error would only
+    # say "the target uri is not valid".
+    for address in ("unix:/" + "d" * 107, "unix:///" + "d" * 107):
+        with pytest.raises(InvalidArgument, match="its socket path is 108 bytes"):
+            RefitClient(address)
+    RefitClient("unix:/" + "d" * 106).close()  # fits: refused only when called

@@ -693,8 +693,15 @@ class Refitctl {
       return;
     }
     const double seconds = absl::ToDoubleSeconds(elapsed);
-    std::cout << absl::StrFormat("%s refit %s: version %d, fingerprint %s\n", StateLabel(r.state()),
-                                 r.refit_id(), r.version(), r.fingerprint())
+    // A prepared refit has no version of its own yet: the one shown is the
+    // live version its commit will follow.
+    std::cout << (r.state() == refit::v1::REFIT_STATE_PREPARED
+                      ? absl::StrFormat("prepared refit %s: live version %d, fingerprint %s (its "
+                                        "commit makes the next version)\n",
+                                        r.refit_id(), r.version(), r.fingerprint())
+                      : absl::StrFormat("%s refit %s: version %d, fingerprint %s\n",
+                                        StateLabel(r.state()), r.refit_id(), r.version(),
+                                        r.fingerprint()))
               << absl::StrFormat(
                      "  %s in %.2f s (%s/s); receive %.3f s, quantize %.3f s, finalize %.3f s, "
                      "commit %.3f s; peak staging %s\n",

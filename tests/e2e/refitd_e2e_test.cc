@@ -228,6 +228,13 @@ TEST_F(RefitdE2eTest, TwoPhasePushThenCommit) {
   CommandResult commit = Ctl({"commit", prepared["refit_id"].get<std::string>()});
   ASSERT_EQ(commit.code, 0) << commit.err;
   EXPECT_EQ(StatusJson()["version"], v0 + 1);
+  // In text, a prepared refit shows the live version its commit follows,
+  // not as a version of its own.
+  CommandResult text = Ctl({"push", "--prepare", Fixture(3)});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr(absl::StrCat(": live version ", v0 + 1, ", fingerprint")));
+  EXPECT_THAT(text.out, HasSubstr("(its commit makes the next version)"));
+  ASSERT_EQ(Ctl({"abort"}).code, 0);
   // A stale base version is a conflict (ABORTED): re-read, then retry.
   CommandResult stale = Ctl({"push", "--base-version", std::to_string(v0), Fixture(3)});
   EXPECT_EQ(stale.code, 5) << stale.err;

@@ -194,7 +194,8 @@ absl::Status EngineRegistry::AskCommit(absl::string_view refit_id, uint64_t next
 }
 
 absl::Status EngineRegistry::AskLocked(absl::string_view refit_id, uint64_t next_version) {
-  if (TakeGoneLocked()) EndGoneNowLocked();
+  TakeGoneLocked();
+  EndLeasesNowLocked();
   abort_sent_refit_.clear();
   abort_sent_to_.clear();
   if (closed_.has_value()) {
@@ -244,7 +245,8 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
     // inherited it) is released, not waited for: looked for once more at the
     // deadline too (a linked commit's later group may come to its wait
     // with its deadline passed).
-    if (TakeGoneLocked()) EndGoneNowLocked();
+    TakeGoneLocked();
+    EndLeasesNowLocked();
     if (now >= deadline) break;
   }
   if (cancelled_refit_ == refit_id) {
@@ -291,8 +293,7 @@ absl::Status EngineRegistry::BeforeCommit(absl::string_view refit_id, uint64_t n
   return core::NotQuiescedError(reason);
 }
 
-bool EngineRegistry::TakeGoneLocked() {
-  bool took = false;
+void EngineRegistry::TakeGoneLocked() {
   for (auto it = engines_.begin(); it != engines_.end();) {
     const int pid = it->second.info.pid;
     if (!ProcessGone(it->second)) {
@@ -315,15 +316,14 @@ bool EngineRegistry::TakeGoneLocked() {
               "process holds its stream, which is not coordinated: attach again from the "
               "serving process"));
     }
-    took = true;
     const std::string id = it->first;
     ++it;  // before the engine it points to is erased
     ForgetLocked(id);
   }
-  return took;
 }
 
-void EngineRegistry::EndGoneNowLocked() {
+void EngineRegistry::EndLeasesNowLocked() {
+  if (ending_.empty()) return;
   mu_.Unlock();
   EndLeases();
   mu_.Lock();

@@ -166,12 +166,11 @@ class EngineRegistry final : public core::CommitCoordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the engines whose process is gone (their recorded pid exits no
   // more, while something else, a child that inherited the stream, keeps
-  // it open) out of the registry and queues their leases to end. True if
-  // it took any.
-  bool TakeGoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Ends the leases taken by TakeGoneLocked now, releasing the lock
+  // it open) out of the registry and queues their leases to end.
+  void TakeGoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the leases queued in ending_ now, if any, releasing the lock
   // meanwhile (a commit's wait, which holds it, must not delay them).
-  void EndGoneNowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndLeasesNowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool NoneWaitingOrCancelledLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return waiting_.empty() || (!pending_refit_.empty() && cancelled_refit_ == pending_refit_);
   }

@@ -10,27 +10,39 @@
 # (.deps/prefix), never over /. The build is core only (REFIT_BUILD_SERVER=OFF:
 # core has no gRPC), against that machine's torch, with REFIT_WITH_CUDA=ON.
 #
-#   scripts/gpu-check.sh --fetch     download the .debs (needs apt; run it here)
+#   scripts/gpu-check.sh --fetch     download the .debs and the Python wheels
+#                                    (needs apt and pip; run it here)
+#   scripts/gpu-check.sh --bundle    pack the daemon built here (refitd, refitctl,
+#                                    refit_make_fixture, stripped, with the shared
+#                                    libraries the GPU machine lacks, and the
+#                                    client's generated stubs) into .deps/daemon
+#   scripts/gpu-check.sh --prepare   both: what to run here before a device run
 #   scripts/gpu-check.sh --dry-run   unpack, configure, build the GPU targets and
 #                                    run the gpu tests (they skip without a GPU);
-#                                    the benchmark is skipped
-#   scripts/gpu-check.sh             all of it, plus the GPU benchmark
+#                                    the benchmarks are skipped
+#   scripts/gpu-check.sh             all of it, plus the GPU benchmarks
 #
+# Carry .deps (debs, wheels, daemon bundle: about 20 MiB) to the GPU machine.
+# Part two, with the daemon bundle: the Python client's `gpu` tests (pytest
+# -m gpu) against the bundled refitd, then (full mode) the attach and
+# shared-memory-lane benchmarks with refitd's store on cuda:0.
 # Output: a table (printed last) and JSON in $OUT/gpu-check-results.json when
 # $OUT is a directory, else ./gpu-check-results.json (the caller's directory);
-# the ctest, benchmark and build logs beside it (gpu-check-*.log).
+# the ctest, pytest, benchmark and build logs beside it (gpu-check-*.log).
 # Environment: PYTHON (a python with torch; default python3, then .venv),
 # GPU_CHECK_BUILD_DIR (default build-gpu-check), JOBS (default nproc),
-# GPU_CHECK_BENCH_ARGS (extra refit_gpu_bench flags, e.g. --quick).
+# GPU_CHECK_BENCH_ARGS (extra refit_gpu_bench flags, e.g. --quick),
+# GPU_CHECK_DAEMON=0 (leave part two out), GPU_CHECK_DAEMON_REPS (pushes per
+# lane in the daemon benchmarks, default 3), REFIT_BUILD_DIR (--bundle packs
+# its bin/; default build), GPU_PYTHON_VERSION (--fetch: the GPU machine's
+# python, default 3.12).
 # Exit status: 0 when the build, every gpu test and every benchmark target
 # pass; 1 when something is wrong (a build or test failure, a benchmark that
 # failed or found other bytes than the CPU path, or, on a machine with a GPU,
 # a gpu test that skipped itself: then refit's CUDA runtime did not see the
-# device that torch sees); 3 when everything is right but a speed target was
-# missed (the table's MISS rows); 2 for usage errors.
-# Not covered here: the daemon and the Python client's GPU paths (CUDA arena
-# attach, the CUDA IPC trainer lane), which need gRPC; docs/gpu.md says how to
-# run their gpu tests.
+# device that torch sees; in full mode, a missing daemon bundle); 3 when
+# everything is right but a speed target was missed (the table's MISS rows);
+# 2 for usage errors.
 set -euo pipefail
 
 CALLER_DIR=$PWD
@@ -59,10 +71,12 @@ PACKAGES=(
 MODE=full
 case "${1:-}" in
   --fetch) MODE=fetch ;;
+  --bundle) MODE=bundle ;;
+  --prepare) MODE=prepare ;;
   --dry-run) MODE=dry-run ;;
   "") ;;
-  -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
-  *) echo "usage: $0 [--fetch|--dry-run]" >&2; exit 2 ;;
+  -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+  *) echo "usage: $0 [--fetch|--bundle|--prepare|--dry-run]" >&2; exit 2 ;;
 esac
 
 log() { printf '[gpu-check %3ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
@@ -80,7 +94,12 @@ STEPS=$WORK/steps.tsv   # name <TAB> status <TAB> seconds <TAB> detail
 step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >> "$STEPS"; }
 
 # ---------------------------------------------------------------- fetch ----
-if [ "$MODE" = fetch ]; then
+# Part two's Python packages the GPU machine's image may lack or hold in
+# other versions: the versions the tests use here, for its python.
+GPU_PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
+WHEELS_DIR=$DEPS_DIR/wheels
+BUNDLE_DIR=$DEPS_DIR/daemon
+fetch() {
   command -v apt-get > /dev/null || die "--fetch needs apt-get (run it on the build machine)"
   mkdir -p "$DEBS_DIR"
   rm -f "$DEBS_DIR"/*.deb
@@ -88,9 +107,117 @@ if [ "$MODE" = fetch ]; then
   (cd "$DEBS_DIR" && apt-get download -q "${PACKAGES[@]}")
   (cd "$DEBS_DIR" && sha256sum ./*.deb > SHA256SUMS)
   log "fetched: $(ls "$DEBS_DIR"/*.deb | wc -l) debs, $(du -sh "$DEBS_DIR" | cut -f1)"
-  exit 0
-fi
 
+  local py=$ROOT/.venv/bin/python pins=() name version
+  [ -x "$py" ] || die "--fetch needs the development venv (.venv: scripts/setup.sh)"
+  for name in grpcio protobuf xxhash pytest; do
+    version=$(sed -n "s/^$name==//p" "$ROOT/scripts/requirements.txt")
+    [ -n "$version" ] || die "no $name pin in scripts/requirements.txt"
+    pins+=("$name==$version")
+  done
+  # pytest's own needs, as installed here (the image has packaging and pygments).
+  for name in pluggy iniconfig; do
+    pins+=("$name==$("$py" -c "import importlib.metadata as m; print(m.version('$name'))")")
+  done
+  rm -rf "$WHEELS_DIR"
+  mkdir -p "$WHEELS_DIR"
+  log "downloading wheels for python $GPU_PYTHON_VERSION: ${pins[*]}"
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PYTHON_VERSION" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$WHEELS_DIR" "${pins[@]}"
+  echo "$GPU_PYTHON_VERSION" > "$WHEELS_DIR/PYTHON_VERSION"
+  (cd "$WHEELS_DIR" && sha256sum ./*.whl > SHA256SUMS)
+  log "fetched: $(ls "$WHEELS_DIR"/*.whl | wc -l) wheels, $(du -sh "$WHEELS_DIR" | cut -f1)"
+}
+
+# --------------------------------------------------------------- bundle ----
+# The daemon built here, for a GPU machine that cannot build it (no gRPC):
+# the binaries stripped, every shared library they load that is neither
+# glibc's, the C++ runtime's nor torch's (the GPU machine brings its own
+# torch, the same version), and the client's generated gRPC stubs.
+bundle() {
+  local src=${REFIT_BUILD_DIR:-$ROOT/build} stage=$WORK/stage b lib
+  case "$src" in /*) ;; *) src=$ROOT/$src ;; esac
+  [ -f "$src/CMakeCache.txt" ] || die "no build in $src: scripts/build.sh first (or set REFIT_BUILD_DIR)"
+  # The binaries as the checkout is now (quick when they are up to date).
+  log "building refitd, refitctl and refit_make_fixture in ${src#$ROOT/}"
+  cmake --build "$src" -j"$JOBS" --target refitd refitctl refit_make_fixture > "$WORK/bundle-build.log" 2>&1 ||
+    { tail -30 "$WORK/bundle-build.log"; die "building the daemon failed"; }
+  ldd "$src/bin/refitd" | grep -q 'libcudart' ||
+    die "$src/bin/refitd was built without CUDA (REFIT_WITH_CUDA=OFF): a GPU store needs it"
+  local stubs=$ROOT/client/python/refit_client/_proto
+  [ -f "$stubs/refit_pb2.py" ] || die "no generated stubs in ${stubs#$ROOT/}: scripts/setup.sh first"
+  mkdir -p "$stage/libexec" "$stage/lib" "$stage/proto"
+  for b in refitd refitctl refit_make_fixture; do
+    strip -o "$stage/libexec/$b" "$src/bin/$b"
+  done
+  # What the loader resolves here, less what the GPU machine has itself.
+  for lib in $(for b in refitd refitctl refit_make_fixture; do ldd "$src/bin/$b"; done |
+      awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u); do
+    case "$(basename "$lib")" in
+      libc.so*|libm.so*|libpthread.so*|librt.so*|libdl.so*|libutil.so*|libresolv.so*|ld-linux*) continue ;;
+      libstdc++.so*|libgcc_s.so*) continue ;;
+    esac
+    case "$lib" in */site-packages/*) continue ;; esac  # torch and its CUDA libraries
+    cp -L "$lib" "$stage/lib/"
+  done
+  cp "$stubs"/*.py "$stage/proto/"
+  {
+    echo "commit $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)$(
+      git -C "$ROOT" diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
+    echo "bundled $(date -u +%Y-%m-%dT%H:%M:%SZ) from ${src#$ROOT/}: $("$src/bin/refitd" --version 2>&1 | head -1)"
+    echo "torch $("$ROOT/.venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)"
+  } > "$stage/BUNDLE"
+  rm -rf "$BUNDLE_DIR"
+  mkdir -p "$BUNDLE_DIR"
+  tar -C "$stage" -cJf "$BUNDLE_DIR/daemon.tar.xz" .
+  (cd "$BUNDLE_DIR" && sha256sum ./daemon.tar.xz > SHA256SUMS)
+  log "bundled $(ls "$stage/lib" | wc -l) libraries with refitd, refitctl and refit_make_fixture:" \
+    "${BUNDLE_DIR#$ROOT/}/daemon.tar.xz, $(du -sh "$BUNDLE_DIR/daemon.tar.xz" | cut -f1)" \
+    "($(head -1 "$stage/BUNDLE"))"
+}
+
+case "$MODE" in
+  fetch) fetch; exit 0 ;;
+  bundle) bundle; exit 0 ;;
+  prepare) fetch; bundle; exit 0 ;;
+esac
+
+# ---------------------------------------------------------------- torch ----
+PY=""
+for cand in ${PYTHON:-} python3 "$ROOT/.venv/bin/python3"; do
+  if [ -n "$cand" ] && "$cand" -c 'import torch' > /dev/null 2>&1; then PY=$cand; break; fi
+done
+[ -n "$PY" ] || die "no python with torch (set PYTHON)"
+TORCH_PREFIX=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
+TORCH_CUDA=$("$PY" -c 'import torch; print(torch.version.cuda)')
+log "torch $TORCH_VERSION (CUDA $TORCH_CUDA) from $TORCH_PREFIX"
+
+# ------------------------------------------------------------------ gpu ----
+GPU_NAME=""
+if command -v nvidia-smi > /dev/null 2>&1; then
+  GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
+fi
+HAVE_GPU=0
+if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  HAVE_GPU=1
+  [ -n "$GPU_NAME" ] || GPU_NAME=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || true)
+fi
+log "GPU: ${GPU_NAME:-none}"
+
+# ------------------------------------------------------ part one: core ----
+# The CUDA kernels and core's gpu tests, built here against the carried
+# libraries, and the kernels' benchmark. GPU_CHECK_CORE=0 leaves it out (to
+# rerun part two alone).
+ctest_rc=0
+bench_rc=0
+NVCC_VERSION=""
+CORE_RAN=0
+CALLER_LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
+# (The body is not indented: it holds a here-document.)
+core_check() {
+CORE_RAN=1
 # --------------------------------------------------------------- unpack ----
 [ -d "$DEBS_DIR" ] && ls "$DEBS_DIR"/*.deb > /dev/null 2>&1 ||
   die "no .debs in ${DEBS_DIR#$ROOT/}: run scripts/gpu-check.sh --fetch on a machine with apt first"
@@ -159,17 +286,6 @@ unset PKG_CONFIG_PATH
 PKGCONF=$PREFIX/usr/bin/pkgconf
 "$PKGCONF" --exists libxxhash || die "the prefix's pkgconf cannot see libxxhash"
 
-# ---------------------------------------------------------------- torch ----
-PY=""
-for cand in ${PYTHON:-} python3 "$ROOT/.venv/bin/python3"; do
-  if [ -n "$cand" ] && "$cand" -c 'import torch' > /dev/null 2>&1; then PY=$cand; break; fi
-done
-[ -n "$PY" ] || die "no python with torch (set PYTHON)"
-TORCH_PREFIX=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
-TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
-TORCH_CUDA=$("$PY" -c 'import torch; print(torch.version.cuda)')
-log "torch $TORCH_VERSION (CUDA $TORCH_CUDA) from $TORCH_PREFIX"
-
 NVCC=${CUDACXX:-}
 [ -n "$NVCC" ] || NVCC=$(command -v nvcc || true)
 [ -n "$NVCC" ] || { [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc; }
@@ -231,18 +347,6 @@ grep -q -- "-isystem $PREFIX/usr/include" "$BUILD_DIR/compile_commands.json" ||
   die "no compile command uses the prefix's include directory"
 log "built"
 
-# ------------------------------------------------------------------ gpu ----
-GPU_NAME=""
-if command -v nvidia-smi > /dev/null 2>&1; then
-  GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
-fi
-HAVE_GPU=0
-if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  HAVE_GPU=1
-  [ -n "$GPU_NAME" ] || GPU_NAME=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || true)
-fi
-log "GPU: ${GPU_NAME:-none}"
-
 t0=$(date +%s)
 # ctest -L gpu selects the gpu-labelled tests. If the label did not reach
 # the discovered tests (a list-valued LABELS can get flattened on its way
@@ -293,20 +397,147 @@ else
     "refit_gpu_bench rc=$bench_rc"
 fi
 
+}
+if [ "${GPU_CHECK_CORE:-1}" = 1 ]; then
+  core_check
+else
+  step "core" skipped 0 "GPU_CHECK_CORE=0"
+fi
+
+# ----------------------------------------------------- part two: daemon ----
+# The Python client's gpu tests against the bundled refitd (built here with
+# CUDA; the GPU machine has no gRPC to build it), then, in full mode, the
+# daemon's own GPU benchmarks. Each bundled binary runs through a wrapper
+# that points the loader at the bundle's libraries and this machine's torch.
+daemon_rc=0
+daemon_check() {
+  local tar=$BUNDLE_DIR/daemon.tar.xz d=$WORK/daemon t0 torch_lib b site=$WORK/site
+  if [ "${GPU_CHECK_DAEMON:-1}" = 0 ]; then
+    step "daemon gpu tests" skipped 0 "GPU_CHECK_DAEMON=0"
+    return
+  fi
+  if [ ! -f "$tar" ]; then
+    if [ "$MODE" = full ]; then
+      step "daemon gpu tests" FAILED 0 "no daemon bundle: run scripts/gpu-check.sh --prepare on the build machine and carry .deps"
+      daemon_rc=1
+    else
+      step "daemon gpu tests" skipped 0 "no daemon bundle (scripts/gpu-check.sh --bundle)"
+    fi
+    return
+  fi
+  t0=$(date +%s)
+  (cd "$BUNDLE_DIR" && sha256sum --quiet -c SHA256SUMS) || die "the daemon bundle does not match its SHA256SUMS"
+  if [ -f "$WHEELS_DIR/SHA256SUMS" ]; then
+    (cd "$WHEELS_DIR" && sha256sum --quiet -c SHA256SUMS) || die "a wheel does not match SHA256SUMS"
+  fi
+  # Part one's prefix is not part two's business.
+  export LD_LIBRARY_PATH=$CALLER_LD_LIBRARY_PATH
+  [ -n "$LD_LIBRARY_PATH" ] || unset LD_LIBRARY_PATH
+  mkdir -p "$d/bin"
+  tar -C "$d" -xJf "$tar"
+  log "daemon bundle: $(head -1 "$d/BUNDLE")"
+  torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+  for b in refitd refitctl refit_make_fixture; do
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s:%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+      "$d/lib" "$torch_lib" "$d/libexec/$b" > "$d/bin/$b"
+    chmod +x "$d/bin/$b"
+    # Every library from the bundle, torch, or glibc and the C++ runtime:
+    # nothing missing, and nothing this machine happens to have elsewhere
+    # (on the build machine that would hide a library the bundle lacks).
+    local stray
+    stray=$(LD_LIBRARY_PATH=$d/lib:$torch_lib ldd "$d/libexec/$b" | awk '
+      /not found/ {print $1 " (not found)"; next}
+      $2 == "=>" && $3 ~ /^\// {print $3}' | while read -r lib rest; do
+        case "$lib" in "$d"/lib/*|*/site-packages/*) continue ;; esac
+        case "$(basename "$lib")" in
+          libc.so*|libm.so*|libpthread.so*|librt.so*|libdl.so*|libutil.so*|libresolv.so*|ld-linux*) continue ;;
+          libstdc++.so*|libgcc_s.so*) continue ;;
+        esac
+        echo "$lib${rest:+ $rest}"
+      done)
+    if [ -n "$stray" ]; then
+      echo "$stray" >&2
+      step "daemon gpu tests" FAILED $(( $(date +%s) - t0 )) \
+        "$b loads libraries from outside the bundle or none: $(echo "$stray" | tr '\n' ' ')"
+      daemon_rc=1
+      return
+    fi
+  done
+  # The wheels the tests use here, installed beside (not over) the image's.
+  local py_version wheels_for
+  py_version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  wheels_for=$(cat "$WHEELS_DIR/PYTHON_VERSION" 2>/dev/null || echo none)
+  if [ "$wheels_for" = "$py_version" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$WHEELS_DIR"/*.whl > "$WORK/pip.log" 2>&1 ||
+      { cat "$WORK/pip.log"; die "installing the carried wheels failed"; }
+  else
+    log "the carried wheels are for python $wheels_for, this one is $py_version: using its own packages"
+  fi
+  mkdir -p "$ROOT/client/python/refit_client/_proto"
+  cp "$d"/proto/*.py "$ROOT/client/python/refit_client/_proto/"
+  # The client's two optional C modules, for this python, where it has its
+  # headers (without them the client copies with numpy and reads the arena
+  # header with struct, which x86-64 keeps in order).
+  local inc suffix built=""
+  inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  if [ -f "$inc/Python.h" ] && command -v cc > /dev/null; then
+    for b in _ntcopy _atomics; do
+      # Built already for this python (an installed client): left as it is.
+      [ -e "$ROOT/client/python/refit_client/$b$suffix" ] && { built="$built $b (there)"; continue; }
+      cc -O2 -shared -fPIC -I"$inc" "$ROOT/client/python/refit_client/$b.c" \
+        -o "$ROOT/client/python/refit_client/$b$suffix" 2>> "$WORK/pip.log" && built="$built $b"
+    done
+  fi
+  log "client C modules built for $("$PY" -c 'import platform; print(platform.python_version())'):${built:- none (no Python.h or cc)}"
+  export PYTHONPATH=$site:$ROOT/client/python${PYTHONPATH:+:$PYTHONPATH}
+  local pytest_rc=0
+  (REFIT_BUILD_DIR=$d timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs \
+    --junitxml="$WORK/pytest.xml" "$ROOT/client/python/tests") > "$WORK/pytest.log" 2>&1 || pytest_rc=$?
+  tail -15 "$WORK/pytest.log"
+  # pytest exits 0 when every selected test passed or skipped.
+  step "daemon gpu tests" "$([ $pytest_rc -eq 0 ] && echo ok || echo FAILED)" $(( $(date +%s) - t0 )) \
+    "pytest -m gpu rc=$pytest_rc against refitd $(sed -n 's/^commit //p' "$d/BUNDLE" | cut -c1-12)"
+  [ $pytest_rc -eq 0 ] || daemon_rc=1
+  if [ "$MODE" != full ] || [ $HAVE_GPU -eq 0 ]; then
+    step "daemon benchmarks" skipped 0 "$([ "$MODE" = full ] && echo "no usable GPU" || echo "dry run")"
+    return
+  fi
+  # The benchmarks' 1.1 GiB checkpoint (scripts/bench.sh's shapes).
+  t0=$(date +%s)
+  local model=$WORK/model-l47 reps=${GPU_CHECK_DAEMON_REPS:-3} rc
+  "$d/bin/refit_make_fixture" --out "$model" --seed 1 --layers 47 --hidden 1024 \
+    --intermediate 2816 --heads 8 --kv-heads 2 --vocab 8192 > "$WORK/fixture.log" 2>&1 ||
+    { cat "$WORK/fixture.log"; die "refit_make_fixture failed"; }
+  for b in shm attach; do
+    rc=0
+    timeout "$([ $b = shm ] && echo 240 || echo 180)" "$PY" "$ROOT/bench/python/${b}_bench.py" --model_dir="$model" --reps="$reps" \
+      --device=cuda:0 --refitd="$d/bin/refitd" > "$WORK/$b.json" 2>> "$WORK/daemon-bench.log" || rc=$?
+    step "daemon benchmark: $b" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(( $(date +%s) - t0 )) \
+      "bench/python/${b}_bench.py --device=cuda:0 --reps=$reps rc=$rc"
+    [ $rc -eq 0 ] || daemon_rc=1
+    t0=$(date +%s)
+  done
+  tail -25 "$WORK/daemon-bench.log"
+}
+daemon_check
+
 # The full logs go beside the results (a failing test's output is in the
 # ctest log only).
 LOG_DIR=$(dirname "$RESULTS")
-for f in ctest.log bench.log build.log; do
+for f in ctest.log bench.log build.log pytest.log daemon-bench.log; do
   if [ -f "$WORK/$f" ]; then cp "$WORK/$f" "$LOG_DIR/gpu-check-$f"; fi
 done
 
 # --------------------------------------------------------------- report ----
 python3 - "$WORK" "$RESULTS" "$MODE" "$START" "$TORCH_VERSION" "$TORCH_CUDA" "$NVCC_VERSION" \
-    "$GPU_NAME" "$ctest_rc" "$bench_rc" "$HAVE_GPU" <<'EOF'
+    "$GPU_NAME" "$ctest_rc" "$bench_rc" "$HAVE_GPU" "$daemon_rc" "$CORE_RAN" <<'EOF'
 import json, os, sys, time
 import xml.etree.ElementTree as ET
 (work, results, mode, start, torch_v, torch_cuda, nvcc_v, gpu, ctest_rc, bench_rc,
- have_gpu) = sys.argv[1:]
+ have_gpu, daemon_rc, core_ran) = sys.argv[1:]
+core_ran = core_ran == '1'
 have_gpu = have_gpu == '1'
 # The one gpu-labelled test that skips where a device is present (it checks
 # the CPU-only error path).
@@ -317,6 +548,8 @@ for line in open(os.path.join(work, 'steps.tsv')):
     steps.append({'step': name, 'status': status, 'seconds': int(secs), 'detail': detail})
 tests = {'passed': 0, 'failed': 0, 'skipped': 0, 'failed_names': [], 'skipped_names': []}
 try:
+    if not core_ran:
+        raise OSError('part one left out')
     for case in ET.parse(os.path.join(work, 'ctest.xml')).getroot().iter('testcase'):
         status = case.get('status', '')
         if case.find('failure') is not None or status == 'fail':
@@ -334,7 +567,8 @@ try:
 except (OSError, ET.ParseError):
     # No JUnit file: count from the log ("N% tests passed, F tests failed out of T").
     import re
-    log = open(os.path.join(work, 'ctest.log'), errors='replace').read()
+    log = open(os.path.join(work, 'ctest.log'), errors='replace').read() if core_ran else ''
+
     m = re.search(r'(\d+) tests failed out of (\d+)', log)
     if m:
         skipped = len(re.findall(r'\(Skipped\)', log))
@@ -355,21 +589,51 @@ if int(ctest_rc) != 0:
 if int(bench_rc) != 0:
     problems.append(f'refit_gpu_bench exit {bench_rc}')
 problems += [f"step {s['step']} failed" for s in steps if s['status'] == 'FAILED']
-if have_gpu and (tests['skipped'] > 0 or tests['passed'] == 0):
+if core_ran and have_gpu and (tests['skipped'] > 0 or tests['passed'] == 0):
     # torch sees a GPU; a gpu test that skips itself did not (refit's CUDA
     # runtime or driver cannot reach it): nothing on the device was checked.
     problems.append(f"{tests['skipped']} gpu tests skipped and {tests['passed']} passed on a "
                     f"machine with a GPU: {' '.join(tests['skipped_names'][:5])}")
+# Part two: the Python gpu tests against the bundled refitd (JUnit from
+# pytest), and the daemon's benchmarks (bench_figures' JSON).
+daemon = None
+if os.path.exists(os.path.join(work, 'pytest.xml')):
+    daemon = {'passed': 0, 'failed': 0, 'skipped': 0, 'failed_names': [],
+              'skipped_names': [], 'benchmarks': {}}
+    for case in ET.parse(os.path.join(work, 'pytest.xml')).getroot().iter('testcase'):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        if case.find('failure') is not None or case.find('error') is not None:
+            daemon['failed'] += 1
+            daemon['failed_names'].append(name)
+        elif case.find('skipped') is not None:
+            daemon['skipped'] += 1
+            daemon['skipped_names'].append(f"{name} ({case.find('skipped').get('message', '')})")
+        else:
+            daemon['passed'] += 1
+    for b in ('shm', 'attach'):
+        try:
+            daemon['benchmarks'][b] = json.load(open(os.path.join(work, b + '.json')))['figures']
+        except (OSError, ValueError, KeyError):
+            pass
+    if int(daemon_rc) != 0:
+        problems.append('part two (daemon gpu tests or benchmarks) failed')
+    if have_gpu and (daemon['skipped'] > 0 or daemon['passed'] == 0):
+        problems.append(f"{daemon['skipped']} daemon gpu tests skipped and {daemon['passed']} "
+                        f"passed on a machine with a GPU: {' '.join(daemon['skipped_names'][:3])}")
+elif int(daemon_rc) != 0:
+    problems.append('part two (daemon gpu tests) failed')
+daemon_figures = [f for fs in (daemon or {}).get('benchmarks', {}).values() for f in fs]
 measured = bool(bench) and not bench.get('skipped')
 if measured and not all(r.get('cpu_parity_first_tensor', True) for r in bench.get('refit', [])):
     problems.append('a GPU refit gave other bytes than the CPU path')
-targets_met = (not measured) or bool(bench.get('all_targets_met', False))
+targets_met = ((not measured) or bool(bench.get('all_targets_met', False))) and \
+    all(f.get('met') is not False for f in daemon_figures)
 ok = not problems and targets_met
 out = {
     'mode': mode, 'ok': ok, 'correct': not problems, 'targets_met': targets_met,
     'problems': problems, 'elapsed_s': int(time.time()) - int(start),
     'gpu': gpu or None, 'torch': torch_v, 'torch_cuda': torch_cuda, 'nvcc': nvcc_v,
-    'steps': steps, 'gpu_tests': tests, 'benchmark': bench,
+    'steps': steps, 'gpu_tests': tests, 'benchmark': bench, 'daemon': daemon,
 }
 with open(results, 'w') as f:
     json.dump(out, f, indent=2)
@@ -378,10 +642,11 @@ with open(results, 'w') as f:
 rows = []
 for s in steps:
     rows.append((s['step'], s['status'], f"{s['seconds']} s", s['detail']))
-unseen = have_gpu and (tests['skipped'] > 0 or tests['passed'] == 0)
-rows.append(('gpu tests (ctest -L gpu)', 'FAILED' if tests['failed'] or unseen else 'ok',
-             f"{tests['passed']} passed, {tests['skipped']} skipped, {tests['failed']} failed",
-             ' '.join((tests['failed_names'] + tests['skipped_names'])[:5])))
+if core_ran:
+    unseen = have_gpu and (tests['skipped'] > 0 or tests['passed'] == 0)
+    rows.append(('gpu tests (ctest -L gpu)', 'FAILED' if tests['failed'] or unseen else 'ok',
+                 f"{tests['passed']} passed, {tests['skipped']} skipped, {tests['failed']} failed",
+                 ' '.join((tests['failed_names'] + tests['skipped_names'])[:5])))
 if bench and not bench.get('skipped'):
     for q in bench.get('quantize', []):
         cvt = '' if q.get('hardware_conversion', True) else ' (integer cvt)'
@@ -407,6 +672,20 @@ if bench and not bench.get('skipped'):
                      f"ingest only {r['ingest_only_gbps']:.1f} GB/s; commit {r['commit_s']*1e3:.1f} ms"))
 elif bench:
     rows.append(('gpu benchmark', 'skipped', '', bench.get('skipped', '')))
+if daemon is not None:
+    unseen_d = have_gpu and (daemon['skipped'] > 0 or daemon['passed'] == 0)
+    rows.append(('daemon gpu tests (pytest -m gpu)',
+                 'FAILED' if daemon['failed'] or unseen_d else 'ok',
+                 f"{daemon['passed']} passed, {daemon['skipped']} skipped, {daemon['failed']} failed",
+                 ' '.join((daemon['failed_names'] + daemon['skipped_names'])[:3])))
+for f in daemon_figures:
+    if not f.get('target'):
+        continue
+    ratio = '' if f.get('ratio') is None else f"{f['ratio']:.2f}x"
+    rows.append((f['name'][:90], 'MISS' if f.get('met') is False else 'ok', ratio,
+                 f"target {f['target']}: {f['value']:.3g} vs {f['reference_value']:.3g} {f['unit']} "
+                 f"({f['reference_name']})"))
+rows = [(a, b, c, d if len(d) <= 120 else d[:117] + '...') for a, b, c, d in rows]
 w = [max(len(str(r[k])) for r in rows + [('check', 'status', 'result', 'detail')]) for k in range(4)]
 print()
 print(f"gpu-check ({mode}) on {gpu or 'no GPU'}; torch {torch_v} (CUDA {torch_cuda}), nvcc {nvcc_v}; "

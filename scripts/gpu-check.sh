@@ -33,7 +33,8 @@
 # GPU_CHECK_BUILD_DIR (default build-gpu-check), JOBS (default nproc),
 # GPU_CHECK_BENCH_ARGS (extra refit_gpu_bench flags, e.g. --quick),
 # GPU_CHECK_DAEMON=0 (leave part two out), GPU_CHECK_DAEMON_REPS (pushes per
-# lane in the daemon benchmarks, default 3), REFIT_BUILD_DIR (--bundle packs
+# lane in the daemon benchmarks, default 3), GPU_CHECK_DAEMON_BENCHES (which:
+# default "shm attach shm-host"), REFIT_BUILD_DIR (--bundle packs
 # its bin/; default build), GPU_PYTHON_VERSION (--fetch: the GPU machine's
 # python, default 3.12).
 # Exit status: 0 when the build, every gpu test and every benchmark target
@@ -75,7 +76,7 @@ case "${1:-}" in
   --prepare) MODE=prepare ;;
   --dry-run) MODE=dry-run ;;
   "") ;;
-  -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--fetch|--bundle|--prepare|--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -510,12 +511,23 @@ daemon_check() {
   "$d/bin/refit_make_fixture" --out "$model" --seed 1 --layers 47 --hidden 1024 \
     --intermediate 2816 --heads 8 --kv-heads 2 --vocab 8192 > "$WORK/fixture.log" 2>&1 ||
     { cat "$WORK/fixture.log"; die "refit_make_fixture failed"; }
-  for b in shm attach; do
+  # shm: the trainer lane into a GPU store; attach: an engine attached to
+  # it; shm-host: the trainer lane into a host store on this machine's cores.
+  local name script device limit
+  for name in ${GPU_CHECK_DAEMON_BENCHES:-shm attach shm-host}; do
+    case "$name" in
+      shm) script=shm_bench.py device=cuda:0 limit=240 ;;
+      attach) script=attach_bench.py device=cuda:0 limit=180 ;;
+      shm-host) script=shm_bench.py device=cpu limit=240 ;;
+      *) die "GPU_CHECK_DAEMON_BENCHES: unknown benchmark $name (shm, attach, shm-host)" ;;
+    esac
     rc=0
-    timeout "$([ $b = shm ] && echo 240 || echo 180)" "$PY" "$ROOT/bench/python/${b}_bench.py" --model_dir="$model" --reps="$reps" \
-      --device=cuda:0 --refitd="$d/bin/refitd" > "$WORK/$b.json" 2>> "$WORK/daemon-bench.log" || rc=$?
-    step "daemon benchmark: $b" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(( $(date +%s) - t0 )) \
-      "bench/python/${b}_bench.py --device=cuda:0 --reps=$reps rc=$rc"
+    echo "== $name: $script --device=$device" >> "$WORK/daemon-bench.log"
+    timeout "$limit" "$PY" "$ROOT/bench/python/$script" --model_dir="$model" --reps="$reps" \
+      --device="$device" --refitd="$d/bin/refitd" > "$WORK/bench-$name.json" \
+      2>> "$WORK/daemon-bench.log" || rc=$?
+    step "daemon benchmark: $name" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" \
+      $(( $(date +%s) - t0 )) "bench/python/$script --device=$device --reps=$reps rc=$rc"
     [ $rc -eq 0 ] || daemon_rc=1
     t0=$(date +%s)
   done
@@ -610,11 +622,13 @@ if os.path.exists(os.path.join(work, 'pytest.xml')):
             daemon['skipped_names'].append(f"{name} ({case.find('skipped').get('message', '')})")
         else:
             daemon['passed'] += 1
-    for b in ('shm', 'attach'):
+    for b in ('shm', 'attach', 'shm-host'):
         try:
-            daemon['benchmarks'][b] = json.load(open(os.path.join(work, b + '.json')))['figures']
+            figures = json.load(open(os.path.join(work, f'bench-{b}.json')))['figures']
         except (OSError, ValueError, KeyError):
-            pass
+            continue
+        daemon['benchmarks'][b] = [dict(f, bench=b) for f in figures]
+        daemon.setdefault('runs', {})[b] = json.load(open(os.path.join(work, f'bench-{b}.json')))
     if int(daemon_rc) != 0:
         problems.append('part two (daemon gpu tests or benchmarks) failed')
     if have_gpu and (daemon['skipped'] > 0 or daemon['passed'] == 0):
@@ -682,7 +696,7 @@ for f in daemon_figures:
     if not f.get('target'):
         continue
     ratio = '' if f.get('ratio') is None else f"{f['ratio']:.2f}x"
-    rows.append((f['name'][:90], 'MISS' if f.get('met') is False else 'ok', ratio,
+    rows.append((f"[{f['bench']}] {f['name']}"[:100], 'MISS' if f.get('met') is False else 'ok', ratio,
                  f"target {f['target']}: {f['value']:.3g} vs {f['reference_value']:.3g} {f['unit']} "
                  f"({f['reference_name']})"))
 rows = [(a, b, c, d if len(d) <= 120 else d[:117] + '...') for a, b, c, d in rows]

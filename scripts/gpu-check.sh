@@ -323,7 +323,7 @@ for var in XXHASH_INCLUDEDIR pkgcfg_lib_XXHASH_xxhash; do
   case "$val" in "$PREFIX"/*) ;; *) die "xxHash: $var=$val is not in the private prefix" ;; esac
 done
 for lib in libabsl_status.so libxxhash.so; do
-  outside=$(grep -o "[^ ]*$lib[^ ]*" "$BUILD_DIR/build.ninja" | grep -v "^$PREFIX" | sort -u || true)
+  outside=$(grep -o "[^ ]*${lib}[^ ]*" "$BUILD_DIR/build.ninja" | grep -v "^$PREFIX" | sort -u || true)
   [ -z "$outside" ] || die "links $lib from outside the prefix: $outside"
 done
 log "configured; Abseil, GTest, nlohmann-json and xxHash resolve in ${PREFIX#$ROOT/}"

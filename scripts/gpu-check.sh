@@ -435,7 +435,9 @@ daemon_check() {
   export LD_LIBRARY_PATH=$CALLER_LD_LIBRARY_PATH
   [ -n "$LD_LIBRARY_PATH" ] || unset LD_LIBRARY_PATH
   mkdir -p "$d/bin"
-  tar -C "$d" -xJf "$tar"
+  # Python's tarfile, which needs no xz binary (a minimal image may lack it).
+  "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="tar")' \
+    "$tar" "$d"
   log "daemon bundle: $(head -1 "$d/BUNDLE")"
   torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
   for b in refitd refitctl refit_make_fixture; do

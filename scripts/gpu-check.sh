@@ -32,6 +32,7 @@
 # Environment: PYTHON (a python with torch; default python3, then .venv),
 # GPU_CHECK_BUILD_DIR (default build-gpu-check), JOBS (default nproc),
 # GPU_CHECK_BENCH_ARGS (extra refit_gpu_bench flags, e.g. --quick),
+# GPU_CHECK_DEPS (where .deps is; default the repository's),
 # GPU_CHECK_DAEMON=0 (leave part two out), GPU_CHECK_DAEMON_REPS (pushes per
 # lane in the daemon benchmarks, default 3), GPU_CHECK_DAEMON_BENCHES (which:
 # default "shm attach shm-host"), REFIT_BUILD_DIR (--bundle packs
@@ -49,7 +50,8 @@ set -euo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-DEPS_DIR=$ROOT/.deps
+DEPS_DIR=${GPU_CHECK_DEPS:-$ROOT/.deps}
+case "$DEPS_DIR" in /*) ;; *) DEPS_DIR=$CALLER_DIR/$DEPS_DIR ;; esac
 DEBS_DIR=$DEPS_DIR/debs
 PREFIX=$DEPS_DIR/prefix
 BUILD_DIR=${GPU_CHECK_BUILD_DIR:-$ROOT/build-gpu-check}
@@ -76,7 +78,7 @@ case "${1:-}" in
   --prepare) MODE=prepare ;;
   --dry-run) MODE=dry-run ;;
   "") ;;
-  -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--fetch|--bundle|--prepare|--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -171,7 +173,7 @@ bundle() {
   } > "$stage/BUNDLE"
   rm -rf "$BUNDLE_DIR"
   mkdir -p "$BUNDLE_DIR"
-  tar -C "$stage" -cJf "$BUNDLE_DIR/daemon.tar.xz" .
+  XZ_OPT=${XZ_OPT:--T0 -3} tar -C "$stage" -cJf "$BUNDLE_DIR/daemon.tar.xz" .
   (cd "$BUNDLE_DIR" && sha256sum ./daemon.tar.xz > SHA256SUMS)
   log "bundled $(ls "$stage/lib" | wc -l) libraries with refitd, refitctl and refit_make_fixture:" \
     "${BUNDLE_DIR#$ROOT/}/daemon.tar.xz, $(du -sh "$BUNDLE_DIR/daemon.tar.xz" | cut -f1)" \
@@ -190,9 +192,22 @@ for cand in ${PYTHON:-} python3 "$ROOT/.venv/bin/python3"; do
   if [ -n "$cand" ] && "$cand" -c 'import torch' > /dev/null 2>&1; then PY=$cand; break; fi
 done
 [ -n "$PY" ] || die "no python with torch (set PYTHON)"
-TORCH_PREFIX=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
-TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
-TORCH_CUDA=$("$PY" -c 'import torch; print(torch.version.cuda)')
+# One import of torch for all it tells (each import takes seconds).
+TORCH_INFO=$("$PY" -c '
+import os, torch
+gpu = torch.cuda.is_available()
+print(torch.utils.cmake_prefix_path)
+print(torch.__version__)
+print(torch.version.cuda)
+print(os.path.join(os.path.dirname(torch.__file__), "lib"))
+print(1 if gpu else 0)
+try:
+    print(torch.cuda.get_device_name(0) if gpu else "")
+except Exception:  # the name only labels the report
+    print("")
+' 2>/dev/null) || die "$PY: torch imports, but asking it about itself failed"
+{ read -r TORCH_PREFIX; read -r TORCH_VERSION; read -r TORCH_CUDA; read -r TORCH_LIB
+  read -r HAVE_GPU; read -r TORCH_GPU_NAME || true; } <<< "$TORCH_INFO"
 log "torch $TORCH_VERSION (CUDA $TORCH_CUDA) from $TORCH_PREFIX"
 
 # ------------------------------------------------------------------ gpu ----
@@ -200,11 +215,8 @@ GPU_NAME=""
 if command -v nvidia-smi > /dev/null 2>&1; then
   GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
 fi
-HAVE_GPU=0
-if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  HAVE_GPU=1
-  [ -n "$GPU_NAME" ] || GPU_NAME=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || true)
-fi
+[ "$HAVE_GPU" = 1 ] || HAVE_GPU=0
+if [ "$HAVE_GPU" = 1 ] && [ -z "$GPU_NAME" ]; then GPU_NAME=$TORCH_GPU_NAME; fi
 log "GPU: ${GPU_NAME:-none}"
 
 # ------------------------------------------------------ part one: core ----
@@ -439,7 +451,7 @@ daemon_check() {
   "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="tar")' \
     "$tar" "$d"
   log "daemon bundle: $(head -1 "$d/BUNDLE")"
-  torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+  torch_lib=$TORCH_LIB
   for b in refitd refitctl refit_make_fixture; do
     printf '#!/bin/sh\nLD_LIBRARY_PATH=%s:%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
       "$d/lib" "$torch_lib" "$d/libexec/$b" > "$d/bin/$b"

@@ -11,7 +11,8 @@
 #   7. deploy         pytest of tests/deploy: deploy/Dockerfile's library closure
 #                     (ldd of $BUILD_DIR's binaries), the Kubernetes manifests
 #                     against bundled schemas, systemd-analyze of the unit and
-#                     its command line run as systemd would
+#                     its command line run as systemd would, and
+#                     scripts/gpu-check.sh's daemon bundle (part two, dry run)
 # A failed setup or build stops the run; a failed format or thread-safety check
 # does not stop the tests, but fails the run. Extra arguments go to ctest.
 # Environment: BUILD_DIR (default build), JOBS (default 2).

@@ -148,6 +148,8 @@ bundle() {
     { tail -30 "$WORK/bundle-build.log"; die "building the daemon failed"; }
   ldd "$src/bin/refitd" | grep -q 'libcudart' ||
     die "$src/bin/refitd was built without CUDA (REFIT_WITH_CUDA=OFF): a GPU store needs it"
+  local venv_py=$ROOT/.venv/bin/python
+  [ -x "$venv_py" ] || die "--bundle needs the development venv (.venv: scripts/setup.sh)"
   local stubs=$ROOT/client/python/refit_client/_proto
   [ -f "$stubs/refit_pb2.py" ] || die "no generated stubs in ${stubs#$ROOT/}: scripts/setup.sh first"
   mkdir -p "$stage/libexec" "$stage/lib" "$stage/proto"
@@ -169,11 +171,16 @@ bundle() {
     echo "commit $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)$(
       git -C "$ROOT" diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "bundled $(date -u +%Y-%m-%dT%H:%M:%SZ) from ${src#$ROOT/}: $("$src/bin/refitd" --version 2>&1 | head -1)"
-    echo "torch $("$ROOT/.venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)"
+    echo "torch $("$venv_py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)"
   } > "$stage/BUNDLE"
   rm -rf "$BUNDLE_DIR"
   mkdir -p "$BUNDLE_DIR"
-  XZ_OPT=${XZ_OPT:--T0 -3} tar -C "$stage" -cJf "$BUNDLE_DIR/daemon.tar.xz" .
+  # Python's tarfile: no xz binary needed here either.
+  "$venv_py" -c '
+import sys, tarfile
+with tarfile.open(sys.argv[1], "w:xz", preset=3) as tar:
+    tar.add(sys.argv[2], arcname=".")
+' "$BUNDLE_DIR/daemon.tar.xz" "$stage"
   (cd "$BUNDLE_DIR" && sha256sum ./daemon.tar.xz > SHA256SUMS)
   log "bundled $(ls "$stage/lib" | wc -l) libraries with refitd, refitctl and refit_make_fixture:" \
     "${BUNDLE_DIR#$ROOT/}/daemon.tar.xz, $(du -sh "$BUNDLE_DIR/daemon.tar.xz" | cut -f1)" \

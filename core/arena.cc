@@ -286,6 +286,26 @@ const VmmApi& Vmm() {
 std::string DriverError(const char* call, CUresult r) {
   return absl::StrCat(call, " failed (CUDA driver error ", static_cast<int>(r), ")");
 }
+
+// Makes the device's primary context current on this thread for the scope,
+// then restores the thread's device: a vmm arena's later driver calls (the
+// export on the descriptor server's thread, the release in a destructor)
+// may run on threads that never used the device.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (cudaSetDevice(device) != cudaSuccess) (void)cudaGetLastError();
+  }
+  ~CurrentDevice() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = -1;
+};
 #endif  // REFIT_WITH_CUDA
 
 }  // namespace
@@ -427,6 +447,7 @@ absl::StatusOr<int> DeviceArena::ExportFd() const {
         "this device arena is shared by CUDA IPC handle, not by file descriptor");
   }
 #ifdef REFIT_WITH_CUDA
+  const CurrentDevice current(device_index_);
   int fd = -1;
   const CUresult r =
       Vmm().export_handle(&fd, static_cast<CUmemGenericAllocationHandle>(vmm_handle_),
@@ -445,6 +466,7 @@ DeviceArena::~DeviceArena() {
   if (base_ == nullptr) return;
   if (sharing_ == DeviceArenaSharing::kVmmFd) {
     // Engines that imported the allocation keep its memory until they unmap.
+    const CurrentDevice current(device_index_);
     const VmmApi& api = Vmm();
     const CUdeviceptr ptr = reinterpret_cast<CUdeviceptr>(base_);
     const size_t size = static_cast<size_t>(mapped_bytes_);

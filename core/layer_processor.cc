@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/dtype.h"
@@ -229,11 +230,28 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
   }
   params.clear();
   absl::StatusOr<ProcessedLayer> out = (*build)->Finish();
-  if (!out.ok()) return out.status();
+  if (!out.ok()) return NameFinishedElement(l, out.status());
   if (absl::Status made = CheckMade(spec, *out); !made.ok()) return made;
   out->layer = l;
   out->took = absl::Now() - start;
   return out;
+}
+
+absl::Status LayerProcessor::NameFinishedElement(int l, absl::Status status) const {
+  // A device quantizer reports a NaN/Inf once its queued work has run (at
+  // Finish), naming the kernel its job was for: the same naming as a check
+  // made at Quantize.
+  if (!NonFiniteElement(status).has_value()) return status;
+  const LayerSpec& spec = layout_.layers()[l];
+  for (size_t k = 0; k < spec.kernels.size(); ++k) {
+    const KernelPlan& plan = spec.plan[k];
+    if (plan.param < 0 || plan.scale < 0) continue;
+    const std::string& name = spec.kernels[k].name;
+    if (absl::StartsWith(status.message(), absl::StrCat("tensor '", name, "':"))) {
+      return NameCheckpointElement(layout_, l, plan.param, 0, name, std::move(status));
+    }
+  }
+  return status;
 }
 
 absl::Status LayerProcessor::CheckMade(const LayerSpec& spec, const ProcessedLayer& out) const {

@@ -156,6 +156,9 @@ class LayerProcessor {
   absl::StatusOr<OpenLayer*> Open(int l);
   absl::StatusOr<ProcessedLayer> Close(int l);
   absl::Status CheckMade(const LayerSpec& spec, const ProcessedLayer& out) const;
+  // A NaN/Inf that layer `l`'s Finish reported for one of its FP8 kernels,
+  // prefixed with the checkpoint tensor and element it came from.
+  absl::Status NameFinishedElement(int l, absl::Status status) const;
   absl::flat_hash_map<int, OpenLayer> open_;
 };
 

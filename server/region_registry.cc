@@ -37,6 +37,25 @@ std::string RandomRegionId() {
   return out;
 }
 
+// Whether every page of [0, size) of a shared-memory file is allocated
+// (written, or reserved with fallocate). Page-locking touches every page,
+// and a page the trainer never wrote would then be allocated, zeroed, on
+// refitd's account; such a region is not page-locked.
+bool AllPagesAllocated(int fd, uint64_t size) {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return false;
+  const uint64_t file = static_cast<uint64_t>(st.st_size);
+  if (static_cast<uint64_t>(st.st_blocks) * 512 >= (file + page - 1) / page * page) return true;
+  // Reopened, not dup'ed: a dup shares the trainer's file offset, which
+  // lseek moves.
+  const int reopened = ::open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
+  if (reopened < 0) return false;
+  const off_t hole = ::lseek(reopened, 0, SEEK_HOLE);
+  ::close(reopened);
+  return hole >= 0 && static_cast<uint64_t>(hole) >= size;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uint64_t size,
@@ -111,7 +130,13 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
   region->map_ = static_cast<const uint8_t*>(p);
   region->access_ = Access::kMapped;
   region->pin_requested_ = pin;
-  if (pin) region->pinned_ = core::PinnedHostRange::Pin(p, size);
+  if (pin && !AllPagesAllocated(fd, size)) {
+    region->pin_declined_ =
+        "it has pages the trainer never wrote (page-locking would allocate them on refitd's "
+        "account); its refits copy it through the pinned staging pool";
+  } else if (pin) {
+    region->pinned_ = core::PinnedHostRange::Pin(p, size);
+  }
   return region;
 }
 

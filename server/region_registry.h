@@ -83,7 +83,8 @@ class Region {
   // INTERNAL when a sealed one cannot be mapped. With `pin`, a mapping is
   // also page-locked for the GPUs (core::PinnedHostRange), so a GPU store's
   // refit copies it to the device by DMA; one the driver refuses is used
-  // unpinned.
+  // unpinned, and so is one with pages the trainer never wrote (a hole:
+  // page-locking would allocate them on refitd's account; pin_declined()).
   static absl::StatusOr<std::unique_ptr<Region>> Open(std::string id, int fd, uint64_t size,
                                                       bool pin = false);
   // A CUDA allocation (kCudaIpc): core::CudaIpcAllocation::Open's errors.
@@ -110,8 +111,11 @@ class Region {
   bool guarded() const { return guard_slot_ >= 0; }
   // Page-locked for the GPUs (Open with `pin`).
   bool pinned() const { return pinned_ != nullptr; }
-  // Open was asked to page-lock it (pinned() unless the driver refused).
+  // Open was asked to page-lock it (pinned() unless the driver refused or
+  // pin_declined()).
   bool pin_requested() const { return pin_requested_; }
+  // Why Open did not page-lock it although asked to (empty otherwise).
+  const std::string& pin_declined() const { return pin_declined_; }
   // A guarded region's file shrank under a read (its mapping reads zeros),
   // or CheckFileSize found it shorter than size(). Sticky.
   bool faulted() const;
@@ -157,6 +161,7 @@ class Region {
   std::unique_ptr<core::CudaIpcAllocation> cuda_;
   std::unique_ptr<core::PinnedHostRange> pinned_;  // released before the unmap
   bool pin_requested_ = false;
+  std::string pin_declined_;
   mutable std::atomic<bool> shrunk_{false};  // CheckFileSize found the file short
   bool shmem_ = false;                       // a tmpfs file or a memfd
   mutable absl::Mutex written_mu_;

@@ -231,6 +231,9 @@ class RegionService::Reactor final : public grpc::ServerWriteReactor<v1::RegionE
         .Field("access", AccessName(access));
     // Page-locked for a GPU store's DMA (in a daemon with one).
     if (region.pinned()) log.Field("pinned", "true");
+    if (!region.pin_declined().empty()) {
+      log.Field("pinned", "false").Field("why", region.pin_declined());
+    }
     // A descriptor's sender (the descriptor socket's peer credentials).
     if (pid >= 0) log.Field("pid", absl::StrCat(pid)).Field("uid", absl::StrCat(uid));
     log << "region registered";

@@ -9,6 +9,7 @@ cudaError_t LaunchCopyBatch(const CopyBatch& batch, cudaStream_t stream) {
   const int64_t tiles = batch.first_tile[batch.count];
   if (tiles == 0) return cudaSuccess;
   if (tiles > 0x7fffffff) return cudaErrorInvalidValue;
+  (void)cudaGetLastError();  // an earlier call's error is not this launch's
   BatchedCopyKernel<<<static_cast<unsigned>(tiles), kCopyThreads, 0, stream>>>(batch);
   return cudaGetLastError();
 }

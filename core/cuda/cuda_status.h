@@ -16,7 +16,16 @@ namespace refit::core::cuda {
 // UNAVAILABLE when there is no usable device/driver, INTERNAL for the rest
 // (launch failures, illegal addresses: bugs or a sick device). `what` names
 // the operation.
+// A failed call's error is consumed here (cudaGetLastError), so that a later
+// kernel launch, which learns of its own failure from cudaGetLastError, does
+// not report it as its own.
 absl::Status CudaStatus(cudaError_t error, absl::string_view what);
+
+// Clears the thread's last error before a kernel launch that is checked with
+// cudaGetLastError: an earlier call's unchecked error (a cleanup's, say)
+// would otherwise fail the launch. A sticky error (a sick context) stays and
+// fails the launch as it should.
+inline void ClearLastCudaError() { (void)cudaGetLastError(); }
 
 // Makes `device` current for the scope and restores the previous device, so
 // that our calls never change the caller's current device behind its back.

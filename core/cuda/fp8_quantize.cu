@@ -51,6 +51,7 @@ absl::Status LaunchJob(const Fp8CudaJob& job, QuantScheme scheme, bool vllm, Err
   const int64_t n = job.rows * job.cols;
   constexpr int kN = Vec16<T>::kN;
   const bool aligned = AlignedForVectors(job.src, job.out_q, kN);
+  ClearLastCudaError();
   switch (scheme) {
     case QuantScheme::kPerTensor: {
       // The scale slot doubles as the amax accumulator: no scratch memory, so
@@ -116,6 +117,7 @@ absl::StatusOr<int64_t> HwConversionMismatches(int device, int num_sms) {
   const absl::Status status = [&] {
     REFIT_CUDA_RETURN_IF_ERROR(cudaMemset(count, 0, sizeof(*count)),
                                "cudaMemset(conversion check)");
+    ClearLastCudaError();
     HwConversionCheckKernel<<<num_sms * 8, kThreads>>>(count);
     REFIT_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launching the conversion check");
     return CudaStatus(cudaMemcpy(&host, count, sizeof(host), cudaMemcpyDeviceToHost),

@@ -30,6 +30,8 @@
 #include "gtest/gtest.h"
 
 #if REFIT_WITH_CUDA
+#include <cuda_runtime_api.h>
+
 #include "core/cuda/cuda_device.h"
 #include "core/cuda/device_commit.h"
 #include "core/cuda/fp8_cuda.h"
@@ -549,6 +551,27 @@ TEST_F(Fp8CudaGpuTest, SyncNamesTheFirstBadJobAndThenStartsClean) {
   EXPECT_TRUE(quantizer_->Sync(nullptr).ok());
 }
 
+// A failed runtime call whose error nobody consumed (a cleanup's, say)
+// leaves it as the thread's last error. The kernel launches learn of their
+// own failures from that error, so they must not report this one.
+void LeaveAnUnconsumedOutOfMemoryError() {
+  void* p = nullptr;
+  ASSERT_EQ(cudaMalloc(&p, size_t{1} << 60), cudaErrorMemoryAllocation);
+  ASSERT_EQ(cudaPeekAtLastError(), cudaErrorMemoryAllocation);
+}
+
+TEST_F(Fp8CudaGpuTest, AnEarlierUnconsumedErrorDoesNotFailTheLaunch) {
+  const at::Tensor src = RandomWeights(64, 64, DType::kBFloat16, 7);
+  const Quantized cpu =
+      CpuQuantize(src, DType::kBFloat16, QuantScheme::kPerTensor, NonFinitePolicy::kReject);
+  ASSERT_TRUE(cpu.status.ok()) << cpu.status;
+  LeaveAnUnconsumedOutOfMemoryError();
+  const Quantized gpu = GpuQuantize(*quantizer_, src, DType::kBFloat16, QuantScheme::kPerTensor,
+                                    NonFinitePolicy::kReject);
+  ASSERT_TRUE(gpu.status.ok()) << gpu.status;
+  ExpectSameBytes(cpu, gpu, "after an unconsumed error");
+}
+
 TEST_F(Fp8CudaGpuTest, RejectsBadArgumentsBeforeLaunching) {
   Fp8CudaJob job;
   job.rows = 2;
@@ -714,6 +737,20 @@ TEST_F(DeviceCommitGpuTest, BatchedKernelAndMemcpyEachGiveTheSameBytesForEveryKi
           << "case " << i << ": wrote past the end";
     }
   }
+}
+
+TEST_F(DeviceCommitGpuTest, AnEarlierUnconsumedErrorDoesNotFailTheCopies) {
+  const at::TensorOptions byte_options = at::TensorOptions().dtype(at::kByte).device(at::kCUDA);
+  at::Tensor live = at::zeros({70000}, byte_options);
+  at::Tensor staged = at::randint(0, 256, {70000}, byte_options);
+  const std::vector<DeviceCopy> copies = {{live.data_ptr(), staged.data_ptr(), 70000}};
+  absl::StatusOr<std::unique_ptr<DeviceEvent> > done = DeviceEvent::Create(0);
+  ASSERT_TRUE(done.ok()) << done.status();
+  LeaveAnUnconsumedOutOfMemoryError();
+  const absl::Status enqueued = EnqueueDeviceCopies(copies, nullptr, done->get());
+  ASSERT_TRUE(enqueued.ok()) << enqueued;
+  ASSERT_TRUE((*done)->Wait().ok());
+  EXPECT_TRUE(at::equal(live.cpu(), staged.cpu()));
 }
 
 TEST_F(DeviceCommitGpuTest, RejectsInvalidCopiesWithoutEnqueuingAny) {

@@ -383,6 +383,81 @@ TEST(LayerProcessorTest, NonFiniteWeightUnderRejectIsInvalidArgumentNamingTheTen
   }
 }
 
+// A processor whose quantizer reports a NaN/Inf only once its queued work
+// has run, at Finish (as a GPU's does), naming the kernel its job was for.
+class DeferringProcessor : public LayerProcessor {
+ public:
+  explicit DeferringProcessor(const ModelLayout& layout)
+      : LayerProcessor(layout, LayerProcessorOptions{}) {}
+  bool on_device() const override { return false; }
+
+ private:
+  class Build : public LayerBuild {
+   public:
+    Build(const LayerSpec& spec, QuantScheme scheme) : spec_(spec), scheme_(scheme) {}
+    absl::Status Quantize(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols, int k,
+                          int s) override {
+      (void)s;
+      std::vector<uint8_t> q(static_cast<size_t>(rows * cols));
+      std::vector<float> scales(static_cast<size_t>(Fp8NumScales(scheme_, rows, cols)));
+      Fp8QuantizeOptions options;
+      options.scheme = scheme_;
+      absl::Status status = QuantizeFp8(src.data(), src_dtype, rows, cols, options, q.data(),
+                                        scales.data(), spec_.kernels[k].name);
+      if (!status.ok() && deferred_.ok()) deferred_ = status;
+      return absl::OkStatus();
+    }
+    absl::Status Keep(int, StagingBuffer) override { return absl::OkStatus(); }
+    absl::Status QuantizeRegion(StagingBuffer, DType, int64_t, int64_t, int, int64_t, int, int64_t,
+                                absl::string_view) override {
+      return absl::OkStatus();
+    }
+    absl::Status KeepRegion(int, int64_t, const void*, int64_t) override {
+      return absl::OkStatus();
+    }
+    absl::StatusOr<ProcessedLayer> Finish() override {
+      if (!deferred_.ok()) return deferred_;
+      return absl::InternalError("the test's processor makes no kernels");
+    }
+
+   private:
+    const LayerSpec& spec_;
+    const QuantScheme scheme_;
+    absl::Status deferred_;
+  };
+  absl::StatusOr<std::unique_ptr<LayerBuild>> Start(const LayerSpec& spec) override {
+    return std::make_unique<Build>(spec, layout_.quant());
+  }
+};
+
+TEST(LayerProcessorTest, ANonFiniteElementReportedAtFinishNamesTheCheckpointTensorAsAtQuantize) {
+  std::shared_ptr<const ModelLayout> layout = Layout(FixtureConfig(), QuantScheme::kPerChannel);
+  ASSERT_NE(layout, nullptr);
+  // A fused kernel (gate and up): the NaN lies in the up projection's rows.
+  const int l = layout->FindLayer("model.layers.1.mlp.gate_up_proj");
+  const LayerSpec& spec = layout->layers()[l];
+  const ParamSpec& param = spec.params[0];
+  const int64_t cols = param.shape[1];
+  const int64_t row = param.shape[0] / 2 + 3;  // the up projection's row 3
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto poisoned = [&] {
+    Params params = RandomParams(spec, 11);
+    EXPECT_TRUE(ConvertFloats(&nan, DType::kFloat32,
+                              params.buffers[0].data() + (row * cols + 5) * 2, DType::kBFloat16, 1)
+                    .ok());
+    return params;
+  };
+  absl::StatusOr<ProcessedLayer> host = Host(*layout)->Process(l, poisoned().buffers);
+  ASSERT_EQ(host.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(host.status().message(),
+              HasSubstr("checkpoint tensor 'model.layers.1.mlp.up_proj.weight' row 3, col 5: "));
+
+  DeferringProcessor deferring(*layout);
+  absl::StatusOr<ProcessedLayer> late = deferring.Process(l, poisoned().buffers);
+  ASSERT_EQ(late.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(late.status().message(), host.status().message());
+}
+
 TEST(LayerProcessorTest, KeptParamOfTheWrongSizeIsInternal) {
   std::shared_ptr<const ModelLayout> layout = Layout(FixtureConfig(), QuantScheme::kPerTensor);
   ASSERT_NE(layout, nullptr);

@@ -186,6 +186,23 @@ TEST_P(RefitSessionGpuTest, NonFiniteWeightUnderRejectFailsNamingTheTensor) {
     EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
     EXPECT_THAT(result.status().message(), HasSubstr("model.layers.1.mlp.down_proj"));
     ExpectUnchanged();
+    // A NaN in part of a fused kernel (up of gate_up): the error names the
+    // checkpoint tensor and element the trainer sent, in the host store's
+    // words.
+    std::vector<OwnedTensor> fused = v2_;
+    for (OwnedTensor& t : fused) {
+      if (t.name == "model.layers.1.mlp.up_proj.weight") {
+        t.bytes[10] = 0xC0;
+        t.bytes[11] = 0x7F;
+      }
+    }
+    absl::StatusOr<RefitResult> on_gpu = PushAll(*gpu_, fused, options);
+    absl::StatusOr<RefitResult> on_cpu = PushAll(*cpu_, fused, options);
+    EXPECT_EQ(on_gpu.status().code(), absl::StatusCode::kInvalidArgument) << on_gpu.status();
+    EXPECT_THAT(on_gpu.status().message(),
+                HasSubstr("checkpoint tensor 'model.layers.1.mlp.up_proj.weight' row 0, col 5"));
+    EXPECT_EQ(on_gpu.status().message(), on_cpu.status().message());
+    ExpectUnchanged();
 
     // Under kVllmCompatible the same weights commit, with the CPU's bytes.
     RefitOptions vllm = options;

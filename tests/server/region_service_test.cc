@@ -590,6 +590,62 @@ TEST(RegionOpenTest, ARangeWithPagesTheTrainerNeverWroteIsInvalidArgumentAndAllo
   }
 }
 
+// Page-locking (a GPU store's regions) touches every page of a mapping: a
+// page the trainer never wrote would be allocated then, on refitd's
+// account, and would read as written. Such a region is not page-locked.
+TEST(RegionOpenTest, ARegionWithPagesTheTrainerNeverWroteIsNotPageLocked) {
+  constexpr uint64_t kSize = 1 << 20;
+  struct Case {
+    const char* what;
+    bool write_first_half, write_second_half, fallocate;
+    bool declined;
+  };
+  for (const Case& c : {Case{"never written", false, false, false, true},
+                        Case{"half written", true, false, false, true},
+                        Case{"the last page unwritten", true, false, false, true},
+                        Case{"every page written", true, true, false, false},
+                        Case{"reserved with fallocate", false, false, true, false}}) {
+    SCOPED_TRACE(c.what);
+    const int fd = ::memfd_create("pin", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, kSize), 0);
+    ASSERT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    const std::string ones(kSize / 2, '\x01');
+    if (c.write_first_half) {
+      const size_t n = std::string(c.what) == "the last page unwritten" ? kSize - 4096 : kSize / 2;
+      const std::string bytes(n, '\x01');
+      ASSERT_EQ(::pwrite(fd, bytes.data(), n, 0), static_cast<ssize_t>(n));
+    }
+    if (c.write_second_half) {
+      ASSERT_EQ(::pwrite(fd, ones.data(), ones.size(), kSize / 2),
+                static_cast<ssize_t>(ones.size()));
+    }
+    if (c.fallocate) {
+      ASSERT_EQ(::fallocate(fd, 0, 0, kSize), 0);
+    }
+    ASSERT_EQ(::lseek(fd, 777, SEEK_SET), 777);
+    struct stat before {};
+    ASSERT_EQ(::fstat(fd, &before), 0);
+    absl::StatusOr<std::unique_ptr<Region>> region =
+        Region::Open("rg-pin", ::dup(fd), kSize, /*pin=*/true);
+    ASSERT_TRUE(region.ok()) << region.status();
+    EXPECT_TRUE((*region)->pin_requested());
+    if (c.declined) {
+      EXPECT_FALSE((*region)->pinned());
+      EXPECT_THAT((*region)->pin_declined(), HasSubstr("pages the trainer never wrote"));
+    } else {
+      // (Page-locked where a GPU driver is there; here the request is all.)
+      EXPECT_EQ((*region)->pin_declined(), "");
+    }
+    struct stat after {};
+    ASSERT_EQ(::fstat(fd, &after), 0);
+    EXPECT_EQ(after.st_blocks, before.st_blocks) << "opening the region allocated pages";
+    EXPECT_EQ(::lseek(fd, 0, SEEK_CUR), 777) << "the trainer's file offset moved";
+    region->reset();
+    ::close(fd);
+  }
+}
+
 // Descriptors that pass for readable regular files but are not mappable
 // memory: O_PATH (O_ACCMODE reads as O_RDONLY) and hugetlbfs memfds.
 TEST(RegionOpenTest, ADescriptorOfAFileThatIsNotSharedMemoryIsInvalidArgument) {

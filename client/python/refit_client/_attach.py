@@ -209,7 +209,9 @@ class _DeviceMapping:
     tensor's storage), so it goes with the last tensor or view over it, never
     before: an engine that re-attaches after a daemon restart lets go of the
     old arena's device memory as it drops the old tensors. `unmap` waits for
-    the device's queued work first (a kernel may still read the bytes)."""
+    the device's queued work first (a kernel may still read the bytes). When
+    CUDA cannot do it then (a graph capture under way), it is done at the
+    next safe point, attach or close (_deferred_unmaps)."""
 
     def __init__(self, ptr: int, unmap: Callable[[], None]) -> None:
         self.ptr = ptr
@@ -218,11 +220,16 @@ class _DeviceMapping:
         self.released.atexit = False
 
 
-# Unmaps that came due on a thread capturing a CUDA graph (the last tensor
-# over an arena dropped there, by the garbage collector say): the device sync
-# an unmap starts with would invalidate the capture. They are done at the next
-# safe point or attach instead (_drain_deferred_unmaps).
-_deferred_unmaps: "collections.deque[Callable[[], None]]" = collections.deque()
+# Unmaps that could not be done when they came due: on a thread capturing a
+# CUDA graph (the last tensor over an arena dropped there, by the garbage
+# collector say), where the device sync an unmap starts with would invalidate
+# the capture; or refused, as CUDA refuses a device sync or an unmap on every
+# thread while another captures in the global mode (torch's default), so a
+# finalizer on a reader thread fails then. They are done at the next safe
+# point, attach or close (_drain_deferred_unmaps), each tried up to
+# _UNMAP_TRIES times in all.
+_deferred_unmaps: "collections.deque[Tuple[Callable[[], None], int]]" = collections.deque()
+_UNMAP_TRIES = 3
 
 
 def _capturing() -> bool:
@@ -237,26 +244,36 @@ def _capturing() -> bool:
 
 def _unmap_once(unmap: Callable[[], None]) -> None:
     if _capturing():
-        _deferred_unmaps.append(unmap)
+        _deferred_unmaps.append((unmap, 0))
         return
-    _run_unmap(unmap)
+    _run_unmap(unmap, 0)
 
 
-def _run_unmap(unmap: Callable[[], None]) -> None:
+def _run_unmap(unmap: Callable[[], None], tried: int) -> None:
     try:
         unmap()
     except Exception as e:  # noqa: BLE001 - a finalizer has no caller to raise to
-        warnings.warn(f"attach: unmapping a device arena failed: {e}", RuntimeWarning)
+        if tried + 1 < _UNMAP_TRIES:
+            _deferred_unmaps.append((unmap, tried + 1))
+        else:
+            warnings.warn(
+                f"attach: unmapping a device arena failed {_UNMAP_TRIES} times, the last: {e}",
+                RuntimeWarning,
+            )
 
 
 def _drain_deferred_unmaps() -> None:
-    """The unmaps deferred during a graph capture, unless one is still on."""
-    while _deferred_unmaps and not _capturing():
+    """The unmaps deferred (see _deferred_unmaps), unless this thread is
+    capturing; each one once per call (one that fails again waits for the
+    next call)."""
+    for _ in range(len(_deferred_unmaps)):
+        if _capturing():
+            return
         try:
-            unmap = _deferred_unmaps.popleft()
+            unmap, tried = _deferred_unmaps.popleft()
         except IndexError:  # another thread took the last one
             return
-        _run_unmap(unmap)
+        _run_unmap(unmap, tried)
 
 
 class _CudaVmm:
@@ -1078,6 +1095,7 @@ class AttachedEngine:
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
         self._channel.close()
+        _drain_deferred_unmaps()
 
     def __enter__(self) -> "AttachedEngine":
         return self

@@ -45,6 +45,7 @@ descriptor socket with SCM_RIGHTS.
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import mmap
 import os
@@ -307,6 +308,25 @@ class _ArenaMap(mmap.mmap):
     arena: Any = None
 
 
+def _allocate(fd: int, size: int) -> None:
+    """Allocates every page of the memfd now, on this process' account.
+
+    The daemon of a GPU store page-locks a region when it is registered,
+    which is before the client writes its staging; it declines a region with
+    pages nobody wrote (page-locking would allocate them on the daemon's
+    account), and its refits then copy through a bounce buffer instead of
+    reading the region by DMA. Out of memory is an error here, not a SIGBUS
+    at the first write of an unallocated page."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return  # the pages come with the first writes, as they would anyway
+        raise MemoryError(
+            f"refit_client: cannot allocate {size} bytes of shared memory (a memfd): {e.strerror}"
+        ) from e
+
+
 class Staging:
     """The client's sealed memfd staging region."""
 
@@ -315,6 +335,7 @@ class Staging:
         self.fd = os.memfd_create("refit-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
+            _allocate(self.fd, size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             self.map = map_type(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:

@@ -482,6 +482,23 @@ def test_moe_experts_are_read_in_place_from_shared_tensors(start_daemon, fixture
     assert any(".experts." in k for k in weights)
 
 
+def test_staging_pages_are_allocated_by_the_client_before_it_registers_them():
+    """A GPU store's daemon page-locks a region at registration, before the
+    client writes its staging, and declines one with pages nobody wrote (they
+    would be allocated on its account): staging and shared_tensors() arenas
+    are allocated whole, by the client, when they are made."""
+    page = os.sysconf("SC_PAGESIZE")
+    size = 3 * page + 5
+    staging = _shm.Staging(size)
+    try:
+        st = os.fstat(staging.fd)
+        assert st.st_size == size
+        # Every page counted (what the daemon looks at first).
+        assert st.st_blocks * 512 >= 4 * page
+    finally:
+        staging.close()
+
+
 def test_offset_past_the_region_is_out_of_range_and_nothing_changes(client, daemon, seed2):
     before = client.status()
     lane = client._shm_lane()

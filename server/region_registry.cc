@@ -37,22 +37,35 @@ std::string RandomRegionId() {
   return out;
 }
 
+// Whether the file's blocks cover every page of its size (st_blocks): no
+// hole anywhere, with one fstat.
+bool EveryPageThere(const struct stat& st) {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t file = static_cast<uint64_t>(st.st_size);
+  return static_cast<uint64_t>(st.st_blocks) * 512 >= (file + page - 1) / page * page;
+}
+
+// The offset of the file's first hole at or after `from` (its size when it
+// has none), -1 when `from` is past its end. Looked for on a reopened
+// descriptor, not a dup (a dup shares the trainer's file offset, which
+// lseek moves), closed at once (a region holds one descriptor, as the
+// registry's cap on regions counts); on `fd` itself when none can be opened.
+off_t FirstHole(int fd, uint64_t from) {
+  const int reopened = ::open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
+  const off_t hole = ::lseek(reopened >= 0 ? reopened : fd, static_cast<off_t>(from), SEEK_HOLE);
+  if (reopened >= 0) ::close(reopened);
+  return hole;
+}
+
 // Whether every page of [0, size) of a shared-memory file is allocated
 // (written, or reserved with fallocate). Page-locking touches every page,
 // and a page the trainer never wrote would then be allocated, zeroed, on
 // refitd's account; such a region is not page-locked.
 bool AllPagesAllocated(int fd, uint64_t size) {
-  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   struct stat st {};
   if (::fstat(fd, &st) != 0) return false;
-  const uint64_t file = static_cast<uint64_t>(st.st_size);
-  if (static_cast<uint64_t>(st.st_blocks) * 512 >= (file + page - 1) / page * page) return true;
-  // Reopened, not dup'ed: a dup shares the trainer's file offset, which
-  // lseek moves.
-  const int reopened = ::open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
-  if (reopened < 0) return false;
-  const off_t hole = ::lseek(reopened, 0, SEEK_HOLE);
-  ::close(reopened);
+  if (EveryPageThere(st)) return true;
+  const off_t hole = FirstHole(fd, 0);
   return hole >= 0 && static_cast<uint64_t>(hole) >= size;
 }
 
@@ -245,20 +258,12 @@ absl::Status Region::CheckWritten(absl::string_view tensor, uint64_t offset,
   static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   struct stat st {};
   if (::fstat(fd_, &st) != 0) return absl::OkStatus();  // the size checks report a bad file
-  const uint64_t file = static_cast<uint64_t>(st.st_size);
-  if (static_cast<uint64_t>(st.st_blocks) * 512 >= (file + page - 1) / page * page) {
-    return absl::OkStatus();  // every page is there
-  }
+  if (EveryPageThere(st)) return absl::OkStatus();
   const uint64_t end = offset + length;
   absl::MutexLock lock(&written_mu_);
   if (offset >= written_lo_ && end <= written_hi_) return absl::OkStatus();
-  // Reopened, not dup'ed: a dup shares the trainer's file offset, which
-  // lseek moves. Closed at once: a region holds one descriptor, as the
-  // registry's cap on regions (half the open-file limit) counts.
-  const int reopened = ::open(absl::StrCat("/proc/self/fd/", fd_).c_str(), O_RDONLY | O_CLOEXEC);
   const uint64_t from = offset / page * page;
-  const off_t hole = ::lseek(reopened >= 0 ? reopened : fd_, static_cast<off_t>(from), SEEK_HOLE);
-  if (reopened >= 0) ::close(reopened);
+  const off_t hole = FirstHole(fd_, from);
   // (ENXIO: the range starts past the file's end, which the shrink checks
   // report.)
   if (hole < 0) return absl::OkStatus();
@@ -403,7 +408,9 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::ActivateWith(
     return absl::NotFoundError(absl::StrCat("region \"", id, "\" was released meanwhile"));
   }
   it->second.region = region;
-  it->second.pin = pin;
+  // A region Open declined to page-lock (pages nobody wrote) takes none of
+  // the budget.
+  it->second.pin = pin && region->pin_declined().empty();
   return region;
 }
 

@@ -874,17 +874,30 @@ TEST(RegionRegistryTest, PageLockedRegionsStayWithinTheirBudget) {
   RegionRegistry::Limits limits{16, int64_t{1} << 30, 0};
   limits.max_pinned_bytes = 3 * 4096;
   RegionRegistry registry(limits, /*pin=*/true);
-  auto open = [&](const std::string& owner, uint64_t size) -> std::shared_ptr<const Region> {
+  // Every page reserved (fallocate), as the Python client's regions are:
+  // page-locking allocates none on the daemon's account.
+  auto open = [&](const std::string& owner, uint64_t size,
+                  bool allocated = true) -> std::shared_ptr<const Region> {
     const int fd = ::memfd_create("r", MFD_CLOEXEC);
     EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(size)), 0);
+    if (allocated) {
+      EXPECT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(size)), 0);
+    }
     absl::StatusOr<std::string> id = registry.Reserve(owner, size);
     EXPECT_TRUE(id.ok()) << id.status();
     absl::StatusOr<std::shared_ptr<const Region>> region = registry.Activate(*id, fd);
     EXPECT_TRUE(region.ok()) << region.status();
     return region.ok() ? *region : nullptr;
   };
+  // One with pages nobody wrote is not page-locked, and takes no budget.
+  std::shared_ptr<const Region> sparse = open("trainer", 3 * 4096, /*allocated=*/false);
+  EXPECT_TRUE(sparse->pin_requested());
+  EXPECT_FALSE(sparse->pinned());
+  EXPECT_NE(sparse->pin_declined(), "");
+  EXPECT_EQ(registry.totals().pin_budget_used_bytes, 0);
   std::shared_ptr<const Region> a = open("trainer", 2 * 4096);
   EXPECT_TRUE(a->pin_requested());
+  EXPECT_EQ(a->pin_declined(), "");
   EXPECT_EQ(registry.totals().pin_budget_used_bytes, 2 * 4096);
   std::shared_ptr<const Region> b = open("other", 2 * 4096);  // 4 pages: past the budget
   EXPECT_FALSE(b->pin_requested());

@@ -72,7 +72,9 @@ def test_shm_push_commits_the_fingerprint_of_a_grpc_push(client, daemon, seed2):
     lane = client._shm
     assert lane.last_copied_bytes == sum(t.numel() * t.element_size() for t in seed2.values())
     assert [r.access for r in lane.regions()] == ["mapped"]
-    assert "access=mapped" in daemon.wait_for_line("region registered")
+    staging = daemon.wait_for_line("region registered", also="name=staging")
+    assert "access=mapped" in staging
+    assert "pinned=" not in staging  # a host store page-locks nothing
     # On a Unix socket the lane is the default.
     again = client.push(seed2)
     assert again.fingerprint == over_grpc.fingerprint
@@ -915,9 +917,11 @@ def test_sealed_regions_go_to_a_gpu_store_by_dma_from_where_they_lie(start_daemo
         assert "access=mapped" in d.wait_for_line("region registered", also="pinned=true")
         assert re.search(r"^refitd_trainer_region_pinned_bytes [1-9]", metrics(d), re.M)
         # Private tensors go through the client's sealed staging memfd:
-        # pinned too.
+        # pinned too (the client reserved its pages when it made it).
         c.push(zeros, lane="grpc", non_finite="vllm")
         assert c.push(seed2, lane="shm").fingerprint == expected
+        staging = d.wait_for_line("region registered", also="name=staging")
+        assert "pinned=true" in staging, staging
     # --pin-regions=false: the same bytes through the pinned staging pool.
     d = start_daemon("--device=cuda:0", "--pin-regions=false", "--metrics-listen=127.0.0.1:0")
     with RefitClient(d.address, timeout=60) as c:

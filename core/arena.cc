@@ -248,6 +248,8 @@ struct VmmApi {
   CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
   CUresult (*export_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
                             unsigned long long) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
   bool ok = false;
 };
 
@@ -277,6 +279,8 @@ const VmmApi& Vmm() {
     get("cuMemUnmap", a.unmap);
     get("cuMemSetAccess", a.set_access);
     get("cuMemExportToShareableHandle", a.export_handle);
+    get("cuCtxGetCurrent", a.ctx_get_current);
+    get("cuCtxSetCurrent", a.ctx_set_current);
     a.ok = all;
     return a;
   }();
@@ -288,23 +292,26 @@ std::string DriverError(const char* call, CUresult r) {
 }
 
 // Makes the device's primary context current on this thread for the scope,
-// then restores the thread's device: a vmm arena's later driver calls (the
-// export on the descriptor server's thread, the release in a destructor)
-// may run on threads that never used the device.
+// then puts back the context the thread had (none, on a thread that never
+// used CUDA: restoring a device instead would create device 0's context
+// there). A vmm arena's later driver calls (the export on the descriptor
+// server's thread, the release in a destructor) may run on such threads.
 class CurrentDevice {
  public:
   explicit CurrentDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    const VmmApi& api = Vmm();
+    saved_ = api.ok && api.ctx_get_current(&previous_) == CUDA_SUCCESS;
     if (cudaSetDevice(device) != cudaSuccess) (void)cudaGetLastError();
   }
   ~CurrentDevice() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
+    if (saved_) Vmm().ctx_set_current(previous_);
   }
   CurrentDevice(const CurrentDevice&) = delete;
   CurrentDevice& operator=(const CurrentDevice&) = delete;
 
  private:
-  int previous_ = -1;
+  CUcontext previous_ = nullptr;
+  bool saved_ = false;
 };
 #endif  // REFIT_WITH_CUDA
 

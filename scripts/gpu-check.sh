@@ -22,7 +22,8 @@
 #                                    the benchmarks are skipped
 #   scripts/gpu-check.sh             all of it, plus the GPU benchmarks
 #
-# Carry .deps (debs, wheels, daemon bundle: about 20 MiB) to the GPU machine.
+# Carry .deps/debs, .deps/wheels and .deps/daemon (about 18 MiB) to the GPU
+# machine.
 # Part two, with the daemon bundle: the Python client's `gpu` tests (pytest
 # -m gpu) against the bundled refitd, then (full mode) the attach and
 # shared-memory-lane benchmarks with refitd's store on cuda:0.
@@ -78,7 +79,7 @@ case "${1:-}" in
   --prepare) MODE=prepare ;;
   --dry-run) MODE=dry-run ;;
   "") ;;
-  -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,48p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--fetch|--bundle|--prepare|--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -95,6 +96,24 @@ trap 'rm -rf "$WORK"' EXIT
 STEPS=$WORK/steps.tsv   # name <TAB> status <TAB> seconds <TAB> detail
 : > "$STEPS"
 step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >> "$STEPS"; }
+
+# Part two's benchmarks, checked before anything runs.
+DAEMON_BENCHES=${GPU_CHECK_DAEMON_BENCHES:-shm attach shm-host}
+for name in $DAEMON_BENCHES; do
+  case "$name" in
+    shm|attach|shm-host) ;;
+    *) echo "GPU_CHECK_DAEMON_BENCHES: unknown benchmark $name (shm, attach, shm-host)" >&2; exit 2 ;;
+  esac
+done
+
+# A hash of what refitd is built from (core/, server/, proto/, the CMake
+# files): the bundle records it, part two compares it with the checkout's.
+daemon_sources_hash() {
+  (cd "$ROOT" && find core server proto cmake CMakeLists.txt -type f \
+      \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.proto' \
+         -o -name '*.cmake' -o -name CMakeLists.txt \) -print0 |
+    LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+}
 
 # ---------------------------------------------------------------- fetch ----
 # Part two's Python packages the GPU machine's image may lack or hold in
@@ -172,6 +191,7 @@ bundle() {
       git -C "$ROOT" diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "bundled $(date -u +%Y-%m-%dT%H:%M:%SZ) from ${src#$ROOT/}: $("$src/bin/refitd" --version 2>&1 | head -1)"
     echo "torch $("$venv_py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)"
+    echo "sources $(daemon_sources_hash)"
   } > "$stage/BUNDLE"
   rm -rf "$BUNDLE_DIR"
   mkdir -p "$BUNDLE_DIR"
@@ -432,23 +452,31 @@ fi
 daemon_rc=0
 daemon_check() {
   local tar=$BUNDLE_DIR/daemon.tar.xz d=$WORK/daemon t0 torch_lib b site=$WORK/site
+  # A problem of part two's own ends part two, not the run: part one's
+  # results and the logs still come back.
+  fail() {
+    step "daemon gpu tests" FAILED $(( $(date +%s) - t0 )) "$1"
+    daemon_rc=1
+  }
+  t0=$(date +%s)
   if [ "${GPU_CHECK_DAEMON:-1}" = 0 ]; then
     step "daemon gpu tests" skipped 0 "GPU_CHECK_DAEMON=0"
     return
   fi
   if [ ! -f "$tar" ]; then
     if [ "$MODE" = full ]; then
-      step "daemon gpu tests" FAILED 0 "no daemon bundle: run scripts/gpu-check.sh --prepare on the build machine and carry .deps"
-      daemon_rc=1
+      fail "no daemon bundle: run scripts/gpu-check.sh --prepare on the build machine and carry .deps"
     else
       step "daemon gpu tests" skipped 0 "no daemon bundle (scripts/gpu-check.sh --bundle)"
     fi
     return
   fi
-  t0=$(date +%s)
-  (cd "$BUNDLE_DIR" && sha256sum --quiet -c SHA256SUMS) || die "the daemon bundle does not match its SHA256SUMS"
+  case "$WORK" in *[[:space:]]*) fail "the work directory $WORK has whitespace in its path (set TMPDIR)"; return ;; esac
+  (cd "$BUNDLE_DIR" && sha256sum --quiet -c SHA256SUMS) ||
+    { fail "the daemon bundle does not match its SHA256SUMS"; return; }
   if [ -f "$WHEELS_DIR/SHA256SUMS" ]; then
-    (cd "$WHEELS_DIR" && sha256sum --quiet -c SHA256SUMS) || die "a wheel does not match SHA256SUMS"
+    (cd "$WHEELS_DIR" && sha256sum --quiet -c SHA256SUMS) ||
+      { fail "a carried wheel does not match SHA256SUMS"; return; }
   fi
   # Part one's prefix is not part two's business.
   export LD_LIBRARY_PATH=$CALLER_LD_LIBRARY_PATH
@@ -456,11 +484,26 @@ daemon_check() {
   mkdir -p "$d/bin"
   # Python's tarfile, which needs no xz binary (a minimal image may lack it).
   "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="tar")' \
-    "$tar" "$d"
+    "$tar" "$d" || { fail "unpacking the daemon bundle failed"; return; }
   log "daemon bundle: $(head -1 "$d/BUNDLE")"
+  # Built from this checkout's daemon sources, against this machine's torch
+  # (refitd loads its libraries): otherwise the tests would check another
+  # refitd, or fail to load one.
+  local sources bundled_sources bundled_torch
+  sources=$(daemon_sources_hash)
+  bundled_sources=$(sed -n 's/^sources //p' "$d/BUNDLE")
+  if [ "$bundled_sources" != "$sources" ]; then
+    fail "stale bundle: its refitd was built from other sources (${bundled_sources:-unknown}) than this checkout's core/, server/, proto/ and CMake files ($sources); run scripts/gpu-check.sh --bundle again"
+    return
+  fi
+  bundled_torch=$(sed -n 's/^torch //p' "$d/BUNDLE")
+  if [ "$bundled_torch" != "$TORCH_VERSION" ]; then
+    fail "the bundled refitd was built against torch ${bundled_torch:-unknown}, this machine's python has torch $TORCH_VERSION"
+    return
+  fi
   torch_lib=$TORCH_LIB
   for b in refitd refitctl refit_make_fixture; do
-    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s:%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+    printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "%s" "$@"\n' \
       "$d/lib" "$torch_lib" "$d/libexec/$b" > "$d/bin/$b"
     chmod +x "$d/bin/$b"
     # Every library from the bundle, torch, or glibc and the C++ runtime:
@@ -479,20 +522,23 @@ daemon_check() {
       done)
     if [ -n "$stray" ]; then
       echo "$stray" >&2
-      step "daemon gpu tests" FAILED $(( $(date +%s) - t0 )) \
-        "$b loads libraries from outside the bundle or none: $(echo "$stray" | tr '\n' ' ')"
-      daemon_rc=1
+      fail "$b loads libraries from outside the bundle or none: $(echo "$stray" | tr '\n' ' ')"
       return
     fi
   done
-  # The wheels the tests use here, installed beside (not over) the image's.
+  # The wrapper and the loader, once, before any test depends on them.
+  "$d/bin/refitd" --version > "$WORK/refitd-version.log" 2>&1 ||
+    { cat "$WORK/refitd-version.log"; fail "the bundled refitd does not start: $(tail -1 "$WORK/refitd-version.log")"; return; }
+  # The wheels the tests use here, beside (not over) the image's packages:
+  # unzipped (a wheel is a zip), which needs no pip.
   local py_version wheels_for
   py_version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
   wheels_for=$(cat "$WHEELS_DIR/PYTHON_VERSION" 2>/dev/null || echo none)
   if [ "$wheels_for" = "$py_version" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$site" "$WHEELS_DIR"/*.whl > "$WORK/pip.log" 2>&1 ||
-      { cat "$WORK/pip.log"; die "installing the carried wheels failed"; }
+    "$PY" -c 'import sys, zipfile
+for wheel in sys.argv[2:]:
+    zipfile.ZipFile(wheel).extractall(sys.argv[1])' "$site" "$WHEELS_DIR"/*.whl > "$WORK/pip.log" 2>&1 ||
+      { cat "$WORK/pip.log"; fail "unpacking the carried wheels failed"; return; }
   else
     log "the carried wheels are for python $wheels_for, this one is $py_version: using its own packages"
   fi
@@ -522,25 +568,34 @@ daemon_check() {
   step "daemon gpu tests" "$([ $pytest_rc -eq 0 ] && echo ok || echo FAILED)" $(( $(date +%s) - t0 )) \
     "pytest -m gpu rc=$pytest_rc against refitd $(sed -n 's/^commit //p' "$d/BUNDLE" | cut -c1-12)"
   [ $pytest_rc -eq 0 ] || daemon_rc=1
-  if [ "$MODE" != full ] || [ $HAVE_GPU -eq 0 ]; then
-    step "daemon benchmarks" skipped 0 "$([ "$MODE" = full ] && echo "no usable GPU" || echo "dry run")"
+  if [ "$MODE" != full ]; then
+    step "daemon benchmarks" skipped 0 "dry run"
+    return
+  fi
+  if [ "$HAVE_GPU" -eq 0 ]; then
+    # A full run exists to exercise the GPU: without one it cannot pass.
+    step "daemon benchmarks" FAILED 0 "no usable GPU; use --dry-run on machines without one"
+    daemon_rc=1
     return
   fi
   # The benchmarks' 1.1 GiB checkpoint (scripts/bench.sh's shapes).
   t0=$(date +%s)
   local model=$WORK/model-l47 reps=${GPU_CHECK_DAEMON_REPS:-3} rc
-  "$d/bin/refit_make_fixture" --out "$model" --seed 1 --layers 47 --hidden 1024 \
-    --intermediate 2816 --heads 8 --kv-heads 2 --vocab 8192 > "$WORK/fixture.log" 2>&1 ||
-    { cat "$WORK/fixture.log"; die "refit_make_fixture failed"; }
+  if ! "$d/bin/refit_make_fixture" --out "$model" --seed 1 --layers 47 --hidden 1024 \
+      --intermediate 2816 --heads 8 --kv-heads 2 --vocab 8192 > "$WORK/fixture.log" 2>&1; then
+    cat "$WORK/fixture.log"
+    step "daemon benchmarks" FAILED $(( $(date +%s) - t0 )) "refit_make_fixture failed"
+    daemon_rc=1
+    return
+  fi
   # shm: the trainer lane into a GPU store; attach: an engine attached to
   # it; shm-host: the trainer lane into a host store on this machine's cores.
   local name script device limit
-  for name in ${GPU_CHECK_DAEMON_BENCHES:-shm attach shm-host}; do
+  for name in $DAEMON_BENCHES; do
     case "$name" in
       shm) script=shm_bench.py device=cuda:0 limit=240 ;;
       attach) script=attach_bench.py device=cuda:0 limit=180 ;;
       shm-host) script=shm_bench.py device=cpu limit=240 ;;
-      *) die "GPU_CHECK_DAEMON_BENCHES: unknown benchmark $name (shm, attach, shm-host)" ;;
     esac
     rc=0
     echo "== $name: $script --device=$device" >> "$WORK/daemon-bench.log"

@@ -37,12 +37,12 @@ std::string RandomRegionId() {
   return out;
 }
 
-// Whether the file's blocks cover every page of its size (st_blocks): no
-// hole anywhere, with one fstat.
+// Whether the file's blocks cover its size (st_blocks): no hole anywhere,
+// with one fstat. (A file missing one page has at most its size rounded
+// down to pages in blocks, less than its size; some tmpfs implementations,
+// gVisor's, count blocks of the size itself, not of whole pages.)
 bool EveryPageThere(const struct stat& st) {
-  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  const uint64_t file = static_cast<uint64_t>(st.st_size);
-  return static_cast<uint64_t>(st.st_blocks) * 512 >= (file + page - 1) / page * page;
+  return static_cast<uint64_t>(st.st_blocks) * 512 >= static_cast<uint64_t>(st.st_size);
 }
 
 // The offset of the file's first hole at or after `from` (its size when it
@@ -57,16 +57,18 @@ off_t FirstHole(int fd, uint64_t from) {
   return hole;
 }
 
-// Whether every page of [0, size) of a shared-memory file is allocated
-// (written, or reserved with fallocate). Page-locking touches every page,
-// and a page the trainer never wrote would then be allocated, zeroed, on
-// refitd's account; such a region is not page-locked.
-bool AllPagesAllocated(int fd, uint64_t size) {
+// Whether a page of [0, size) of a shared-memory file is missing (never
+// written: a hole). Page-locking touches every page, and such a page would
+// then be allocated, zeroed, on refitd's account; that region is not
+// page-locked. Pages reserved with fallocate count as there (st_blocks has
+// them; SEEK_HOLE does not). Where holes cannot be looked for (no
+// SEEK_HOLE), none is assumed.
+bool HasHole(int fd, uint64_t size) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) return false;
-  if (EveryPageThere(st)) return true;
+  if (EveryPageThere(st)) return false;
   const off_t hole = FirstHole(fd, 0);
-  return hole >= 0 && static_cast<uint64_t>(hole) >= size;
+  return hole >= 0 && static_cast<uint64_t>(hole) < size;
 }
 
 }  // namespace
@@ -143,7 +145,7 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Open(std::string id, int fd, uin
   region->map_ = static_cast<const uint8_t*>(p);
   region->access_ = Access::kMapped;
   region->pin_requested_ = pin;
-  if (pin && !AllPagesAllocated(fd, size)) {
+  if (pin && HasHole(fd, size)) {
     region->pin_declined_ =
         "it has pages the trainer never wrote (page-locking would allocate them on refitd's "
         "account); its refits copy it through the pinned staging pool";

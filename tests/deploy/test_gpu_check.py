@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -126,13 +127,52 @@ def test_a_library_missing_from_the_bundle_fails_part_two_naming_it(repo, bundle
     assert results["daemon"] is None  # no test ran against an incomplete bundle
 
 
+def _part_two_failure(repo, deps, tmp_path):
+    """Runs part two's dry run; returns its step's detail (it must fail)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = _gpu_check(repo, "--dry-run", GPU_CHECK_CORE=0, GPU_CHECK_DEPS=deps, OUT=out)
+    assert r.returncode == 1, r.stdout + r.stderr
+    # Part two's own failure ends part two, not the run: the results come back.
+    step = next(s for s in _results(out)["steps"] if s["step"] == "daemon gpu tests")
+    assert step["status"] == "FAILED", step
+    return step["detail"]
+
+
 def test_a_bundle_that_does_not_match_its_checksum_is_refused(repo, bundle, tmp_path):
     deps = _copy_bundle(bundle, tmp_path / "deps")
     with open(deps / "daemon" / "daemon.tar.xz", "ab") as f:
         f.write(b"\0")
-    r = _gpu_check(repo, "--dry-run", GPU_CHECK_CORE=0, GPU_CHECK_DEPS=deps, OUT=tmp_path)
-    assert r.returncode == 1
-    assert "the daemon bundle does not match its SHA256SUMS" in r.stderr, r.stderr
+    detail = _part_two_failure(repo, deps, tmp_path)
+    assert "the daemon bundle does not match its SHA256SUMS" in detail
+
+
+def _rewrite_stamp(deps, tmp_path, edit):
+    work = tmp_path / "unpacked"
+    tar_path = deps / "daemon" / "daemon.tar.xz"
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(work, filter="tar")
+    stamp = work / "BUNDLE"
+    stamp.write_text(edit(stamp.read_text()))
+    with tarfile.open(tar_path, "w:xz", preset=0) as tar:
+        tar.add(work, arcname=".")
+    _reseal(deps)
+
+
+def test_a_bundle_built_from_other_sources_is_refused_as_stale(repo, bundle, tmp_path):
+    deps = _copy_bundle(bundle, tmp_path / "deps")
+    _rewrite_stamp(deps, tmp_path,
+                   lambda text: re.sub(r"^sources \S+$", "sources 0123456789abcdef", text, flags=re.M))
+    detail = _part_two_failure(repo, deps, tmp_path)
+    assert "stale bundle" in detail and "0123456789abcdef" in detail, detail
+
+
+def test_a_bundle_built_against_another_torch_is_refused(repo, bundle, tmp_path):
+    deps = _copy_bundle(bundle, tmp_path / "deps")
+    _rewrite_stamp(deps, tmp_path,
+                   lambda text: re.sub(r"^torch \S+$", "torch 1.0.0", text, flags=re.M))
+    detail = _part_two_failure(repo, deps, tmp_path)
+    assert "built against torch 1.0.0" in detail, detail
 
 
 def test_a_full_run_without_a_bundle_fails_and_says_how_to_make_one(repo, tmp_path):
@@ -144,3 +184,25 @@ def test_a_full_run_without_a_bundle_fails_and_says_how_to_make_one(repo, tmp_pa
     assert r.returncode == 1, r.stdout + r.stderr
     step = next(s for s in _results(out)["steps"] if s["step"] == "daemon gpu tests")
     assert step["status"] == "FAILED" and "--prepare" in step["detail"], step
+
+
+def test_part_two_alone_in_full_mode_without_a_gpu_does_not_pass(repo, bundle, tmp_path):
+    """A full run exists to exercise the GPU: where torch sees none, the
+    daemon's benchmarks fail instead of being skipped."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the full run would measure it")
+    out = tmp_path / "out"
+    out.mkdir()
+    r = _gpu_check(repo, GPU_CHECK_CORE=0, GPU_CHECK_DEPS=bundle, OUT=out)
+    assert r.returncode == 1, r.stdout + r.stderr
+    step = next(s for s in _results(out)["steps"] if s["step"] == "daemon benchmarks")
+    assert step["status"] == "FAILED" and "no usable GPU" in step["detail"], step
+
+
+def test_an_unknown_benchmark_is_a_usage_error_before_anything_runs(repo, tmp_path):
+    r = _gpu_check(repo, "--dry-run", GPU_CHECK_DAEMON_BENCHES="shm warp", OUT=tmp_path)
+    assert r.returncode == 2
+    assert "unknown benchmark warp" in r.stderr
+    assert not (tmp_path / "gpu-check-results.json").exists()

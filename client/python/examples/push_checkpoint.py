@@ -5,10 +5,13 @@ daemon reads the tensors in place, chunks carry references); elsewhere the
 bytes go in the gRPC messages.
 
     .venv/bin/python client/python/examples/push_checkpoint.py unix:/tmp/refitd.sock /tmp/w2
+
+For a daemon with --auth-tokens, REFIT_TOKEN_FILE names a trainer token's file.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -21,7 +24,7 @@ def main(address: str, directory: str) -> int:
     state_dict = {}
     for f in sorted(pathlib.Path(directory).glob("*.safetensors")):
         state_dict.update(load_file(str(f)))
-    with RefitClient(address) as client:
+    with RefitClient(address, token_file=os.environ.get("REFIT_TOKEN_FILE")) as client:
         result = client.push(state_dict, label=f"from {directory}")
         lane = "grpc" if client.shm_fallback_reason or not address.startswith("unix:") else "shm"
         print(f"pushed {len(state_dict)} tensors over the {lane} lane: version {result.version}, "

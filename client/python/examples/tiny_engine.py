@@ -143,6 +143,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--prompt", default="1,2,3", help="comma-separated token ids")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--no-coordinate", action="store_true")
+    parser.add_argument("--token-file", default=None,
+                        help="an engine token, for a daemon with --auth-tokens")
     args = parser.parse_args(argv)
     config = DEMO
     if args.config:
@@ -150,7 +152,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             config = json.load(f)
         config.setdefault("head_dim", None)
     shape = Shape.from_config(config) if args.config else Shape(2, 4, 2, 32, 1000)
-    with attach(args.addr, args.group, coordinate=not args.no_coordinate, name="tiny_engine") as engine:
+    with attach(args.addr, args.group, coordinate=not args.no_coordinate, name="tiny_engine",
+                token_file=args.token_file) as engine:
         print(f"attached {engine.engine_id}: version {engine.version}, {len(engine.tensors)} tensors",
               file=sys.stderr)
         tokens = generate(

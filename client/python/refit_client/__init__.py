@@ -9,7 +9,7 @@
 See docs/python.md in the refitd repository for the whole API.
 """
 
-from ._attach import AttachedEngine, EngineEvent, attach, safe_point_all
+from ._attach import LAYOUT_FIELDS, AttachedEngine, EngineEvent, attach, safe_point_all
 from ._client import DEFAULT_CHUNK_BYTES, EventStream, Refit, RefitClient, Tls
 from ._fleet import FleetClient, FleetMemberResult, FleetRefitResult
 from ._progress import TqdmProgress
@@ -50,6 +50,7 @@ from .types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "LAYOUT_FIELDS",
     "attach",
     "safe_point_all",
     "AttachedEngine",

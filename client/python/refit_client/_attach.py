@@ -584,6 +584,12 @@ class AttachedEngine:
         for key, value in (expect or {}).items():
             if key not in LAYOUT_FIELDS:
                 raise InvalidArgument(f"attach: expect has an unknown field {key!r}")
+            want = type(getattr(request.expect, key))
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise InvalidArgument(
+                    f"attach: expect[{key!r}] is {value!r}, a {type(value).__name__}; the layout's "
+                    f"{key} is a {want.__name__} (as engine.layout gives it)"
+                )
             setattr(request.expect, key, value)
         self._requests.put(epb.EngineMessage(attach=request))
         stub = epb_grpc.EngineServiceStub(self._channel)

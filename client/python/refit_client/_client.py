@@ -1259,12 +1259,19 @@ class RefitClient:
                 )
                 prepared.append((group, r.refit_id))
             results = self.commit_linked(prepared, timeout=timeout)
-        except BaseException:
+        except BaseException as e:
+            aborted = []
             for group, refit_id in prepared:
                 try:
                     self.abort(refit_id, "linked push failed", group=group, timeout=timeout)
+                    aborted.append(f"{group or '(default)'}: {refit_id}")
                 except RefitError:
                     pass  # already gone (aborted by a failed commit, or expired)
+            if aborted and isinstance(e, RefitError):
+                # The daemon's message may say the refits stay PREPARED (a
+                # commit the engines did not quiesce for): not after this.
+                e.message += f" [push_linked aborted the refits it prepared: {', '.join(aborted)}]"
+                e.args = (f"{e.code.name}: {e.message}",)
             raise
         return {group: result for (group, _), result in zip(prepared, results)}
 

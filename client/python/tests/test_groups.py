@@ -162,6 +162,11 @@ def test_a_linked_commit_held_up_by_one_groups_engine_names_that_group_to_every_
             c.push_linked({"a": new, "b": new})
         assert f'model group "b": engine "{stuck.engine_id}" ("stuck")' in str(e.value)
         assert "did not quiesce" in str(e.value)
+        # The daemon's message says the refits stay PREPARED; push_linked
+        # then aborted them, and says so.
+        assert "[push_linked aborted the refits it prepared: a: r-" in e.value.message
+        assert "push_linked aborted" in str(e.value)
+        assert all(s.active_refit is None for s in c.statuses())
         assert versions(c) == {"a": 1, "b": 1}
         aborted = [ev for ev in events if ev.kind == "aborted"]
         assert aborted, events

@@ -577,9 +577,7 @@ class AttachedEngine:
         if not address.startswith("unix:"):
             raise FailedPrecondition(f"attach needs a local Unix socket; {address!r} is not unix:")
         self.address = address
-        self._channel = grpc.insecure_channel(address)
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._requests: "queue.Queue[Optional[Any]]" = queue.Queue()
+        # The request first: a bad `expect` is refused before any channel.
         request = epb.AttachRequest(model_group=group or "", coordinate=coordinate, engine_name=name)
         for key, value in (expect or {}).items():
             if key not in LAYOUT_FIELDS:
@@ -591,6 +589,9 @@ class AttachedEngine:
                     f"{key} is a {want.__name__} (as engine.layout gives it)"
                 )
             setattr(request.expect, key, value)
+        self._channel = grpc.insecure_channel(address)
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._requests: "queue.Queue[Optional[Any]]" = queue.Queue()
         self._requests.put(epb.EngineMessage(attach=request))
         stub = epb_grpc.EngineServiceStub(self._channel)
         # The stream is the lease, so it has no deadline; `timeout` bounds

@@ -129,6 +129,11 @@ def test_layout_mismatch_names_the_fields(daemon):
     assert "tp_size (engine expects 2, daemon serves 1)" in str(e.value)
     assert "architecture" in str(e.value)
     assert "quantization" not in str(e.value)
+    # A value of another type than the field's is the caller's mistake,
+    # told before anything is asked.
+    with pytest.raises(InvalidArgument) as bad:
+        attach(daemon.address, expect={"tp_size": "1"})
+    assert "expect['tp_size'] is '1', a str; the layout's tp_size is a int" in str(bad.value)
     assert engines_of(daemon.address) == []
     # The engine's own values, as engine.layout gives them, match.
     with attach(daemon.address, coordinate=False) as engine:
@@ -136,12 +141,6 @@ def test_layout_mismatch_names_the_fields(daemon):
     assert set(layout) == set(LAYOUT_FIELDS)
     with attach(daemon.address, coordinate=False, expect=layout) as engine:
         assert engine.layout == layout
-    # A value of another type than the field's is the caller's mistake,
-    # told before anything is asked.
-    with pytest.raises(InvalidArgument) as bad:
-        attach(daemon.address, expect={"tp_size": "1"})
-    assert "expect['tp_size'] is '1', a str; the layout's tp_size is a int" in str(bad.value)
-    assert engines_of(daemon.address) == []
 
 
 def _fill_descriptor_socket(path: str):

@@ -175,14 +175,19 @@ def test_a_bundle_built_against_another_torch_is_refused(repo, bundle, tmp_path)
     assert "built against torch 1.0.0" in detail, detail
 
 
+def _failed_full_run_step(repo, deps, tmp_path, name):
+    """Runs part two alone in full mode, which must fail; returns step `name`."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = _gpu_check(repo, GPU_CHECK_CORE=0, GPU_CHECK_DEPS=deps, OUT=out)
+    assert r.returncode == 1, r.stdout + r.stderr
+    return next(s for s in _results(out)["steps"] if s["step"] == name)
+
+
 def test_a_full_run_without_a_bundle_fails_and_says_how_to_make_one(repo, tmp_path):
     empty = tmp_path / "deps"
     empty.mkdir()
-    out = tmp_path / "out"
-    out.mkdir()
-    r = _gpu_check(repo, GPU_CHECK_CORE=0, GPU_CHECK_DEPS=empty, OUT=out)
-    assert r.returncode == 1, r.stdout + r.stderr
-    step = next(s for s in _results(out)["steps"] if s["step"] == "daemon gpu tests")
+    step = _failed_full_run_step(repo, empty, tmp_path, "daemon gpu tests")
     assert step["status"] == "FAILED" and "--prepare" in step["detail"], step
 
 
@@ -193,11 +198,7 @@ def test_part_two_alone_in_full_mode_without_a_gpu_does_not_pass(repo, bundle, t
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the full run would measure it")
-    out = tmp_path / "out"
-    out.mkdir()
-    r = _gpu_check(repo, GPU_CHECK_CORE=0, GPU_CHECK_DEPS=bundle, OUT=out)
-    assert r.returncode == 1, r.stdout + r.stderr
-    step = next(s for s in _results(out)["steps"] if s["step"] == "daemon benchmarks")
+    step = _failed_full_run_step(repo, bundle, tmp_path, "daemon benchmarks")
     assert step["status"] == "FAILED" and "no usable GPU" in step["detail"], step
 
 

@@ -26,7 +26,8 @@
 # machine.
 # Part two, with the daemon bundle: the Python client's `gpu` tests (pytest
 # -m gpu) against the bundled refitd, then (full mode) the attach and
-# shared-memory-lane benchmarks with refitd's store on cuda:0.
+# shared-memory-lane benchmarks with refitd's store on cuda:0, and the lane
+# into a host store.
 # Output: a table (printed last) and JSON in $OUT/gpu-check-results.json when
 # $OUT is a directory, else ./gpu-check-results.json (the caller's directory);
 # the ctest, pytest, benchmark and build logs beside it (gpu-check-*.log).
@@ -34,7 +35,7 @@
 # GPU_CHECK_BUILD_DIR (default build-gpu-check), JOBS (default nproc),
 # GPU_CHECK_BENCH_ARGS (extra refit_gpu_bench flags, e.g. --quick),
 # GPU_CHECK_DEPS (where .deps is; default the repository's),
-# GPU_CHECK_DAEMON=0 (leave part two out), GPU_CHECK_DAEMON_REPS (pushes per
+# GPU_CHECK_CORE=0 (leave part one out), GPU_CHECK_DAEMON=0 (part two), GPU_CHECK_DAEMON_REPS (pushes per
 # lane in the daemon benchmarks, default 3), GPU_CHECK_DAEMON_BENCHES (which:
 # default "shm attach shm-host"), REFIT_BUILD_DIR (--bundle packs
 # its bin/; default build), GPU_PYTHON_VERSION (--fetch: the GPU machine's
@@ -43,7 +44,8 @@
 # pass; 1 when something is wrong (a build or test failure, a benchmark that
 # failed or found other bytes than the CPU path, or, on a machine with a GPU,
 # a gpu test that skipped itself: then refit's CUDA runtime did not see the
-# device that torch sees; in full mode, a missing daemon bundle); 3 when
+# device that torch sees; a stale daemon bundle or one built against another
+# torch; in full mode, a missing bundle); 3 when
 # everything is right but a speed target was missed (the table's MISS rows);
 # 2 for usage errors.
 set -euo pipefail
@@ -79,7 +81,7 @@ case "${1:-}" in
   --prepare) MODE=prepare ;;
   --dry-run) MODE=dry-run ;;
   "") ;;
-  -h|--help) sed -n '2,48p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--fetch|--bundle|--prepare|--dry-run]" >&2; exit 2 ;;
 esac
 

@@ -108,6 +108,18 @@ for name in $DAEMON_BENCHES; do
   esac
 done
 
+# Whether a library a binary loads comes with the machine rather than the
+# bundle: glibc's, the C++ runtime's, and torch's with its CUDA libraries
+# (the GPU machine's own python holds the same torch).
+machine_library() {
+  case "$1" in */site-packages/*) return 0 ;; esac
+  case "$(basename "$1")" in
+    libc.so*|libm.so*|libpthread.so*|librt.so*|libdl.so*|libutil.so*|libresolv.so*|ld-linux*) return 0 ;;
+    libstdc++.so*|libgcc_s.so*) return 0 ;;
+  esac
+  return 1
+}
+
 # A hash of what refitd is built from (core/, server/, proto/, the CMake
 # files): the bundle records it, part two compares it with the checkout's.
 daemon_sources_hash() {
@@ -180,12 +192,7 @@ bundle() {
   # What the loader resolves here, less what the GPU machine has itself.
   for lib in $(for b in refitd refitctl refit_make_fixture; do ldd "$src/bin/$b"; done |
       awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u); do
-    case "$(basename "$lib")" in
-      libc.so*|libm.so*|libpthread.so*|librt.so*|libdl.so*|libutil.so*|libresolv.so*|ld-linux*) continue ;;
-      libstdc++.so*|libgcc_s.so*) continue ;;
-    esac
-    case "$lib" in */site-packages/*) continue ;; esac  # torch and its CUDA libraries
-    cp -L "$lib" "$stage/lib/"
+    machine_library "$lib" || cp -L "$lib" "$stage/lib/"
   done
   cp "$stubs"/*.py "$stage/proto/"
   {
@@ -515,12 +522,8 @@ daemon_check() {
     stray=$(LD_LIBRARY_PATH=$d/lib:$torch_lib ldd "$d/libexec/$b" | awk '
       /not found/ {print $1 " (not found)"; next}
       $2 == "=>" && $3 ~ /^\// {print $3}' | while read -r lib rest; do
-        case "$lib" in "$d"/lib/*|*/site-packages/*) continue ;; esac
-        case "$(basename "$lib")" in
-          libc.so*|libm.so*|libpthread.so*|librt.so*|libdl.so*|libutil.so*|libresolv.so*|ld-linux*) continue ;;
-          libstdc++.so*|libgcc_s.so*) continue ;;
-        esac
-        echo "$lib${rest:+ $rest}"
+        case "$lib" in "$d"/lib/*) continue ;; esac
+        machine_library "$lib" || echo "$lib${rest:+ $rest}"
       done)
     if [ -n "$stray" ]; then
       echo "$stray" >&2

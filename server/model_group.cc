@@ -134,8 +134,8 @@ absl::Status ModelGroup::MissingLocked(absl::string_view refit_id) const {
     return absl::FailedPreconditionError(absl::StrCat(
         "refit ", core::QuoteText(refit_id),
         " is being committed: a Commit holds it (waiting for the attached engines to quiesce, "
-        "or copying); it can be neither aborted nor committed again until that Commit returns, "
-        "and is PREPARED again if the engines did not answer in time"));
+        "or copying); it cannot be committed again until that Commit returns, and is PREPARED "
+        "again if the engines did not answer in time (an Abort ends the wait)"));
   }
   return absl::NotFoundError(
       absl::StrCat("model group \"", name(), "\" has no refit ", core::QuoteText(refit_id)));
@@ -161,13 +161,33 @@ absl::StatusOr<RefitEntry> ModelGroup::TakePrepared(absl::string_view refit_id) 
 absl::StatusOr<RefitEntry> ModelGroup::TakePreparedToCommit(absl::string_view refit_id) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<RefitEntry> entry = TakePreparedLocked(refit_id);
-  if (entry.ok()) committing_.insert(std::string(refit_id));
+  if (entry.ok()) committing_[refit_id] = CommitHold{*entry};
   return entry;
 }
 
-void ModelGroup::EndCommit(absl::string_view refit_id) {
+bool ModelGroup::EndCommit(absl::string_view refit_id) {
   absl::MutexLock lock(&mu_);
-  committing_.erase(refit_id);
+  auto it = committing_.find(refit_id);
+  if (it == committing_.end()) return false;
+  const bool abort_asked = it->second.abort_asked;
+  committing_.erase(it);
+  return abort_asked;
+}
+
+absl::StatusOr<RefitEntry> ModelGroup::Committing(absl::string_view refit_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = committing_.find(refit_id);
+  if (it == committing_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("model group \"", name(), "\" has no refit ", core::QuoteText(refit_id)));
+  }
+  return it->second.entry;
+}
+
+void ModelGroup::AskAbort(absl::string_view refit_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = committing_.find(refit_id);
+  if (it != committing_.end()) it->second.abort_asked = true;
 }
 
 std::vector<ModelGroup::Found> ModelGroup::TakeAll() {

@@ -26,7 +26,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -136,8 +135,14 @@ class ModelGroup {
   // while the commit waits for attached engines says what is going on.
   absl::StatusOr<RefitEntry> TakePreparedToCommit(absl::string_view refit_id);
   // The commit of `refit_id` returned (a refit that stays PREPARED is Add-ed
-  // back first).
-  void EndCommit(absl::string_view refit_id);
+  // back first). True if an Abort was asked of it meanwhile (AskAbort).
+  bool EndCommit(absl::string_view refit_id);
+  // A refit a Commit holds: its entry (the Commit keeps the refit; an Abort
+  // ends the Commit's wait for attached engines through the session).
+  // NOT_FOUND (as Find's) when no Commit holds `refit_id`.
+  absl::StatusOr<RefitEntry> Committing(absl::string_view refit_id) const;
+  // Records that an Abort asked for the refit a Commit holds, for EndCommit.
+  void AskAbort(absl::string_view refit_id);
   // Removes everything (shutdown): prepared entries and drivers.
   std::vector<Found> TakeAll();
   // The earliest deadline of a refit not yet expired (InfiniteFuture if none).
@@ -173,7 +178,11 @@ class ModelGroup {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Slot> refits_ ABSL_GUARDED_BY(mu_);
   // Refits a Commit took out of refits_ and is still committing.
-  absl::flat_hash_set<std::string> committing_ ABSL_GUARDED_BY(mu_);
+  struct CommitHold {
+    RefitEntry entry;
+    bool abort_asked = false;  // by AskAbort
+  };
+  absl::flat_hash_map<std::string, CommitHold> committing_ ABSL_GUARDED_BY(mu_);
 
   int listener_id_ = -1;
   mutable absl::Mutex subscribers_mu_;

@@ -423,9 +423,9 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
     (*group)->EndCommit(id);
     return Reply(context, result.status());
   }
-  (*group)->EndCommit(id);
+  const bool abort_asked = (*group)->EndCommit(id);
   if (!result.ok()) {
-    metrics_->RecordOutcome("failed");
+    metrics_->RecordOutcome(abort_asked ? "aborted" : "failed");
     REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
         << "commit failed: " << std::string(result.status().message());
     return Reply(context, result.status());
@@ -495,8 +495,13 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
     }
     watchdog_.Wake();
   };
+  // True if an Abort was asked of one of them meanwhile.
   auto end_commits = [&] {
-    for (size_t i = 0; i < entries.size(); ++i) parts[i].group->EndCommit(parts[i].id);
+    bool abort_asked = false;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      abort_asked |= parts[i].group->EndCommit(parts[i].id);
+    }
+    return abort_asked;
   };
   for (const Part& p : parts) {
     absl::StatusOr<RefitEntry> entry = p.group->TakePreparedToCommit(p.id);
@@ -515,12 +520,13 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
       core::RefitSession::CommitLinked(sessions);
   if (!results.ok()) {
     const bool aborted = entries.front().session->state() == core::SessionState::kAborted;
+    if (!aborted) put_back();
+    const bool abort_asked = end_commits();
     if (aborted) {
-      for (size_t i = 0; i < entries.size(); ++i) metrics_->RecordOutcome("failed");
-    } else {
-      put_back();
+      for (size_t i = 0; i < entries.size(); ++i) {
+        metrics_->RecordOutcome(abort_asked ? "aborted" : "failed");
+      }
     }
-    end_commits();
     REFIT_LOG(WARNING).Field("refit_id", parts.front().id).Field("caller", caller.name)
         << "linked commit " << (aborted ? "failed, all aborted: " : "refused: ")
         << std::string(results.status().message());
@@ -551,7 +557,11 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* c
   absl::StatusOr<ModelGroup*> group = FindGroup(request->model_group());
   if (!group.ok()) return Reply(context, group.status());
   absl::StatusOr<ModelGroup::Found> found = FindRefit(**group, *caller, request->refit_id());
-  if (!found.ok()) return Reply(context, found.status());
+  if (!found.ok()) {
+    absl::StatusOr<RefitEntry> committing = (*group)->Committing(request->refit_id());
+    if (request->refit_id().empty() || !committing.ok()) return Reply(context, found.status());
+    return AbortCommitting(context, *caller, *group, *committing, request->reason(), response);
+  }
   const std::string& id = found->entry.refit_id;
   absl::Status owner = Authenticator::CheckOwner(*caller, found->entry.owner, id, "Abort");
   if (!owner.ok()) return Reply(context, owner);
@@ -580,6 +590,45 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* c
   REFIT_LOG(INFO).Field("refit_id", id).Field("caller", caller->name) << "aborted: " << reason;
   response->set_refit_id(id);
   response->set_version((*group)->store()->version());
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* RefitServiceImpl::AbortCommitting(
+    grpc::CallbackServerContext* context, const Principal& caller, ModelGroup* group,
+    const RefitEntry& entry, const std::string& why, v1::AbortResponse* response) {
+  const std::string& id = entry.refit_id;
+  absl::Status owner = Authenticator::CheckOwner(caller, entry.owner, id, "Abort");
+  if (!owner.ok()) return Reply(context, owner);
+  if (!entry.fleet_refit_id.empty()) {
+    // A fleet refit is committed only on its fleet's decision to commit,
+    // which refuses an abort from then on.
+    FleetMember* fleet = fleet_.load();
+    if (fleet != nullptr) {
+      absl::Status recorded = fleet->RecordAbort(entry.fleet_refit_id);
+      if (!recorded.ok()) return Reply(context, recorded);
+    }
+  }
+  const std::string reason = absl::StrCat(
+      "Abort by ", caller.name, why.empty() ? "" : absl::StrCat(": ", core::BoundedText(why)));
+  // Ends the Commit's wait for attached engines (nothing is copied, the
+  // engines told of the commit resume) and returns once that Commit has:
+  // a Commit already copying completes, and the refit is then committed.
+  group->AskAbort(id);
+  entry.session->Abort(reason);
+  if (entry.session->state() == core::SessionState::kCommitted) {
+    return Reply(context, absl::FailedPreconditionError(absl::StrCat(
+                              "refit ", core::QuoteText(id), " was committed (live version ",
+                              group->store()->version(),
+                              ") before the Abort reached it: its Commit had "
+                              "begun copying")));
+  }
+  // A Commit that returned meanwhile may have put the refit back as
+  // PREPARED: it is aborted now, so it leaves the registry.
+  (void)group->TakePrepared(id);
+  REFIT_LOG(INFO).Field("refit_id", id).Field("caller", caller.name)
+      << "aborted while its Commit waited for attached engines: " << reason;
+  response->set_refit_id(id);
+  response->set_version(group->store()->version());
   return Reply(context, absl::OkStatus());
 }
 

@@ -129,6 +129,13 @@ class RefitServiceImpl final
   // client's, FAILED_PRECONDITION for one still receiving, INVALID_ARGUMENT
   // for a group named twice; each naming the group) leave every refit as
   // it was; a commit that fails in the store aborts them all.
+  // Abort of a refit a Commit holds (waiting for attached engines to
+  // quiesce, or copying): the wait ends and that Commit returns ABORTED; a
+  // Commit already copying completes, and the Abort is FAILED_PRECONDITION.
+  grpc::ServerUnaryReactor* AbortCommitting(grpc::CallbackServerContext* context,
+                                            const Principal& caller, ModelGroup* group,
+                                            const RefitEntry& entry, const std::string& why,
+                                            v1::AbortResponse* response);
   grpc::ServerUnaryReactor* CommitLinked(grpc::CallbackServerContext* context,
                                          const Principal& caller, ModelGroup* first,
                                          const v1::CommitRequest* request,

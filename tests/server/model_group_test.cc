@@ -246,6 +246,34 @@ TEST_F(ModelGroupTest, TakePreparedRemovesAndReturnsTheRefit) {
   EXPECT_EQ(group_->TakePrepared("r-1").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(ModelGroupTest, ARefitACommitHoldsIsFoundForAnAbortAndRecordsIt) {
+  FakeDriver driver;
+  group_->Add(Entry("r-1"), &driver);
+  group_->MarkPrepared("r-1");
+  ASSERT_TRUE(group_->TakePreparedToCommit("r-1").ok());
+  // A second Commit is told why it cannot have the refit.
+  absl::StatusOr<RefitEntry> again = group_->TakePrepared("r-1");
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(again.status().message(), HasSubstr("\"r-1\" is being committed"));
+  EXPECT_THAT(again.status().message(), HasSubstr("an Abort ends the wait"));
+  // An Abort finds it, with its owner for the owner check.
+  absl::StatusOr<RefitEntry> held = group_->Committing("r-1");
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->refit_id, "r-1");
+  EXPECT_EQ(held->owner, "trainer-0");
+  EXPECT_EQ(group_->Committing("r-2").status().code(), absl::StatusCode::kNotFound);
+  group_->AskAbort("r-1");
+  EXPECT_TRUE(group_->EndCommit("r-1")) << "the Commit learns an Abort was asked";
+  EXPECT_EQ(group_->Committing("r-1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(group_->Find("r-1").status().code(), absl::StatusCode::kNotFound);
+  // A commit no Abort asked about.
+  group_->Add(Entry("r-3"), &driver);
+  group_->MarkPrepared("r-3");
+  ASSERT_TRUE(group_->TakePreparedToCommit("r-3").ok());
+  EXPECT_FALSE(group_->EndCommit("r-3"));
+  EXPECT_FALSE(group_->EndCommit("r-3")) << "nothing left to end";
+}
+
 TEST_F(ModelGroupTest, TakeAllHandsOutDriversAndDropsOnlyPreparedRefits) {
   FakeDriver driver;
   group_->Add(Entry("r-running"), &driver);

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "core/fp8_quantizer.h"
 #include "core/safetensors.h"
 #include "tests/server/server_test_util.h"
@@ -453,6 +454,47 @@ TEST_F(RefitServiceTest, PrepareThenAbortKeepsVersion) {
   EXPECT_EQ(after.fingerprint(), fingerprint);
   EXPECT_FALSE(after.has_active_refit());
   EXPECT_TRUE(PushMessages(stub_.get(), FullPush(9)).status.ok());
+}
+
+TEST_F(RefitServiceTest, AnAbortThatComesOnceItsCommitCopiesSaysTheRefitWasCommitted) {
+  PushOutcome push = PushMessages(stub_.get(), FullPush(8, v1::COMPLETION_MODE_PREPARE));
+  ASSERT_TRUE(push.status.ok()) << push.status.error_message();
+  const std::string id = push.response.result().refit_id();
+  // The Commit is held right after its copy, where it delivers the
+  // store's events, before it has let go of the refit.
+  core::ShardStore* store = server_->default_group()->store();
+  absl::Notification copied, release;
+  const int listener = store->AddListener([&](const core::StoreEvent& event) {
+    if (event.type != core::StoreEventType::kCommitted || event.refit_id != id) return;
+    copied.Notify();
+    release.WaitForNotification();
+  });
+  grpc::Status commit_status;
+  v1::CommitResponse commit_response;
+  std::thread committer([&] {
+    grpc::ClientContext context;
+    v1::CommitRequest request;
+    request.set_refit_id(id);
+    commit_status = stub_->Commit(&context, request, &commit_response);
+  });
+  copied.WaitForNotification();
+  grpc::ClientContext context;
+  v1::AbortRequest request;
+  request.set_refit_id(id);
+  v1::AbortResponse response;
+  const grpc::Status aborted = stub_->Abort(&context, request, &response);
+  release.Notify();
+  committer.join();
+  store->RemoveListener(listener);
+  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(aborted.error_message(), HasSubstr(absl::StrCat("refit \"", id, "\" was committed")));
+  EXPECT_THAT(aborted.error_message(), HasSubstr("live version 2"));
+  ASSERT_TRUE(commit_status.ok()) << commit_status.error_message();
+  EXPECT_EQ(commit_response.result().version(), 2u);
+  EXPECT_EQ(Version(), 2u);
+  // The refit is gone: done, not aborted.
+  grpc::ClientContext again;
+  EXPECT_EQ(stub_->Abort(&again, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(RefitServiceTest, CommitOfUnknownRefitIsNotFound) {

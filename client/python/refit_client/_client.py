@@ -1279,8 +1279,11 @@ class RefitClient:
         self, refit_id: str = "", reason: str = "", *, group: str = "", timeout: Optional[float] = None
     ) -> AbortResult:
         """Aborts a prepared or running refit; an empty refit_id means what
-        AbortRequest.refit_id "" means to the daemon (see the proto).
-        Raises NotFound, PermissionDenied, Unavailable."""
+        AbortRequest.refit_id "" means to the daemon (see the proto). A
+        prepared refit whose commit waits for attached engines is aborted
+        too (that commit raises RefitConflict). Raises NotFound,
+        PermissionDenied, Unavailable; FailedPrecondition if the refit's
+        commit had begun copying (it is committed)."""
         try:
             response = self._stub.Abort(
                 pb.AbortRequest(model_group=group, refit_id=refit_id, reason=reason),

@@ -400,9 +400,10 @@ def test_prepared_refit_stays_prepared_until_the_engine_goes(start_daemon, weigh
         assert engines_of(d.address) == []
 
 
-def test_an_abort_while_a_commit_waits_for_engines_says_a_commit_holds_the_refit(
-        start_daemon, weights):
-    d = start_daemon("--engine-quiesce-timeout=3s")
+def test_an_abort_ends_a_commit_that_waits_for_engines(start_daemon, weights):
+    # The engine never reaches a safe point: only the Abort ends the wait,
+    # long before --engine-quiesce-timeout.
+    d = start_daemon("--engine-quiesce-timeout=60s")
     with RefitClient(d.address, timeout=LIMIT) as client, attach(d.address, name="slow") as engine:
         prepared = client.push(load_state_dict(weights(2)), prepare=True)
         outcome: list = []
@@ -415,22 +416,50 @@ def test_an_abort_while_a_commit_waits_for_engines_says_a_commit_holds_the_refit
 
         committer = threading.Thread(target=commit)
         committer.start()
+        events = engine.events(timeout=LIMIT)
         # The engine is asked: the Commit holds the refit and waits.
-        assert [ev.kind for ev in first_events(engine, 1)] == ["commit_pending"]
+        assert next(events).kind == "commit_pending"
         with RefitClient(d.address, timeout=LIMIT) as operator:
-            for attempt in (lambda: operator.abort(prepared.refit_id),
-                            lambda: operator.commit(prepared.refit_id)):
-                with pytest.raises(FailedPrecondition) as e:
-                    attempt()
-                assert f'refit "{prepared.refit_id}" is being committed' in str(e.value)
-                assert "until that Commit returns" in str(e.value)
+            # A second Commit is refused while the first holds the refit.
+            with pytest.raises(FailedPrecondition) as e:
+                operator.commit(prepared.refit_id)
+            assert f'refit "{prepared.refit_id}" is being committed' in str(e.value)
+            assert "until that Commit returns" in str(e.value)
+            started = time.monotonic()
+            aborted = operator.abort(prepared.refit_id, reason="engine stuck")
+            assert time.monotonic() - started < 10
+        assert aborted.refit_id == prepared.refit_id and aborted.version == 1
         committer.join(LIMIT)
-        assert isinstance(outcome[0], DeadlineExceeded), outcome
-        # PREPARED again once that Commit returned: an Abort now ends it.
-        client.abort(prepared.refit_id)
-        assert client.status().version == 1
+        assert not committer.is_alive()
+        # The Commit returns ABORTED with the operator's reason; nothing
+        # was copied, and the engine told of the commit is told it is off.
+        (error,) = outcome
+        assert isinstance(error, RefitConflict), error
+        assert "Abort by" in str(error) and "engine stuck" in str(error), error
+        event = next(events)
+        assert event.kind == "aborted" and "engine stuck" in event.reason, event
+        status = client.status()
+        assert status.version == 1 and status.active_refit is None
+        assert engine.version == 1
         with pytest.raises(NotFound):
             client.abort(prepared.refit_id)
+        assert d.wait_for_line("aborted while its Commit waited for attached engines")
+        # The group takes the next refit, and the engine that held the
+        # commit up still follows (it acks this time).
+        loop_stop = threading.Event()
+
+        def serve() -> None:
+            while not loop_stop.is_set():
+                engine.safe_point(timeout=0.05)
+
+        loop = threading.Thread(target=serve)
+        loop.start()
+        try:
+            assert client.push(load_state_dict(weights(3))).version == 2
+        finally:
+            loop_stop.set()
+            loop.join(LIMIT)
+        assert engine.version == 2
 
 
 @pytest.mark.parametrize("futex", [True, False], ids=["futex", "event"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 
 import pytest
 import torch
@@ -173,13 +174,50 @@ def test_a_linked_commit_held_up_by_one_groups_engine_names_that_group_to_every_
         assert f'model group "b": engine "{stuck.engine_id}" ("stuck")' in aborted[0].reason
 
 
+def test_an_abort_of_one_refit_ends_the_linked_commit_waiting_for_engines(start_daemon, weights):
+    # Neither engine reaches a safe point: an operator's Abort of the draft's
+    # refit ends the linked commit at once, and every refit of it.
+    from refit_client import RefitConflict, RefitError
+
+    new = load_state_dict(weights(2))
+    with _two_attached(start_daemon, "60s", ("target", "draft")) as (c, a, b):
+        ra = c.push(new, group="a", prepare=True)
+        rb = c.push(new, group="b", prepare=True)
+        events_a, events_b = a.events(timeout=30), b.events(timeout=30)
+        outcome = {}
+
+        def commit() -> None:
+            try:
+                outcome["result"] = c.commit(ra.refit_id, group="a", linked=[("b", rb.refit_id)])
+            except RefitError as e:
+                outcome["error"] = e
+
+        committer = threading.Thread(target=commit)
+        committer.start()
+        assert next(events_a).kind == "commit_pending"
+        assert next(events_b).kind == "commit_pending"
+        with RefitClient(c.address, timeout=30) as operator:
+            operator.abort(rb.refit_id, reason="draft engine stuck", group="b")
+        committer.join(30)
+        assert not committer.is_alive()
+        assert isinstance(outcome.get("error"), RefitConflict), outcome
+        assert "draft engine stuck" in str(outcome["error"])
+        for events in (events_a, events_b):
+            event = next(events)
+            assert event.kind == "aborted" and "draft engine stuck" in event.reason, event
+        assert versions(c) == {"a": 1, "b": 1}
+        assert all(s.active_refit is None for s in c.statuses())
+        for group, refit in (("a", ra), ("b", rb)):
+            with pytest.raises(NotFound):
+                c.abort(refit.refit_id, group=group)
+
+
 def test_an_engine_that_attaches_to_a_group_already_quiesced_is_waited_for_too(
         start_daemon, weights):
     # Group a's engine acks at once; b's acks only once a third engine has
     # attached to a while the commit waited for b. That engine is asked and
     # never reaches its safe point: the linked commit must not copy under
     # it (it could be reading the weights), and fails naming it.
-    import threading
     import time
 
     from refit_client import RefitError, attach

@@ -184,7 +184,9 @@ void RefitSession::Abort(absl::string_view reason) {
   // they answer or --engine-quiesce-timeout passes. The wait ends first, so
   // that the refit aborts with nothing copied (instead of committing after
   // its abort, with this call blocked meanwhile).
-  store_->CancelCommitWait(options_.refit_id, reason);
+  // A refit committed already has no wait to end (and a record of the
+  // cancel would outlive it).
+  if (StateNow() != SessionState::kCommitted) store_->CancelCommitWait(options_.refit_id, reason);
   {
     // Part of a linked commit: the other refits' waits end too (the engines
     // of every group are asked at once, and this refit's own wait may come

@@ -415,6 +415,13 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
 }
 
 void EngineRegistry::OnStoreEvent(const core::StoreEvent& event) {
+  if (event.type == core::StoreEventType::kCommitted) {
+    // An Abort that came after the copy (the refit was still the store's
+    // active one) is over: a later refit with the same id must not find it.
+    absl::MutexLock lock(&mu_);
+    if (cancelled_refit_ == event.refit_id) cancelled_refit_.clear();
+    return;
+  }
   if (event.type != core::StoreEventType::kAborted) return;
   const EndLeasesOnReturn end_leases(this);
   absl::MutexLock lock(&mu_);

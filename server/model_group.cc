@@ -184,10 +184,29 @@ absl::StatusOr<RefitEntry> ModelGroup::Committing(absl::string_view refit_id) co
   return it->second.entry;
 }
 
-void ModelGroup::AskAbort(absl::string_view refit_id) {
+bool ModelGroup::AskAbort(absl::string_view refit_id) {
   absl::MutexLock lock(&mu_);
   auto it = committing_.find(refit_id);
-  if (it != committing_.end()) it->second.abort_asked = true;
+  if (it == committing_.end()) return false;
+  it->second.abort_asked = true;
+  return true;
+}
+
+bool ModelGroup::AbortAsked(absl::string_view refit_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = committing_.find(refit_id);
+  return it != committing_.end() && it->second.abort_asked;
+}
+
+bool ModelGroup::PutBack(RefitEntry entry) {
+  absl::MutexLock lock(&mu_);
+  std::string id = entry.refit_id;
+  auto it = committing_.find(id);
+  const bool abort_asked = it != committing_.end() && it->second.abort_asked;
+  if (it != committing_.end()) committing_.erase(it);
+  if (abort_asked) return false;
+  refits_[id] = Slot{std::move(entry), nullptr};
+  return true;
 }
 
 std::vector<ModelGroup::Found> ModelGroup::TakeAll() {

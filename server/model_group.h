@@ -141,8 +141,16 @@ class ModelGroup {
   // ends the Commit's wait for attached engines through the session).
   // NOT_FOUND (as Find's) when no Commit holds `refit_id`.
   absl::StatusOr<RefitEntry> Committing(absl::string_view refit_id) const;
-  // Records that an Abort asked for the refit a Commit holds, for EndCommit.
-  void AskAbort(absl::string_view refit_id);
+  // Records that an Abort asked for the refit a Commit holds, for EndCommit
+  // and PutBack. False if no Commit holds it (any more).
+  bool AskAbort(absl::string_view refit_id);
+  // Whether an Abort asked for the refit a Commit holds.
+  bool AbortAsked(absl::string_view refit_id) const;
+  // A Commit that did not commit (the engines did not quiesce) gives the
+  // refit back: registered PREPARED again, as before the Commit, and
+  // EndCommit-ed, at once. Unless an Abort asked for it meanwhile: then
+  // false, and nothing is registered (the Abort aborts the session).
+  bool PutBack(RefitEntry entry);
   // Removes everything (shutdown): prepared entries and drivers.
   std::vector<Found> TakeAll();
   // The earliest deadline of a refit not yet expired (InfiniteFuture if none).

@@ -96,6 +96,14 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
   }
 
   void Cancel(const grpc::Status& status, absl::string_view reason) override {
+    std::shared_ptr<PushRefit> refit = SharedRefit();
+    if (refit != nullptr) {
+      // Returns once the session's call under way has: a commit that had
+      // begun copying is done, and the stream that made it answers its
+      // RPC with the result (an Abort RPC says so to its caller).
+      refit->session()->Abort(std::string(reason));
+      if (refit->session()->state() == core::SessionState::kCommitted) return;
+    }
     AbortAll(std::string(reason), status, status);
   }
 

@@ -413,23 +413,37 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
     if (auto* reply = fleet_committed(id); reply != nullptr) return reply;
     return Reply(context, entry.status());
   }
+  if (commit_hook_) commit_hook_(CommitStage::kTaken, id);
   absl::StatusOr<core::RefitResult> result = entry->session->Commit();
-  if (!result.ok() && entry->session->state() == core::SessionState::kPrepared) {
-    // Attached engines did not quiesce (DEADLINE_EXCEEDED): nothing changed
-    // and the refit stays PREPARED, registered as before, deadline and all.
-    REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
-        << "commit not done, still prepared: " << std::string(result.status().message());
-    (*group)->Add(*std::move(entry), nullptr);
-    (*group)->EndCommit(id);
-    return Reply(context, result.status());
-  }
-  const bool abort_asked = (*group)->EndCommit(id);
+  if (commit_hook_) commit_hook_(CommitStage::kReturned, id);
   if (!result.ok()) {
+    bool abort_asked = true;
+    if (entry->session->state() == core::SessionState::kPrepared) {
+      // Attached engines did not quiesce (DEADLINE_EXCEEDED): nothing
+      // changed and the refit stays PREPARED, registered as before,
+      // deadline and all. Unless an Abort asked for it meanwhile (that
+      // Abort aborts it).
+      if ((*group)->PutBack(*entry)) {
+        REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
+            << "commit not done, still prepared: " << std::string(result.status().message());
+        return Reply(context, result.status());
+      }
+    } else {
+      abort_asked = (*group)->EndCommit(id);
+    }
     metrics_->RecordOutcome(abort_asked ? "aborted" : "failed");
+    absl::Status status = result.status();
+    if (abort_asked && status.code() != absl::StatusCode::kAborted) {
+      // The Abort came as the wait ended: the refit is aborted, whatever
+      // the wait said.
+      status = absl::AbortedError(absl::StrCat("refit ", core::QuoteText(id),
+                                               " aborted: an Abort came as ", status.message()));
+    }
     REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
-        << "commit failed: " << std::string(result.status().message());
-    return Reply(context, result.status());
+        << "commit failed: " << std::string(status.message());
+    return Reply(context, status);
   }
+  (*group)->EndCommit(id);
   metrics_->RecordOutcome("committed");
   metrics_->RecordCommitted(result->timings);
   REFIT_LOG(INFO)
@@ -487,27 +501,28 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
   // them between the checks and the commit; put back if the commit is
   // refused.
   std::vector<RefitEntry> entries;
-  auto put_back = [&] {
+  // Gives back the refits still PREPARED (registered again: given[i]) and
+  // ends the commit of the others; true if an Abort asked for one of them
+  // meanwhile (its Abort aborts it: it is not given back).
+  std::vector<bool> given;
+  auto give_back = [&] {
+    bool abort_asked = false;
+    given.assign(entries.size(), false);
     for (size_t i = 0; i < entries.size(); ++i) {
       if (entries[i].session->state() == core::SessionState::kPrepared) {
-        parts[i].group->Add(std::move(entries[i]), nullptr);
+        given[i] = parts[i].group->PutBack(entries[i]);
+        abort_asked |= !given[i];
+      } else {
+        abort_asked |= parts[i].group->EndCommit(parts[i].id);
       }
     }
     watchdog_.Wake();
-  };
-  // True if an Abort was asked of one of them meanwhile.
-  auto end_commits = [&] {
-    bool abort_asked = false;
-    for (size_t i = 0; i < entries.size(); ++i) {
-      abort_asked |= parts[i].group->EndCommit(parts[i].id);
-    }
     return abort_asked;
   };
   for (const Part& p : parts) {
     absl::StatusOr<RefitEntry> entry = p.group->TakePreparedToCommit(p.id);
     if (!entry.ok()) {
-      put_back();
-      end_commits();
+      give_back();
       return Reply(context, absl::Status(entry.status().code(),
                                          absl::StrCat("model group \"", p.group->name(),
                                                       "\": ", entry.status().message())));
@@ -516,23 +531,42 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
   }
   std::vector<core::RefitSession*> sessions;
   for (const RefitEntry& e : entries) sessions.push_back(e.session.get());
+  if (commit_hook_) commit_hook_(CommitStage::kTaken, parts.front().id);
   absl::StatusOr<std::vector<core::RefitResult>> results =
       core::RefitSession::CommitLinked(sessions);
+  if (commit_hook_) commit_hook_(CommitStage::kReturned, parts.front().id);
   if (!results.ok()) {
-    const bool aborted = entries.front().session->state() == core::SessionState::kAborted;
-    if (!aborted) put_back();
-    const bool abort_asked = end_commits();
-    if (aborted) {
+    // An Abort of one of the refits, even one that came before the commit
+    // began (its wait then never started), ends them all.
+    bool abort_asked = false;
+    for (const Part& p : parts) abort_asked |= p.group->AbortAsked(p.id);
+    if (abort_asked) {
       for (size_t i = 0; i < entries.size(); ++i) {
-        metrics_->RecordOutcome(abort_asked ? "aborted" : "failed");
+        if (entries[i].session->state() != core::SessionState::kPrepared) continue;
+        entries[i].session->Abort(absl::StrCat(
+            "a refit linked to it was aborted while their linked commit was under way: ",
+            results.status().message()));
       }
     }
+    abort_asked |= give_back();
+    bool aborted = false;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (given[i]) continue;
+      aborted = true;
+      metrics_->RecordOutcome(abort_asked ? "aborted" : "failed");
+    }
     REFIT_LOG(WARNING).Field("refit_id", parts.front().id).Field("caller", caller.name)
-        << "linked commit " << (aborted ? "failed, all aborted: " : "refused: ")
+        << "linked commit " << (aborted ? "failed, aborted: " : "refused: ")
         << std::string(results.status().message());
+    if (abort_asked && results.status().code() != absl::StatusCode::kAborted) {
+      return Reply(context, absl::AbortedError(absl::StrCat(
+                                "linked commit not done, its refits aborted (an Abort asked for "
+                                "one of them): ",
+                                results.status().message())));
+    }
     return Reply(context, results.status());
   }
-  end_commits();
+  for (const Part& p : parts) p.group->EndCommit(p.id);
   for (size_t i = 0; i < entries.size(); ++i) {
     const core::RefitResult& result = (*results)[i];
     metrics_->RecordOutcome("committed");
@@ -558,8 +592,12 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* c
   if (!group.ok()) return Reply(context, group.status());
   absl::StatusOr<ModelGroup::Found> found = FindRefit(**group, *caller, request->refit_id());
   if (!found.ok()) {
-    absl::StatusOr<RefitEntry> committing = (*group)->Committing(request->refit_id());
-    if (request->refit_id().empty() || !committing.ok()) return Reply(context, found.status());
+    // A refit a Commit holds (an empty id: the active refit, whoever's; the
+    // owner check follows).
+    const std::string held =
+        request->refit_id().empty() ? (*group)->store()->active_session() : request->refit_id();
+    absl::StatusOr<RefitEntry> committing = (*group)->Committing(held);
+    if (held.empty() || !committing.ok()) return Reply(context, found.status());
     return AbortCommitting(context, *caller, *group, *committing, request->reason(), response);
   }
   const std::string& id = found->entry.refit_id;
@@ -581,6 +619,16 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* c
     found->driver.get()->Cancel(grpc::Status(grpc::StatusCode::ABORTED,
                                              absl::StrCat("refit \"", id, "\" aborted: ", reason)),
                                 reason);
+    // The refit's session call returned first: a push whose commit had
+    // begun copying is committed.
+    if (found->entry.session != nullptr &&
+        found->entry.session->state() == core::SessionState::kCommitted) {
+      return Reply(context, absl::FailedPreconditionError(absl::StrCat(
+                                "refit ", core::QuoteText(id), " was committed (live version ",
+                                (*group)->store()->version(),
+                                ") before the Abort reached it: its commit "
+                                "had begun copying")));
+    }
   } else {
     absl::StatusOr<RefitEntry> entry = (*group)->TakePrepared(id);
     if (!entry.ok()) return Reply(context, entry.status());
@@ -603,28 +651,35 @@ grpc::ServerUnaryReactor* RefitServiceImpl::AbortCommitting(
     // A fleet refit is committed only on its fleet's decision to commit,
     // which refuses an abort from then on.
     FleetMember* fleet = fleet_.load();
-    if (fleet != nullptr) {
-      absl::Status recorded = fleet->RecordAbort(entry.fleet_refit_id);
-      if (!recorded.ok()) return Reply(context, recorded);
+    if (fleet == nullptr) {
+      return Reply(context, absl::UnavailableError("the fleet membership has stopped"));
     }
+    absl::Status recorded = fleet->RecordAbort(entry.fleet_refit_id);
+    if (!recorded.ok()) return Reply(context, recorded);
   }
   const std::string reason = absl::StrCat(
       "Abort by ", caller.name, why.empty() ? "" : absl::StrCat(": ", core::BoundedText(why)));
-  // Ends the Commit's wait for attached engines (nothing is copied, the
-  // engines told of the commit resume) and returns once that Commit has:
-  // a Commit already copying completes, and the refit is then committed.
-  group->AskAbort(id);
-  entry.session->Abort(reason);
-  if (entry.session->state() == core::SessionState::kCommitted) {
-    return Reply(context, absl::FailedPreconditionError(absl::StrCat(
-                              "refit ", core::QuoteText(id), " was committed (live version ",
-                              group->store()->version(),
-                              ") before the Abort reached it: its Commit had "
-                              "begun copying")));
+  if (!group->AskAbort(id)) {
+    // That Commit returned meanwhile: the refit is PREPARED again (its
+    // engines did not quiesce), or done.
+    absl::StatusOr<RefitEntry> again = group->TakePrepared(id);
+    if (!again.ok()) return Reply(context, again.status());
+    again->session->Abort(reason);
+    metrics_->RecordOutcome("aborted");
+  } else {
+    // Ends the Commit's wait for attached engines (nothing is copied, the
+    // engines told of the commit resume) and returns once that Commit has
+    // (it records the outcome): a Commit already copying completes, and
+    // the refit is then committed.
+    entry.session->Abort(reason);
+    if (entry.session->state() == core::SessionState::kCommitted) {
+      return Reply(context, absl::FailedPreconditionError(absl::StrCat(
+                                "refit ", core::QuoteText(id), " was committed (live version ",
+                                group->store()->version(),
+                                ") before the Abort reached it: its Commit had "
+                                "begun copying")));
+    }
   }
-  // A Commit that returned meanwhile may have put the refit back as
-  // PREPARED: it is aborted now, so it leaves the registry.
-  (void)group->TakePrepared(id);
   REFIT_LOG(INFO).Field("refit_id", id).Field("caller", caller.name)
       << "aborted while its Commit waited for attached engines: " << reason;
   response->set_refit_id(id);

@@ -17,6 +17,7 @@
 #define REFIT_SERVER_REFIT_SERVICE_H_
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -84,6 +85,12 @@ class RefitServiceImpl final
   // GetStatus lists the engines `attach` has attached (set once, before
   // serving; it must outlive the service's RPCs).
   void SetAttachService(const AttachService* attach) { attach_ = attach; }
+  // Tests: called in Commit with the (first) refit's id once the refits
+  // are taken for the commit (kTaken) and once it returned, before they are
+  // given back or done (kReturned). Set before the service takes calls.
+  enum class CommitStage { kTaken, kReturned };
+  using CommitHook = std::function<void(CommitStage stage, const std::string& refit_id)>;
+  void SetCommitHookForTesting(CommitHook hook) { commit_hook_ = std::move(hook); }
   // Trainers' shared-memory regions, which Push chunks may reference (set
   // once, before serving; nullptr: Chunk.region is FAILED_PRECONDITION).
   void SetRegions(const RegionRegistry* regions) { regions_ = regions; }
@@ -179,6 +186,7 @@ class RefitServiceImpl final
   };
   std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);
   PushRefits push_refits_;
+  CommitHook commit_hook_;  // tests only
 };
 
 // Implemented in push_reactor.cc and reload_reactor.cc.

@@ -315,6 +315,77 @@ TEST_F(AttachTest, PreparedRefitStaysPreparedUntilTheSilentEngineDetaches) {
   EXPECT_EQ(Status(stub_.get()).engines_size(), 0);
 }
 
+TEST_F(AttachTest, AnAbortAsTheCommitTimesOutAbortsTheRefitInsteadOfGivingItBack) {
+  Engine engine(engine_stub_.get(), /*coordinate=*/true);  // never acks
+  AttachOne(engine);
+  const PushOutcome prepared = PushMessages(stub_.get(), FullPush(2, v1::COMPLETION_MODE_PREPARE));
+  ASSERT_TRUE(prepared.status.ok()) << prepared.status.error_message();
+  const std::string refit_id = prepared.response.result().refit_id();
+  // The Abort comes after the wait timed out, before the Commit gives the
+  // refit back as PREPARED.
+  grpc::Status aborted;
+  server_->service()->SetCommitHookForTesting(
+      [&](RefitServiceImpl::CommitStage stage, const std::string& id) {
+        if (stage != RefitServiceImpl::CommitStage::kReturned) return;
+        grpc::ClientContext context;
+        v1::AbortRequest request;
+        request.set_refit_id(id);
+        request.set_reason("engine stuck");
+        v1::AbortResponse response;
+        aborted = stub_->Abort(&context, request, &response);
+      });
+  grpc::ClientContext context;
+  v1::CommitRequest request;
+  request.set_refit_id(refit_id);
+  v1::CommitResponse response;
+  const grpc::Status status = stub_->Commit(&context, request, &response);
+  server_->service()->SetCommitHookForTesting(nullptr);
+  ASSERT_TRUE(aborted.ok()) << aborted.error_message();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("an Abort came as"));
+  EXPECT_THAT(status.error_message(), HasSubstr("did not quiesce"));
+  // Not registered again: nothing to commit or abort, the group is free.
+  const v1::GetStatusResponse after = Status(stub_.get());
+  EXPECT_EQ(after.version(), 1u);
+  EXPECT_FALSE(after.has_active_refit());
+  grpc::ClientContext again;
+  EXPECT_EQ(stub_->Commit(&again, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  const std::string metrics = server_->metrics()->Render({});
+  EXPECT_THAT(metrics, HasSubstr("refitd_refits_total{outcome=\"aborted\"} 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("refitd_refits_total{outcome=\"failed\"} 0\n"));
+}
+
+TEST_F(AttachTest, AnAbortWithNoRefitIdEndsTheWaitOfTheActiveRefitsCommit) {
+  ServerOptions options = TestOptions(dir_);
+  options.engine_quiesce_timeout = absl::Seconds(60);
+  StartServer(std::move(options));
+  engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
+  Engine silent(engine_stub_.get(), /*coordinate=*/true);
+  AttachOne(silent);
+  const PushOutcome prepared = PushMessages(stub_.get(), FullPush(2, v1::COMPLETION_MODE_PREPARE));
+  ASSERT_TRUE(prepared.status.ok()) << prepared.status.error_message();
+  grpc::Status committed;
+  std::thread committer([&] {
+    grpc::ClientContext context;
+    v1::CommitRequest request;
+    request.set_refit_id(prepared.response.result().refit_id());
+    v1::CommitResponse response;
+    committed = stub_->Commit(&context, request, &response);
+  });
+  v1::DaemonMessage pending;
+  ASSERT_TRUE(silent.Read(&pending));
+  ASSERT_TRUE(pending.has_commit_pending());
+  grpc::ClientContext context;
+  v1::AbortRequest request;  // refit_id "": the active refit
+  v1::AbortResponse response;
+  const grpc::Status aborted = stub_->Abort(&context, request, &response);
+  committer.join();
+  ASSERT_TRUE(aborted.ok()) << aborted.error_message();
+  EXPECT_EQ(response.refit_id(), prepared.response.result().refit_id());
+  EXPECT_EQ(committed.error_code(), grpc::StatusCode::ABORTED) << committed.error_message();
+  EXPECT_FALSE(Status(stub_.get()).has_active_refit());
+}
+
 TEST_F(AttachTest, AnEngineAttachingWhileACommitWaitsIsAskedAndWaitedForToo) {
   ServerOptions options = TestOptions(dir_);
   options.engine_quiesce_timeout = absl::Seconds(30);

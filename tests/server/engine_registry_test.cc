@@ -211,6 +211,28 @@ TEST_F(EngineRegistryTest, ALinkedCancelOfNoCommitUnderWayLeavesNoRecord) {
   registry_->AfterCommit("r-again", absl::AbortedError("the copy was not made"));
 }
 
+TEST_F(EngineRegistryTest, ACancelThatCameAfterTheCopyIsOverOnceTheRefitIsCommitted) {
+  // An Abort reaching a refit still active in the store after its copy:
+  // the cancel is recorded (the registry cannot tell it from one on the
+  // refit's way to its commit), and its Committed event ends the record.
+  core::RefitOptions options;
+  options.refit_id = "fixed-1";
+  absl::StatusOr<std::unique_ptr<core::RefitSession>> session =
+      core::RefitSession::Begin(store_.get(), options);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE(testing::IngestAll(**session, Weights(2)).ok());
+  registry_->CancelWait("fixed-1", "Abort by op");
+  // This commit stands for the one the cancel came too late for.
+  store_->SetCommitCoordinator(nullptr);
+  ASSERT_TRUE((*session)->Commit().ok());
+  store_->SetCommitCoordinator(registry_.get());
+  session->reset();
+  // A later refit that reuses the id is not aborted by it.
+  absl::StatusOr<core::RefitResult> again = testing::PushAll(*store_, Weights(3), options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->version, 3u);
+}
+
 TEST_F(EngineRegistryTest, AnEngineThatAttachesAfterALinkedWaitIsWaitedForBeforeTheCopy) {
   // A linked commit: this group was asked and its wait is over (no engine),
   // the copy has not started (the other groups are waited for). An engine

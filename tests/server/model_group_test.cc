@@ -262,7 +262,10 @@ TEST_F(ModelGroupTest, ARefitACommitHoldsIsFoundForAnAbortAndRecordsIt) {
   EXPECT_EQ(held->refit_id, "r-1");
   EXPECT_EQ(held->owner, "trainer-0");
   EXPECT_EQ(group_->Committing("r-2").status().code(), absl::StatusCode::kNotFound);
-  group_->AskAbort("r-1");
+  EXPECT_FALSE(group_->AbortAsked("r-1"));
+  EXPECT_TRUE(group_->AskAbort("r-1"));
+  EXPECT_TRUE(group_->AbortAsked("r-1"));
+  EXPECT_FALSE(group_->AskAbort("r-2")) << "no Commit holds it";
   EXPECT_TRUE(group_->EndCommit("r-1")) << "the Commit learns an Abort was asked";
   EXPECT_EQ(group_->Committing("r-1").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(group_->Find("r-1").status().code(), absl::StatusCode::kNotFound);
@@ -272,6 +275,25 @@ TEST_F(ModelGroupTest, ARefitACommitHoldsIsFoundForAnAbortAndRecordsIt) {
   ASSERT_TRUE(group_->TakePreparedToCommit("r-3").ok());
   EXPECT_FALSE(group_->EndCommit("r-3"));
   EXPECT_FALSE(group_->EndCommit("r-3")) << "nothing left to end";
+}
+
+TEST_F(ModelGroupTest, PutBackRegistersTheRefitAgainUnlessAnAbortAskedForIt) {
+  FakeDriver driver;
+  group_->Add(Entry("r-1"), &driver);
+  group_->MarkPrepared("r-1");
+  absl::StatusOr<RefitEntry> taken = group_->TakePreparedToCommit("r-1");
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_TRUE(group_->PutBack(*taken));
+  // PREPARED again, and no Commit holds it.
+  EXPECT_TRUE(group_->Find("r-1").ok());
+  EXPECT_EQ(group_->Committing("r-1").status().code(), absl::StatusCode::kNotFound);
+  taken = group_->TakePreparedToCommit("r-1");
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_TRUE(group_->AskAbort("r-1"));
+  EXPECT_FALSE(group_->PutBack(*taken)) << "an Abort asked for it: its Abort ends it";
+  EXPECT_EQ(group_->Find("r-1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(group_->Committing("r-1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(group_->AskAbort("r-1"));
 }
 
 TEST_F(ModelGroupTest, TakeAllHandsOutDriversAndDropsOnlyPreparedRefits) {

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -219,6 +220,39 @@ TEST_F(MultiGroupTest, LinkedCommitFlipsBothGroups) {
   EXPECT_NE(draft.fingerprint(), before_draft);
   EXPECT_EQ(ActiveRefit("target"), "");
   EXPECT_EQ(ActiveRefit("draft"), "");
+}
+
+TEST_F(MultiGroupTest, AnAbortOfTheDraftJustBeforeTheLinkedCommitRunsAbortsBothRefits) {
+  const std::string target_id = Prepare("target", 2);
+  const std::string draft_id = Prepare("draft", 3);
+  // The Abort comes once the Commit holds both refits, before it starts:
+  // the draft's refit is aborted, and the commit must not leave the
+  // target's PREPARED as if nothing happened.
+  grpc::Status aborted;
+  server_->service()->SetCommitHookForTesting(
+      [&](RefitServiceImpl::CommitStage stage, const std::string&) {
+        if (stage == RefitServiceImpl::CommitStage::kTaken) aborted = Abort("draft", draft_id);
+      });
+  v1::CommitResponse response;
+  const grpc::Status status = Commit("target", target_id, {{"draft", draft_id}}, &response);
+  server_->service()->SetCommitHookForTesting(nullptr);
+  ASSERT_TRUE(aborted.ok()) << aborted.error_message();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              ::testing::HasSubstr("its refits aborted (an Abort asked for one"));
+  EXPECT_EQ(Versions(), std::make_pair(uint64_t{1}, uint64_t{1}));
+  EXPECT_EQ(ActiveRefit("target"), "");
+  EXPECT_EQ(ActiveRefit("draft"), "");
+  EXPECT_EQ(Abort("target", target_id).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Abort("draft", draft_id).error_code(), grpc::StatusCode::NOT_FOUND);
+  // Each refit is counted once, as aborted.
+  const std::string metrics = server_->metrics()->Render({});
+  EXPECT_THAT(metrics, ::testing::HasSubstr("refitd_refits_total{outcome=\"aborted\"} 2\n"));
+  EXPECT_THAT(metrics, ::testing::HasSubstr("refitd_refits_total{outcome=\"failed\"} 0\n"));
+  // Both groups take their next refits.
+  v1::CommitResponse next;
+  ASSERT_TRUE(Commit("target", Prepare("target", 4), {{"draft", Prepare("draft", 5)}}, &next).ok());
+  EXPECT_EQ(Versions(), std::make_pair(uint64_t{2}, uint64_t{2}));
 }
 
 TEST_F(MultiGroupTest, ReadersNeverSeeOneGroupFlippedWithoutTheOther) {

@@ -497,6 +497,36 @@ TEST_F(RefitServiceTest, AnAbortThatComesOnceItsCommitCopiesSaysTheRefitWasCommi
   EXPECT_EQ(stub_->Abort(&again, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+TEST_F(RefitServiceTest, AnAbortOfAPushWhoseCommitCopiedSaysThePushWasCommitted) {
+  // The push is held right after its copy, where its commit delivers the
+  // store's events.
+  core::ShardStore* store = server_->default_group()->store();
+  absl::Notification copied, release;
+  std::string id;
+  const int listener = store->AddListener([&](const core::StoreEvent& event) {
+    if (event.type != core::StoreEventType::kCommitted) return;
+    id = event.refit_id;
+    copied.Notify();
+    release.WaitForNotification();
+  });
+  PushOutcome push;
+  std::thread pusher([&] { push = PushMessages(stub_.get(), FullPush(8)); });
+  copied.WaitForNotification();
+  grpc::ClientContext context;
+  v1::AbortRequest request;
+  request.set_refit_id(id);
+  v1::AbortResponse response;
+  const grpc::Status aborted = stub_->Abort(&context, request, &response);
+  release.Notify();
+  pusher.join();
+  store->RemoveListener(listener);
+  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(aborted.error_message(), HasSubstr(absl::StrCat("refit \"", id, "\" was committed")));
+  ASSERT_TRUE(push.status.ok()) << push.status.error_message();
+  EXPECT_EQ(push.response.result().version(), 2u);
+  EXPECT_EQ(Version(), 2u);
+}
+
 TEST_F(RefitServiceTest, CommitOfUnknownRefitIsNotFound) {
   grpc::ClientContext context;
   v1::CommitRequest request;

@@ -965,6 +965,55 @@ TEST(Fp8QuantizerTest, ASourceThatGrowsBetweenThePassesSaturatesInsteadOfGivingN
   }
 }
 
+// Every 16-bit pattern (NaN, Inf, values far above the amax, subnormals,
+// both signs) written over the source between the passes: each element's
+// code is that of |x| * inv, clamped to 448, with x's sign, as one scalar
+// conversion gives it, on every variant and at a scale that is not 1.
+struct CopyOver {
+  at::Tensor dst;
+  at::Tensor src;
+};
+void CopyBetweenPasses(void* arg) {
+  auto* c = static_cast<CopyOver*>(arg);
+  c->dst.copy_(c->src);
+}
+
+TEST(Fp8QuantizerTest, EverySixteenBitPatternWrittenBetweenThePassesGetsTheScalarCode) {
+  for (at::ScalarType type : {at::kBFloat16, at::kHalf}) {
+    const at::Tensor every = at::arange(0, 0x10000, at::kInt).to(at::kShort).view(type);
+    const at::Tensor original = RandomWeights(256, 256, type, 47);
+    const at::Tensor as_float = every.to(at::kFloat);
+    for (Fp8Isa isa : SupportedIsas()) {
+      ScopedIsa scoped(isa);
+      SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " type ", static_cast<int>(type)));
+      CopyOver c{original.clone(), every.reshape({256, 256})};
+      std::vector<uint8_t> q(c.dst.numel(), 0xAB);
+      float scale = -1.0f;
+      internal::SetBetweenPassesHookForTesting(&CopyBetweenPasses, &c);
+      const absl::Status status = QuantizeFp8(c.dst.data_ptr(), OurType(type), 256, 256,
+                                              Fp8QuantizeOptions{}, q.data(), &scale, "w");
+      internal::SetBetweenPassesHookForTesting(nullptr, nullptr);
+      ASSERT_TRUE(status.ok()) << status;
+      ASSERT_GT(scale, 0.0f);
+      ASSERT_NE(scale, 1.0f);
+      const float inv = 1.0f / scale;
+      int mismatches = 0;
+      for (int64_t i = 0; i < 0x10000; ++i) {
+        const float x = as_float.data_ptr<float>()[i];
+        const float y = std::fabs(x) * inv;
+        const uint8_t expected =
+            static_cast<uint8_t>((std::isnan(y) ? 0x7E : Fp8E4M3FromFloat(std::min(y, 448.0f))) |
+                                 (std::signbit(x) ? 0x80 : 0));
+        if (q[i] != expected && mismatches++ < 5) {
+          ADD_FAILURE() << "bits 0x" << std::hex << i << ": 0x" << int{q[i]} << ", expected 0x"
+                        << int{expected};
+        }
+      }
+      EXPECT_EQ(mismatches, 0);
+    }
+  }
+}
+
 // A NaN the amax pass saw that is gone when the quantizer looks for it to
 // name it: the source changed while it was read (the trainer's doing), which
 // is FAILED_PRECONDITION saying so, not INTERNAL.

@@ -456,19 +456,52 @@ TEST_F(RefitServiceTest, PrepareThenAbortKeepsVersion) {
   EXPECT_TRUE(PushMessages(stub_.get(), FullPush(9)).status.ok());
 }
 
+// Holds the commit of the store's next refit right after its copy, where
+// the commit delivers the store's events (the commit has not returned), until
+// Release (or the end of the scope).
+class HoldAfterCopy {
+ public:
+  explicit HoldAfterCopy(core::ShardStore* store) : store_(store) {
+    listener_ = store_->AddListener([this](const core::StoreEvent& event) {
+      if (event.type != core::StoreEventType::kCommitted || copied_.HasBeenNotified()) return;
+      refit_id_ = event.refit_id;
+      copied_.Notify();
+      release_.WaitForNotification();
+    });
+  }
+  ~HoldAfterCopy() {
+    Release();
+    store_->RemoveListener(listener_);
+  }
+  // The held refit's id, once its copy is done.
+  const std::string& WaitForCopy() {
+    copied_.WaitForNotification();
+    return refit_id_;
+  }
+  void Release() {
+    if (!release_.HasBeenNotified()) release_.Notify();
+  }
+
+ private:
+  core::ShardStore* const store_;
+  int listener_ = -1;
+  std::string refit_id_;
+  absl::Notification copied_, release_;
+};
+
+grpc::Status AbortRefit(v1::RefitService::Stub* stub, const std::string& refit_id) {
+  grpc::ClientContext context;
+  v1::AbortRequest request;
+  request.set_refit_id(refit_id);
+  v1::AbortResponse response;
+  return stub->Abort(&context, request, &response);
+}
+
 TEST_F(RefitServiceTest, AnAbortThatComesOnceItsCommitCopiesSaysTheRefitWasCommitted) {
   PushOutcome push = PushMessages(stub_.get(), FullPush(8, v1::COMPLETION_MODE_PREPARE));
   ASSERT_TRUE(push.status.ok()) << push.status.error_message();
   const std::string id = push.response.result().refit_id();
-  // The Commit is held right after its copy, where it delivers the
-  // store's events, before it has let go of the refit.
-  core::ShardStore* store = server_->default_group()->store();
-  absl::Notification copied, release;
-  const int listener = store->AddListener([&](const core::StoreEvent& event) {
-    if (event.type != core::StoreEventType::kCommitted || event.refit_id != id) return;
-    copied.Notify();
-    release.WaitForNotification();
-  });
+  HoldAfterCopy hold(server_->default_group()->store());
   grpc::Status commit_status;
   v1::CommitResponse commit_response;
   std::thread committer([&] {
@@ -477,15 +510,10 @@ TEST_F(RefitServiceTest, AnAbortThatComesOnceItsCommitCopiesSaysTheRefitWasCommi
     request.set_refit_id(id);
     commit_status = stub_->Commit(&context, request, &commit_response);
   });
-  copied.WaitForNotification();
-  grpc::ClientContext context;
-  v1::AbortRequest request;
-  request.set_refit_id(id);
-  v1::AbortResponse response;
-  const grpc::Status aborted = stub_->Abort(&context, request, &response);
-  release.Notify();
+  ASSERT_EQ(hold.WaitForCopy(), id);
+  const grpc::Status aborted = AbortRefit(stub_.get(), id);
+  hold.Release();
   committer.join();
-  store->RemoveListener(listener);
   EXPECT_EQ(aborted.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(aborted.error_message(), HasSubstr(absl::StrCat("refit \"", id, "\" was committed")));
   EXPECT_THAT(aborted.error_message(), HasSubstr("live version 2"));
@@ -493,35 +521,20 @@ TEST_F(RefitServiceTest, AnAbortThatComesOnceItsCommitCopiesSaysTheRefitWasCommi
   EXPECT_EQ(commit_response.result().version(), 2u);
   EXPECT_EQ(Version(), 2u);
   // The refit is gone: done, not aborted.
-  grpc::ClientContext again;
-  EXPECT_EQ(stub_->Abort(&again, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(AbortRefit(stub_.get(), id).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(RefitServiceTest, AnAbortOfAPushWhoseCommitCopiedSaysThePushWasCommitted) {
-  // The push is held right after its copy, where its commit delivers the
-  // store's events.
-  core::ShardStore* store = server_->default_group()->store();
-  absl::Notification copied, release;
-  std::string id;
-  const int listener = store->AddListener([&](const core::StoreEvent& event) {
-    if (event.type != core::StoreEventType::kCommitted) return;
-    id = event.refit_id;
-    copied.Notify();
-    release.WaitForNotification();
-  });
+  HoldAfterCopy hold(server_->default_group()->store());
   PushOutcome push;
   std::thread pusher([&] { push = PushMessages(stub_.get(), FullPush(8)); });
-  copied.WaitForNotification();
-  grpc::ClientContext context;
-  v1::AbortRequest request;
-  request.set_refit_id(id);
-  v1::AbortResponse response;
-  const grpc::Status aborted = stub_->Abort(&context, request, &response);
-  release.Notify();
+  const std::string id = hold.WaitForCopy();
+  const grpc::Status aborted = AbortRefit(stub_.get(), id);
+  hold.Release();
   pusher.join();
-  store->RemoveListener(listener);
   EXPECT_EQ(aborted.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(aborted.error_message(), HasSubstr(absl::StrCat("refit \"", id, "\" was committed")));
+  // The push's own RPC keeps its result.
   ASSERT_TRUE(push.status.ok()) << push.status.error_message();
   EXPECT_EQ(push.response.result().version(), 2u);
   EXPECT_EQ(Version(), 2u);

@@ -210,6 +210,7 @@ absl::Status EngineRegistry::AskLocked(absl::string_view refit_id, uint64_t next
     cancelled_refit_.clear();
     return absl::AbortedError(cancel_message_);
   }
+  last_committed_.clear();
   pending_refit_ = std::string(refit_id);
   pending_version_ = next_version;
   ++attempt_;
@@ -352,6 +353,7 @@ void EngineRegistry::CancelWait(absl::string_view refit_id, absl::string_view re
   absl::MutexLock lock(&mu_);
   const bool pending = !pending_refit_.empty() && (refit_id.empty() || pending_refit_ == refit_id);
   if ((!pending && !active) || (pending && copying_)) return;
+  if (!pending && refit_id == last_committed_) return;
   cancelled_refit_ = pending ? pending_refit_ : std::string(refit_id);
   cancel_message_ = absl::StrCat("refit \"", cancelled_refit_, "\" aborted: ", reason);
 }
@@ -417,9 +419,16 @@ void EngineRegistry::AfterCommit(absl::string_view refit_id,
 void EngineRegistry::OnStoreEvent(const core::StoreEvent& event) {
   if (event.type == core::StoreEventType::kCommitted) {
     // An Abort that came after the copy (the refit was still the store's
-    // active one) is over: a later refit with the same id must not find it.
+    // active one) is over: a later refit with the same id must not find it,
+    // nor one that comes later still.
     absl::MutexLock lock(&mu_);
     if (cancelled_refit_ == event.refit_id) cancelled_refit_.clear();
+    last_committed_ = event.refit_id;
+    return;
+  }
+  if (event.type == core::StoreEventType::kStagingStarted) {
+    absl::MutexLock lock(&mu_);
+    last_committed_.clear();
     return;
   }
   if (event.type != core::StoreEventType::kAborted) return;

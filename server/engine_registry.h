@@ -206,6 +206,10 @@ class EngineRegistry final : public core::CommitCoordinator {
   // A refit aborted before or during its BeforeCommit (CancelWait), and why.
   std::string cancelled_refit_ ABSL_GUARDED_BY(mu_);
   std::string cancel_message_ ABSL_GUARDED_BY(mu_);
+  // The refit whose Committed event came last, until another refit starts
+  // or asks to commit: a cancel of it is late (it raced the commit's end),
+  // not one on its way to its commit.
+  std::string last_committed_ ABSL_GUARDED_BY(mu_);
   // Close's reason: set, every AskCommit and BeforeCommit from then on is
   // refused.
   std::optional<std::string> closed_ ABSL_GUARDED_BY(mu_);

@@ -88,6 +88,10 @@ void ModelGroup::MarkPrepared(absl::string_view refit_id, absl::Time prepared_de
   absl::MutexLock lock(&mu_);
   auto it = refits_.find(refit_id);
   if (it == refits_.end()) return;
+  // Aborted meanwhile (an Abort between its prepare and this): its driver
+  // removes it, as any refit that did not reach PREPARED.
+  const std::shared_ptr<core::RefitSession>& session = it->second.entry.session;
+  if (session != nullptr && session->state() != core::SessionState::kPrepared) return;
   it->second.entry.prepared = true;
   it->second.entry.prepared_deadline = prepared_deadline;
   it->second.driver = nullptr;

@@ -108,7 +108,8 @@ class ModelGroup {
 
   void Add(RefitEntry entry, RefitDriver* driver);
   // The refit stopped at PREPARED: it stays registered without a driver,
-  // until Commit / Abort or `prepared_deadline`.
+  // until Commit / Abort or `prepared_deadline`. A refit whose session is
+  // no longer PREPARED (aborted meanwhile) is left to its driver.
   void MarkPrepared(absl::string_view refit_id,
                     absl::Time prepared_deadline = absl::InfiniteFuture());
   // Drops the entry if `driver` still drives it (not after MarkPrepared).

@@ -149,6 +149,16 @@ class WatchReactor final : public QueuedWriteReactor<v1::WatchEvent>, public Eve
   bool subscribed_ = true;
 };
 
+// A commit's refusal without its advice to commit again or abort (once an
+// Abort has ended the refit, neither applies).
+std::string WithoutRetryAdvice(absl::string_view message) {
+  for (absl::string_view advice : {"; it stays PREPARED", "; the refits stay PREPARED"}) {
+    const size_t at = message.find(advice);
+    if (at != absl::string_view::npos) message = message.substr(0, at);
+  }
+  return std::string(message);
+}
+
 // The refit a Commit or Abort names; an empty id is the caller's own active
 // refit (any active refit for an operator, or with authentication off).
 absl::StatusOr<ModelGroup::Found> FindRefit(const ModelGroup& group, const Principal& caller,
@@ -437,7 +447,8 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Commit(grpc::CallbackServerContext* 
       // The Abort came as the wait ended: the refit is aborted, whatever
       // the wait said.
       status = absl::AbortedError(absl::StrCat("refit ", core::QuoteText(id),
-                                               " aborted: an Abort came as ", status.message()));
+                                               " aborted: an Abort came as ",
+                                               WithoutRetryAdvice(status.message())));
     }
     REFIT_LOG(WARNING).Field("refit_id", entry->refit_id).Field("caller", caller->name)
         << "commit failed: " << std::string(status.message());
@@ -522,7 +533,13 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
   for (const Part& p : parts) {
     absl::StatusOr<RefitEntry> entry = p.group->TakePreparedToCommit(p.id);
     if (!entry.ok()) {
-      give_back();
+      // One an Abort asked for meanwhile is its Abort's to end, and is
+      // counted here.
+      if (give_back()) {
+        for (size_t i = 0; i < entries.size(); ++i) {
+          if (!given[i]) metrics_->RecordOutcome("aborted");
+        }
+      }
       return Reply(context, absl::Status(entry.status().code(),
                                          absl::StrCat("model group \"", p.group->name(),
                                                       "\": ", entry.status().message())));
@@ -560,9 +577,9 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
         << std::string(results.status().message());
     if (abort_asked && results.status().code() != absl::StatusCode::kAborted) {
       return Reply(context, absl::AbortedError(absl::StrCat(
-                                "linked commit not done, its refits aborted (an Abort asked for "
-                                "one of them): ",
-                                results.status().message())));
+                                "linked commit not done: an Abort asked for one of its refits "
+                                "while it was under way: ",
+                                WithoutRetryAdvice(results.status().message()))));
     }
     return Reply(context, results.status());
   }
@@ -663,6 +680,11 @@ grpc::ServerUnaryReactor* RefitServiceImpl::AbortCommitting(
     // That Commit returned meanwhile: the refit is PREPARED again (its
     // engines did not quiesce), or done.
     absl::StatusOr<RefitEntry> again = group->TakePrepared(id);
+    if (!again.ok() && entry.session->state() == core::SessionState::kCommitted) {
+      return Reply(context, absl::FailedPreconditionError(absl::StrCat(
+                                "refit ", core::QuoteText(id), " was committed (live version ",
+                                group->store()->version(), ") before the Abort reached it")));
+    }
     if (!again.ok()) return Reply(context, again.status());
     again->session->Abort(reason);
     metrics_->RecordOutcome("aborted");

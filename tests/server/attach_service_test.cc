@@ -33,6 +33,7 @@ namespace refit::server::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // Redeems `ticket` at the descriptor socket: the fd, or -1 and the daemon's
 // refusal in *error.
@@ -344,6 +345,7 @@ TEST_F(AttachTest, AnAbortAsTheCommitTimesOutAbortsTheRefitInsteadOfGivingItBack
   EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("an Abort came as"));
   EXPECT_THAT(status.error_message(), HasSubstr("did not quiesce"));
+  EXPECT_THAT(status.error_message(), Not(HasSubstr("stays PREPARED")));
   // Not registered again: nothing to commit or abort, the group is free.
   const v1::GetStatusResponse after = Status(stub_.get());
   EXPECT_EQ(after.version(), 1u);

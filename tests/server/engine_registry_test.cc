@@ -231,6 +231,29 @@ TEST_F(EngineRegistryTest, ACancelThatCameAfterTheCopyIsOverOnceTheRefitIsCommit
   absl::StatusOr<core::RefitResult> again = testing::PushAll(*store_, Weights(3), options);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->version, 3u);
+  // The same cancel reaching the registry after the Committed event, while
+  // the store still names the refit active (a session with that id that
+  // announces no start stands for the committed one here): late, so not
+  // recorded.
+  core::RefitOptions unannounced = options;
+  unannounced.announce_start = false;
+  session = core::RefitSession::Begin(store_.get(), unannounced);
+  ASSERT_TRUE(session.ok()) << session.status();
+  registry_->CancelWait("fixed-1", "Abort by op, late");
+  ASSERT_TRUE(testing::IngestAll(**session, Weights(4)).ok());
+  absl::StatusOr<core::RefitResult> late = (*session)->Commit();
+  ASSERT_TRUE(late.ok()) << late.status();
+  session->reset();
+  // Once a refit with that id has started (its staging announced), a cancel
+  // on its way to its commit is recorded again: its commit copies nothing.
+  session = core::RefitSession::Begin(store_.get(), options);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE(testing::IngestAll(**session, Weights(5)).ok());
+  registry_->CancelWait("fixed-1", "Abort by op, in time");
+  absl::StatusOr<core::RefitResult> cancelled = (*session)->Commit();
+  EXPECT_EQ(cancelled.status().code(), absl::StatusCode::kAborted) << cancelled.status();
+  EXPECT_THAT(cancelled.status().message(), HasSubstr("Abort by op, in time"));
+  EXPECT_EQ(store_->version(), 4u);
 }
 
 TEST_F(EngineRegistryTest, AnEngineThatAttachesAfterALinkedWaitIsWaitedForBeforeTheCopy) {

@@ -216,6 +216,22 @@ TEST_F(ModelGroupTest, PreparedRefitStaysWithoutADriver) {
   EXPECT_EQ(driver.refs(), 0);
 }
 
+TEST_F(ModelGroupTest, ARefitAbortedBeforeItIsMarkedPreparedIsLeftToItsDriver) {
+  // An Abort between the session's prepare and MarkPrepared: the refit must
+  // not stay registered as PREPARED (its id taken, a Commit of it failing).
+  std::shared_ptr<core::RefitSession> session = BeginSession("r-1");
+  ASSERT_NE(session, nullptr);
+  FakeDriver driver;
+  group_->Add(Entry("r-1", session), &driver);
+  session->Abort("an operator's Abort");
+  group_->MarkPrepared("r-1");
+  absl::StatusOr<ModelGroup::Found> found = group_->Find("r-1");
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_FALSE(found->entry.prepared);
+  group_->RemoveDriver("r-1", &driver);
+  EXPECT_EQ(group_->Find("r-1").status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(ModelGroupTest, TakePreparedOfAnUnknownRefitIsNotFound) {
   absl::StatusOr<RefitEntry> taken = group_->TakePrepared("r-404");
   EXPECT_EQ(taken.status().code(), absl::StatusCode::kNotFound);

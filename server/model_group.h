@@ -135,8 +135,9 @@ class ModelGroup {
   // refit instead of NOT_FOUND, so that an Abort or a second Commit arriving
   // while the commit waits for attached engines says what is going on.
   absl::StatusOr<RefitEntry> TakePreparedToCommit(absl::string_view refit_id);
-  // The commit of `refit_id` returned (a refit that stays PREPARED is Add-ed
-  // back first). True if an Abort was asked of it meanwhile (AskAbort).
+  // The commit of `refit_id` returned, and does not give the refit back
+  // (PutBack does both). True if an Abort was asked of it meanwhile
+  // (AskAbort).
   bool EndCommit(absl::string_view refit_id);
   // A refit a Commit holds: its entry (the Commit keeps the refit; an Abort
   // ends the Commit's wait for attached engines through the session).

@@ -159,6 +159,14 @@ std::string WithoutRetryAdvice(absl::string_view message) {
   return std::string(message);
 }
 
+// An Abort that came once the refit's commit had begun copying: the commit
+// completed.
+absl::Status CommittedBeforeTheAbort(absl::string_view refit_id, uint64_t live_version) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("refit ", core::QuoteText(refit_id), " was committed (live version ",
+                   live_version, ") before the Abort reached it: its commit had begun copying"));
+}
+
 // The refit a Commit or Abort names; an empty id is the caller's own active
 // refit (any active refit for an operator, or with authentication off).
 absl::StatusOr<ModelGroup::Found> FindRefit(const ModelGroup& group, const Principal& caller,
@@ -640,11 +648,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::Abort(grpc::CallbackServerContext* c
     // begun copying is committed.
     if (found->entry.session != nullptr &&
         found->entry.session->state() == core::SessionState::kCommitted) {
-      return Reply(context, absl::FailedPreconditionError(absl::StrCat(
-                                "refit ", core::QuoteText(id), " was committed (live version ",
-                                (*group)->store()->version(),
-                                ") before the Abort reached it: its commit "
-                                "had begun copying")));
+      return Reply(context, CommittedBeforeTheAbort(id, (*group)->store()->version()));
     }
   } else {
     absl::StatusOr<RefitEntry> entry = (*group)->TakePrepared(id);
@@ -681,9 +685,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::AbortCommitting(
     // engines did not quiesce), or done.
     absl::StatusOr<RefitEntry> again = group->TakePrepared(id);
     if (!again.ok() && entry.session->state() == core::SessionState::kCommitted) {
-      return Reply(context, absl::FailedPreconditionError(absl::StrCat(
-                                "refit ", core::QuoteText(id), " was committed (live version ",
-                                group->store()->version(), ") before the Abort reached it")));
+      return Reply(context, CommittedBeforeTheAbort(id, group->store()->version()));
     }
     if (!again.ok()) return Reply(context, again.status());
     again->session->Abort(reason);
@@ -695,11 +697,7 @@ grpc::ServerUnaryReactor* RefitServiceImpl::AbortCommitting(
     // the refit is then committed.
     entry.session->Abort(reason);
     if (entry.session->state() == core::SessionState::kCommitted) {
-      return Reply(context, absl::FailedPreconditionError(absl::StrCat(
-                                "refit ", core::QuoteText(id), " was committed (live version ",
-                                group->store()->version(),
-                                ") before the Abort reached it: its Commit had "
-                                "begun copying")));
+      return Reply(context, CommittedBeforeTheAbort(id, group->store()->version()));
     }
   }
   REFIT_LOG(INFO).Field("refit_id", id).Field("caller", caller.name)

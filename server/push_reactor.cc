@@ -96,14 +96,7 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
   }
 
   void Cancel(const grpc::Status& status, absl::string_view reason) override {
-    std::shared_ptr<PushRefit> refit = SharedRefit();
-    if (refit != nullptr) {
-      // Returns once the session's call under way has: a commit that had
-      // begun copying is done, and the stream that made it answers its
-      // RPC with the result (an Abort RPC says so to its caller).
-      refit->session()->Abort(std::string(reason));
-      if (refit->session()->state() == core::SessionState::kCommitted) return;
-    }
+    if (AbortSessionOrCommitted(std::string(reason))) return;
     AbortAll(std::string(reason), status, status);
   }
 
@@ -190,6 +183,7 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
       REFIT_LOG(WARNING).Field("refit_id", session->refit_id())
           << "Push cancelled by the client (cancel, disconnect or deadline)";
     }
+    if (AbortSessionOrCommitted(reason)) return;
     AbortAll(reason, grpc::Status(grpc::StatusCode::CANCELLED, "Push cancelled"), std::nullopt);
   }
 
@@ -592,6 +586,17 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
   // Aborts the refit (if one began) and ends this stream with `mine` and
   // the refit's other streams with `others` (by default ABORTED naming the
   // reason).
+  // Aborts the refit's session, returning once its call under way has;
+  // true if the refit committed first (a commit that had begun copying is
+  // done): then the stream that made the commit ends every stream of it
+  // with the result, and nothing is to be aborted.
+  bool AbortSessionOrCommitted(const std::string& reason) {
+    std::shared_ptr<PushRefit> refit = SharedRefit();
+    if (refit == nullptr) return false;
+    refit->session()->Abort(reason);
+    return refit->session()->state() == core::SessionState::kCommitted;
+  }
+
   void AbortAll(const std::string& reason, const grpc::Status& mine,
                 std::optional<grpc::Status> others, absl::string_view outcome = "aborted") {
     std::shared_ptr<PushRefit> refit = SharedRefit();

@@ -14,6 +14,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "core/fp8_quantizer.h"
 #include "core/safetensors.h"
 #include "tests/server/server_test_util.h"
@@ -538,6 +540,35 @@ TEST_F(RefitServiceTest, AnAbortOfAPushWhoseCommitCopiedSaysThePushWasCommitted)
   ASSERT_TRUE(push.status.ok()) << push.status.error_message();
   EXPECT_EQ(push.response.result().version(), 2u);
   EXPECT_EQ(Version(), 2u);
+}
+
+TEST_F(RefitServiceTest, AClientThatCancelsItsPushOnceItsCommitCopiedLeavesItCommitted) {
+  const std::string before = server_->metrics()->Render({});
+  HoldAfterCopy hold(server_->default_group()->store());
+  grpc::ClientContext context;
+  v1::PushResponse response;
+  grpc::Status pushed;
+  std::thread pusher([&] {
+    std::unique_ptr<grpc::ClientWriter<v1::PushRequest>> writer = stub_->Push(&context, &response);
+    for (const v1::PushRequest& message : FullPush(8)) {
+      if (!writer->Write(message)) break;
+    }
+    writer->WritesDone();
+    pushed = writer->Finish();
+  });
+  hold.WaitForCopy();
+  context.TryCancel();
+  // The daemon learns of the cancel while the commit is held.
+  absl::SleepFor(absl::Milliseconds(200));
+  hold.Release();
+  pusher.join();
+  EXPECT_EQ(pushed.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(Version(), 2u);
+  // Counted as what it was: committed, not aborted.
+  const std::string metrics = server_->metrics()->Render({});
+  EXPECT_THAT(metrics, HasSubstr("refitd_refits_total{outcome=\"committed\"} 2\n"));
+  EXPECT_THAT(metrics, HasSubstr("refitd_refits_total{outcome=\"aborted\"} 0\n"));
+  EXPECT_THAT(before, HasSubstr("refitd_refits_total{outcome=\"committed\"} 1\n"));
 }
 
 TEST_F(RefitServiceTest, CommitOfUnknownRefitIsNotFound) {

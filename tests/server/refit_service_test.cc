@@ -12,6 +12,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -564,9 +565,16 @@ TEST_F(RefitServiceTest, AClientThatCancelsItsPushOnceItsCommitCopiedLeavesItCom
   pusher.join();
   EXPECT_EQ(pushed.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_EQ(Version(), 2u);
-  // Counted as what it was: committed, not aborted.
-  const std::string metrics = server_->metrics()->Render({});
-  EXPECT_THAT(metrics, HasSubstr("refitd_refits_total{outcome=\"committed\"} 2\n"));
+  // Counted as what it was: committed, not aborted. The client's cancel
+  // returned at once; the daemon ends the stream (and counts) once its
+  // commit returns.
+  const std::string committed = "refitd_refits_total{outcome=\"committed\"} 2\n";
+  std::string metrics = server_->metrics()->Render({});
+  for (int i = 0; i < 500 && !absl::StrContains(metrics, committed); ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+    metrics = server_->metrics()->Render({});
+  }
+  EXPECT_THAT(metrics, HasSubstr(committed));
   EXPECT_THAT(metrics, HasSubstr("refitd_refits_total{outcome=\"aborted\"} 0\n"));
   EXPECT_THAT(before, HasSubstr("refitd_refits_total{outcome=\"committed\"} 1\n"));
 }

@@ -99,7 +99,6 @@ struct Simd {
   typedef int32_t I32 __attribute__((vector_size(kBytes)));
   typedef float F32 __attribute__((vector_size(kBytes)));
   typedef uint32_t U32 __attribute__((vector_size(kBytes)));
-  typedef uint16_t U16 __attribute__((vector_size(kBytes / 2)));  // one u16 per lane
   typedef uint8_t U8 __attribute__((vector_size(kBytes / 4)));    // one byte per lane
   static constexpr int64_t kLanes = kBytes / 4;
   REFIT_FP8_INLINE static I32 Splat(int32_t v) { return I32{} + v; }
@@ -317,8 +316,9 @@ REFIT_FP8_INLINE typename S::I32 QuantizeLanes(typename S::I32 x, typename S::F3
 // One step of the convert pass: one vector load of raw source bits. 32-bit
 // sources give one code per lane. 16-bit sources are not widened (GCC's
 // widening is poor); a load holds two elements per lane instead, 2j in the
-// low half and 2j+1 in the high half, and the lane returns both codes, in
-// memory order (little endian).
+// low half and 2j+1 in the high half, and the lane returns both codes in the
+// same places (bits 0-7 and 16-23; the store narrows each 16-bit half to its
+// byte): codes in memory order, and each sign lands in place with one shift.
 template <typename T, int kBytes, bool kVllm>
 REFIT_FP8_INLINE typename Simd<kBytes>::I32 QuantizeStep(const typename T::Bits* p,
                                                          typename Simd<kBytes>::F32 inv) {
@@ -329,30 +329,39 @@ REFIT_FP8_INLINE typename Simd<kBytes>::I32 QuantizeStep(const typename T::Bits*
   if constexpr (std::is_same_v<T, Bf16Traits> && !kVllm) {
     // bf16 is the upper half of a float32: each element's magnitude, as
     // float32 bits, is one mask (odd) or a shift and a mask (even) of the
-    // pair, and both signs land in place with two shifts. Same codes as the
-    // general path below (the product, its clamp and its encoding are the
-    // same), in about three quarters of its instructions: on cores where
+    // pair, and both signs (bits 15 and 31) move to bits 7 and 23 with one
+    // shift. Same codes as the general path below (the product, its clamp
+    // and its encoding are the same), in fewer instructions: on cores where
     // the convert is bound by its arithmetic, this is its speed.
     using U32 = typename S::U32;
     const U32 r = reinterpret_cast<U32>(raw);
     const I32 abs_even = reinterpret_cast<I32>((r << 16) & 0x7FFF0000u);
     const I32 abs_odd = reinterpret_cast<I32>(r & 0x7FFF0000u);
-    const I32 signs = reinterpret_cast<I32>(((r >> 8) & 0x80u) | ((r >> 16) & 0x8000u));
-    return EncodeProduct<S>(abs_even, inv) | (EncodeProduct<S>(abs_odd, inv) << 8) | signs;
+    const I32 signs = reinterpret_cast<I32>((r >> 8) & 0x00800080u);
+    return EncodeProduct<S>(abs_even, inv) | (EncodeProduct<S>(abs_odd, inv) << 16) | signs;
   } else if constexpr (sizeof(typename T::Bits) == 2) {
     const I32 even = raw & 0xFFFF;
     const I32 odd = reinterpret_cast<I32>(reinterpret_cast<typename S::U32>(raw) >> 16);
-    return QuantizeLanes<T, S, kVllm>(even, inv) | (QuantizeLanes<T, S, kVllm>(odd, inv) << 8);
+    return QuantizeLanes<T, S, kVllm>(even, inv) | (QuantizeLanes<T, S, kVllm>(odd, inv) << 16);
   } else {
     return QuantizeLanes<T, S, kVllm>(raw, inv);
   }
 }
 
-// Stores the low kOut (1 or 2) bytes of every lane. GCC narrows 512-bit
-// vectors well (vpmovdb / vpmovdw) but scalarizes narrower ones, so those use
-// SSE2 packs (VEX-encoded inside the AVX2 kernels; an AVX2 intrinsic could not
-// be inlined through the generic kernel). Stream: dst 16-byte aligned,
-// non-temporal; only the 512-bit kernels stream.
+// Stores a step's codes: kOut 1, the low byte of every lane (32-bit
+// sources); kOut 2, the low byte of each 16-bit half of every lane (16-bit
+// sources, see QuantizeStep). Every code is below 256, so unsigned saturating
+// packs narrow exactly. GCC narrows 512-bit vectors well (vpmovdb / vpmovwb)
+// but scalarizes narrower ones, so those use SSE2 packs (VEX-encoded inside
+// the AVX2 kernels; an AVX2 intrinsic could not be inlined through the
+// generic kernel). Stream: dst 16-byte aligned, non-temporal; only the
+// 512-bit kernels stream.
+template <int kBytes>
+struct Halves {
+  typedef uint16_t U16 __attribute__((vector_size(kBytes)));     // two per lane
+  typedef uint8_t U8 __attribute__((vector_size(kBytes / 2)));  // a byte per half
+};
+
 #if REFIT_FP8_X86
 template <int kBytes, int kOut>
 struct OutStore;
@@ -366,7 +375,8 @@ struct OutStore<64, kOut> {
       const S::U8 out = __builtin_convertvector(v, S::U8);
       std::memcpy(dst, &out, sizeof out);
     } else {
-      const S::U16 out = __builtin_convertvector(v, S::U16);
+      const Halves<64>::U8 out =
+          __builtin_convertvector(reinterpret_cast<Halves<64>::U16>(v), Halves<64>::U8);
       std::memcpy(dst, &out, sizeof out);
     }
   }
@@ -376,23 +386,13 @@ struct OutStore<64, kOut> {
       const S::U8 narrow = __builtin_convertvector(v, S::U8);
       std::memcpy(out, &narrow, sizeof out);
     } else {
-      const S::U16 narrow = __builtin_convertvector(v, S::U16);
+      const Halves<64>::U8 narrow =
+          __builtin_convertvector(reinterpret_cast<Halves<64>::U16>(v), Halves<64>::U8);
       std::memcpy(out, &narrow, sizeof out);
     }
     for (int k = 0; k < kOut; ++k) _mm_stream_si128(reinterpret_cast<__m128i*>(dst) + k, out[k]);
   }
 };
-
-// Packs 128-bit pieces of lanes holding 0..255 (kOut 1) or 0..65535 (kOut 2).
-// Signed saturating packs are exact once 16-bit payloads are sign-extended.
-template <int kOut>
-REFIT_FP8_INLINE __m128i PackWords(__m128i lo, __m128i hi) {
-  if constexpr (kOut == 2) {
-    lo = _mm_srai_epi32(_mm_slli_epi32(lo, 16), 16);
-    hi = _mm_srai_epi32(_mm_slli_epi32(hi, 16), 16);
-  }
-  return _mm_packs_epi32(lo, hi);
-}
 
 template <int kOut>
 struct OutStore<32, kOut> {
@@ -401,11 +401,11 @@ struct OutStore<32, kOut> {
   REFIT_FP8_INLINE static void Store(uint8_t* dst, S::I32 v) {
     __m128i halves[2];
     std::memcpy(halves, &v, sizeof halves);
-    const __m128i words = PackWords<kOut>(halves[0], halves[1]);
     if constexpr (kOut == 1) {
+      const __m128i words = _mm_packs_epi32(halves[0], halves[1]);
       _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(words, words));
     } else {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), words);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(halves[0], halves[1]));
     }
   }
   static void Stream(uint8_t*, S::I32) {}  // never called
@@ -418,12 +418,12 @@ struct OutStore<16, kOut> {
   REFIT_FP8_INLINE static void Store(uint8_t* dst, S::I32 v) {
     __m128i x;
     std::memcpy(&x, &v, sizeof x);
-    const __m128i words = PackWords<kOut>(x, x);
     if constexpr (kOut == 1) {
+      const __m128i words = _mm_packs_epi32(x, x);
       const int32_t bytes = _mm_cvtsi128_si32(_mm_packus_epi16(words, words));
       std::memcpy(dst, &bytes, sizeof bytes);
     } else {
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), words);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(x, x));
     }
   }
   static void Stream(uint8_t*, S::I32) {}  // never called
@@ -438,7 +438,9 @@ struct OutStore {
       const typename S::U8 out = __builtin_convertvector(v, typename S::U8);
       std::memcpy(dst, &out, sizeof out);
     } else {
-      const typename S::U16 out = __builtin_convertvector(v, typename S::U16);
+      using H = Halves<kBytes>;
+      const typename H::U8 out =
+          __builtin_convertvector(reinterpret_cast<typename H::U16>(v), typename H::U8);
       std::memcpy(dst, &out, sizeof out);
     }
   }

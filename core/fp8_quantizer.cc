@@ -99,7 +99,7 @@ struct Simd {
   typedef int32_t I32 __attribute__((vector_size(kBytes)));
   typedef float F32 __attribute__((vector_size(kBytes)));
   typedef uint32_t U32 __attribute__((vector_size(kBytes)));
-  typedef uint8_t U8 __attribute__((vector_size(kBytes / 4)));    // one byte per lane
+  typedef uint8_t U8 __attribute__((vector_size(kBytes / 4)));  // one byte per lane
   static constexpr int64_t kLanes = kBytes / 4;
   REFIT_FP8_INLINE static I32 Splat(int32_t v) { return I32{} + v; }
 };
@@ -358,7 +358,7 @@ REFIT_FP8_INLINE typename Simd<kBytes>::I32 QuantizeStep(const typename T::Bits*
 // 512-bit kernels stream.
 template <int kBytes>
 struct Halves {
-  typedef uint16_t U16 __attribute__((vector_size(kBytes)));     // two per lane
+  typedef uint16_t U16 __attribute__((vector_size(kBytes)));    // two per lane
   typedef uint8_t U8 __attribute__((vector_size(kBytes / 2)));  // a byte per half
 };
 

@@ -213,6 +213,32 @@ bool ModelGroup::PutBack(RefitEntry entry) {
   return true;
 }
 
+std::vector<bool> ModelGroup::PutBackLinked(absl::Span<ModelGroup* const> groups,
+                                            absl::Span<const RefitEntry> entries,
+                                            const std::vector<bool>& prepared, bool* abort_asked)
+    // The groups' locks are taken in address order (one lock at a time
+    // everywhere else), which the analysis cannot follow through a loop.
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::vector<ModelGroup*> order(groups.begin(), groups.end());
+  std::sort(order.begin(), order.end());
+  for (ModelGroup* g : order) g->mu_.Lock();
+  bool asked = false;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    auto it = groups[i]->committing_.find(entries[i].refit_id);
+    asked |= it != groups[i]->committing_.end() && it->second.abort_asked;
+  }
+  std::vector<bool> given(groups.size(), false);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    groups[i]->committing_.erase(entries[i].refit_id);
+    if (asked || !prepared[i]) continue;
+    groups[i]->refits_[entries[i].refit_id] = Slot{entries[i], nullptr};
+    given[i] = true;
+  }
+  for (auto g = order.rbegin(); g != order.rend(); ++g) (*g)->mu_.Unlock();
+  *abort_asked = asked;
+  return given;
+}
+
 std::vector<ModelGroup::Found> ModelGroup::TakeAll() {
   absl::MutexLock lock(&mu_);
   std::vector<Found> out;

@@ -30,6 +30,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "core/refit_session.h"
 #include "core/shard_store.h"
 
@@ -153,6 +154,17 @@ class ModelGroup {
   // EndCommit-ed, at once. Unless an Abort asked for it meanwhile: then
   // false, and nothing is registered (the Abort aborts the session).
   bool PutBack(RefitEntry entry);
+  // PutBack for the refits of a linked commit, one per group (groups[i]
+  // holds entries[i]; no group twice), all or none, at one instant: if an
+  // Abort asked for any of them, none is registered again (the caller
+  // aborts those whose Abort did not: an Abort of one refit of a linked
+  // commit aborts all of them), and neither is one whose `prepared[i]` is
+  // false (its session left PREPARED). Every commit hold ends. Returns
+  // whether each was given back; `abort_asked` set if an Abort asked for
+  // any.
+  static std::vector<bool> PutBackLinked(absl::Span<ModelGroup* const> groups,
+                                         absl::Span<const RefitEntry> entries,
+                                         const std::vector<bool>& prepared, bool* abort_asked);
   // Removes everything (shutdown): prepared entries and drivers.
   std::vector<Found> TakeAll();
   // The earliest deadline of a refit not yet expired (InfiniteFuture if none).

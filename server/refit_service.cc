@@ -521,18 +521,25 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
   // refused.
   std::vector<RefitEntry> entries;
   // Gives back the refits still PREPARED (registered again: given[i]) and
-  // ends the commit of the others; true if an Abort asked for one of them
-  // meanwhile (its Abort aborts it: it is not given back).
+  // ends the commit of the others, at one instant; true if an Abort asked
+  // for one of them meanwhile. Then none is given back, and those still
+  // PREPARED (no Abort of their own) are aborted here: an Abort of one
+  // refit of a linked commit aborts all of them, however late it comes.
   std::vector<bool> given;
-  auto give_back = [&] {
-    bool abort_asked = false;
-    given.assign(entries.size(), false);
+  auto give_back = [&](absl::string_view why) {
+    std::vector<ModelGroup*> groups;
+    std::vector<bool> prepared;
     for (size_t i = 0; i < entries.size(); ++i) {
-      if (entries[i].session->state() == core::SessionState::kPrepared) {
-        given[i] = parts[i].group->PutBack(entries[i]);
-        abort_asked |= !given[i];
-      } else {
-        abort_asked |= parts[i].group->EndCommit(parts[i].id);
+      groups.push_back(parts[i].group);
+      prepared.push_back(entries[i].session->state() == core::SessionState::kPrepared);
+    }
+    bool abort_asked = false;
+    given = ModelGroup::PutBackLinked(groups, entries, prepared, &abort_asked);
+    if (abort_asked) {
+      for (size_t i = 0; i < entries.size(); ++i) {
+        if (entries[i].session->state() != core::SessionState::kPrepared) continue;
+        entries[i].session->Abort(absl::StrCat(
+            "a refit linked to it was aborted while their linked commit was under way", why));
       }
     }
     watchdog_.Wake();
@@ -541,9 +548,10 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
   for (const Part& p : parts) {
     absl::StatusOr<RefitEntry> entry = p.group->TakePreparedToCommit(p.id);
     if (!entry.ok()) {
-      // One an Abort asked for meanwhile is its Abort's to end, and is
+      // An Abort asked for one taken meanwhile: all are aborted, and
       // counted here.
-      if (give_back()) {
+      if (give_back(absl::StrCat(": model group \"", p.group->name(),
+                                 "\": ", entry.status().message()))) {
         for (size_t i = 0; i < entries.size(); ++i) {
           if (!given[i]) metrics_->RecordOutcome("aborted");
         }
@@ -562,18 +570,11 @@ grpc::ServerUnaryReactor* RefitServiceImpl::CommitLinked(grpc::CallbackServerCon
   if (commit_hook_) commit_hook_(CommitStage::kReturned, parts.front().id);
   if (!results.ok()) {
     // An Abort of one of the refits, even one that came before the commit
-    // began (its wait then never started), ends them all.
-    bool abort_asked = false;
-    for (const Part& p : parts) abort_asked |= p.group->AbortAsked(p.id);
-    if (abort_asked) {
-      for (size_t i = 0; i < entries.size(); ++i) {
-        if (entries[i].session->state() != core::SessionState::kPrepared) continue;
-        entries[i].session->Abort(absl::StrCat(
-            "a refit linked to it was aborted while their linked commit was under way: ",
-            results.status().message()));
-      }
-    }
-    abort_asked |= give_back();
+    // began (its wait then never started) or as it gives them back, ends
+    // them all.
+    if (commit_hook_) commit_hook_(CommitStage::kGivingBack, parts.front().id);
+    const bool abort_asked =
+        give_back(absl::StrCat(": ", WithoutRetryAdvice(results.status().message())));
     bool aborted = false;
     for (size_t i = 0; i < entries.size(); ++i) {
       if (given[i]) continue;

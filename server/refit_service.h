@@ -87,8 +87,10 @@ class RefitServiceImpl final
   void SetAttachService(const AttachService* attach) { attach_ = attach; }
   // Tests: called in Commit with the (first) refit's id once the refits
   // are taken for the commit (kTaken) and once it returned, before they are
-  // given back or done (kReturned). Set before the service takes calls.
-  enum class CommitStage { kTaken, kReturned };
+  // given back or done (kReturned); a linked commit that failed, also just
+  // before it gives its refits back (kGivingBack). Set before the service
+  // takes calls.
+  enum class CommitStage { kTaken, kReturned, kGivingBack };
   using CommitHook = std::function<void(CommitStage stage, const std::string& refit_id)>;
   void SetCommitHookForTesting(CommitHook hook) { commit_hook_ = std::move(hook); }
   // Trainers' shared-memory regions, which Push chunks may reference (set

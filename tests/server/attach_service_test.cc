@@ -357,6 +357,68 @@ TEST_F(AttachTest, AnAbortAsTheCommitTimesOutAbortsTheRefitInsteadOfGivingItBack
   EXPECT_THAT(metrics, HasSubstr("refitd_refits_total{outcome=\"failed\"} 0\n"));
 }
 
+// A linked commit whose engines did not quiesce gives its refits back all
+// or none: an Abort of one of them that comes as they are given back
+// aborts both, as one during the wait does (the other one was given back
+// PREPARED).
+TEST_F(AttachTest, AnAbortOfOneLinkedRefitAsItsCommitGivesThemBackAbortsBoth) {
+  ServerOptions options = TestOptions(dir_);
+  options.engine_quiesce_timeout = absl::Milliseconds(200);
+  GroupOptions target;
+  target.name = "target";
+  GroupOptions draft;
+  draft.name = "draft";
+  options.groups = {target, draft};
+  StartServer(std::move(options));
+  engine_stub_ = v1::EngineService::NewStub(Connect(*server_));
+  Engine engine(engine_stub_.get(), /*coordinate=*/true);  // the target's; never acks
+  AttachOne(engine);
+  auto prepare = [&](const std::string& group, uint64_t seed) {
+    std::vector<v1::PushRequest> messages = FullPush(seed, v1::COMPLETION_MODE_PREPARE);
+    messages[0].mutable_begin()->set_model_group(group);
+    const PushOutcome outcome = PushMessages(stub_.get(), messages);
+    EXPECT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+    return outcome.response.result().refit_id();
+  };
+  const std::string target_id = prepare("target", 2);
+  const std::string draft_id = prepare("draft", 3);
+  auto abort = [&](const std::string& group, const std::string& id) {
+    grpc::ClientContext context;
+    v1::AbortRequest request;
+    request.set_model_group(group);
+    request.set_refit_id(id);
+    v1::AbortResponse response;
+    return stub_->Abort(&context, request, &response);
+  };
+  grpc::Status aborted;
+  server_->service()->SetCommitHookForTesting(
+      [&](RefitServiceImpl::CommitStage stage, const std::string&) {
+        if (stage == RefitServiceImpl::CommitStage::kGivingBack) aborted = abort("draft", draft_id);
+      });
+  grpc::ClientContext context;
+  v1::CommitRequest request;
+  request.set_model_group("target");
+  request.set_refit_id(target_id);
+  v1::RefitRef* linked = request.add_linked();
+  linked->set_model_group("draft");
+  linked->set_refit_id(draft_id);
+  v1::CommitResponse response;
+  const grpc::Status status = stub_->Commit(&context, request, &response);
+  server_->service()->SetCommitHookForTesting(nullptr);
+  ASSERT_TRUE(aborted.ok()) << aborted.error_message();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("an Abort asked for one of its refits"));
+  EXPECT_THAT(status.error_message(), HasSubstr("did not quiesce"));
+  // Neither is PREPARED: nothing left to abort, both groups free.
+  EXPECT_EQ(abort("target", target_id).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(abort("draft", draft_id).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_FALSE(Status(stub_.get()).has_active_refit());
+  EXPECT_EQ(Status(stub_.get()).version(), 1u);
+  const std::string metrics = server_->metrics()->Render({});
+  EXPECT_THAT(metrics, HasSubstr("refitd_refits_total{outcome=\"aborted\"} 2\n"));
+  EXPECT_THAT(metrics, HasSubstr("refitd_refits_total{outcome=\"failed\"} 0\n"));
+}
+
 TEST_F(AttachTest, AnAbortWithNoRefitIdEndsTheWaitOfTheActiveRefitsCommit) {
   ServerOptions options = TestOptions(dir_);
   options.engine_quiesce_timeout = absl::Seconds(60);

@@ -20,6 +20,7 @@
 namespace refit::server {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAre;
 
@@ -75,16 +76,19 @@ class FakeSubscriber : public EventSubscriber {
 
 class ModelGroupTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { group_ = Group("target"); }
+
+  static std::unique_ptr<ModelGroup> Group(const std::string& name) {
     absl::StatusOr<std::shared_ptr<const core::ModelLayout>> layout =
         core::ModelLayout::Build(core::FixtureConfig(), {}, core::QuantScheme::kPerTensor);
-    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_TRUE(layout.ok()) << layout.status();
+    if (!layout.ok()) return nullptr;
     core::ShardStoreOptions options;
-    options.group = "target";
+    options.group = name;
     absl::StatusOr<std::unique_ptr<core::ShardStore>> store =
         core::ShardStore::Create(*layout, options);
-    ASSERT_TRUE(store.ok()) << store.status();
-    group_ = std::make_unique<ModelGroup>(*std::move(store));
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? std::make_unique<ModelGroup>(*std::move(store)) : nullptr;
   }
 
   // A refit really running on the group's store (it holds the store's slot).
@@ -310,6 +314,55 @@ TEST_F(ModelGroupTest, PutBackRegistersTheRefitAgainUnlessAnAbortAskedForIt) {
   EXPECT_EQ(group_->Find("r-1").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(group_->Committing("r-1").status().code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(group_->AskAbort("r-1"));
+}
+
+TEST_F(ModelGroupTest, PutBackLinkedGivesBackAllOrNone) {
+  std::unique_ptr<ModelGroup> draft = Group("draft");
+  ASSERT_NE(draft, nullptr);
+  // Listed draft first: the locks go by address, whatever the order.
+  const std::vector<ModelGroup*> groups = {draft.get(), group_.get()};
+  auto take = [&](std::vector<RefitEntry>* entries) {
+    entries->clear();
+    for (ModelGroup* g : groups) {
+      g->Add(Entry("r-" + g->name()), nullptr);
+      g->MarkPrepared("r-" + g->name());
+      absl::StatusOr<RefitEntry> taken = g->TakePreparedToCommit("r-" + g->name());
+      ASSERT_TRUE(taken.ok()) << taken.status();
+      entries->push_back(*std::move(taken));
+    }
+  };
+  std::vector<RefitEntry> entries;
+  // No Abort: both registered again, no commit holds them.
+  take(&entries);
+  bool abort_asked = true;
+  EXPECT_THAT(ModelGroup::PutBackLinked(groups, entries, {true, true}, &abort_asked),
+              ElementsAre(true, true));
+  EXPECT_FALSE(abort_asked);
+  for (ModelGroup* g : groups) {
+    EXPECT_TRUE(g->Find("r-" + g->name()).ok()) << g->name();
+    EXPECT_EQ(g->Committing("r-" + g->name()).status().code(), absl::StatusCode::kNotFound);
+  }
+  // A session that left PREPARED is not registered; the other one is.
+  entries.clear();
+  for (ModelGroup* g : groups) entries.push_back(*g->TakePreparedToCommit("r-" + g->name()));
+  EXPECT_THAT(ModelGroup::PutBackLinked(groups, entries, {false, true}, &abort_asked),
+              ElementsAre(false, true));
+  EXPECT_FALSE(abort_asked);
+  EXPECT_EQ(draft->Find("r-draft").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(draft->Committing("r-draft").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(group_->Find("r-target").ok());
+  ASSERT_TRUE(group_->TakePrepared("r-target").ok());
+  // An Abort asked for one of them (the second listed): none is registered
+  // again, and no commit holds either.
+  take(&entries);
+  EXPECT_TRUE(group_->AskAbort("r-target"));
+  EXPECT_THAT(ModelGroup::PutBackLinked(groups, entries, {true, true}, &abort_asked),
+              ElementsAre(false, false));
+  EXPECT_TRUE(abort_asked);
+  for (ModelGroup* g : groups) {
+    EXPECT_EQ(g->Find("r-" + g->name()).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(g->Committing("r-" + g->name()).status().code(), absl::StatusCode::kNotFound);
+  }
 }
 
 TEST_F(ModelGroupTest, TakeAllHandsOutDriversAndDropsOnlyPreparedRefits) {

@@ -83,6 +83,8 @@ _SHM_BUCKET_BYTES = 64 << 20
 # Region chunks per message at most (the shared-memory lane's messages
 # carry references only, so a bucket of small tensors stays small).
 _MAX_REGION_CHUNKS = 1024
+# Encoded region chunks a client keeps (_send_region's cache), at most.
+_REGION_CHUNK_CACHE = 1 << 16
 _LANES = ("auto", "shm", "grpc")
 # How long an abandoned refit() waits for the daemon to confirm the abort
 # before it cancels the call instead.
@@ -503,13 +505,45 @@ class Refit:
                 break
         self._tensors_done += 1
 
-    def _send_region(self, src: _tensors.Source, lease: "_shm.Lease", base: int) -> None:
+    def _send_region(
+        self,
+        src: _tensors.Source,
+        lease: "_shm.Lease",
+        base: int,
+        cache: Optional[Dict[Any, List[Tuple[bytes, int]]]] = None,
+    ) -> None:
         """Streams one tensor as chunks that reference `lease`'s region from
         byte `base` (the shared-memory lane): Chunk.region instead of data,
         no checksum (the bytes do not travel). The bucket counts the bytes
-        referenced."""
+        referenced. With `cache`, the encoded chunks are kept there under
+        everything they are made of, for the next push of the same tensor
+        at the same place (a training loop's): encoding them is most of the
+        client's CPU in such a push."""
         item = src.itemsize
         cap = max(self._chunk_bytes // item, 1) * item
+        key = (src.name, src.dtype, tuple(src.shape), src.nbytes, lease.region_id_bytes, base, cap)
+        chunks = cache.get(key) if cache is not None else None
+        if chunks is None:
+            chunks = self._region_chunks(src, lease.region_id_bytes, base, cap)
+            if cache is not None:
+                if len(cache) >= _REGION_CHUNK_CACHE:
+                    cache.clear()
+                cache[key] = chunks
+        for message, piece in chunks:
+            self._parts.append(message)
+            self._payload += len(message)
+            self._bucket_fill += piece
+            if self._bucket_fill >= self._bucket_bytes or len(self._parts) >= _MAX_REGION_CHUNKS:
+                self._flush()
+        self._tensors_done += 1
+
+    @staticmethod
+    def _region_chunks(
+        src: _tensors.Source, region_id: bytes, base: int, cap: int
+    ) -> List[Tuple[bytes, int]]:
+        """The wire bytes of `src`'s chunks referencing region `region_id`
+        from byte `base`, `cap` bytes each at most, with the bytes each
+        references. A zero-sized tensor still has one (empty) chunk."""
         dtype = _PUSH_DTYPES[src.dtype]
         name = src.name.encode()
         shape = b"".join(_varint(int(d)) for d in src.shape)
@@ -517,23 +551,18 @@ class Refit:
         if shape:
             head += b"\x1a" + _varint(len(shape)) + shape
         # RegionRef{region_id = 1, offset = 2, length = 3}.
-        rid = b"\x0a" + _varint(len(lease.region_id_bytes)) + lease.region_id_bytes
+        rid = b"\x0a" + _varint(len(region_id)) + region_id
+        chunks: List[Tuple[bytes, int]] = []
         offset = 0
         while True:
             piece = min(src.nbytes - offset, cap)
             ref = rid + b"\x10" + _varint(base + offset) + b"\x18" + _varint(piece)
             body = head + (b"\x20" + _varint(offset) if offset else b"")
             body += b"\x3a" + _varint(len(ref)) + ref  # Chunk.region = 7
-            tag = b"\x0a" + _varint(len(body))
-            self._parts += [tag, body]
-            self._payload += len(tag) + len(body)
+            chunks.append((b"\x0a" + _varint(len(body)) + body, piece))
             offset += piece
-            self._bucket_fill += piece
-            if self._bucket_fill >= self._bucket_bytes or len(self._parts) >= 2 * _MAX_REGION_CHUNKS:
-                self._flush()
             if offset >= src.nbytes:
-                break
-        self._tensors_done += 1
+                return chunks
 
     def finish(self) -> RefitResult:
         """Sends End and returns the daemon's result (the with block calls it)."""
@@ -1068,7 +1097,7 @@ class RefitClient:
                                 r._flush()
                                 lane.copy(src, offset)
                                 copied += src.nbytes
-                            r._send_region(src, lease, offset)
+                            r._send_region(src, lease, offset, lane.chunk_cache)
                 except RefitError as e:
                     lane.drop_truncated(e.message)
                     raise

@@ -495,6 +495,9 @@ class ShmLane:
         # Bytes copied into the staging region by the last push (0: every
         # tensor went from the trainer's own shared memory).
         self.last_copied_bytes = 0
+        # The push's encoded region chunks (Refit._send_region), kept for
+        # the next push of the same tensors.
+        self.chunk_cache: Dict[Any, List[Tuple[bytes, int]]] = {}
 
     def regions(self) -> List[Lease]:
         out = [lease for lease, _ in self._shared.values()]

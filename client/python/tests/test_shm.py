@@ -443,6 +443,29 @@ def test_a_generator_push_falls_back_to_grpc_with_every_tensor(daemon, seed2):
         assert result.fingerprint == expected
 
 
+def test_pushes_of_the_same_shared_tensors_reuse_their_encoded_chunks(client, seed2):
+    """A training loop pushes the same shared tensors at the same places
+    every step: the client encodes their chunks once, and the daemon still
+    reads the new bytes; chunks of another size are encoded anew."""
+    shared = shared_tensors(seed2)
+    assert client.push(shared, lane="shm").fingerprint == client.push(seed2, lane="grpc").fingerprint
+    cache = client._shm.chunk_cache
+    assert len(cache) == len(seed2)
+    encoded = {key: id(chunks) for key, chunks in cache.items()}
+    # The trainer updates its weights in place; the next push sends them
+    # with the chunks encoded for the first one.
+    for v in shared.values():
+        v.mul_(0.5)
+    halved = client.push(shared, lane="shm")
+    assert {key: id(chunks) for key, chunks in cache.items()} == encoded
+    expected = client.push({k: v.clone() for k, v in shared.items()}, lane="grpc").fingerprint
+    assert halved.fingerprint == expected
+    # Smaller chunks: encoded anew, the same bytes committed.
+    assert client.push(shared, lane="shm", chunk_bytes=4096).fingerprint == expected
+    assert len(cache) == 2 * len(seed2)
+    assert all(len(cache[key]) == max(1, -(-key[3] // 4096)) for key in cache if key not in encoded)
+
+
 def test_references_share_messages_and_each_copied_tensor_goes_before_the_next_copy(
     client, seed2
 ):

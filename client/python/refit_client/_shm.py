@@ -495,8 +495,8 @@ class ShmLane:
         # Bytes copied into the staging region by the last push (0: every
         # tensor went from the trainer's own shared memory).
         self.last_copied_bytes = 0
-        # The push's encoded region chunks (Refit._send_region), kept for
-        # the next push of the same tensors.
+        # Region chunks encoded by past pushes (Refit._send_region), for
+        # the next push of the same tensors at the same places.
         self.chunk_cache: Dict[Any, List[Tuple[bytes, int]]] = {}
 
     def regions(self) -> List[Lease]:

@@ -203,14 +203,10 @@ bool ModelGroup::AbortAsked(absl::string_view refit_id) const {
 }
 
 bool ModelGroup::PutBack(RefitEntry entry) {
-  absl::MutexLock lock(&mu_);
-  std::string id = entry.refit_id;
-  auto it = committing_.find(id);
-  const bool abort_asked = it != committing_.end() && it->second.abort_asked;
-  if (it != committing_.end()) committing_.erase(it);
-  if (abort_asked) return false;
-  refits_[id] = Slot{std::move(entry), nullptr};
-  return true;
+  ModelGroup* const self = this;
+  bool abort_asked = false;
+  return PutBackLinked(absl::MakeConstSpan(&self, 1), absl::MakeConstSpan(&entry, 1), {true},
+                       &abort_asked)[0];
 }
 
 std::vector<bool> ModelGroup::PutBackLinked(absl::Span<ModelGroup* const> groups,

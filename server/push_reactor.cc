@@ -583,9 +583,6 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
     return absl::StrCat(prefix, ": ", reason);
   }
 
-  // Aborts the refit (if one began) and ends this stream with `mine` and
-  // the refit's other streams with `others` (by default ABORTED naming the
-  // reason).
   // Aborts the refit's session, returning once its call under way has;
   // true if the refit committed first (a commit that had begun copying is
   // done): then the stream that made the commit ends every stream of it
@@ -597,6 +594,9 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
     return refit->session()->state() == core::SessionState::kCommitted;
   }
 
+  // Aborts the refit (if one began) and ends this stream with `mine` and
+  // the refit's other streams with `others` (by default ABORTED naming the
+  // reason).
   void AbortAll(const std::string& reason, const grpc::Status& mine,
                 std::optional<grpc::Status> others, absl::string_view outcome = "aborted") {
     std::shared_ptr<PushRefit> refit = SharedRefit();

@@ -541,6 +541,72 @@ REFIT_FP8_INLINE uint32_t QuantizeTrackingMax(const typename T::Bits* in, int64_
   return LaneMax(m);
 }
 
+// The convert pass over `n` contiguous elements with one inverse scale that
+// also takes the max |bits| of `side_n` elements at `side` (the source of
+// the tensor the caller quantizes next, same type; AbsMaxBlocks' value for
+// one block): its side loads are spread evenly among the convert's steps, so
+// a core bound by the convert's arithmetic reads the next tensor while it
+// computes, instead of in a pass of its own that waits on memory.
+template <typename T, int kBytes, bool kVllm>
+REFIT_FP8_INLINE uint32_t QuantizeWithSideMax(const typename T::Bits* in, int64_t n, float inv,
+                                              bool stream, uint8_t* out,
+                                              const typename T::Bits* side, int64_t side_n) {
+  using Bits = typename T::Bits;
+  using S = Simd<kBytes>;
+  using W = typename Wide<Bits, kBytes>::type;
+  constexpr int64_t kStep = kBytes / sizeof(Bits);
+  using Store = OutStore<kBytes, sizeof(Bits) == 2 ? 2 : 1>;
+  const typename S::F32 vinv = typename S::F32{} + inv;
+  W m = {};
+  auto track = [&](const Bits* p) __attribute__((always_inline)) {
+    W a;
+    std::memcpy(&a, p, sizeof a);
+    AbsMaxStep<T, kBytes, kVllm>(a, m);
+  };
+  const int64_t steps = n / kStep;
+  const int64_t side_steps = side_n / kStep;
+  // Side steps are owed at side_steps / steps per convert step (Bresenham).
+  int64_t owed = 0;
+  int64_t j = 0;  // side elements read
+  auto side_catch_up = [&]() __attribute__((always_inline)) {
+    owed += side_steps;
+    while (owed >= steps) {
+      owed -= steps;
+      PrefetchAhead<kBytes>(side + j);
+      track(side + j);
+      j += kStep;
+    }
+  };
+  const bool streaming = Store::kCanStream && stream && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  for (int64_t i = 0; i < steps * kStep; i += kStep) {
+    PrefetchAhead<kBytes>(in + i);
+    if (streaming) {
+      Store::Stream(out + i, QuantizeStep<T, kBytes, kVllm>(in + i, vinv));
+    } else {
+      Store::Store(out + i, QuantizeStep<T, kBytes, kVllm>(in + i, vinv));
+    }
+    side_catch_up();
+  }
+  for (; j + kStep <= side_n; j += kStep) track(side + j);
+  if (j < side_n) {
+    Bits tail[kStep] = {};  // zero padding cannot raise the max
+    std::memcpy(tail, side + j, (side_n - j) * sizeof(Bits));
+    track(tail);
+  }
+  const int64_t i = steps * kStep;
+  if (i < n) {
+    Bits tail[kStep] = {};
+    std::memcpy(tail, in + i, (n - i) * sizeof(Bits));
+    uint8_t bytes[kStep];
+    Store::Store(bytes, QuantizeStep<T, kBytes, kVllm>(tail, vinv));
+    std::memcpy(out + i, bytes, n - i);
+  }
+#if REFIT_FP8_X86
+  if (streaming) _mm_sfence();
+#endif
+  return LaneMax(m);
+}
+
 using AbsMaxFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
                           int64_t block_cols, bool ignore_nan, uint32_t* out_max);
 using QuantizeFn = void (*)(const void* src, int64_t stride, int64_t nrows, int64_t ncols,
@@ -548,39 +614,49 @@ using QuantizeFn = void (*)(const void* src, int64_t stride, int64_t nrows, int6
                             uint8_t* dst, int64_t dst_stride);
 using QuantizeMaxFn = uint32_t (*)(const void* src, int64_t n, float inv, bool vllm, bool stream,
                                    uint8_t* dst);
+using QuantizeSideFn = uint32_t (*)(const void* src, int64_t n, float inv, bool vllm, bool stream,
+                                    uint8_t* dst, const void* side, int64_t side_n);
 
 // One non-inlined entry point per (ISA, source type, pass); the kernels above
 // are inlined into it and compiled for its target.
-#define REFIT_FP8_DEFINE_KERNELS(NAME, BYTES, ATTR)                                              \
-  template <typename T>                                                                          \
-  ATTR void AbsMax##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,          \
-                         int64_t block_cols, bool ignore_nan, uint32_t* out_max) {               \
-    const auto* p = static_cast<const typename T::Bits*>(src);                                   \
-    if (ignore_nan) {                                                                            \
-      AbsMaxBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, out_max);                \
-    } else {                                                                                     \
-      AbsMaxBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, out_max);               \
-    }                                                                                            \
-  }                                                                                              \
-  template <typename T>                                                                          \
-  ATTR void Quantize##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,        \
-                           int64_t block_cols, const float* inv, bool vllm, bool stream,         \
-                           uint8_t* dst, int64_t dst_stride) {                                   \
-    const auto* p = static_cast<const typename T::Bits*>(src);                                   \
-    if (vllm) {                                                                                  \
-      QuantizeBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, inv, stream, dst,      \
-                                     dst_stride);                                                \
-    } else {                                                                                     \
-      QuantizeBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, inv, stream, dst,     \
-                                      dst_stride);                                               \
-    }                                                                                            \
-  }                                                                                              \
-  template <typename T>                                                                          \
-  ATTR uint32_t QuantizeMax##NAME(const void* src, int64_t n, float inv, bool vllm, bool stream, \
-                                  uint8_t* dst) {                                                \
-    const auto* p = static_cast<const typename T::Bits*>(src);                                   \
-    return vllm ? QuantizeTrackingMax<T, BYTES, true>(p, n, inv, stream, dst)                    \
-                : QuantizeTrackingMax<T, BYTES, false>(p, n, inv, stream, dst);                  \
+#define REFIT_FP8_DEFINE_KERNELS(NAME, BYTES, ATTR)                                               \
+  template <typename T>                                                                           \
+  ATTR void AbsMax##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,           \
+                         int64_t block_cols, bool ignore_nan, uint32_t* out_max) {                \
+    const auto* p = static_cast<const typename T::Bits*>(src);                                    \
+    if (ignore_nan) {                                                                             \
+      AbsMaxBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, out_max);                 \
+    } else {                                                                                      \
+      AbsMaxBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, out_max);                \
+    }                                                                                             \
+  }                                                                                               \
+  template <typename T>                                                                           \
+  ATTR void Quantize##NAME(const void* src, int64_t stride, int64_t nrows, int64_t ncols,         \
+                           int64_t block_cols, const float* inv, bool vllm, bool stream,          \
+                           uint8_t* dst, int64_t dst_stride) {                                    \
+    const auto* p = static_cast<const typename T::Bits*>(src);                                    \
+    if (vllm) {                                                                                   \
+      QuantizeBlocks<T, BYTES, true>(p, stride, nrows, ncols, block_cols, inv, stream, dst,       \
+                                     dst_stride);                                                 \
+    } else {                                                                                      \
+      QuantizeBlocks<T, BYTES, false>(p, stride, nrows, ncols, block_cols, inv, stream, dst,      \
+                                      dst_stride);                                                \
+    }                                                                                             \
+  }                                                                                               \
+  template <typename T>                                                                           \
+  ATTR uint32_t QuantizeMax##NAME(const void* src, int64_t n, float inv, bool vllm, bool stream,  \
+                                  uint8_t* dst) {                                                 \
+    const auto* p = static_cast<const typename T::Bits*>(src);                                    \
+    return vllm ? QuantizeTrackingMax<T, BYTES, true>(p, n, inv, stream, dst)                     \
+                : QuantizeTrackingMax<T, BYTES, false>(p, n, inv, stream, dst);                   \
+  }                                                                                               \
+  template <typename T>                                                                           \
+  ATTR uint32_t QuantizeSide##NAME(const void* src, int64_t n, float inv, bool vllm, bool stream, \
+                                   uint8_t* dst, const void* side, int64_t side_n) {              \
+    const auto* p = static_cast<const typename T::Bits*>(src);                                    \
+    const auto* q = static_cast<const typename T::Bits*>(side);                                   \
+    return vllm ? QuantizeWithSideMax<T, BYTES, true>(p, n, inv, stream, dst, q, side_n)          \
+                : QuantizeWithSideMax<T, BYTES, false>(p, n, inv, stream, dst, q, side_n);        \
   }
 
 REFIT_FP8_DEFINE_KERNELS(Portable, 16, )
@@ -595,14 +671,18 @@ struct Kernels {
   AbsMaxFn abs_max;
   QuantizeFn quantize;
   QuantizeMaxFn quantize_max;
+  QuantizeSideFn quantize_side;
 };
 
 // One row per ISA: kernels for bf16, fp16, fp32 sources.
-#define REFIT_FP8_KERNEL_ROW(NAME)                                                                \
-  {                                                                                               \
-    {&AbsMax##NAME<Bf16Traits>, &Quantize##NAME<Bf16Traits>, &QuantizeMax##NAME<Bf16Traits>},     \
-        {&AbsMax##NAME<Fp16Traits>, &Quantize##NAME<Fp16Traits>, &QuantizeMax##NAME<Fp16Traits>}, \
-        {&AbsMax##NAME<F32Traits>, &Quantize##NAME<F32Traits>, &QuantizeMax##NAME<F32Traits>},    \
+#define REFIT_FP8_KERNEL_ROW(NAME)                                                               \
+  {                                                                                              \
+    {&AbsMax##NAME<Bf16Traits>, &Quantize##NAME<Bf16Traits>, &QuantizeMax##NAME<Bf16Traits>,     \
+     &QuantizeSide##NAME<Bf16Traits>},                                                           \
+        {&AbsMax##NAME<Fp16Traits>, &Quantize##NAME<Fp16Traits>, &QuantizeMax##NAME<Fp16Traits>, \
+         &QuantizeSide##NAME<Fp16Traits>},                                                       \
+        {&AbsMax##NAME<F32Traits>, &Quantize##NAME<F32Traits>, &QuantizeMax##NAME<F32Traits>,    \
+         &QuantizeSide##NAME<F32Traits>},                                                        \
   }
 
 // [isa][source type]. Off x86 the rows of the other ISAs repeat the generic
@@ -944,6 +1024,12 @@ struct Job {
   // Fp8QuantizeOptions::out_hash's running hash, fed this job's output in
   // memory order (null: not asked for).
   XXH3_state_t* hash;
+  // Per-tensor: Fp8QuantizeOptions::amax when it applies to this source,
+  // else null; Fp8QuantizeOptions::next (checked: whole elements, at least
+  // one) and next_amax, else empty and null.
+  const Fp8Amax* amax;
+  absl::Span<const absl::Span<const uint8_t>> next;
+  Fp8Amax* next_amax;
 };
 
 // Output bytes per unit of hashing: 64 KiB, from 128-256 KiB of source, in
@@ -981,6 +1067,51 @@ void ForEachPart(absl::Span<const absl::Span<const uint8_t>> pieces,
   }
 }
 
+// Calls fn(src, count, at, side, side_count) over elements [begin, end) of
+// `pieces` and elements [side_begin, side_end) of `side_pieces` (each laid
+// end to end), in order, each call within one part of either and with a
+// share of the side range proportional to its share of [begin, end): the
+// side is spread evenly over the main range, whatever the parts.
+template <typename Fn>
+void ForEachPartWithSide(absl::Span<const absl::Span<const uint8_t>> pieces,
+                         absl::Span<const int64_t> first,
+                         absl::Span<const absl::Span<const uint8_t>> side_pieces,
+                         absl::Span<const int64_t> side_first, int64_t esize, int64_t begin,
+                         int64_t end, int64_t side_begin, int64_t side_end, const Fn& fn) {
+  const int64_t n = end - begin;
+  const int64_t side_n = side_end - side_begin;
+  // The side element where main element m's share ends.
+  auto side_at = [&](int64_t m) {
+    return n == 0
+               ? side_end
+               : side_begin + static_cast<int64_t>(static_cast<__int128>(m - begin) * side_n / n);
+  };
+  // The main element where side element x's share ends (at most).
+  auto main_at = [&](int64_t x) {
+    return side_n == 0
+               ? end
+               : begin + static_cast<int64_t>(static_cast<__int128>(x - side_begin) * n / side_n);
+  };
+  size_t p = 0, q = 0;  // the current part of each
+  int64_t m = begin, x = side_begin;
+  while (m < end || x < side_end) {
+    while (p + 1 < first.size() && first[p + 1] <= m && m < end) ++p;
+    while (q + 1 < side_first.size() && side_first[q + 1] <= x && x < side_end) ++q;
+    const int64_t m_stop = m < end ? std::min(end, first[p + 1]) : m;
+    const int64_t x_stop = x < side_end ? std::min(side_end, side_first[q + 1]) : x;
+    int64_t m_to = m_stop;
+    int64_t x_to = std::max(x, side_at(m_stop));
+    if (x_to > x_stop) {  // the side part ends first: take main up to its share
+      x_to = x_stop;
+      m_to = std::clamp(main_at(x_stop), m, m_stop);
+    }
+    fn(m < end ? pieces[p].data() + (m - first[p]) * esize : nullptr, m_to - m, m,
+       x < side_end ? side_pieces[q].data() + (x - side_first[q]) * esize : nullptr, x_to - x);
+    m = m_to;
+    x = x_to;
+  }
+}
+
 // Per-tensor quantization of `pieces` laid end to end (one piece: the whole
 // source): one scale over all of them. Each pass is one parallel call over
 // all the elements, whatever the number of pieces (a fused weight whose
@@ -994,6 +1125,19 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
   const int64_t total = first.back();
   const int workers = WorkersFor(job.threads, total, total);
   const bool hashing = job.hash != nullptr;
+  // Looking ahead (Fp8QuantizeOptions::next): the convert pass takes the
+  // next source's amax, each range of this source with its share of it.
+  const bool ahead = job.next_amax != nullptr;
+  std::vector<int64_t> next_first(job.next.size() + 1, 0);
+  for (size_t p = 0; p < job.next.size(); ++p) {
+    next_first[p + 1] = next_first[p] + static_cast<int64_t>(job.next[p].size()) / job.esize;
+  }
+  const int64_t next_total = next_first.back();
+  std::vector<uint32_t> next_partial(workers, 0);
+  auto share = [&](int64_t i) {
+    return i >= total ? next_total
+                      : static_cast<int64_t>(static_cast<__int128>(i) * next_total / total);
+  };
   // The convert of output bytes [begin, end) (= elements) with `inv`;
   // returns their max |bits| when `track`.
   auto convert = [&](int64_t begin, int64_t end, float inv, bool track) {
@@ -1010,13 +1154,30 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
         });
     return m;
   };
+  // The last convert of elements [begin, end) with `inv`, by worker w.
+  auto final_convert = [&](int w, int64_t begin, int64_t end, float inv) {
+    if (!ahead) {
+      convert(begin, end, inv, false);
+      return;
+    }
+    ForEachPartWithSide(
+        pieces, first, job.next, next_first, job.esize, begin, end, share(begin), share(end),
+        [&](const uint8_t* src, int64_t count, int64_t at, const uint8_t* side, int64_t side_n) {
+          next_partial[w] =
+              std::max(next_partial[w], job.k.quantize_side(src, count, inv, job.vllm, job.stream,
+                                                            job.out_q + at, side, side_n));
+        });
+  };
   // With a usable hint, pass 1 converts with the hinted scale while it takes
   // the amax; if the amax gives that same scale, those are the bytes pass 2
   // would write (the clamp-free convert below only needs |x| <= amax, and
   // every code follows from the scale alone), and the tensor was read once.
   // Otherwise its output is overwritten by pass 2, with the amax it found.
-  const bool speculate =
-      job.scale_hint > 0 && std::isfinite(job.scale_hint) && !InverseOverflows(job.scale_hint);
+  // An amax taken ahead by the call before (Fp8QuantizeOptions::amax) makes
+  // pass 1 unnecessary, hint or not.
+  const bool given = job.amax != nullptr;
+  const bool speculate = !given && job.scale_hint > 0 && std::isfinite(job.scale_hint) &&
+                         !InverseOverflows(job.scale_hint);
   std::vector<uint32_t> partial(workers, 0);
   // Pass 1 without a hint: worker w's max |bits| over elements [begin, end).
   auto take_amax = [&](int w, int64_t begin, int64_t end) {
@@ -1027,7 +1188,10 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
                   partial[w] = std::max(partial[w], m);
                 });
   };
-  if (speculate && hashing) {
+  if (given) {
+    partial[0] = job.amax->bits;
+    if (job.stats != nullptr) job.stats->amax_given = true;
+  } else if (speculate && hashing) {
     HashFeed feed(job.hash, job.out_q, total, kHashUnitBytes);
     ForEachUnit(workers, feed, [&](int w, int64_t u) {
       const int64_t begin = u * kHashUnitBytes;
@@ -1088,14 +1252,28 @@ absl::Status QuantizePerTensor(const Job& job, absl::Span<const absl::Span<const
     FeedHash(job, job.out_q, total);
     return absl::OkStatus();
   }
+  auto done = [&]() {
+    if (ahead) {
+      *job.next_amax = Fp8Amax{true, job.dtype, next_total, job.vllm,
+                               *std::max_element(next_partial.begin(), next_partial.end())};
+    }
+    return absl::OkStatus();
+  };
   if (hashing) {
     HashFeed feed(job.hash, job.out_q, total, kHashUnitBytes);
-    ForEachUnit(workers, feed, [&](int, int64_t u) {
+    ForEachUnit(workers, feed, [&](int w, int64_t u) {
       const int64_t begin = u * kHashUnitBytes;
-      convert(begin, std::min(total, begin + kHashUnitBytes), inv, false);
+      final_convert(w, begin, std::min(total, begin + kHashUnitBytes), inv);
       return true;
     });
-    return absl::OkStatus();
+    return done();
+  }
+  if (ahead || given) {
+    // Forwards: nothing of this source was just read (amax given), or the
+    // next source's loads keep up with the convert anyway.
+    ParallelRanges(workers, total, 64,
+                   [&](int w, int64_t begin, int64_t end) { final_convert(w, begin, end, inv); });
+    return done();
   }
   // Pass 2: scale, clamp, convert. Each worker walks its range backwards in
   // chunks: the end of the range is what pass 1 read last, so it may still
@@ -1302,6 +1480,18 @@ absl::Status CheckArgs(const void* src, DType src_dtype, int64_t rows, int64_t c
   return absl::OkStatus();
 }
 
+// Whether Fp8QuantizeOptions::next can be read: whole elements, at least
+// one, no null piece.
+bool UsableNext(absl::Span<const absl::Span<const uint8_t>> next, int64_t esize) {
+  int64_t total = 0;
+  for (absl::Span<const uint8_t> piece : next) {
+    const int64_t size = static_cast<int64_t>(piece.size());
+    if (size % esize != 0 || (size > 0 && piece.data() == nullptr)) return false;
+    total += size;
+  }
+  return total > 0;
+}
+
 Job MakeJob(const void* src, DType src_dtype, int64_t rows, int64_t cols,
             const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
             absl::string_view tensor_name, XXH3_state_t* hash) {
@@ -1323,6 +1513,20 @@ Job MakeJob(const void* src, DType src_dtype, int64_t rows, int64_t cols,
   job.stats = options.stats;
   if (job.stats != nullptr) *job.stats = Fp8QuantizeStats{};
   job.hash = hash;
+  job.amax = nullptr;
+  job.next = {};
+  job.next_amax = nullptr;
+  if (options.scheme == QuantScheme::kPerTensor) {
+    const Fp8Amax* given = options.amax;
+    if (given != nullptr && given->valid && given->dtype == src_dtype &&
+        given->elements == rows * cols && given->nan_ignored == job.vllm) {
+      job.amax = given;
+    }
+    if (options.next_amax != nullptr && UsableNext(options.next, job.esize)) {
+      job.next = options.next;
+      job.next_amax = options.next_amax;
+    }
+  }
   return job;
 }
 
@@ -1375,6 +1579,7 @@ absl::Status RunJob(const Job& job, QuantScheme scheme) {
 absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t cols,
                          const Fp8QuantizeOptions& options, uint8_t* out_q, float* out_scales,
                          absl::string_view tensor_name) {
+  if (options.next_amax != nullptr) *options.next_amax = Fp8Amax{};
   if (absl::Status s =
           CheckArgs(src, src_dtype, rows, cols, options, out_q, out_scales, tensor_name);
       !s.ok()) {
@@ -1397,6 +1602,7 @@ absl::Status QuantizeFp8(const void* src, DType src_dtype, int64_t rows, int64_t
 absl::Status QuantizeFp8Pieces(absl::Span<const absl::Span<const uint8_t>> pieces, DType src_dtype,
                                int64_t rows, int64_t cols, const Fp8QuantizeOptions& options,
                                uint8_t* out_q, float* out_scales, absl::string_view tensor_name) {
+  if (options.next_amax != nullptr) *options.next_amax = Fp8Amax{};
   const void* first = pieces.empty() ? nullptr : pieces[0].data();
   if (absl::Status s =
           CheckArgs(first, src_dtype, rows, cols, options, out_q, out_scales, tensor_name);

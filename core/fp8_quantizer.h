@@ -60,6 +60,20 @@ struct Fp8QuantizeStats {
   // Per-tensor: the scale came out equal to scale_hint, and the source was
   // read once (the amax taken during the convert) instead of twice.
   bool one_pass = false;
+  // Per-tensor: Fp8QuantizeOptions::amax was used; no amax pass was made.
+  bool amax_given = false;
+};
+
+// A per-tensor amax as the quantizer takes it (the largest |bits| of the
+// source's elements, Inf and NaN above every finite value), handed from the
+// call whose convert pass took it (Fp8QuantizeOptions::next_amax) to the
+// call that quantizes that source (Fp8QuantizeOptions::amax).
+struct Fp8Amax {
+  bool valid = false;
+  DType dtype = DType::kBFloat16;
+  int64_t elements = 0;
+  bool nan_ignored = false;  // taken under kVllmCompatible (NaN counted as 0)
+  uint32_t bits = 0;
 };
 
 struct Fp8QuantizeOptions {
@@ -80,6 +94,25 @@ struct Fp8QuantizeOptions {
   // written, while it is in cache: nobody has to read the output back from
   // memory to hash it. Output streaming (non-temporal stores) is off then.
   uint64_t* out_hash = nullptr;
+  // Per-tensor scheme, looking ahead: the source of the tensor the caller
+  // quantizes next (pieces laid end to end, whole elements of this call's
+  // dtype; read, never written, and valid for the length of the call). The
+  // convert pass takes its amax as it goes and stores it in *next_amax for
+  // the next call's `amax`: a pass that waits on memory becomes loads spread
+  // through a pass bound by arithmetic, and the next call reads its source
+  // once. *next_amax is invalid when no convert pass ran over this source
+  // (a scale_hint that held, an all-zero or near-zero tensor, an error) or
+  // the pieces are not whole elements.
+  absl::Span<const absl::Span<const uint8_t>> next;
+  Fp8Amax* next_amax = nullptr;
+  // Per-tensor scheme: this source's amax, taken by an earlier call's
+  // convert pass (its next_amax). Used, instead of an amax pass, when it is
+  // valid and matches this call's dtype, element count and non-finite
+  // policy; ignored otherwise. The caller vouches that the source is the
+  // one it was taken over; if its values grew since (a trainer writing into
+  // the memory a push reads in place), they saturate at +-448 like any
+  // change between the passes.
+  const Fp8Amax* amax = nullptr;
 };
 
 // Number of float32 scales a [rows, cols] weight gets under `scheme`.

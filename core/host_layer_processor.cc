@@ -5,10 +5,13 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/fp8_quantizer.h"
 #include "core/layer_processor.h"
@@ -17,6 +20,45 @@
 
 namespace refit::core {
 namespace {
+
+using Pieces = std::vector<absl::Span<const uint8_t>>;
+
+// The same memory (not only the same bytes).
+bool SamePieces(const Pieces& a, const Pieces& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].data() != b[i].data() || a[i].size() != b[i].size()) return false;
+  }
+  return true;
+}
+
+// The amax one Quantize took ahead (Fp8QuantizeOptions::next) of the
+// weight quantized after it, with that weight's pieces: the next Quantize
+// whose source is exactly those pieces uses it, and any Quantize drops it.
+// A session's layers are processed one at a time, so at most one is
+// carried, and those pieces are not freed or written by refitd before
+// their Quantize (UpcomingLayer).
+class AmaxCarry {
+ public:
+  // The amax carried for `pieces`, if they are the ones it was taken over.
+  std::optional<Fp8Amax> Take(const Pieces& pieces) {
+    absl::MutexLock lock(&mu_);
+    const Pieces carried = std::exchange(pieces_, {});
+    const Fp8Amax amax = std::exchange(amax_, Fp8Amax{});
+    if (!amax.valid || carried.empty() || !SamePieces(carried, pieces)) return std::nullopt;
+    return amax;
+  }
+  void Put(Pieces pieces, const Fp8Amax& amax) {
+    absl::MutexLock lock(&mu_);
+    pieces_ = amax.valid ? std::move(pieces) : Pieces{};
+    amax_ = amax.valid ? amax : Fp8Amax{};
+  }
+
+ private:
+  absl::Mutex mu_;
+  Pieces pieces_ ABSL_GUARDED_BY(mu_);
+  Fp8Amax amax_ ABSL_GUARDED_BY(mu_);
+};
 
 class HostLayerProcessor final : public LayerProcessor {
  public:
@@ -28,8 +70,10 @@ class HostLayerProcessor final : public LayerProcessor {
  private:
   class HostBuild final : public LayerBuild {
    public:
-    HostBuild(const HostLayerProcessor& processor, const LayerSpec& spec)
-        : processor_(processor), spec_(spec), kernels_(spec.kernels.size()) {}
+    HostBuild(const HostLayerProcessor& processor, const LayerSpec& spec, AmaxCarry* carry)
+        : processor_(processor), spec_(spec), carry_(carry), kernels_(spec.kernels.size()) {}
+
+    void LookAhead(Pieces next) override { ahead_ = std::move(next); }
 
     absl::Status Quantize(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols, int k,
                           int s) override {
@@ -45,6 +89,7 @@ class HostLayerProcessor final : public LayerProcessor {
       qopts.num_threads = processor_.options_.quantize_threads;
       Fp8QuantizeStats stats;
       ScaleHints* hints = UseHint(weight.name, &qopts, &stats);
+      qopts.stats = &stats;
       // Rows read in place from a trainer's region are quantized where they
       // lie (no copy into staging was made); rows in device memory are
       // brought to the host first.
@@ -55,6 +100,16 @@ class HostLayerProcessor final : public LayerProcessor {
       // cache: Finish need not read it back from memory.
       uint64_t hash = 0;
       qopts.out_hash = &hash;
+      // The amax the previous Quantize took of this source, if it did; and
+      // this convert takes the next weight's.
+      const std::optional<Fp8Amax> given = carry_->Take(src.HostPieces());
+      if (given.has_value()) qopts.amax = &*given;
+      const Pieces ahead = std::exchange(ahead_, {});
+      Fp8Amax next_amax;
+      if (!ahead.empty()) {
+        qopts.next = ahead;
+        qopts.next_amax = &next_amax;
+      }
       absl::Status quantized =
           src.has_aliases()
               ? QuantizeFp8Pieces(src.Pieces(), src_dtype, rows, cols, qopts, q->data(),
@@ -62,6 +117,8 @@ class HostLayerProcessor final : public LayerProcessor {
               : QuantizeFp8(src.data(), src_dtype, rows, cols, qopts, q->data(),
                             reinterpret_cast<float*>(scales->data()), weight.name);
       if (!quantized.ok()) return quantized;
+      carry_->Put(ahead, next_amax);
+      if (stats.amax_given) ++amax_given_;
       RecordHint(hints, weight.name, *reinterpret_cast<const float*>(scales->data()), stats);
       kernels_[k] = *std::move(q);
       kernels_[s] = *std::move(scales);
@@ -143,6 +200,7 @@ class HostLayerProcessor final : public LayerProcessor {
       out.kernels = std::move(kernels_);
       out.hashing = absl::Now() - start;
       out.scales_reused = scales_reused_;
+      out.amax_ahead = amax_given_;
       return out;
     }
 
@@ -182,15 +240,21 @@ class HostLayerProcessor final : public LayerProcessor {
 
     const HostLayerProcessor& processor_;
     const LayerSpec& spec_;
+    AmaxCarry* const carry_;
     std::vector<StagingBuffer> kernels_;
     // Kernels hashed on the way in (Quantize, KeepHashed): Finish skips them.
     absl::flat_hash_map<int, uint64_t> hashes_;
     int scales_reused_ = 0;
+    int amax_given_ = 0;
+    // LookAhead's pieces, for the next Quantize.
+    Pieces ahead_;
   };
 
   absl::StatusOr<std::unique_ptr<LayerBuild>> Start(const LayerSpec& spec) override {
-    return std::make_unique<HostBuild>(*this, spec);
+    return std::make_unique<HostBuild>(*this, spec, &carry_);
   }
+
+  AmaxCarry carry_;
 };
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "core/hash_feed.h"
 #include "core/parallel.h"
+#include "core/scale_hints.h"
 #include "core/shard_store.h"
 #include "core/xxh3.h"
 
@@ -155,7 +156,41 @@ uint64_t HashBytes(const void* data, int64_t size) {
 
 int HashThreads(int64_t bytes) { return bytes < (int64_t{1} << 20) ? 1 : BulkThreads(); }
 
-absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<StagingBuffer> params) {
+std::vector<absl::Span<const uint8_t>> LayerProcessor::AheadPieces(
+    const LayerSpec& spec, size_t k, DType dtype,
+    std::vector<absl::Span<const uint8_t>> pieces) const {
+  const KernelPlan& plan = spec.plan[k];
+  if (layout_.quant() != QuantScheme::kPerTensor || plan.param < 0 || plan.scale < 0) return {};
+  const ParamSpec& param = spec.params[plan.param];
+  int64_t total = 0;
+  for (absl::Span<const uint8_t> piece : pieces) total += static_cast<int64_t>(piece.size());
+  if (param.dtype != dtype || total != param.nbytes() || total == 0) return {};
+  if (options_.scale_hints != nullptr && options_.scale_hints->Hint(spec.kernels[k].name) > 0) {
+    return {};
+  }
+  return pieces;
+}
+
+std::vector<absl::Span<const uint8_t>> LayerProcessor::AheadInUpcoming(
+    absl::Span<const UpcomingLayer> upcoming, DType dtype) const {
+  for (const UpcomingLayer& next : upcoming) {
+    if (next.layer < 0 || next.layer >= static_cast<int>(layout_.layers().size())) return {};
+    const LayerSpec& spec = layout_.layers()[next.layer];
+    if (spec.kind == LayerKind::kExperts || next.params.size() != spec.params.size()) return {};
+    for (size_t k = 0; k < spec.kernels.size(); ++k) {
+      const KernelPlan& plan = spec.plan[k];
+      if (plan.param >= 0 && plan.scale >= 0) {
+        if (spec.kind != LayerKind::kLinear) return {};
+        return AheadPieces(spec, k, dtype, next.params[plan.param]);
+      }
+    }
+    // Nothing quantized in it (a norm, an embedding): look further.
+  }
+  return {};
+}
+
+absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<StagingBuffer> params,
+                                                       absl::Span<const UpcomingLayer> upcoming) {
   const absl::Time start = absl::Now();
   const LayerSpec& spec = layout_.layers()[l];
   // The assembler hands over exactly the layer's params; anything else is a
@@ -188,6 +223,14 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
       }
     }
   } else {
+    // Each FP8 weight's convert may take the amax of the one quantized after
+    // it (LayerBuild::LookAhead): the next in this layer, or for the last
+    // one the first in the layers queued behind this one.
+    std::vector<size_t> fp8;
+    for (size_t k = 0; k < spec.kernels.size(); ++k) {
+      if (spec.plan[k].param >= 0 && spec.plan[k].scale >= 0) fp8.push_back(k);
+    }
+    size_t fp8_done = 0;
     for (size_t k = 0; k < spec.kernels.size(); ++k) {
       const KernelPlan& plan = spec.plan[k];
       if (plan.param < 0) continue;  // a scale, written with its weight
@@ -220,6 +263,14 @@ absl::StatusOr<ProcessedLayer> LayerProcessor::Process(int l, std::vector<Stagin
         return absl::InternalError(absl::StrCat("kernel \"", weight.name,
                                                 "\": FP8 kernel or scale sizes do not match [",
                                                 rows, ", ", cols, "]"));
+      }
+      ++fp8_done;
+      if (fp8_done < fp8.size()) {
+        const size_t next = fp8[fp8_done];
+        (*build)->LookAhead(
+            AheadPieces(spec, next, param.dtype, params[spec.plan[next].param].HostPieces()));
+      } else {
+        (*build)->LookAhead(AheadInUpcoming(upcoming, param.dtype));
       }
       absl::Status quantized = (*build)->Quantize(std::move(params[plan.param]), param.dtype, rows,
                                                   cols, static_cast<int>(k), plan.scale);

@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "core/fp8_quantizer.h"
 #include "core/model_layout.h"
 #include "core/staging_buffer.h"
@@ -55,6 +56,9 @@ struct ProcessedLayer {
   // Per-tensor weights quantized in one pass: their scale hint held
   // (ScaleHints).
   int scales_reused = 0;
+  // Per-tensor weights quantized with the amax the convert of the weight
+  // before them took (Fp8QuantizeOptions::amax): read once by their own call.
+  int amax_ahead = 0;
 };
 
 struct LayerProcessorOptions {
@@ -67,6 +71,15 @@ struct LayerProcessorOptions {
   // The model group's scale hints (the host quantizer's per-tensor scheme
   // reads and records them); null: none.
   ScaleHints* scale_hints = nullptr;
+};
+
+// A layer a LayerWorker processes after the current one, already queued:
+// its index and, per param (LayerSpec::params' order), the host bytes of
+// its buffer (none for a buffer with bytes on a device). The bytes stay
+// valid, and refitd does not write them, until that layer is processed.
+struct UpcomingLayer {
+  int layer = -1;
+  std::vector<std::vector<absl::Span<const uint8_t>>> params;
 };
 
 class LayerProcessor {
@@ -86,7 +99,12 @@ class LayerProcessor {
   //   (CUDA processor) the CUDA error of an upload, launch or sync
   // Experts layers are processed part by part (ProcessPart); Process of one
   // is INTERNAL.
-  absl::StatusOr<ProcessedLayer> Process(int l, std::vector<StagingBuffer> params);
+  // `upcoming`: the layers processed next, in order, as far as known (the
+  // host processor's per-tensor quantizer takes the amax of the next FP8
+  // weight during the convert of this layer's last one; see
+  // Fp8QuantizeOptions::next).
+  absl::StatusOr<ProcessedLayer> Process(int l, std::vector<StagingBuffer> params,
+                                         absl::Span<const UpcomingLayer> upcoming = {});
 
   // Quantizes part `p` of experts layer `l` (its rows, LayerSpec::parts)
   // into its place in the layer's kernels, with its own scale(s); `src` is
@@ -120,6 +138,11 @@ class LayerProcessor {
     // and its scales into kernel `s`; sizes were checked against the layout.
     virtual absl::Status Quantize(StagingBuffer src, DType src_dtype, int64_t rows, int64_t cols,
                                   int k, int s) = 0;
+    // The host bytes of the weight quantized after the next Quantize call
+    // (same dtype; the per-tensor scheme; no scale hint for it), valid until
+    // that weight is quantized: a build may read them ahead
+    // (Fp8QuantizeOptions::next). Empty: none.
+    virtual void LookAhead(std::vector<absl::Span<const uint8_t>> next) { (void)next; }
     // Host bytes that become kernel `k` as they are.
     virtual absl::Status Keep(int k, StagingBuffer bytes) = 0;
     // As Keep, with the XXH3 of the bytes already taken (by Process, in the
@@ -156,6 +179,17 @@ class LayerProcessor {
   absl::StatusOr<OpenLayer*> Open(int l);
   absl::StatusOr<ProcessedLayer> Close(int l);
   absl::Status CheckMade(const LayerSpec& spec, const ProcessedLayer& out) const;
+  // The host bytes of FP8 weight `k` of `spec` (`pieces`: its param's) if a
+  // per-tensor quantizer of `dtype` sources may read them ahead
+  // (LayerBuild::LookAhead): the same dtype, the whole param, and no scale
+  // hint for the weight (a hint reads it once anyway). None otherwise.
+  std::vector<absl::Span<const uint8_t>> AheadPieces(
+      const LayerSpec& spec, size_t k, DType dtype,
+      std::vector<absl::Span<const uint8_t>> pieces) const;
+  // AheadPieces of the first FP8 weight in `upcoming`, if the first of
+  // those layers that has a weight to make is an FP8 linear layer.
+  std::vector<absl::Span<const uint8_t>> AheadInUpcoming(absl::Span<const UpcomingLayer> upcoming,
+                                                         DType dtype) const;
   // A NaN/Inf that layer `l`'s Finish reported for one of its FP8 kernels,
   // prefixed with the checkpoint tensor and element it came from.
   absl::Status NameFinishedElement(int l, absl::Status status) const;

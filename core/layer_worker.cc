@@ -16,7 +16,7 @@ absl::Status LayerWorker::Submit(int layer, std::vector<StagingBuffer> params, i
   pending_.push_back(Job{layer, std::move(params), bytes});
   held_bytes_ += bytes;
   if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
-  const size_t may_wait = light ? 1 : 0;
+  const size_t may_wait = light ? kLightLayersWaiting : 0;
   auto taken = [this, may_wait]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return pending_.size() <= may_wait || stop_ || !status_.ok();
   };
@@ -87,9 +87,18 @@ void LayerWorker::Loop() {
       continue;
     }
     busy_ = true;
+    // The layers behind this one (negative: an experts part, where the
+    // look-ahead ends). Their bytes outlive this call: see the header.
+    std::vector<UpcomingLayer> upcoming;
+    for (const Job& next : pending_) {
+      if (next.layer < 0 || upcoming.size() == kUpcomingLayers) break;
+      UpcomingLayer& u = upcoming.emplace_back();
+      u.layer = next.layer;
+      for (const StagingBuffer& param : next.params) u.params.push_back(param.HostPieces());
+    }
     // Processing takes long; Submit, Drain and TakeDone go on meanwhile.
     mu_.Unlock();
-    absl::StatusOr<ProcessedLayer> processed = process_(job.layer, std::move(job.params));
+    absl::StatusOr<ProcessedLayer> processed = process_(job.layer, std::move(job.params), upcoming);
     job.params.clear();
     mu_.Lock();
     busy_ = false;

@@ -9,10 +9,17 @@
 // without that, a fast sender queues complete layers (each holding its
 // high-precision staging) ahead of the processor, and peak memory grows with
 // the model instead of with the largest layer. A layer read in place (or a
-// small one) touches little staging, so one more such layer may wait.
+// small one) touches little staging, so up to kLightLayersWaiting such
+// layers may wait.
 //
 // Errors: the first failed layer's status is kept; later layers are dropped
 // and every later Submit / Drain returns it.
+//
+// While it processes a layer, `process` is also shown the layers queued
+// behind it (UpcomingLayer: their host bytes), so that it can start reading
+// the next weight early. Those bytes stay valid meanwhile: only the worker
+// takes layers off the queue, and Stop frees the queued ones only once the
+// layer in flight is done.
 //
 // Lifecycle: the thread starts on the first Submit. Stop (or the destructor)
 // drops queued layers, waits for the one in flight and joins.
@@ -32,6 +39,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "core/layer_processor.h"
 #include "core/staging_buffer.h"
 
@@ -39,8 +47,13 @@ namespace refit::core {
 
 class LayerWorker {
  public:
-  using ProcessFn =
-      std::function<absl::StatusOr<ProcessedLayer>(int layer, std::vector<StagingBuffer> params)>;
+  // `upcoming`: the layers queued behind `layer` (at most
+  // kUpcomingLayers, up to the first experts part), in order.
+  using ProcessFn = std::function<absl::StatusOr<ProcessedLayer>(
+      int layer, std::vector<StagingBuffer> params, absl::Span<const UpcomingLayer> upcoming)>;
+  static constexpr size_t kUpcomingLayers = 4;
+  // Light layers that may be queued at once (Submit).
+  static constexpr size_t kLightLayersWaiting = 3;
 
   explicit LayerWorker(ProcessFn process);
   ~LayerWorker();
@@ -50,10 +63,12 @@ class LayerWorker {
   // Queues layer `layer` (its params hold `bytes` of staging) and waits until
   // the worker has taken it. A `light` layer (one that touches little
   // staging of its own: read in place from a trainer's region, the staging
-  // under its aliases never written, or small) may instead wait behind one
-  // other queued layer: the caller goes on receiving the next layer while
-  // the worker's threads have the cores, instead of the worker waiting for it
-  // between layers. Errors: the first failed layer's status; CANCELLED after
+  // under its aliases never written, or small) may instead wait behind up to
+  // kLightLayersWaiting - 1 other queued layers: the caller goes on
+  // receiving the next layers while the worker's threads have the cores,
+  // instead of the worker waiting for them between layers, and the worker
+  // sees the next FP8 weight queued (across a norm) in time to read it ahead
+  // (`upcoming`). Errors: the first failed layer's status; CANCELLED after
   // Stop.
   absl::Status Submit(int layer, std::vector<StagingBuffer> params, int64_t bytes,
                       bool light = false);

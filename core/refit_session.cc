@@ -120,8 +120,9 @@ RefitSession::RefitSession(ShardStore* store, RefitOptions options, std::shared_
                    call_mu_.AssertHeld();
                    return ReserveStagingLocked(layer, bytes);
                  }),
-      worker_([this](int job, std::vector<StagingBuffer> params) {
-        if (job >= 0) return processor_->Process(job, std::move(params));
+      worker_([this](int job, std::vector<StagingBuffer> params,
+                     absl::Span<const UpcomingLayer> upcoming) {
+        if (job >= 0) return processor_->Process(job, std::move(params), upcoming);
         const int unit = -1 - job;
         return processor_->ProcessPart(unit / kPartsPerLayer, unit % kPartsPerLayer,
                                        std::move(params[0]));
@@ -356,6 +357,7 @@ void RefitSession::RecordLocked(ProcessedLayer processed) {
   timings_.quantize += processed.took;
   timings_.hashing += processed.hashing;
   scales_reused_ += processed.scales_reused;
+  amax_ahead_ += processed.amax_ahead;
   ++layers_done_;
   const int layer = processed.layer;
   processed_[layer] = std::move(processed);
@@ -405,6 +407,8 @@ absl::StatusOr<RefitResult> RefitSession::PrepareLocked() {
           .Field("hash_ms", absl::StrFormat("%.1f", absl::ToDoubleMilliseconds(timings_.hashing)))
           // Per-tensor weights read once: their scale came out as hinted.
           .Field("scales_reused", absl::StrCat(scales_reused_))
+          // Per-tensor weights whose amax the weight before them took.
+          .Field("amax_ahead", absl::StrCat(amax_ahead_))
       << "prepared";
   QueueEventLocked(StoreEventType::kPrepared);
   return ResultLocked(store_->version(), store_->fingerprint());
@@ -706,6 +710,7 @@ RefitResult RefitSession::ResultLocked(uint64_t version, std::string fingerprint
   result.bytes_read_in_place = assembler_.bytes_in_place();
   result.peak_staging_bytes = peak_staging_bytes_;
   result.scales_reused = scales_reused_;
+  result.amax_ahead = amax_ahead_;
   result.unchanged = assembler_.bytes_received() == 0;
   return result;
 }

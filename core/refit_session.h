@@ -122,6 +122,9 @@ struct RefitResult {
   // Per-tensor weights the host quantizer read once: their scale came out as
   // the store's hint said (core/scale_hints.h).
   int64_t scales_reused = 0;
+  // Per-tensor weights whose amax the convert of the weight before them
+  // took (read once by their own quantize; LayerProcessor's look-ahead).
+  int64_t amax_ahead = 0;
   // No chunk arrived: Commit makes no new version (version and fingerprint
   // are the live ones).
   bool unchanged = false;
@@ -287,6 +290,7 @@ class RefitSession {
   int64_t layers_done_ ABSL_GUARDED_BY(call_mu_) = 0;
   int64_t staged_kernel_bytes_ ABSL_GUARDED_BY(call_mu_) = 0;
   int64_t scales_reused_ ABSL_GUARDED_BY(call_mu_) = 0;
+  int64_t amax_ahead_ ABSL_GUARDED_BY(call_mu_) = 0;
   int64_t peak_staging_bytes_ ABSL_GUARDED_BY(call_mu_) = 0;
   std::vector<std::string> kept_layers_ ABSL_GUARDED_BY(call_mu_);
   std::vector<std::string> partial_layers_ ABSL_GUARDED_BY(call_mu_);

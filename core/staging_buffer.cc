@@ -295,6 +295,11 @@ std::vector<absl::Span<const uint8_t>> StagingBuffer::Pieces() const {
   return pieces;
 }
 
+std::vector<absl::Span<const uint8_t>> StagingBuffer::HostPieces() const {
+  if (on_device_ || has_device_aliases()) return {};
+  return Pieces();
+}
+
 absl::Status StagingBuffer::CopyOut(int64_t offset, void* dst, int64_t n) const {
   uint8_t* out = static_cast<uint8_t*>(dst);
   for (const Segment& s : Segments()) {

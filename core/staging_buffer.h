@@ -104,6 +104,8 @@ class StagingBuffer {
   // Host memory only: a buffer with device aliases materializes them first
   // (MaterializeAliases) or is read through Segments().
   std::vector<absl::Span<const uint8_t>> Pieces() const;
+  // Pieces() when every byte lies in host memory, none otherwise.
+  std::vector<absl::Span<const uint8_t>> HostPieces() const;
   // The buffer's bytes in order, each range with the device source it lies
   // in (null: host memory).
   struct Segment {

@@ -134,7 +134,7 @@ Call MakeCall(DType dtype, NonFinitePolicy policy, int threads = 1, bool hash = 
 Result Quantize(absl::Span<const Piece> pieces, int64_t rows, int64_t cols, const Call& call) {
   Result r;
   r.q.assign(static_cast<size_t>(rows * cols), 0xAB);  // poison: every byte must be written
-  r.stats.amax_given = true;                             // must be reset by the call
+  r.stats.amax_given = true;                           // must be reset by the call
   Fp8QuantizeOptions options;
   options.non_finite = call.policy;
   options.num_threads = call.threads;
@@ -176,8 +176,7 @@ TEST(Fp8QuantizerAheadTest, TwoCallsLookingAheadWriteTheBytesOfTwoPlainCalls) {
     const std::vector<uint8_t> a = RandomValues(dtype, current.rows * current.cols, 1.0f, 1);
     for (const Shape& shape : nexts) {
       const std::vector<uint8_t> b = RandomValues(dtype, shape.rows * shape.cols, 3.0f, 2);
-      for (NonFinitePolicy policy :
-           {NonFinitePolicy::kReject, NonFinitePolicy::kVllmCompatible}) {
+      for (NonFinitePolicy policy : {NonFinitePolicy::kReject, NonFinitePolicy::kVllmCompatible}) {
         const bool vllm = policy == NonFinitePolicy::kVllmCompatible;
         const Call plain = MakeCall(dtype, policy);
         const Result a_plain = Quantize(Split(a, dtype, 1), current.rows, current.cols, plain);
@@ -190,8 +189,8 @@ TEST(Fp8QuantizerAheadTest, TwoCallsLookingAheadWriteTheBytesOfTwoPlainCalls) {
                 for (int b_parts : {1, 2, 4}) {
                   SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " ", DTypeName(dtype),
                                             " next [", shape.rows, ", ", shape.cols, "] vllm ",
-                                            vllm, " threads ", threads, " hash ", hash,
-                                            " parts ", a_parts, "/", b_parts));
+                                            vllm, " threads ", threads, " hash ", hash, " parts ",
+                                            a_parts, "/", b_parts));
                   const std::vector<Piece> b_pieces = Split(b, dtype, b_parts);
                   Fp8Amax ahead;
                   Call first = MakeCall(dtype, policy, threads, hash);
@@ -302,7 +301,8 @@ TEST(Fp8QuantizerAheadTest, ANonFiniteValueAheadIsRefusedByTheNextTensorsOwnCall
 TEST(Fp8QuantizerAheadTest, AnAmaxThatDoesNotFitTheCallIsIgnored) {
   const DType dtype = DType::kBFloat16;
   const std::vector<uint8_t> b = RandomValues(dtype, 30 * 50, 1.0f, 7);
-  const Result plain = Quantize(Split(b, dtype, 1), 30, 50, MakeCall(dtype, NonFinitePolicy::kReject));
+  const Result plain =
+      Quantize(Split(b, dtype, 1), 30, 50, MakeCall(dtype, NonFinitePolicy::kReject));
   Fp8Amax right;
   right.valid = true;
   right.dtype = dtype;
@@ -381,7 +381,8 @@ TEST(Fp8QuantizerAheadTest, CallsWithoutAConvertPassHandOnNoAmax) {
   const std::vector<uint8_t> b = RandomValues(dtype, 16 * 16, 1.0f, 10);
   const std::vector<Piece> b_pieces = Split(b, dtype, 1);
   const std::vector<uint8_t> a = RandomValues(dtype, 32 * 32, 1.0f, 11);
-  const Result a_plain = Quantize(Split(a, dtype, 1), 32, 32, MakeCall(dtype, NonFinitePolicy::kReject));
+  const Result a_plain =
+      Quantize(Split(a, dtype, 1), 32, 32, MakeCall(dtype, NonFinitePolicy::kReject));
   std::vector<uint8_t> zeros(32 * 32 * 2, 0);
   std::vector<uint8_t> tiny(32 * 32 * 2, 0);
   const uint16_t denormal = 0x0001;  // amax so small that 1/s overflows
@@ -426,8 +427,7 @@ TEST(Fp8QuantizerAheadTest, CallsWithoutAConvertPassHandOnNoAmax) {
     options.next_amax = &ahead;
     std::vector<uint8_t> q(32 * 32);
     std::vector<float> scales(static_cast<size_t>(Fp8NumScales(scheme, 32, 32)));
-    ASSERT_TRUE(
-        QuantizeFp8(a.data(), dtype, 32, 32, options, q.data(), scales.data(), "w").ok());
+    ASSERT_TRUE(QuantizeFp8(a.data(), dtype, 32, 32, options, q.data(), scales.data(), "w").ok());
     EXPECT_FALSE(ahead.valid);
   }
 }

@@ -94,16 +94,26 @@ class FakeProcess {
     return param_counts_;
   }
 
+  // The upcoming layers processing `layer` was shown.
+  std::vector<UpcomingLayer> upcoming(int layer) const {
+    absl::MutexLock lock(&mu_);
+    auto it = upcoming_.find(layer);
+    return it == upcoming_.end() ? std::vector<UpcomingLayer>{} : it->second;
+  }
+
   LayerWorker::ProcessFn Fn() {
-    return [this](int layer, std::vector<StagingBuffer> params) {
-      return Process(layer, std::move(params));
+    return [this](int layer, std::vector<StagingBuffer> params,
+                  absl::Span<const UpcomingLayer> upcoming) {
+      return Process(layer, std::move(params), upcoming);
     };
   }
 
  private:
-  absl::StatusOr<ProcessedLayer> Process(int layer, std::vector<StagingBuffer> params) {
+  absl::StatusOr<ProcessedLayer> Process(int layer, std::vector<StagingBuffer> params,
+                                         absl::Span<const UpcomingLayer> upcoming) {
     absl::MutexLock lock(&mu_);
     calls_.push_back(layer);
+    upcoming_[layer].assign(upcoming.begin(), upcoming.end());
     param_counts_.push_back(static_cast<int64_t>(params.size()));
     auto released = [this, layer]()
                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return held_.count(layer) == 0; };
@@ -120,6 +130,7 @@ class FakeProcess {
   std::map<int, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
   std::vector<int> calls_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> param_counts_ ABSL_GUARDED_BY(mu_);
+  std::map<int, std::vector<UpcomingLayer>> upcoming_ ABSL_GUARDED_BY(mu_);
 };
 
 std::vector<int> Layers(const std::vector<ProcessedLayer>& done) {
@@ -254,38 +265,81 @@ TEST(LayerWorkerTest, SubmitReturnsOnlyOnceTheWorkerHasTakenTheLayer) {
   EXPECT_THAT(Layers(worker.TakeDone()), ElementsAre(1));
 }
 
-// A light layer (read in place, or small) may wait behind one queued layer
-// (its Submit returns at once), not behind two; a layer with staging waits
-// until it is taken, as before.
-TEST(LayerWorkerTest, ALightLayerMayWaitBehindOneQueuedLayer) {
+// Light layers (read in place, or small) may wait up to
+// kLightLayersWaiting at once (their Submits return at once), not one more;
+// a layer with staging waits until it is taken, as before.
+TEST(LayerWorkerTest, LightLayersMayWaitUpToTheirLimit) {
+  static_assert(LayerWorker::kLightLayersWaiting == 3, "the steps below assume 3");
   FakeProcess process;
   ReleaseCounter counter;
   LayerWorker worker(process.Fn());
-  for (int l = 0; l < 4; ++l) process.Hold(l);
+  for (int l = 0; l < 6; ++l) process.Hold(l);
   ASSERT_TRUE(worker.Submit(0, counter.Params(1, 8), 100, /*light=*/true).ok());
   process.AwaitStarted(0);
-  // Layer 1 waits for the worker, but its Submit returns.
+  // Layers 1-3 wait for the worker, but their Submits return.
   ASSERT_TRUE(worker.Submit(1, counter.Params(1, 8), 10, /*light=*/true).ok());
-  EXPECT_EQ(worker.held_bytes(), 110);
-  // Layer 2 would be the second one waiting: its Submit waits.
-  BackgroundSubmit third(&worker, 2, counter.Params(1, 8), 1, /*light=*/true);
-  AwaitHeldBytes(worker, 111);
-  EXPECT_FALSE(third.returned());
+  ASSERT_TRUE(worker.Submit(2, counter.Params(1, 8), 20, /*light=*/true).ok());
+  ASSERT_TRUE(worker.Submit(3, counter.Params(1, 8), 40, /*light=*/true).ok());
+  EXPECT_EQ(worker.held_bytes(), 170);
+  // Layer 4 would be the fourth one waiting: its Submit waits.
+  BackgroundSubmit fifth(&worker, 4, counter.Params(1, 8), 1, /*light=*/true);
+  AwaitHeldBytes(worker, 171);
+  EXPECT_FALSE(fifth.returned());
   process.Release(0);
-  EXPECT_TRUE(third.Join().ok());
+  EXPECT_TRUE(fifth.Join().ok());
   process.AwaitStarted(1);
-  // With staging, a layer waits until it is taken even behind one layer.
-  BackgroundSubmit fourth(&worker, 3, counter.Params(1, 8), 1000);
-  AwaitHeldBytes(worker, 1011);
-  EXPECT_FALSE(fourth.returned());
-  process.Release(1);
-  process.AwaitStarted(2);
-  EXPECT_FALSE(fourth.returned());  // layer 3 still waits behind layer 2
-  process.Release(2);
-  EXPECT_TRUE(fourth.Join().ok());
-  process.Release(3);
+  // With staging, a layer waits until it is taken even behind light layers.
+  BackgroundSubmit sixth(&worker, 5, counter.Params(1, 8), 1000);
+  AwaitHeldBytes(worker, 1071);
+  EXPECT_FALSE(sixth.returned());
+  for (int l = 1; l < 4; ++l) {
+    process.Release(l);
+    process.AwaitStarted(l + 1);
+    EXPECT_FALSE(sixth.returned()) << "layer 5 still waits behind layer " << l + 1;
+  }
+  process.Release(4);
+  EXPECT_TRUE(sixth.Join().ok());
+  process.Release(5);
   ASSERT_TRUE(worker.Drain().ok());
-  EXPECT_THAT(Layers(worker.TakeDone()), ElementsAre(0, 1, 2, 3));
+  EXPECT_THAT(Layers(worker.TakeDone()), ElementsAre(0, 1, 2, 3, 4, 5));
+}
+
+// Processing a layer is shown the layers queued behind it, with their host
+// bytes, up to the first experts part (a negative job).
+TEST(LayerWorkerTest, ProcessingIsShownTheLayersQueuedBehindIt) {
+  FakeProcess process;
+  ReleaseCounter counter;
+  LayerWorker worker(process.Fn());
+  for (int l : {0, 1, 2, -5, 3}) process.Hold(l);
+  ASSERT_TRUE(worker.Submit(0, counter.Params(1, 8), 1, /*light=*/true).ok());
+  process.AwaitStarted(0);
+  ASSERT_TRUE(worker.Submit(1, counter.Params(2, 16), 2, /*light=*/true).ok());
+  BackgroundSubmit second(&worker, 2, counter.Params(1, 24), 4, /*light=*/true);
+  AwaitHeldBytes(worker, 7);
+  BackgroundSubmit part(&worker, -5, counter.Params(1, 8), 8, /*light=*/true);
+  AwaitHeldBytes(worker, 15);
+  BackgroundSubmit third(&worker, 3, counter.Params(1, 8), 16, /*light=*/true);
+  AwaitHeldBytes(worker, 31);
+  EXPECT_THAT(process.upcoming(0), IsEmpty());  // nothing was queued yet
+  for (int l : {0, 1, 2, -5, 3}) {
+    process.Release(l);
+    if (l != 3) process.AwaitStarted(l == 2 ? -5 : l == -5 ? 3 : l + 1);
+  }
+  const std::vector<UpcomingLayer> behind_1 = process.upcoming(1);
+  ASSERT_EQ(behind_1.size(), 1u);  // layer 2, then the part ends it
+  EXPECT_EQ(behind_1[0].layer, 2);
+  ASSERT_EQ(behind_1[0].params.size(), 1u);
+  ASSERT_EQ(behind_1[0].params[0].size(), 1u);
+  EXPECT_EQ(behind_1[0].params[0][0].size(), 24u);
+  EXPECT_THAT(process.upcoming(2), IsEmpty());  // the part is next
+  const std::vector<UpcomingLayer> behind_part = process.upcoming(-5);
+  ASSERT_EQ(behind_part.size(), 1u);
+  EXPECT_EQ(behind_part[0].layer, 3);
+  EXPECT_TRUE(second.Join().ok());
+  EXPECT_TRUE(part.Join().ok());
+  EXPECT_TRUE(third.Join().ok());
+  ASSERT_TRUE(worker.Drain().ok());
+  EXPECT_THAT(Layers(worker.TakeDone()), ElementsAre(0, 1, 2, -5, 3));
 }
 
 TEST(LayerWorkerTest, KeepsTheFirstErrorAndDropsLaterLayers) {

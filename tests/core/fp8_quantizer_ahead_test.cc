@@ -23,6 +23,7 @@
 #include "core/xxh3.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/fp8_isa.h"
 
 namespace refit::core {
 namespace {
@@ -30,23 +31,8 @@ namespace {
 using internal::Fp8Isa;
 using ::testing::HasSubstr;
 using Piece = absl::Span<const uint8_t>;
-
-std::vector<Fp8Isa> SupportedIsas() {
-  std::vector<Fp8Isa> isas;
-  for (Fp8Isa isa : {Fp8Isa::kPortable, Fp8Isa::kAvx2, Fp8Isa::kAvx512}) {
-    if (internal::Fp8IsaSupported(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
-class ScopedIsa {
- public:
-  explicit ScopedIsa(Fp8Isa isa) : previous_(internal::SetFp8IsaForTesting(isa)) {}
-  ~ScopedIsa() { internal::SetFp8IsaForTesting(previous_); }
-
- private:
-  Fp8Isa previous_;
-};
+using ::refit::testing::ScopedFp8Isa;
+using ::refit::testing::SupportedFp8Isas;
 
 // `count` values of `dtype`: normal, a few large ones, scaled by `scale`.
 std::vector<uint8_t> RandomValues(DType dtype, int64_t count, float scale, uint64_t seed) {
@@ -181,8 +167,8 @@ TEST(Fp8QuantizerAheadTest, TwoCallsLookingAheadWriteTheBytesOfTwoPlainCalls) {
         const Call plain = MakeCall(dtype, policy);
         const Result a_plain = Quantize(Split(a, dtype, 1), current.rows, current.cols, plain);
         const Result b_plain = Quantize(Split(b, dtype, 1), shape.rows, shape.cols, plain);
-        for (Fp8Isa isa : SupportedIsas()) {
-          ScopedIsa scoped(isa);
+        for (Fp8Isa isa : SupportedFp8Isas()) {
+          ScopedFp8Isa scoped(isa);
           for (int threads : {1, 3}) {
             for (bool hash : {false, true}) {
               for (int a_parts : {1, 3}) {
@@ -234,8 +220,8 @@ TEST(Fp8QuantizerAheadTest, TheAmaxTakenAheadSeesEveryElement) {
   for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{257}}) {
     std::vector<uint8_t> b = RandomValues(dtype, n, 1.0f, 4);
     const uint16_t spike = 0x4480;  // 1024: far above every other value
-    for (Fp8Isa isa : SupportedIsas()) {
-      ScopedIsa scoped(isa);
+    for (Fp8Isa isa : SupportedFp8Isas()) {
+      ScopedFp8Isa scoped(isa);
       for (int threads : {1, 3}) {
         for (bool hash : {false, true}) {
           for (int parts : {1, 3}) {
@@ -341,8 +327,8 @@ TEST(Fp8QuantizerAheadTest, AnAmaxThatDoesNotFitTheCallIsIgnored) {
 // a NaN code.
 TEST(Fp8QuantizerAheadTest, ASourceThatGrowsAfterItsAmaxWasTakenSaturates) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-    for (Fp8Isa isa : SupportedIsas()) {
-      ScopedIsa scoped(isa);
+    for (Fp8Isa isa : SupportedFp8Isas()) {
+      ScopedFp8Isa scoped(isa);
       SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " ", DTypeName(dtype)));
       const std::vector<uint8_t> a = RandomValues(dtype, 20 * 64, 1.0f, 8);
       std::vector<uint8_t> b = RandomValues(dtype, 20 * 64, 1.0f, 9);

@@ -18,6 +18,7 @@
 #include "core/layer_processor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/fp8_isa.h"
 
 namespace refit::core {
 namespace {
@@ -44,24 +45,8 @@ std::string Hex(uint32_t v) {
   return buf;
 }
 
-// Every ISA variant of the kernels this CPU can run; each test that goes
-// through QuantizeFp8 repeats itself for all of them.
-std::vector<Fp8Isa> SupportedIsas() {
-  std::vector<Fp8Isa> isas;
-  for (Fp8Isa isa : {Fp8Isa::kPortable, Fp8Isa::kAvx2, Fp8Isa::kAvx512}) {
-    if (internal::Fp8IsaSupported(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
-class ScopedIsa {
- public:
-  explicit ScopedIsa(Fp8Isa isa) : previous_(internal::SetFp8IsaForTesting(isa)) {}
-  ~ScopedIsa() { internal::SetFp8IsaForTesting(previous_); }
-
- private:
-  Fp8Isa previous_;
-};
+using ::refit::testing::ScopedFp8Isa;
+using ::refit::testing::SupportedFp8Isas;
 
 DType OurType(at::ScalarType type) {
   switch (type) {
@@ -300,8 +285,8 @@ TEST(Fp8QuantizerTest, DISABLED_FromFloatAndKernelsMatchLibTorchOnEveryFloat32In
         }
       }
       values.push_back(448.0f);
-      for (Fp8Isa isa : SupportedIsas()) {
-        ScopedIsa scoped(isa);
+      for (Fp8Isa isa : SupportedFp8Isas()) {
+        ScopedFp8Isa scoped(isa);
         ASSERT_TRUE(QuantizeFp8(values.data(), DType::kFloat32, 1, count + 1, Fp8QuantizeOptions{},
                                 kernel_out.data(), &scale, "all")
                         .ok());
@@ -372,9 +357,9 @@ void ExpectKernelsConvertLikeTorch(const at::Tensor& values /* 1-D, incl. 448 */
     at::Tensor q = row.to(at::kFloat).to(at::kFloat8_e4m3fn).view(at::kByte).contiguous();
     return std::vector<uint8_t>(q.data_ptr<uint8_t>(), q.data_ptr<uint8_t>() + q.numel());
   }();
-  for (Fp8Isa isa : SupportedIsas()) {
+  for (Fp8Isa isa : SupportedFp8Isas()) {
     SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
-    ScopedIsa scoped(isa);
+    ScopedFp8Isa scoped(isa);
     const Quantized ours = RunOurs(row, QuantScheme::kPerTensor);
     ASSERT_TRUE(ours.status.ok()) << ours.status;
     ASSERT_EQ(ours.scales[0], 1.0f);
@@ -411,12 +396,12 @@ TEST(Fp8QuantizerTest, MatchesLibTorchOpChainOnOddShapesForAllSchemesAndTypes) {
     for (at::ScalarType type : kTypes) {
       const at::Tensor x = RandomWeights(rows, cols, type, seed++);
       for (QuantScheme scheme : kSchemes) {
-        SCOPED_TRACE(testing::Message() << rows << "x" << cols << " " << c10::toString(type)
-                                        << " scheme " << static_cast<int>(scheme));
+        SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " " << c10::toString(type)
+                                          << " scheme " << static_cast<int>(scheme));
         const Quantized expected = TorchReference(x, scheme);
-        for (Fp8Isa isa : SupportedIsas()) {
+        for (Fp8Isa isa : SupportedFp8Isas()) {
           SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
-          ScopedIsa scoped(isa);
+          ScopedFp8Isa scoped(isa);
           for (NonFinitePolicy policy :
                {NonFinitePolicy::kReject, NonFinitePolicy::kVllmCompatible}) {
             const Quantized ours = RunOurs(x, scheme, policy, /*threads=*/3);
@@ -576,8 +561,8 @@ TEST(Fp8QuantizerTest, AScaleHintGivesTheSameBytesWhetherItHoldsOrNot) {
         {std::numeric_limits<float>::quiet_NaN(), false},
         {1e-45f, false},  // its inverse overflows: never tried
     };
-    for (Fp8Isa isa : SupportedIsas()) {
-      ScopedIsa scoped(isa);
+    for (Fp8Isa isa : SupportedFp8Isas()) {
+      ScopedFp8Isa scoped(isa);
       for (const auto& c : cases) {
         for (int threads : {1, 3}) {
           for (int64_t split : {int64_t{0}, int64_t{613 * 1031 / 3 + 5}}) {
@@ -620,14 +605,15 @@ TEST(Fp8QuantizerTest, AScaleHintKeepsTheNonFiniteRules) {
     x[5][7] = nan;
     clean[5][7] = 0;
     const Quantized zeroed = TorchReference(clean, QuantScheme::kPerTensor);
-    for (Fp8Isa isa : SupportedIsas()) {
+    for (Fp8Isa isa : SupportedFp8Isas()) {
       SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
-      ScopedIsa scoped(isa);
+      ScopedFp8Isa scoped(isa);
       // Reject: the same error, naming the same element, whatever the hint.
       const Hinted rejected =
           RunHinted(x, reference.scales[0], NonFinitePolicy::kReject, 2, 200 * 5);
       EXPECT_EQ(rejected.out.status.code(), absl::StatusCode::kInvalidArgument);
-      EXPECT_THAT(rejected.out.status.message(), testing::HasSubstr("element 1007 (row 5, col 7)"));
+      EXPECT_THAT(rejected.out.status.message(),
+                  ::testing::HasSubstr("element 1007 (row 5, col 7)"));
       EXPECT_FALSE(rejected.one_pass);
       // vLLM: NaN counts as 0 in the amax and becomes +448, in one pass too.
       Quantized expected = zeroed;
@@ -644,7 +630,7 @@ TEST(Fp8QuantizerTest, AScaleHintKeepsTheNonFiniteRules) {
           RunHinted(with_inf, zeroed.scales[0], NonFinitePolicy::kVllmCompatible, 2);
       ASSERT_TRUE(infinite.out.status.ok()) << infinite.out.status;
       EXPECT_FALSE(infinite.one_pass);
-      EXPECT_THAT(infinite.out.scales, testing::Each(inf));
+      EXPECT_THAT(infinite.out.scales, ::testing::Each(inf));
       EXPECT_EQ(infinite.out.q[3], 0x7E);
     }
   }
@@ -714,8 +700,8 @@ TEST(Fp8QuantizerTest, AnOutputHashIsTheHashOfTheBytesWrittenOnEveryPath) {
   for (at::ScalarType type : kTypes) {
     const at::Tensor x = RandomWeights(300, 1000, type, 31);
     const float s = TorchReference(x, QuantScheme::kPerTensor).scales[0];
-    for (Fp8Isa isa : SupportedIsas()) {
-      ScopedIsa scoped(isa);
+    for (Fp8Isa isa : SupportedFp8Isas()) {
+      ScopedFp8Isa scoped(isa);
       for (int threads : {1, 2, 3}) {
         for (QuantScheme scheme : kSchemes) {
           for (NonFinitePolicy policy :
@@ -834,19 +820,19 @@ TEST(Fp8QuantizerTest, AllZeroTensorUnderRejectGivesZeroScaleAndZeroBytes) {
     for (QuantScheme scheme : {QuantScheme::kPerTensor, QuantScheme::kPerChannel}) {
       const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kReject);
       ASSERT_TRUE(ours.status.ok()) << ours.status;
-      EXPECT_THAT(ours.scales, testing::Each(0.0f));
-      EXPECT_THAT(ours.q, testing::Each(0x00));
+      EXPECT_THAT(ours.scales, ::testing::Each(0.0f));
+      EXPECT_THAT(ours.q, ::testing::Each(0x00));
     }
     // Block scales never reach 0: the amax floor keeps them at 1e-4 / 448.
     const Quantized block = RunOurs(x, QuantScheme::kBlock128, NonFinitePolicy::kReject);
     ASSERT_TRUE(block.status.ok()) << block.status;
-    EXPECT_THAT(block.scales, testing::Each(kFp8BlockAmaxFloor / 448.0f));
-    EXPECT_THAT(block.q, testing::Each(0x00));
+    EXPECT_THAT(block.scales, ::testing::Each(kFp8BlockAmaxFloor / 448.0f));
+    EXPECT_THAT(block.q, ::testing::Each(0x00));
   }
   // Negative zero keeps its sign, as in the op chain.
   const Quantized neg = RunOurs(-at::zeros({1, 3}), QuantScheme::kPerTensor);
   ASSERT_TRUE(neg.status.ok());
-  EXPECT_THAT(neg.q, testing::Each(0x80));
+  EXPECT_THAT(neg.q, ::testing::Each(0x80));
 }
 
 TEST(Fp8QuantizerTest, AllZeroTensorUnderVllmGivesZeroScaleAndEvery0x7E) {
@@ -855,13 +841,13 @@ TEST(Fp8QuantizerTest, AllZeroTensorUnderVllmGivesZeroScaleAndEvery0x7E) {
     for (QuantScheme scheme : {QuantScheme::kPerTensor, QuantScheme::kPerChannel}) {
       const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kVllmCompatible);
       ASSERT_TRUE(ours.status.ok()) << ours.status;
-      EXPECT_THAT(ours.scales, testing::Each(0.0f));
-      EXPECT_THAT(ours.q, testing::Each(0x7E));
+      EXPECT_THAT(ours.scales, ::testing::Each(0.0f));
+      EXPECT_THAT(ours.q, ::testing::Each(0x7E));
     }
     const Quantized block = RunOurs(x, QuantScheme::kBlock128, NonFinitePolicy::kVllmCompatible);
     ASSERT_TRUE(block.status.ok());
-    EXPECT_THAT(block.scales, testing::Each(kFp8BlockAmaxFloor / 448.0f));
-    EXPECT_THAT(block.q, testing::Each(0x00));
+    EXPECT_THAT(block.scales, ::testing::Each(kFp8BlockAmaxFloor / 448.0f));
+    EXPECT_THAT(block.q, ::testing::Each(0x00));
   }
   // Per-channel: only the all-zero row gets 0x7E.
   at::Tensor x = at::ones({2, 4}, at::kFloat);
@@ -894,8 +880,8 @@ TEST(Fp8QuantizerTest, RejectsInfNamingTheFirstBadElementWhateverTheSplit) {
   x[1000][3] = std::numeric_limits<float>::infinity();
   x[700][1000] = -std::numeric_limits<float>::infinity();
   x[900][5] = std::numeric_limits<float>::quiet_NaN();
-  for (Fp8Isa isa : SupportedIsas()) {
-    ScopedIsa scoped(isa);
+  for (Fp8Isa isa : SupportedFp8Isas()) {
+    ScopedFp8Isa scoped(isa);
     for (QuantScheme scheme : kSchemes) {
       for (int threads : {1, 4}) {
         const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kReject, threads, "wq");
@@ -927,8 +913,8 @@ TEST(Fp8QuantizerTest, ASourceThatGrowsBetweenThePassesSaturatesInsteadOfGivingN
     const std::vector<std::pair<int64_t, float>> writes = {
         {0, 1e30f},  {1, -1e30f}, {2, 3.0e38f},          {777, inf},
         {778, -inf}, {999, nan},  {64 * 1000 - 1, -5e4f}};
-    for (Fp8Isa isa : SupportedIsas()) {
-      ScopedIsa scoped(isa);
+    for (Fp8Isa isa : SupportedFp8Isas()) {
+      ScopedFp8Isa scoped(isa);
       for (int threads : {1, 3}) {
         for (bool hash : {false, true}) {
           SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " type ", static_cast<int>(type),
@@ -983,8 +969,8 @@ TEST(Fp8QuantizerTest, EverySixteenBitPatternWrittenBetweenThePassesGetsTheScala
     const at::Tensor every = at::arange(0, 0x10000, at::kInt).to(at::kShort).view(type);
     const at::Tensor original = RandomWeights(256, 256, type, 47);
     const at::Tensor as_float = every.to(at::kFloat);
-    for (Fp8Isa isa : SupportedIsas()) {
-      ScopedIsa scoped(isa);
+    for (Fp8Isa isa : SupportedFp8Isas()) {
+      ScopedFp8Isa scoped(isa);
       SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " type ", static_cast<int>(type)));
       CopyOver c{original.clone(), every.reshape({256, 256})};
       std::vector<uint8_t> q(c.dst.numel(), 0xAB);
@@ -1021,8 +1007,8 @@ TEST(Fp8QuantizerTest, ANonFiniteValueThatGoesAwayBeforeItIsNamedIsFailedPrecond
   for (at::ScalarType type : kTypes) {
     at::Tensor x = RandomWeights(64, 1000, type, 43);
     x.view(-1)[4321] = std::numeric_limits<float>::quiet_NaN();
-    for (Fp8Isa isa : SupportedIsas()) {
-      ScopedIsa scoped(isa);
+    for (Fp8Isa isa : SupportedFp8Isas()) {
+      ScopedFp8Isa scoped(isa);
       for (int threads : {1, 3}) {
         SCOPED_TRACE(absl::StrCat(internal::Fp8IsaName(isa), " threads ", threads));
         Overwrite o{x.clone(), {{4321, 0.0f}}};
@@ -1058,9 +1044,9 @@ TEST(Fp8QuantizerTest, VllmPolicyIgnoresNanInMaxAndSaturatesIt) {
     for (QuantScheme scheme : kSchemes) {
       Quantized expected = TorchReference(clean, scheme);
       for (auto [r, c] : nans) expected.q[r * 200 + c] = 0x7E;
-      for (Fp8Isa isa : SupportedIsas()) {
+      for (Fp8Isa isa : SupportedFp8Isas()) {
         SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
-        ScopedIsa scoped(isa);
+        ScopedFp8Isa scoped(isa);
         const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kVllmCompatible);
         ASSERT_TRUE(ours.status.ok()) << ours.status;
         ExpectSameScales(ours.scales, expected.scales);
@@ -1080,12 +1066,12 @@ TEST(Fp8QuantizerTest, VllmPolicyInfGivesInfiniteScale) {
                        .reshape({1, 8})
                        .to(type);
     for (QuantScheme scheme : kSchemes) {
-      for (Fp8Isa isa : SupportedIsas()) {
+      for (Fp8Isa isa : SupportedFp8Isas()) {
         SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
-        ScopedIsa scoped(isa);
+        ScopedFp8Isa scoped(isa);
         const Quantized ours = RunOurs(x, scheme, NonFinitePolicy::kVllmCompatible);
         ASSERT_TRUE(ours.status.ok()) << ours.status;
-        EXPECT_THAT(ours.scales, testing::Each(inf));
+        EXPECT_THAT(ours.scales, ::testing::Each(inf));
         EXPECT_EQ(ours.q, (std::vector<uint8_t>{0x00, 0x80, 0x7E, 0xFE, 0x7E, 0x00, 0x00, 0x80}));
       }
     }
@@ -1111,9 +1097,9 @@ TEST(Fp8QuantizerTest, SmallValuesAfterScalingBecomeSubnormals) {
                              7 * 0x1p-9f, -0x1p-6f},
                             at::kFloat)
                      .reshape({1, 8});
-  for (Fp8Isa isa : SupportedIsas()) {
+  for (Fp8Isa isa : SupportedFp8Isas()) {
     SCOPED_TRACE(std::string(internal::Fp8IsaName(isa)));
-    ScopedIsa scoped(isa);
+    ScopedFp8Isa scoped(isa);
     const Quantized ours = RunOurs(x, QuantScheme::kPerTensor);
     ASSERT_TRUE(ours.status.ok());
     EXPECT_EQ(ours.q, (std::vector<uint8_t>{0x7E, 0x01, 0x00, 0x02, 0x84, 0x00, 0x07, 0x88}));
@@ -1150,7 +1136,7 @@ TEST(Fp8QuantizerTest, EmptyTensorIsOkAndWritesNothing) {
   options.scheme = QuantScheme::kPerChannel;
   float scales[3] = {-1, -1, -1};
   ASSERT_TRUE(QuantizeFp8(nullptr, DType::kFloat16, 3, 0, options, nullptr, scales, "e").ok());
-  EXPECT_THAT(scales, testing::Each(0.0f));
+  EXPECT_THAT(scales, ::testing::Each(0.0f));
 }
 
 TEST(Fp8QuantizerTest, TinyAmaxFollowsTheInfiniteInverseWithoutNanBytes) {

@@ -206,6 +206,21 @@ std::vector<ProcessedLayer> ProcessLookingAhead(LayerProcessor& processor, Layer
   return out;
 }
 
+// Processes `run` in order, shown nothing ahead (the reference bytes).
+std::vector<ProcessedLayer> ProcessPlain(const ModelLayout& layout, LayerRun& run) {
+  std::vector<ProcessedLayer> out;
+  std::unique_ptr<LayerProcessor> processor = Host(layout);
+  for (size_t i = 0; i < run.layers.size(); ++i) {
+    absl::StatusOr<ProcessedLayer> done =
+        processor->Process(run.layers[i], std::move(run.params[i].buffers));
+    EXPECT_TRUE(done.ok()) << done.status();
+    if (!done.ok()) return out;
+    EXPECT_EQ(done->amax_ahead, 0);
+    out.push_back(*std::move(done));
+  }
+  return out;
+}
+
 int Fp8Weights(const ModelLayout& layout) {
   int n = 0;
   for (const LayerSpec& spec : layout.layers()) {
@@ -236,15 +251,7 @@ TEST(LayerProcessorTest, LookingAheadTakesEachAmaxEarlyWithTheSameBytes) {
   ASSERT_NE(layout, nullptr);
   LayerRun plain = RunOf(*layout, 500);
   LayerRun looking = RunOf(*layout, 500);
-  std::vector<ProcessedLayer> expected;
-  std::unique_ptr<LayerProcessor> reference = Host(*layout);
-  for (size_t i = 0; i < plain.layers.size(); ++i) {
-    absl::StatusOr<ProcessedLayer> done =
-        reference->Process(plain.layers[i], std::move(plain.params[i].buffers));
-    ASSERT_TRUE(done.ok()) << done.status();
-    EXPECT_EQ(done->amax_ahead, 0);
-    expected.push_back(*std::move(done));
-  }
+  const std::vector<ProcessedLayer> expected = ProcessPlain(*layout, plain);
   int ahead = 0;
   std::vector<ProcessedLayer> ours = ProcessLookingAhead(*Host(*layout), looking, &ahead);
   ExpectSameKernels(ours, expected);
@@ -275,14 +282,7 @@ TEST(LayerProcessorTest, AnAmaxTakenAheadOfOtherMemoryIsNotUsed) {
   for (StagingBuffer& b : decoy.buffers) {
     std::memset(b.data(), 0x3F, static_cast<size_t>(b.size()));  // far above N(0, 0.05)
   }
-  std::vector<ProcessedLayer> expected;
-  std::unique_ptr<LayerProcessor> reference = Host(*layout);
-  for (size_t i = 0; i < plain.layers.size(); ++i) {
-    absl::StatusOr<ProcessedLayer> done =
-        reference->Process(plain.layers[i], std::move(plain.params[i].buffers));
-    ASSERT_TRUE(done.ok()) << done.status();
-    expected.push_back(*std::move(done));
-  }
+  const std::vector<ProcessedLayer> expected = ProcessPlain(*layout, plain);
   // Only the layer just before the second linear one is shown the decoy.
   std::unique_ptr<LayerProcessor> processor = Host(*layout);
   int ahead = 0;
@@ -330,14 +330,7 @@ TEST(LayerProcessorTest, AWeightWithAScaleHintIsNotReadAhead) {
   options.scale_hints = &hints;
   LayerRun plain = RunOf(*layout, 700);
   LayerRun looking = RunOf(*layout, 700);
-  std::vector<ProcessedLayer> expected;
-  std::unique_ptr<LayerProcessor> reference = Host(*layout);
-  for (size_t i = 0; i < plain.layers.size(); ++i) {
-    absl::StatusOr<ProcessedLayer> done =
-        reference->Process(plain.layers[i], std::move(plain.params[i].buffers));
-    ASSERT_TRUE(done.ok()) << done.status();
-    expected.push_back(*std::move(done));
-  }
+  const std::vector<ProcessedLayer> expected = ProcessPlain(*layout, plain);
   int ahead = 0;
   std::vector<ProcessedLayer> ours =
       ProcessLookingAhead(*CreateHostLayerProcessor(*layout, options), looking, &ahead);

@@ -143,10 +143,30 @@ void BM_OursModel(benchmark::State& state) {
   options.num_threads = static_cast<int>(state.range(0));
   uint64_t hash = 0;
   if (state.range(1) != 0) options.out_hash = &hash;
+  // Looking ahead, as a refit's layer processing does: each call takes the
+  // next weight's amax during its convert, and the next call uses it.
+  const bool ahead = state.range(2) != 0;
+  Fp8Amax next_amax;
   for (auto _ : state) {
     int64_t at = 0;
+    next_amax = Fp8Amax{};
     for (size_t w = 0; w < data.shapes.size(); ++w) {
       const auto [rows, cols] = data.shapes[w];
+      const Fp8Amax given = next_amax;
+      absl::Span<const uint8_t> next[1];
+      if (ahead) {
+        options.amax = &given;
+        options.next_amax = &next_amax;
+        if (w + 1 < data.shapes.size()) {
+          const auto [next_rows, next_cols] = data.shapes[w + 1];
+          next[0] = absl::Span<const uint8_t>(
+              reinterpret_cast<const uint8_t*>(data.input.data() + at + rows * cols),
+              static_cast<size_t>(next_rows * next_cols) * sizeof(data.input[0]));
+          options.next = next;
+        } else {
+          options.next = {};
+        }
+      }
       absl::Status status = QuantizeFp8(data.input.data() + at, DType::kBFloat16, rows, cols,
                                         options, data.output.data() + at, &data.scales[w], "bench");
       if (!status.ok()) {
@@ -159,7 +179,8 @@ void BM_OursModel(benchmark::State& state) {
   }
   state.SetBytesProcessed(state.iterations() * data.elements * 3);
   state.SetLabel(absl::StrCat("per-tensor, 188 weights, threads=", state.range(0),
-                              state.range(1) != 0 ? ", output hashed" : ""));
+                              state.range(1) != 0 ? ", output hashed" : "",
+                              ahead ? ", next amax taken ahead" : ""));
 }
 
 at::Tensor TorchOpChain(const at::Tensor& x, QuantScheme scheme) {
@@ -239,9 +260,12 @@ void SchemeArgs(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Ours)->Apply(SchemeArgs)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_OursModel)
-    ->Args({DefaultThreads(), 0})
-    ->Args({DefaultThreads(), 1})
-    ->Args({1, 0})
+    ->Args({DefaultThreads(), 0, 0})
+    ->Args({DefaultThreads(), 1, 0})
+    ->Args({DefaultThreads(), 1, 1})
+    ->Args({1, 0, 0})
+    ->Args({1, 1, 0})
+    ->Args({1, 1, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_TorchOps)->Apply(SchemeArgs)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -184,17 +184,22 @@ LayerRun RunOf(const ModelLayout& layout, uint64_t seed) {
 }
 
 // Processes `run` in order, each layer shown the (up to) four behind it as
-// a LayerWorker shows them. Returns every layer's result and adds their
-// amax_ahead to *ahead.
+// a LayerWorker shows them; with `decoy`, layer `decoy_at` of the run is
+// shown as those buffers instead of its own. Returns every layer's result
+// and adds their amax_ahead to *ahead.
 std::vector<ProcessedLayer> ProcessLookingAhead(LayerProcessor& processor, LayerRun& run,
-                                                int* ahead) {
+                                                int* ahead,
+                                                const std::vector<StagingBuffer>* decoy = nullptr,
+                                                size_t decoy_at = 0) {
   std::vector<ProcessedLayer> out;
   for (size_t i = 0; i < run.layers.size(); ++i) {
     std::vector<UpcomingLayer> upcoming;
     for (size_t n = i + 1; n < run.layers.size() && n <= i + 4; ++n) {
       UpcomingLayer& u = upcoming.emplace_back();
       u.layer = run.layers[n];
-      for (const StagingBuffer& b : run.params[n].buffers) u.params.push_back(b.HostPieces());
+      const std::vector<StagingBuffer>& shown =
+          decoy != nullptr && n == decoy_at ? *decoy : run.params[n].buffers;
+      for (const StagingBuffer& b : shown) u.params.push_back(b.HostPieces());
     }
     absl::StatusOr<ProcessedLayer> done =
         processor.Process(run.layers[i], std::move(run.params[i].buffers), upcoming);
@@ -283,28 +288,12 @@ TEST(LayerProcessorTest, AnAmaxTakenAheadOfOtherMemoryIsNotUsed) {
     std::memset(b.data(), 0x3F, static_cast<size_t>(b.size()));  // far above N(0, 0.05)
   }
   const std::vector<ProcessedLayer> expected = ProcessPlain(*layout, plain);
-  // Only the layer just before the second linear one is shown the decoy.
-  std::unique_ptr<LayerProcessor> processor = Host(*layout);
+  // The layers before the second linear one are shown the decoy in its place.
   int ahead = 0;
-  std::vector<ProcessedLayer> ours;
-  for (size_t i = 0; i < looking.layers.size(); ++i) {
-    std::vector<UpcomingLayer> upcoming;
-    for (size_t n = i + 1; n < looking.layers.size() && n <= i + 4; ++n) {
-      UpcomingLayer& u = upcoming.emplace_back();
-      u.layer = looking.layers[n];
-      const std::vector<StagingBuffer>& shown =
-          n == second_linear ? decoy.buffers : looking.params[n].buffers;
-      for (const StagingBuffer& b : shown) u.params.push_back(b.HostPieces());
-    }
-    absl::StatusOr<ProcessedLayer> done =
-        processor->Process(looking.layers[i], std::move(looking.params[i].buffers), upcoming);
-    ASSERT_TRUE(done.ok()) << done.status();
-    ahead += done->amax_ahead;
-    if (i == second_linear) {
-      EXPECT_EQ(done->amax_ahead, 0);
-    }
-    ours.push_back(*std::move(done));
-  }
+  const std::vector<ProcessedLayer> ours =
+      ProcessLookingAhead(*Host(*layout), looking, &ahead, &decoy.buffers, second_linear);
+  ASSERT_EQ(ours.size(), looking.layers.size());
+  EXPECT_EQ(ours[second_linear].amax_ahead, 0);
   ExpectSameKernels(ours, expected);
   EXPECT_EQ(ahead, Fp8Weights(*layout) - 2);  // neither the first nor the decoyed one
 }
